@@ -1,0 +1,109 @@
+"""Attention kernels shared by the modes.
+
+* :func:`full_attention`: attention over a whole sequence in natural order (``tp_sp``, ``ulysses``),
+  through ``torch.nn.functional.scaled_dot_product_attention`` so that autograd and the fastest
+  backend of the device apply.
+* :func:`block_forward` / :func:`block_backward`: one (query block, key block) tile returning the
+  output and the log-sum-exp, and its explicit backward (the flash-attention recurrences), used by
+  ring attention. They compute in float32 (float64 stays float64) whatever the input dtype.
+* :func:`merge`: the numerically stable online-softmax merge of two partial results,
+  ``lse = logaddexp(lse_a, lse_b)``, ``out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)``.
+  It never exponentiates a raw log-sum-exp, so large logits cannot overflow.
+
+Tensors are ``[b, n, t, d]`` (heads before tokens). Grouped-query attention is handled by viewing the
+query heads as ``[b, n_kv, g, t, d]``: no key/value copy is made.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Softmax attention, natural token order: ``q [b, n, s, d], k/v [b, n_kv, s, d] -> [b, n, s, d]``."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)  # [b, n_kv, s, d] -> [b, n, s, d]
+        v = v.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def _grouped(q: torch.Tensor, n_kv: int) -> torch.Tensor:
+    b, n, t, d = q.shape
+    return q.reshape(b, n_kv, n // n_kv, t, d)  # [b, n, t, d] -> [b, n_kv, g, t, d]
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    acc = _acc_dtype(q.dtype)
+    qg = _grouped(q.to(acc), k.shape[1])  # [b, n_kv, g, tq, d]
+    s = torch.einsum("bhgqd,bhkd->bhgqk", qg, k.to(acc)) * scale  # [b, n_kv, g, tq, tk]
+    if causal:
+        tq, tk = s.shape[-2], s.shape[-1]
+        mask = torch.ones(tq, tk, dtype=torch.bool, device=s.device).triu(1)  # future keys
+        s = s.masked_fill(mask, float("-inf"))
+    return s
+
+
+def block_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One attention tile: ``(out [b, n, tq, d], lse [b, n, tq])`` in the accumulation dtype.
+
+    ``causal`` masks key ``j > i`` inside the tile: use it only when the query and key blocks are the
+    same tokens (the diagonal tile). Tiles entirely in the past are called with ``causal=False``;
+    tiles entirely in the future must not be called at all.
+    """
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    s = _scores(q, k, scale, causal)  # [b, n_kv, g, tq, tk]
+    lse = torch.logsumexp(s, dim=-1)  # [b, n_kv, g, tq]
+    p = torch.exp(s - lse.unsqueeze(-1))
+    out = torch.einsum("bhgqk,bhkd->bhgqd", p, v.to(s.dtype))  # [b, n_kv, g, tq, d]
+    b, n, tq, d = q.shape
+    return out.reshape(b, n, tq, d), lse.reshape(b, n, tq)
+
+
+def block_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    causal: bool,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of one tile given the *final* ``lse`` and ``delta = rowsum(dout * out)``.
+
+    ``dout [b, n, tq, d]``, ``lse``/``delta [b, n, tq]``. Returns ``dq [b, n, tq, d]`` and
+    ``dk, dv [b, n_kv, tk, d]`` in the accumulation dtype; the caller sums them over tiles.
+    """
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    n_kv = k.shape[1]
+    s = _scores(q, k, scale, causal)  # [b, n_kv, g, tq, tk]
+    acc = s.dtype
+    p = torch.exp(s - _grouped(lse.unsqueeze(-1).to(acc), n_kv))  # softmax rows of the full sequence
+    dog = _grouped(dout.to(acc), n_kv)  # [b, n_kv, g, tq, d]
+    dv = torch.einsum("bhgqk,bhgqd->bhkd", p, dog)  # [b, n_kv, tk, d]
+    dp = torch.einsum("bhgqd,bhkd->bhgqk", dog, v.to(acc))
+    ds = p * (dp - _grouped(delta.unsqueeze(-1).to(acc), n_kv))  # [b, n_kv, g, tq, tk]
+    dq = torch.einsum("bhgqk,bhkd->bhgqd", ds, k.to(acc)) * scale
+    dk = torch.einsum("bhgqk,bhgqd->bhkd", ds, _grouped(q.to(acc), n_kv)) * scale
+    return dq.reshape(q.shape), dk, dv
+
+
+def merge(
+    out: torch.Tensor | None, lse: torch.Tensor | None, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stable merge of two partial softmax results over disjoint key sets (``None`` = empty)."""
+    if out is None or lse is None:
+        return out_b, lse_b
+    new = torch.logaddexp(lse, lse_b)  # [b, n, t]
+    out = out * torch.exp(lse - new).unsqueeze(-1) + out_b * torch.exp(lse_b - new).unsqueeze(-1)
+    return out, new

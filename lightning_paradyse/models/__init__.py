@@ -1,0 +1,82 @@
+"""Reference transformer models (plain ``nn.Module`` code, no parallelism) and named configs.
+
+``CONFIGS`` maps a name to a config instance: tiny ones for tests, realistic ones for planning only (never
+instantiate those on a laptop). ``build_model`` turns a name or config into the matching module.
+"""
+
+from __future__ import annotations
+
+from lightning_paradyse.models.gpt import GPT, GPTBlock, GPTConfig
+from lightning_paradyse.models.llama import (
+    MLP,
+    Attention,
+    Llama,
+    LlamaBlock,
+    LlamaConfig,
+    RMSNorm,
+    RotaryEmbedding,
+    init_weights,
+)
+
+__all__ = [
+    "CONFIGS",
+    "GPT",
+    "MLP",
+    "Attention",
+    "GPTBlock",
+    "GPTConfig",
+    "Llama",
+    "LlamaBlock",
+    "LlamaConfig",
+    "ModelConfig",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "build_model",
+    "init_weights",
+]
+
+ModelConfig = LlamaConfig | GPTConfig
+"""Any config ``build_model`` accepts."""
+
+_LONG = 1_048_576
+
+CONFIGS: dict[str, LlamaConfig | GPTConfig] = {
+    # tiny test configs
+    "llama-tiny": LlamaConfig(
+        vocab_size=128, n_layers=2, hidden=96, n_heads=12, n_kv_heads=2, ffn=192, max_seq_len=1024
+    ),
+    "llama-tiny-mha": LlamaConfig(
+        vocab_size=128, n_layers=2, hidden=96, n_heads=12, n_kv_heads=12, ffn=192, max_seq_len=1024
+    ),
+    "gpt-tiny": GPTConfig(vocab_size=128, n_layers=2, hidden=96, n_heads=12, ffn=384, max_seq_len=1024, causal=True),
+    "bert-tiny": GPTConfig(vocab_size=128, n_layers=2, hidden=96, n_heads=12, ffn=384, max_seq_len=1024, causal=False),
+    # realistic planning configs (analytic use only: do not build these in tests)
+    "llama-7b": LlamaConfig(
+        vocab_size=32000, n_layers=32, hidden=4096, n_heads=32, n_kv_heads=32, ffn=11008, max_seq_len=_LONG
+    ),
+    "llama-70b": LlamaConfig(
+        vocab_size=32000, n_layers=80, hidden=8192, n_heads=64, n_kv_heads=8, ffn=28672, max_seq_len=_LONG
+    ),
+    "gpt-175b": GPTConfig(
+        vocab_size=50257, n_layers=96, hidden=12288, n_heads=96, ffn=49152, max_seq_len=_LONG, causal=True
+    ),
+    "bert-large": GPTConfig(
+        vocab_size=30522, n_layers=24, hidden=1024, n_heads=16, ffn=4096, max_seq_len=_LONG, causal=False
+    ),
+}
+
+
+def build_model(name_or_config: str | LlamaConfig | GPTConfig) -> Llama | GPT:
+    """Build the model for a config, or for the name of one in :data:`CONFIGS`."""
+    if isinstance(name_or_config, str):
+        if name_or_config not in CONFIGS:
+            known = ", ".join(sorted(CONFIGS))
+            raise ValueError(f"unknown model config {name_or_config!r}; known names: {known}")
+        config = CONFIGS[name_or_config]
+    else:
+        config = name_or_config
+    if isinstance(config, LlamaConfig):
+        return Llama(config)
+    if isinstance(config, GPTConfig):
+        return GPT(config)
+    raise TypeError(f"build_model expects a config name, LlamaConfig or GPTConfig, got {type(name_or_config).__name__}")

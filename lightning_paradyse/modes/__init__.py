@@ -1,0 +1,29 @@
+"""The parallel modes, one file each, and their registry.
+
+``MODES`` maps a mode name to its (stateless) implementation. Every mode runs the attention op and
+the MLP op of a block on the unified layout; see :class:`~lightning_paradyse.modes.base.Mode`.
+"""
+
+from __future__ import annotations
+
+from lightning_paradyse.modes.base import Mode
+from lightning_paradyse.modes.metp import MemoryEfficientTensorParallel
+from lightning_paradyse.modes.ring import Ring
+from lightning_paradyse.modes.tp_sp import TensorSequenceParallel
+from lightning_paradyse.modes.ulysses import Ulysses
+
+MODES: dict[str, Mode] = {
+    mode.name: mode for mode in (TensorSequenceParallel(), Ulysses(), Ring(), MemoryEfficientTensorParallel())
+}
+"""Every mode by name: ``tp_sp``, ``ulysses``, ``ring``, ``metp``."""
+
+
+def get_mode(name: str) -> Mode:
+    """The mode called ``name``; a ``ValueError`` naming the known modes otherwise."""
+    try:
+        return MODES[name]
+    except KeyError:
+        raise ValueError(f"unknown parallel mode {name!r}; known modes: {', '.join(MODES)}") from None
+
+
+__all__ = ["MODES", "Mode", "get_mode"]

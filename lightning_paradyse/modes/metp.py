@@ -1,0 +1,325 @@
+"""``metp``: memory-efficient tensor parallelism (Liang et al., FITEE 26(5):770-787, 2025).
+
+The activations stay sequence-sharded, ``[b, s_r, h]``, and the weights stay in their 1/p shards;
+instead of gathering either, METP moves *one weight shard at a time* past the local tokens, so no
+full-width intermediate ever exists (ParaDySe reference, section 4).
+
+Attention (two-level loop). For head group ``j = 0..p-1``, rank ``j`` broadcasts its packed shard
+``[q_j | k_j | v_j | o_t_j | biases]`` (one flat message, ``4h^2/p`` elements for multi-head
+attention); every rank projects its ``s_r`` tokens to the ``n/p`` query heads of group ``j`` and the
+key/value heads they read, runs ring attention over the sequence for those heads (the inner loop,
+:func:`~lightning_paradyse.modes.ring.ring_forward`) and adds ``out_j @ o_t_j`` into its ``[b, s_r, h]``
+output. Only the input and, per group, the attention output and log-sum-exp are saved (``s_r x h``
+in all). Backward broadcasts every shard again, recomputes q/k/v from the saved input, runs the
+K,V / dK,dV ring and sums each group's weight gradient onto its owner with one reduce. With fewer
+key/value heads than ranks the k/v shards are not head-aligned: the (small) k/v weights are
+all-gathered once per call, each group picks its kv heads, and their gradient is reduce-scattered.
+Weight traffic per rank and step: ``3p`` collectives of ``(p-1)/p`` shards (p broadcasts forward,
+p broadcasts and p reduces backward), ``~12h^2 (p-1)/p`` elements whatever the length.
+
+MLP (weight ring). The packed shard ``[up | gate | down_t | b_up | b_gate]`` circulates on a
+point-to-point ring: at step ``t`` rank ``r`` holds owner ``(r - t) % p``'s shard, adds
+``act(x @ up^T) @ down_t`` to its output while the shard travels on (``p - 1`` hops, overlapped).
+The intermediate is ``[b, s_r, f_j]``, never ``[b, s_r, f]``; only the input is saved. Backward
+circulates the weights again and carries each shard's gradient accumulator one hop behind them, as
+ring attention carries dK/dV: the accumulator of shard ``j`` starts at rank ``j + 1`` and reaches its
+owner after ``p - 1`` hops. Weight traffic: ``3 (p-1)`` shard transfers per rank and step.
+
+Every buffer that is sent or received is fresh (a ``torch.cat`` or a new receive buffer), so a
+collective never writes into a parameter's storage (pitfall 2 of the reference), and every
+transfer carries a whole shard (pitfall 3).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from lightning_paradyse.comm import (
+    all_gather_rows,
+    broadcast_from,
+    gqa_kv_index,
+    reduce_scatter_rows,
+    reduce_to,
+    ring_pass_start,
+)
+from lightning_paradyse.modes.base import Mode, heads_infeasible, merge_heads, mlp_hidden, split_heads
+from lightning_paradyse.modes.ring import ring_backward, ring_forward
+from lightning_paradyse.spec import AttnSpec, AttnWeights, MlpSpec, MlpWeights, SeqContext, row_sizes
+
+Parts = dict[str, torch.Tensor]
+"""Named weight pieces in packing order."""
+Shapes = dict[str, tuple[int, ...]]
+
+
+def _present(named: dict[str, torch.Tensor | None]) -> Parts:
+    return {name: t for name, t in named.items() if t is not None}
+
+
+def _pack(parts: Parts) -> torch.Tensor:
+    """One fresh flat buffer (never a parameter's storage): ``{name: [..]} -> [sum of numels]``."""
+    return torch.cat([t.reshape(-1) for t in parts.values()])
+
+
+def _unpack(flat: torch.Tensor, shapes: Shapes) -> Parts:
+    """Views into ``flat``: ``[sum of numels] -> {name: shape}``."""
+    pieces = flat.split([math.prod(s) for s in shapes.values()])
+    return {name: piece.view(shape) for (name, shape), piece in zip(shapes.items(), pieces)}
+
+
+def _shapes(parts: Parts) -> Shapes:
+    return {name: tuple(t.shape) for name, t in parts.items()}
+
+
+def _leaves(parts: Parts) -> Parts:
+    """Detached copies-by-reference that require grad, for a local recomputation graph."""
+    return {name: t.detach().requires_grad_() for name, t in parts.items()}
+
+
+# --------------------------------------------------------------------------------------------------
+# Attention: broadcast one head group's shard at a time, ring attention inside the group
+# --------------------------------------------------------------------------------------------------
+
+
+def _kv_aligned(spec: AttnSpec, p: int) -> bool:
+    """Whether the k/v row shards are exactly the kv heads of the local query heads."""
+    return spec.n_kv_heads % p == 0
+
+
+def _broadcast_parts(w: AttnWeights, aligned: bool) -> Parts:
+    """The pieces of this rank's packed broadcast shard (k/v only when head-aligned)."""
+    if not aligned:
+        return _present({"q": w.q, "o_t": w.o_t, "bq": w.bq})
+    return _present({"q": w.q, "k": w.k, "v": w.v, "o_t": w.o_t, "bq": w.bq, "bk": w.bk, "bv": w.bv})
+
+
+def _kv_columns(w: AttnWeights) -> Parts:
+    """k/v weights and biases as column blocks of one ``[kv_rows/p, 2h (+2)]`` matrix."""
+    return _present({
+        "k": w.k, "bk": None if w.bk is None else w.bk.unsqueeze(1),
+        "v": w.v, "bv": None if w.bv is None else w.bv.unsqueeze(1),
+    })
+
+
+def _gather_kv(w: AttnWeights, spec: AttnSpec, ctx: SeqContext) -> torch.Tensor:
+    """All k/v weights of the op: ``[kv_rows/p, cols] -> [kv_rows, cols]`` (uneven rows allowed)."""
+    packed = torch.cat(list(_kv_columns(w).values()), dim=1)  # [kv_rows/p, cols], fresh
+    return all_gather_rows(packed, row_sizes(spec.kv_rows, ctx.p), ctx.group)
+
+
+def _kv_of_group(kv_full: torch.Tensor, widths: list[int], names: list[str], j: int,
+                 spec: AttnSpec, p: int) -> Parts:
+    """The k/v weights of the kv heads group ``j``'s query heads read (differentiable)."""
+    index = gqa_kv_index(spec.n_heads, spec.n_kv_heads, p)
+    m = len(index) // p
+    heads = torch.tensor(index[j * m : (j + 1) * m], device=kv_full.device)
+    rows = kv_full.view(spec.n_kv_heads, spec.head_dim, -1).index_select(0, heads)  # -> [m, d, cols]
+    cols = rows.flatten(0, 1).split(widths, dim=1)  # [m*d, cols] -> pieces [m*d, width]
+    return {n: c.squeeze(1) if n.startswith("b") else c for n, c in zip(names, cols)}
+
+
+def _project(x: torch.Tensor, g: Parts, spec: AttnSpec, positions: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Queries, keys, values of one head group for the local tokens, rotated at global positions."""
+    d = spec.head_dim
+    q = split_heads(F.linear(x, g["q"], g.get("bq")), d)  # [b, s_r, h] -> [b, n/p, s_r, d]
+    k = split_heads(F.linear(x, g["k"], g.get("bk")), d)  # [b, s_r, h] -> [b, m, s_r, d]
+    v = split_heads(F.linear(x, g["v"], g.get("bv")), d)  # [b, s_r, h] -> [b, m, s_r, d]
+    if spec.rotary is not None:
+        q, k = spec.rotary(q, k, positions)
+    return q, k, v
+
+
+class _Groups:
+    """Per-call helper: the head groups' weights as each one is broadcast, in group order."""
+
+    def __init__(self, w: AttnWeights, spec: AttnSpec, ctx: SeqContext) -> None:
+        self.spec, self.ctx = spec, ctx
+        self.own = _broadcast_parts(w, _kv_aligned(spec, ctx.p))
+        self.shapes = _shapes(self.own)  # equal on every rank: n and the kv shards split evenly
+        self.flat = _pack(self.own)  # [numel], fresh
+        self.kv_full = None if _kv_aligned(spec, ctx.p) else _gather_kv(w, spec, ctx)  # [kv_rows, cols]
+        kv_cols = _kv_columns(w)
+        self.kv_names, self.kv_widths = list(kv_cols), [t.shape[1] for t in kv_cols.values()]
+
+    def receive(self, j: int) -> Parts:
+        """Group ``j``'s broadcast shard on every rank: ``[numel]`` from rank ``j`` -> named views."""
+        return _unpack(broadcast_from(self.flat, j, self.ctx.group, self.flat.shape), self.shapes)
+
+    def kv(self, j: int, kv_full: torch.Tensor) -> Parts:
+        return _kv_of_group(kv_full, self.kv_widths, self.kv_names, j, self.spec, self.ctx.p)
+
+
+def _group_backward(x: torch.Tensor, dy: torch.Tensor, groups: _Groups, j: int, bc: Parts,
+                    out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """``(dx_j, packed dW_j of the broadcast shard, d kv_full or None)`` for head group ``j``."""
+    spec, ctx = groups.spec, groups.ctx
+    with torch.enable_grad():
+        leaves = _leaves({n: t for n, t in bc.items() if n != "o_t"})
+        kv_full = None if groups.kv_full is None else groups.kv_full.detach().requires_grad_()
+        xl = x.detach().requires_grad_()
+        g = leaves if kv_full is None else {**leaves, **groups.kv(j, kv_full)}
+        q, k, v = _project(xl, g, spec, ctx.positions(x.device))
+    o_t = bc["o_t"]
+    dout = split_heads(dy @ o_t.t(), spec.head_dim)  # [b, s_r, h] -> [b, s_r, n/p*d] -> [b, n/p, s_r, d]
+    d_o_t = merge_heads(out).flatten(0, 1).t() @ dy.flatten(0, 1)  # [n/p*d, b*s_r] @ [b*s_r, h]
+    dq, dk, dv = ring_backward(dout, q.detach(), k.detach(), v.detach(), out, lse, ctx, spec.causal)
+    inputs = [xl, *leaves.values(), *([] if kv_full is None else [kv_full])]
+    grads = torch.autograd.grad((q, k, v), inputs, (dq, dk, dv))
+    named = dict(zip(leaves, grads[1 : 1 + len(leaves)]))
+    packed = _pack({n: d_o_t if n == "o_t" else named[n] for n in bc})  # same order as the shard
+    return grads[0], packed, None if kv_full is None else grads[-1]
+
+
+class _MetpAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(fctx: Any, x: torch.Tensor, spec: AttnSpec, ctx: SeqContext, *weights: Any) -> torch.Tensor:
+        groups = _Groups(AttnWeights(*weights), spec, ctx)
+        positions = ctx.positions(x.device)
+        b, s_r, _ = x.shape
+        y = x.new_zeros((b, s_r, weights[3].shape[1]))  # [b, s_r, h]
+        saved: list[torch.Tensor] = []
+        for j in range(ctx.p):
+            g = groups.receive(j)
+            if groups.kv_full is not None:
+                g.update(groups.kv(j, groups.kv_full))
+            q, k, v = _project(x, g, spec, positions)
+            out, lse = ring_forward(q, k, v, ctx, spec.causal)  # [b, n/p, s_r, d], [b, n/p, s_r]
+            y += merge_heads(out) @ g["o_t"]  # [b, n/p, s_r, d] -> [b, s_r, n/p*d] -> [b, s_r, h]
+            saved += [out, lse]
+        fctx.save_for_backward(x, *weights, *saved)
+        fctx.spec, fctx.ctx = spec, ctx
+        return y
+
+    @staticmethod
+    def backward(fctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
+        x, *rest = fctx.saved_tensors
+        weights, saved = rest[:7], rest[7:]
+        ctx: SeqContext = fctx.ctx
+        groups = _Groups(AttnWeights(*weights), fctx.spec, ctx)
+        dx = torch.zeros_like(x)
+        d_kv = None if groups.kv_full is None else torch.zeros_like(groups.kv_full)
+        mine = groups.flat
+        for j in range(ctx.p):
+            bc = groups.receive(j)
+            dx_j, packed, d_kv_j = _group_backward(x, dy, groups, j, bc, saved[2 * j], saved[2 * j + 1])
+            dx += dx_j
+            if d_kv is not None:
+                d_kv += d_kv_j
+            total = reduce_to(packed, j, ctx.group)  # [numel] summed over ranks onto owner j
+            if j == ctx.rank:
+                mine = total
+        grads = _unpack(mine, groups.shapes)
+        if d_kv is not None:  # [kv_rows, cols] -> [kv_rows/p, cols], this rank's rows
+            local = reduce_scatter_rows(d_kv, row_sizes(fctx.spec.kv_rows, ctx.p), ctx.group)
+            cols = local.split(groups.kv_widths, dim=1)
+            grads.update({n: c.squeeze(1) if n.startswith("b") else c for n, c in zip(groups.kv_names, cols)})
+        names = ("q", "k", "v", "o_t", "bq", "bk", "bv")
+        return (dx, None, None, *(grads.get(n) if w is not None else None for n, w in zip(names, weights)))
+
+
+# --------------------------------------------------------------------------------------------------
+# MLP: the packed shard travels on a ring, its gradient one hop behind
+# --------------------------------------------------------------------------------------------------
+
+
+def _mlp_shapes(names: list[str], rows: int, h: int) -> Shapes:
+    return {n: (rows,) if n.startswith("b_") else (rows, h) for n in names}
+
+
+def _mlp_numel(names: list[str], rows: int, h: int) -> int:
+    """Elements of a packed shard of ``rows`` hidden units: ``h`` per matrix and 1 per bias, each."""
+    return rows * sum(1 if n.startswith("b_") else h for n in names)
+
+
+def _weight_ring(flat: torch.Tensor, names: list[str], h: int, spec: MlpSpec, ctx: SeqContext
+                 ) -> Iterator[tuple[int, int, Parts]]:
+    """Yield ``(t, owner, owner's shard)`` for ``t = 0..p-1``, sending the shard on while it is used."""
+    p, r = ctx.p, ctx.rank
+    rows = row_sizes(spec.ffn, p)
+    for t in range(p):
+        src = (r - t) % p
+        pending = None
+        if t < p - 1:  # [numel of shard src] -> rank r+1; receive shard src-1 from rank r-1
+            numel = _mlp_numel(names, rows[(src - 1) % p], h)
+            pending = ring_pass_start(flat, ctx.group, 1, (numel,))
+        yield t, src, _unpack(flat, _mlp_shapes(names, rows[src], h))
+        if pending is not None:
+            flat = pending.wait()
+
+
+def _mlp_step(x: torch.Tensor, w: Parts, spec: MlpSpec) -> torch.Tensor:
+    """One shard's contribution: ``[b, s_r, h] -> [b, s_r, f_j] -> [b, s_r, h]``."""
+    up = F.linear(x, w["up"], w.get("b_up"))  # [b, s_r, h] -> [b, s_r, f_j]
+    gate = F.linear(x, w["gate"], w.get("b_gate")) if "gate" in w else None
+    return mlp_hidden(up, gate, spec) @ w["down_t"]  # [b, s_r, f_j] -> [b, s_r, h]
+
+
+def _mlp_step_backward(x: torch.Tensor, dy: torch.Tensor, w: Parts, spec: MlpSpec
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Recompute one step locally: ``(dx_t, packed dW of the shard in hand)``."""
+    with torch.enable_grad():
+        xl, leaves = x.detach().requires_grad_(), _leaves(w)
+        y = _mlp_step(xl, leaves, spec)
+    grads = torch.autograd.grad(y, [xl, *leaves.values()], dy)
+    return grads[0], _pack(dict(zip(leaves, grads[1:])))  # [numel of the shard], fresh
+
+
+class _MetpMlp(torch.autograd.Function):
+    @staticmethod
+    def forward(fctx: Any, x: torch.Tensor, spec: MlpSpec, ctx: SeqContext, *weights: Any) -> torch.Tensor:
+        own = _present(dict(zip(("up", "gate", "down_t", "b_up", "b_gate"), weights)))
+        h = own["down_t"].shape[1]
+        y = x.new_zeros((*x.shape[:2], h))  # [b, s_r, h]
+        for _, _, w in _weight_ring(_pack(own), list(own), h, spec, ctx):
+            y += _mlp_step(x, w, spec)
+        fctx.save_for_backward(x, *weights)
+        fctx.spec, fctx.ctx = spec, ctx
+        return y
+
+    @staticmethod
+    def backward(fctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
+        x, *weights = fctx.saved_tensors
+        spec, ctx = fctx.spec, fctx.ctx
+        names = ("up", "gate", "down_t", "b_up", "b_gate")
+        own = _present(dict(zip(names, weights)))
+        h, rows = own["down_t"].shape[1], row_sizes(spec.ffn, ctx.p)
+        dx = torch.zeros_like(x)
+        home = carried = None
+        for t, src, w in _weight_ring(_pack(own), list(own), h, spec, ctx):
+            dx_t, dw = _mlp_step_backward(x, dy, w, spec)
+            dx += dx_t
+            if t == 0:  # this rank's own shard: its contribution stays home
+                home = dw
+                continue
+            acc = dw if carried is None else carried + dw  # accumulator of shard src, fresh
+            numel = _mlp_numel(list(own), rows[(src - 1) % ctx.p], h)  # shard src-1 arrives from r-1
+            carried = ring_pass_start(acc, ctx.group, 1, (numel,)).wait()  # -> rank r+1 (home at t=p-1)
+        assert home is not None
+        total = home if carried is None else home + carried
+        grads = _unpack(total, _shapes(own))
+        return (dx, None, None, *(grads.get(n) if w is not None else None for n, w in zip(names, weights)))
+
+
+class MemoryEfficientTensorParallel(Mode):
+    """Weight shards travel (broadcast per head group, ring for the MLP); no full-width intermediate."""
+
+    name = "metp"
+
+    def attention_infeasible(self, spec: AttnSpec, p: int) -> str | None:
+        return heads_infeasible(spec, p, self.name)
+
+    def attention(self, x: torch.Tensor, w: AttnWeights, spec: AttnSpec, ctx: SeqContext) -> torch.Tensor:
+        reason = self.attention_infeasible(spec, ctx.p)
+        if reason is not None:
+            raise ValueError(reason)
+        y = _MetpAttention.apply(x, spec, ctx, w.q, w.k, w.v, w.o_t, w.bq, w.bk, w.bv)  # [b, s_r, h]
+        return y if w.bo is None else y + w.bo
+
+    def mlp(self, x: torch.Tensor, w: MlpWeights, spec: MlpSpec, ctx: SeqContext) -> torch.Tensor:
+        y = _MetpMlp.apply(x, spec, ctx, w.up, w.gate, w.down_t, w.b_up, w.b_gate)  # [b, s_r, h]
+        return y if w.b_down is None else y + w.b_down

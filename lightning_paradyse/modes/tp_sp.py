@@ -1,0 +1,74 @@
+"""``tp_sp``: Megatron tensor parallelism with sequence parallelism (MegatronTS).
+
+Attention: all-gather the sequence, project to this rank's ``n/p`` query heads (and the key/value
+heads they read), attend over the whole sequence, project with the row shard of the output weight,
+reduce-scatter the partial sums back onto the sequence layout. MLP: all-gather, column shard of
+up/gate, activation, row shard of down, reduce-scatter.
+
+No weight moves (except the key/value weights when there are fewer kv heads than ranks: those are
+gathered, a small ``2*h*h_kv`` term). Activation traffic is ``4*s*h*(p-1)/p`` elements per op and
+step, forward and backward, independent of ``p``: fast on short sequences, and the ``[b, s, h]``
+gathered input and ``[b, s, f/p]`` intermediate make it the most memory-hungry mode on long ones.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lightning_paradyse.attention import full_attention
+from lightning_paradyse.comm import gather_seq, gather_weight, gqa_kv_index, scatter_seq
+from lightning_paradyse.modes.base import Mode, heads_infeasible, merge_heads, mlp_hidden, split_heads
+from lightning_paradyse.spec import AttnSpec, AttnWeights, MlpSpec, MlpWeights, SeqContext, row_sizes
+
+
+def _kv_local(
+    xg: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, spec: AttnSpec, ctx: SeqContext
+) -> torch.Tensor:
+    """Keys or values of the kv heads this rank's query heads read: ``[b, s, h] -> [b, m, s, d]``."""
+    p = ctx.p
+    if spec.n_kv_heads % p == 0:  # the local shard is exactly the kv heads of the local q heads
+        return split_heads(F.linear(xg, weight, bias), spec.head_dim)
+    sizes = row_sizes(spec.kv_rows, p)
+    full_w = gather_weight(weight, sizes, ctx.group)  # [kv_rows/p, h] -> [kv_rows, h]
+    full_b = None if bias is None else gather_weight(bias, sizes, ctx.group)
+    index = gqa_kv_index(spec.n_heads, spec.n_kv_heads, p)
+    m = len(index) // p
+    heads = torch.tensor(index[ctx.rank * m : (ctx.rank + 1) * m], device=xg.device)
+    w = full_w.view(spec.n_kv_heads, spec.head_dim, -1).index_select(0, heads).flatten(0, 1)  # [m*d, h]
+    b = None if full_b is None else full_b.view(spec.n_kv_heads, -1).index_select(0, heads).flatten()
+    return split_heads(F.linear(xg, w, b), spec.head_dim)
+
+
+class TensorSequenceParallel(Mode):
+    """Tensor parallel + sequence parallel (Megatron TP+SP)."""
+
+    name = "tp_sp"
+
+    def attention_infeasible(self, spec: AttnSpec, p: int) -> str | None:
+        return heads_infeasible(spec, p, self.name)
+
+    def attention(self, x: torch.Tensor, w: AttnWeights, spec: AttnSpec, ctx: SeqContext) -> torch.Tensor:
+        layout = ctx.layout
+        xg = gather_seq(x, layout, ctx.group)  # [b, s_r, h] -> [b, s, h] (gathered order)
+        if not layout.is_natural:
+            xg = xg.index_select(1, layout.natural_index(x.device))  # -> natural order
+        q = split_heads(F.linear(xg, w.q, w.bq), spec.head_dim)  # [b, s, h] -> [b, n/p, s, d]
+        k = _kv_local(xg, w.k, w.bk, spec, ctx)  # [b, m, s, d]
+        v = _kv_local(xg, w.v, w.bv, spec, ctx)
+        if spec.rotary is not None:
+            q, k = spec.rotary(q, k, torch.arange(layout.seq_len, device=x.device))
+        o = merge_heads(full_attention(q, k, v, spec.causal))  # [b, n/p, s, d] -> [b, s, n/p*d]
+        partial = o @ w.o_t  # [b, s, n/p*d] -> [b, s, h], a partial sum over head shards
+        if not layout.is_natural:
+            partial = partial.index_select(1, layout.gathered_positions(x.device))  # -> gathered order
+        y = scatter_seq(partial, layout, ctx.group)  # [b, s, h] -> [b, s_r, h], summed
+        return y if w.bo is None else y + w.bo
+
+    def mlp(self, x: torch.Tensor, w: MlpWeights, spec: MlpSpec, ctx: SeqContext) -> torch.Tensor:
+        xg = gather_seq(x, ctx.layout, ctx.group)  # [b, s_r, h] -> [b, s, h] (gathered order)
+        up = F.linear(xg, w.up, w.b_up)  # [b, s, h] -> [b, s, f/p]
+        gate = F.linear(xg, w.gate, w.b_gate) if w.gate is not None else None
+        partial = mlp_hidden(up, gate, spec) @ w.down_t  # [b, s, f/p] -> [b, s, h], partial sum
+        y = scatter_seq(partial, ctx.layout, ctx.group)  # [b, s, h] -> [b, s_r, h]
+        return y if w.b_down is None else y + w.b_down

@@ -1,0 +1,70 @@
+"""``ulysses``: DeepSpeed-Ulysses all-to-all attention with ZeRO-3 weights (UlyssesZ).
+
+Attention: project this rank's tokens with the gathered (ZeRO-3) q/k/v weights, one all-to-all
+turns ``[b, s_r, heads]`` into ``[b, s, heads/p]`` (q, k and v packed into one message; with fewer
+key/value heads than ranks each kv head is sent to every rank whose query heads read it), full
+attention over the sequence for ``n/p`` heads, one all-to-all back, output projection with the
+gathered weight. MLP: token-wise with gathered weights (the same as ``ring``'s MLP).
+
+Activation traffic ``(s/p)*(2h + 2h_kv)*(p-1)/p`` per pass falls as ``1/p``; the weight gathers cost
+``~3*12h^2*(p-1)/p`` per layer and step whatever the length.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_paradyse.attention import full_attention
+from lightning_paradyse.comm import gqa_kv_index, heads_to_seq, seq_to_heads
+from lightning_paradyse.modes.base import Mode, heads_infeasible
+from lightning_paradyse.modes.zero3 import zero3_bias, zero3_linear, zero3_linear_t, zero3_mlp
+from lightning_paradyse.spec import AttnSpec, AttnWeights, MlpSpec, MlpWeights, SeqContext
+
+
+def zero3_project(
+    x: torch.Tensor, shard: torch.Tensor, bias: torch.Tensor | None, rows: int, ctx: SeqContext
+) -> torch.Tensor:
+    """``[b, t, h] -> [b, t, rows]`` with a ZeRO-3 gathered weight and bias."""
+    y = zero3_linear(x, shard, rows, ctx.group)
+    b = zero3_bias(bias, rows, ctx.group)
+    return y if b is None else y + b
+
+
+class Ulysses(Mode):
+    """All-to-all sequence <-> heads attention, ZeRO-3 weights."""
+
+    name = "ulysses"
+
+    def attention_infeasible(self, spec: AttnSpec, p: int) -> str | None:
+        return heads_infeasible(spec, p, self.name)
+
+    def attention(self, x: torch.Tensor, w: AttnWeights, spec: AttnSpec, ctx: SeqContext) -> torch.Tensor:
+        p, layout, d = ctx.p, ctx.layout, spec.head_dim
+        b, s_r, _ = x.shape
+        q = zero3_project(x, w.q, w.bq, spec.q_rows, ctx).view(b, s_r, spec.n_heads, d)  # [b, s_r, n, d]
+        k = zero3_project(x, w.k, w.bk, spec.kv_rows, ctx).view(b, s_r, spec.n_kv_heads, d)
+        v = zero3_project(x, w.v, w.bv, spec.kv_rows, ctx).view(b, s_r, spec.n_kv_heads, d)
+        index = gqa_kv_index(spec.n_heads, spec.n_kv_heads, p)
+        if index != list(range(spec.n_kv_heads)):  # kv heads replicated to the ranks that read them
+            heads = torch.tensor(index, device=x.device)
+            k, v = k.index_select(2, heads), v.index_select(2, heads)  # [b, s_r, p*m, d]
+        nq, m = spec.n_heads // p, k.shape[2] // p
+        packed = torch.cat([q.view(b, s_r, p, nq, d), k.view(b, s_r, p, m, d), v.view(b, s_r, p, m, d)], dim=3).view(
+            b, s_r, p * (nq + 2 * m), d
+        )  # [b, s_r, p*(n/p + 2m), d], rank j's heads contiguous
+        full = seq_to_heads(packed, layout, ctx.group)  # -> [b, s, n/p + 2m, d] (gathered order)
+        if not layout.is_natural:
+            full = full.index_select(1, layout.natural_index(x.device))  # -> natural order
+        full = full.transpose(1, 2)  # [b, s, heads, d] -> [b, heads, s, d]
+        qh, kh, vh = full.split([nq, m, m], dim=1)
+        if spec.rotary is not None:
+            qh, kh = spec.rotary(qh, kh, torch.arange(layout.seq_len, device=x.device))
+        o = full_attention(qh, kh, vh, spec.causal).transpose(1, 2)  # [b, n/p, s, d] -> [b, s, n/p, d]
+        if not layout.is_natural:
+            o = o.index_select(1, layout.gathered_positions(x.device))  # -> gathered order
+        o = heads_to_seq(o, layout, ctx.group).reshape(b, s_r, spec.q_rows)  # -> [b, s_r, n*d]
+        y = zero3_linear_t(o, w.o_t, spec.q_rows, ctx.group)  # [b, s_r, n*d] -> [b, s_r, h]
+        return y if w.bo is None else y + w.bo
+
+    def mlp(self, x: torch.Tensor, w: MlpWeights, spec: MlpSpec, ctx: SeqContext) -> torch.Tensor:
+        return zero3_mlp(x, w, spec, ctx.group)

@@ -1,0 +1,82 @@
+"""Spawn local gloo process groups with hard timeouts (used by ``cli.py check`` and the tests).
+
+``run_distributed(fn, world_size, *args)`` starts ``world_size`` fresh processes (spawn), each with
+one thread and a gloo process group over a file store, runs ``fn(rank, world_size, *args)`` in each
+and returns the list of per-rank results. A failing assertion on any rank fails the call with that
+rank's traceback; a rank that hangs (a mismatched collective) makes the call fail after ``timeout``
+seconds instead of hanging the suite.
+
+``fn`` must be a module-level function (it is pickled by reference).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def _worker(rank: int, world: int, init_file: str, fn: Callable[..., Any], args: tuple[Any, ...], out: Any) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=60),
+        )
+        result = fn(rank, world, *args)
+        out.put((rank, True, result))
+    except BaseException:  # report every failure, including assertion errors, to the parent
+        out.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the per-rank results."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(target=_worker, args=(r, world_size, init_file, fn, args, out), daemon=True)
+            for r in range(world_size)
+        ]
+        for proc in procs:
+            proc.start()
+        results: dict[int, Any] = {}
+        errors: list[str] = []
+        try:
+            for _ in range(world_size):
+                rank, ok, value = out.get(timeout=timeout)
+                if ok:
+                    results[rank] = value
+                else:
+                    errors.append(f"rank {rank} failed:\n{value}")
+                    break  # the other ranks are probably blocked in a collective
+        except queue.Empty:
+            errors.append(
+                f"timed out after {timeout:.0f} s: ranks {sorted(set(range(world_size)) - set(results))}"
+                " did not finish (a mismatched or hanging collective?)"
+            )
+        finally:
+            for proc in procs:
+                proc.join(timeout=5 if not errors else 0.5)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [results[r] for r in range(world_size)]

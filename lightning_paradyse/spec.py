@@ -1,0 +1,135 @@
+"""What the modes are given: the op's description, its weight shards and the sequence context.
+
+The modes never see a model class. An op is described by a small frozen spec (head counts, causal
+flag, positional rotation, activation) and its weights arrive as the 1/p row shards of the unified
+layout (DESIGN.md):
+
+* ``q, k, v, up, gate``: the rows (output features) of the ``nn.Linear`` weight, ``[n_out/p, h]``
+  (column-parallel shard in Megatron terms).
+* ``o_t, down_t``: the *transposed* weight, ``[n_in/p, h]``, i.e. the input features of the
+  ``nn.Linear`` (row-parallel shard), stored transposed so that every shard is a contiguous block of
+  rows, as an all-gather needs.
+* Biases of ``q, k, v, up, gate`` are sharded with their rows; ``bo`` and ``b_down`` are replicated
+  and added once, after the partial sums are reduced.
+
+Row shards follow :func:`~lightning_paradyse.layout.split_sizes`: when the head count is divisible
+by ``p`` a shard is whole heads, which is at once the tensor-parallel, ZeRO-3 and METP shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from lightning_paradyse.comm import Group, group_rank, group_size
+from lightning_paradyse.layout import SeqLayout, split_sizes
+
+Rotary = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""``rotary(q [b, nq, t, d], k [b, nk, t, d], positions [t]) -> (q, k)`` with global positions."""
+
+
+@dataclass(frozen=True)
+class AttnSpec:
+    """The attention op of one block, independent of any model class."""
+
+    hidden: int
+    """Model width ``h``."""
+    n_heads: int
+    """Query heads ``n``."""
+    n_kv_heads: int
+    """Key/value heads (``n`` for multi-head attention, fewer for GQA)."""
+    head_dim: int
+    """Width ``d`` of one head."""
+    causal: bool
+    """Causal (decoder) or bidirectional (encoder) attention."""
+    rotary: Rotary | None = None
+    """Rotation applied to q and k with global positions (RoPE), or ``None``."""
+
+    @property
+    def group(self) -> int:
+        """Query heads per key/value head."""
+        return self.n_heads // self.n_kv_heads
+
+    @property
+    def q_rows(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_rows(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class MlpSpec:
+    """The MLP op of one block: ``down(act(up(x)) [* gate-branch])``."""
+
+    hidden: int
+    """Model width ``h``."""
+    ffn: int
+    """Intermediate width ``f``."""
+    act: Callable[[torch.Tensor], torch.Tensor]
+    """Elementwise activation (applied to ``gate(x)`` when gated, else to ``up(x)``)."""
+    gated: bool = False
+    """SwiGLU-style: ``down(act(gate(x)) * up(x))``."""
+
+
+@dataclass
+class AttnWeights:
+    """This rank's shards of one attention op (parameters, used in place)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o_t: torch.Tensor
+    bq: torch.Tensor | None = None
+    bk: torch.Tensor | None = None
+    bv: torch.Tensor | None = None
+    bo: torch.Tensor | None = None
+
+
+@dataclass
+class MlpWeights:
+    """This rank's shards of one MLP op (parameters, used in place)."""
+
+    up: torch.Tensor
+    down_t: torch.Tensor
+    gate: torch.Tensor | None = None
+    b_up: torch.Tensor | None = None
+    b_gate: torch.Tensor | None = None
+    b_down: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class SeqContext:
+    """The group and the token layout of the current batch."""
+
+    layout: SeqLayout
+    """Which tokens each rank holds."""
+    group: Group
+    """The ranks sharing the sequence (``None`` for a single process)."""
+
+    @property
+    def p(self) -> int:
+        return group_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return group_rank(self.group)
+
+    def positions(self, device: torch.device | None = None) -> torch.Tensor:
+        """Global positions of this rank's tokens, ``[s_r]``."""
+        return self.layout.positions(self.rank, device)
+
+
+def row_sizes(n: int, p: int) -> list[int]:
+    """Rows of each rank's shard of a weight with ``n`` rows."""
+    return split_sizes(n, p)
+
+
+def shard_rows(w: torch.Tensor, p: int, rank: int) -> torch.Tensor:
+    """This rank's contiguous block of rows of ``w`` (a copy)."""
+    sizes = row_sizes(w.shape[0], p)
+    start = sum(sizes[:rank])
+    return w[start : start + sizes[rank]].clone()
