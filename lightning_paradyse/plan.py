@@ -46,6 +46,9 @@ class LayerPlan:
     def op(self, name: str) -> OpPlan:
         return self.attention if name == "attention" else self.mlp
 
+    def __str__(self) -> str:
+        return f"{self.attention},{self.mlp}"
+
     def to_dict(self) -> dict[str, Any]:
         """The mapping form accepted by :func:`parse_plan`."""
         return {
@@ -76,7 +79,7 @@ class Plan:
         return counts
 
     def __str__(self) -> str:
-        return " | ".join(f"{layer.attention},{layer.mlp}" for layer in self.layers)
+        return " | ".join(str(layer) for layer in self.layers)
 
 
 def _parse_op(value: Any, recompute: bool, where: str) -> OpPlan:

@@ -48,6 +48,9 @@ CONFIGS: dict[str, LlamaConfig | GPTConfig] = {
     "llama-tiny-mha": LlamaConfig(
         vocab_size=128, n_layers=2, hidden=96, n_heads=12, n_kv_heads=12, ffn=192, max_seq_len=1024
     ),
+    "llama-tiny-mqa": LlamaConfig(
+        vocab_size=128, n_layers=2, hidden=96, n_heads=12, n_kv_heads=1, ffn=192, max_seq_len=1024
+    ),
     "gpt-tiny": GPTConfig(vocab_size=128, n_layers=2, hidden=96, n_heads=12, ffn=384, max_seq_len=1024, causal=True),
     "bert-tiny": GPTConfig(vocab_size=128, n_layers=2, hidden=96, n_heads=12, ffn=384, max_seq_len=1024, causal=False),
     # realistic planning configs (analytic use only: do not build these in tests)
