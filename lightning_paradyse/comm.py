@@ -4,8 +4,9 @@ Two layers:
 
 * **Primitives** (``all_gather_rows``, ``reduce_scatter_rows``, ``all_to_all_rows``, ``ring_pass``,
   ``broadcast_from``, ``reduce_to``, ``all_reduce_sum``): plain, non-differentiable calls over an
-  explicit process group, with uneven sizes handled here. They always write into freshly allocated
-  buffers, never into their inputs, so a parameter handed to a collective is never written.
+  explicit process group, with uneven sizes handled here. On a group of two or more ranks they write
+  into freshly allocated buffers, never into their inputs, so a parameter handed to a collective is
+  never written; at group size 1 they return the input itself, so callers never write into a result.
 * **Autograd pairs** (``gather_seq``/``scatter_seq``, ``seq_to_heads``/``heads_to_seq``,
   ``gather_weight``, ``ring_shift``, ``broadcast_weight``): each names what it does forward and its
   backward is the conjugate collective.
@@ -20,6 +21,7 @@ formulas of the cost model describe.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -83,6 +85,10 @@ def _record(kind: str, nbytes: float) -> None:
         counter.calls[kind] += 1
 
 
+def _row_numel(x: torch.Tensor) -> int:
+    return math.prod(x.shape[1:])
+
+
 def _nbytes(numel: int, dtype: torch.dtype) -> int:
     return numel * torch.empty((), dtype=dtype).element_size()
 
@@ -104,7 +110,7 @@ def all_gather_rows(x: torch.Tensor, sizes: Sequence[int], group: Group) -> torc
     padded = x if x.shape[0] == width else torch.cat([x, x.new_zeros((width - x.shape[0], *x.shape[1:]))])
     out = x.new_empty((p * width, *x.shape[1:]))  # [p * max_r, ...]
     dist.all_gather_single(out, padded.contiguous(), group=group)
-    _record("all_gather", _nbytes(x[0:1].numel() * (sum(sizes) - sizes[rank]), x.dtype))
+    _record("all_gather", _nbytes(_row_numel(x) * (sum(sizes) - sizes[rank]), x.dtype))
     if all(s == width for s in sizes):
         return out
     return torch.cat([out[r * width : r * width + sizes[r]] for r in range(p)])  # [sum(sizes), ...]
@@ -125,7 +131,7 @@ def reduce_scatter_rows(x: torch.Tensor, sizes: Sequence[int], group: Group) -> 
         padded = torch.cat(pad)  # [p * max_r, ...]
     out = x.new_empty((width, *x.shape[1:]))
     dist.reduce_scatter_single(out, padded, group=group)
-    _record("reduce_scatter", _nbytes(x[0:1].numel() * (sum(sizes) - sizes[rank]), x.dtype))
+    _record("reduce_scatter", _nbytes(_row_numel(x) * (sum(sizes) - sizes[rank]), x.dtype))
     return out[: sizes[rank]]
 
 
@@ -139,7 +145,7 @@ def all_to_all_rows(x: torch.Tensor, in_sizes: Sequence[int], out_sizes: Sequenc
     dist.all_to_all_single(
         out, x.contiguous(), output_split_sizes=list(out_sizes), input_split_sizes=list(in_sizes), group=group
     )
-    _record("all_to_all", _nbytes(x[0:1].numel() * (sum(in_sizes) - in_sizes[rank]), x.dtype))
+    _record("all_to_all", _nbytes(_row_numel(x) * (sum(in_sizes) - in_sizes[rank]), x.dtype))
     return out
 
 

@@ -15,6 +15,7 @@ import multiprocessing as mp
 import os
 import queue
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -44,6 +45,31 @@ def _worker(rank: int, world: int, init_file: str, fn: Callable[..., Any], args:
             dist.destroy_process_group()
 
 
+def _collect(procs: list[Any], out: Any, results: dict[int, Any], errors: list[str], timeout: float) -> None:
+    """Gather one report per rank; stop at the first failure, a dead child or the timeout."""
+    deadline = time.monotonic() + timeout
+    while len(results) < len(procs):
+        try:
+            rank, ok, value = out.get(timeout=0.5)
+        except queue.Empty:
+            dead = [r for r, proc in enumerate(procs) if proc.exitcode not in (None, 0) and r not in results]
+            if dead:
+                errors.append(f"rank(s) {dead} exited with code {[procs[r].exitcode for r in dead]} before reporting")
+                return
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(len(procs))) - set(results))
+                errors.append(
+                    f"timed out after {timeout:.0f} s: ranks {missing} did not finish "
+                    f"(a mismatched or hanging collective?)"
+                )
+                return
+            continue
+        if not ok:
+            errors.append(f"rank {rank} failed:\n{value}")
+            return  # the other ranks are probably blocked in a collective
+        results[rank] = value
+
+
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the per-rank results."""
     ctx = mp.get_context("spawn")
@@ -59,18 +85,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         results: dict[int, Any] = {}
         errors: list[str] = []
         try:
-            for _ in range(world_size):
-                rank, ok, value = out.get(timeout=timeout)
-                if ok:
-                    results[rank] = value
-                else:
-                    errors.append(f"rank {rank} failed:\n{value}")
-                    break  # the other ranks are probably blocked in a collective
-        except queue.Empty:
-            errors.append(
-                f"timed out after {timeout:.0f} s: ranks {sorted(set(range(world_size)) - set(results))}"
-                " did not finish (a mismatched or hanging collective?)"
-            )
+            _collect(procs, out, results, errors, timeout)
         finally:
             for proc in procs:
                 proc.join(timeout=5 if not errors else 0.5)

@@ -129,9 +129,8 @@ def _attention_traffic(p: int, rank: int) -> dict[str, float]:
     """Bytes per collective kind for one forward+backward (s=64, n_kv=N, causal, biases)."""
     torch.manual_seed(7)
     ctx = _ctx(64, p, rank, True)
-    ws = {n: torch.randn(r, H, dtype=torch.float64) for n, r in (("q", N * D), ("k", N * D), ("v", N * D))}
-    params = _params({n: shard_rows(t, p, rank) for n, t in {**ws, "o_t": torch.randn(N * D, H)}.items()})
-    params["o_t"] = params["o_t"].detach().double().requires_grad_()
+    full = {n: torch.randn(N * D, H, dtype=torch.float64) for n in ("q", "k", "v", "o_t")}
+    params = _params({n: shard_rows(t, p, rank) for n, t in full.items()})
     xl = torch.randn(B, ctx.layout.local_len(rank), H, dtype=torch.float64, requires_grad=True)
     with CommCounter() as counter:
         MODE.attention(xl, AttnWeights(**params), AttnSpec(H, N, N, D, True), ctx).sum().backward()
@@ -155,7 +154,7 @@ def test_metp_matches_reference(p: int) -> None:
         mean = sum(r["mlp"][i]["sent"] for r in results) / p
         model = results[0]["mlp"][i]["model"]
         assert abs(mean - model) <= 0.1 * model, (mean, model)
-    assert any(kv < p for kv in results[0]["kvs"]) or p == 2
+    assert any(kv < p for kv in results[0]["kvs"])  # the gathered k/v path ran
 
 
 def test_metp_single_process() -> None:

@@ -183,11 +183,14 @@ class RotaryEmbedding(nn.Module):
         self.theta = theta
 
     def cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """Float32 ``cos`` and ``sin`` tables of shape ``[t, head_dim]`` for the given positions."""
+        """Float64 ``cos`` and ``sin`` tables of shape ``[t, head_dim]`` for the given positions.
+
+        Computed in float64 so that large positions keep their angle accuracy; cast by the caller.
+        """
         d = self.head_dim
-        exponent = torch.arange(0, d, 2, device=positions.device, dtype=torch.float32) / d  # [d/2]
+        exponent = torch.arange(0, d, 2, device=positions.device, dtype=torch.float64) / d  # [d/2]
         inv_freq = 1.0 / (self.theta**exponent)  # [d/2]
-        freqs = torch.outer(positions.to(torch.float32), inv_freq)  # [t] x [d/2] -> [t, d/2]
+        freqs = torch.outer(positions.to(torch.float64), inv_freq)  # [t] x [d/2] -> [t, d/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [t, d/2] -> [t, d]
         return emb.cos(), emb.sin()
 

@@ -55,6 +55,11 @@ Parts = dict[str, torch.Tensor]
 """Named weight pieces in packing order."""
 Shapes = dict[str, tuple[int, ...]]
 
+_ATTN_ARGS = ("q", "k", "v", "o_t", "bq", "bk", "bv")
+"""The weight arguments of the attention Function, in order."""
+_MLP_ARGS = ("up", "gate", "down_t", "b_up", "b_gate")
+"""The weight arguments of the MLP Function, in order; also the packing order of an MLP shard."""
+
 
 def _present(named: dict[str, torch.Tensor | None]) -> Parts:
     return {name: t for name, t in named.items() if t is not None}
@@ -76,7 +81,7 @@ def _shapes(parts: Parts) -> Shapes:
 
 
 def _leaves(parts: Parts) -> Parts:
-    """Detached copies-by-reference that require grad, for a local recomputation graph."""
+    """Detached aliases that require grad: the leaves of a local recomputation graph."""
     return {name: t.detach().requires_grad_() for name, t in parts.items()}
 
 
@@ -137,8 +142,9 @@ def _project(x: torch.Tensor, g: Parts, spec: AttnSpec, positions: torch.Tensor
 class _Groups:
     """Per-call helper: the head groups' weights as each one is broadcast, in group order."""
 
-    def __init__(self, w: AttnWeights, spec: AttnSpec, ctx: SeqContext) -> None:
+    def __init__(self, w: AttnWeights, spec: AttnSpec, ctx: SeqContext, device: torch.device) -> None:
         self.spec, self.ctx = spec, ctx
+        self.positions = ctx.positions(device)  # [s_r] global positions of the local tokens
         self.own = _broadcast_parts(w, _kv_aligned(spec, ctx.p))
         self.shapes = _shapes(self.own)  # equal on every rank: n and the kv shards split evenly
         self.flat = _pack(self.own)  # [numel], fresh
@@ -163,7 +169,7 @@ def _group_backward(x: torch.Tensor, dy: torch.Tensor, groups: _Groups, j: int, 
         kv_full = None if groups.kv_full is None else groups.kv_full.detach().requires_grad_()
         xl = x.detach().requires_grad_()
         g = leaves if kv_full is None else {**leaves, **groups.kv(j, kv_full)}
-        q, k, v = _project(xl, g, spec, ctx.positions(x.device))
+        q, k, v = _project(xl, g, spec, groups.positions)
     o_t = bc["o_t"]
     dout = split_heads(dy @ o_t.t(), spec.head_dim)  # [b, s_r, h] -> [b, s_r, n/p*d] -> [b, n/p, s_r, d]
     d_o_t = merge_heads(out).flatten(0, 1).t() @ dy.flatten(0, 1)  # [n/p*d, b*s_r] @ [b*s_r, h]
@@ -178,8 +184,7 @@ def _group_backward(x: torch.Tensor, dy: torch.Tensor, groups: _Groups, j: int, 
 class _MetpAttention(torch.autograd.Function):
     @staticmethod
     def forward(fctx: Any, x: torch.Tensor, spec: AttnSpec, ctx: SeqContext, *weights: Any) -> torch.Tensor:
-        groups = _Groups(AttnWeights(*weights), spec, ctx)
-        positions = ctx.positions(x.device)
+        groups = _Groups(AttnWeights(*weights), spec, ctx, x.device)
         b, s_r, _ = x.shape
         y = x.new_zeros((b, s_r, weights[3].shape[1]))  # [b, s_r, h]
         saved: list[torch.Tensor] = []
@@ -187,7 +192,7 @@ class _MetpAttention(torch.autograd.Function):
             g = groups.receive(j)
             if groups.kv_full is not None:
                 g.update(groups.kv(j, groups.kv_full))
-            q, k, v = _project(x, g, spec, positions)
+            q, k, v = _project(x, g, spec, groups.positions)
             out, lse = ring_forward(q, k, v, ctx, spec.causal)  # [b, n/p, s_r, d], [b, n/p, s_r]
             y += merge_heads(out) @ g["o_t"]  # [b, n/p, s_r, d] -> [b, s_r, n/p*d] -> [b, s_r, h]
             saved += [out, lse]
@@ -198,12 +203,12 @@ class _MetpAttention(torch.autograd.Function):
     @staticmethod
     def backward(fctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
         x, *rest = fctx.saved_tensors
-        weights, saved = rest[:7], rest[7:]
+        weights, saved = rest[: len(_ATTN_ARGS)], rest[len(_ATTN_ARGS) :]
         ctx: SeqContext = fctx.ctx
-        groups = _Groups(AttnWeights(*weights), fctx.spec, ctx)
+        groups = _Groups(AttnWeights(*weights), fctx.spec, ctx, x.device)
         dx = torch.zeros_like(x)
         d_kv = None if groups.kv_full is None else torch.zeros_like(groups.kv_full)
-        mine = groups.flat
+        mine: torch.Tensor | None = None  # the summed gradient of this rank's own shard
         for j in range(ctx.p):
             bc = groups.receive(j)
             dx_j, packed, d_kv_j = _group_backward(x, dy, groups, j, bc, saved[2 * j], saved[2 * j + 1])
@@ -213,13 +218,13 @@ class _MetpAttention(torch.autograd.Function):
             total = reduce_to(packed, j, ctx.group)  # [numel] summed over ranks onto owner j
             if j == ctx.rank:
                 mine = total
+        assert mine is not None
         grads = _unpack(mine, groups.shapes)
         if d_kv is not None:  # [kv_rows, cols] -> [kv_rows/p, cols], this rank's rows
             local = reduce_scatter_rows(d_kv, row_sizes(fctx.spec.kv_rows, ctx.p), ctx.group)
             cols = local.split(groups.kv_widths, dim=1)
             grads.update({n: c.squeeze(1) if n.startswith("b") else c for n, c in zip(groups.kv_names, cols)})
-        names = ("q", "k", "v", "o_t", "bq", "bk", "bv")
-        return (dx, None, None, *(grads.get(n) if w is not None else None for n, w in zip(names, weights)))
+        return (dx, None, None, *(grads.get(n) if w is not None else None for n, w in zip(_ATTN_ARGS, weights)))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -272,11 +277,11 @@ def _mlp_step_backward(x: torch.Tensor, dy: torch.Tensor, w: Parts, spec: MlpSpe
 class _MetpMlp(torch.autograd.Function):
     @staticmethod
     def forward(fctx: Any, x: torch.Tensor, spec: MlpSpec, ctx: SeqContext, *weights: Any) -> torch.Tensor:
-        own = _present(dict(zip(("up", "gate", "down_t", "b_up", "b_gate"), weights)))
+        own = _present(dict(zip(_MLP_ARGS, weights)))
         h = own["down_t"].shape[1]
         y = x.new_zeros((*x.shape[:2], h))  # [b, s_r, h]
-        for _, _, w in _weight_ring(_pack(own), list(own), h, spec, ctx):
-            y += _mlp_step(x, w, spec)
+        for _, _, shard in _weight_ring(_pack(own), list(own), h, spec, ctx):
+            y += _mlp_step(x, shard, spec)
         fctx.save_for_backward(x, *weights)
         fctx.spec, fctx.ctx = spec, ctx
         return y
@@ -285,13 +290,12 @@ class _MetpMlp(torch.autograd.Function):
     def backward(fctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
         x, *weights = fctx.saved_tensors
         spec, ctx = fctx.spec, fctx.ctx
-        names = ("up", "gate", "down_t", "b_up", "b_gate")
-        own = _present(dict(zip(names, weights)))
+        own = _present(dict(zip(_MLP_ARGS, weights)))
         h, rows = own["down_t"].shape[1], row_sizes(spec.ffn, ctx.p)
         dx = torch.zeros_like(x)
         home = carried = None
-        for t, src, w in _weight_ring(_pack(own), list(own), h, spec, ctx):
-            dx_t, dw = _mlp_step_backward(x, dy, w, spec)
+        for t, src, shard in _weight_ring(_pack(own), list(own), h, spec, ctx):
+            dx_t, dw = _mlp_step_backward(x, dy, shard, spec)
             dx += dx_t
             if t == 0:  # this rank's own shard: its contribution stays home
                 home = dw
@@ -302,7 +306,7 @@ class _MetpMlp(torch.autograd.Function):
         assert home is not None
         total = home if carried is None else home + carried
         grads = _unpack(total, _shapes(own))
-        return (dx, None, None, *(grads.get(n) if w is not None else None for n, w in zip(names, weights)))
+        return (dx, None, None, *(grads.get(n) if w is not None else None for n, w in zip(_MLP_ARGS, weights)))
 
 
 class MemoryEfficientTensorParallel(Mode):
