@@ -51,7 +51,8 @@ def plan_for(seq_len: int, n_layers: int) -> Plan:
 
 def train(rank: int, world: int, steps: int, seed: int) -> list[float]:
     torch.manual_seed(seed)
-    model = parallelize(build_model("llama-tiny"), dist.group.WORLD)
+    model = build_model("llama-tiny")
+    parallelize(model, dist.group.WORLD)  # rewrites every block in place: 1/p shards, one variant per mode
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     data = stdlib_bytes()
     gen = torch.Generator().manual_seed(seed)  # the same batches on every rank

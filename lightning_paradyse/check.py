@@ -27,8 +27,15 @@ from lightning_paradyse.comm import Group, all_reduce_sum, group_rank, group_siz
 from lightning_paradyse.layout import SeqLayout
 from lightning_paradyse.models import CONFIGS, build_model
 from lightning_paradyse.modes import MODES
-from lightning_paradyse.parallel import configure, consolidated, parallel_blocks, parallelize, reduce_replicated_grads
-from lightning_paradyse.plan import Plan, parse_plan, random_plan, uniform_plan
+from lightning_paradyse.parallel import (
+    configure,
+    consolidated,
+    feasible_modes,
+    is_causal,
+    parallelize,
+    reduce_replicated_grads,
+)
+from lightning_paradyse.plan import LayerPlan, OpPlan, Plan, parse_plan, random_plan, uniform_plan
 from lightning_paradyse.spec import SeqContext
 
 TOLERANCES = {torch.float32: (1e-5, 1e-4), torch.float64: (1e-10, 1e-9)}
@@ -98,8 +105,7 @@ def parallel_step(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss and consolidated gradients of a parallelized model under ``plan`` (same batch on every rank)."""
     p, rank = group_size(group), group_rank(group)
-    causal = any(b.attn_spec.causal for b in parallel_blocks(model))
-    layout = SeqLayout.for_sequence(tokens.shape[1], p, causal)
+    layout = SeqLayout.for_sequence(tokens.shape[1], p, is_causal(model))
     ctx = SeqContext(layout, group)
     configure(model, ctx, plan)
     model.zero_grad(set_to_none=True)
@@ -140,14 +146,15 @@ def _plans(settings: CheckSettings, n_layers: int) -> list[tuple[str, Plan]]:
     return [(label, parse_plan(settings.plan, n_layers))]
 
 
-def _feasible_plan(model: nn.Module, plan: Plan, p: int, seed: int) -> tuple[Plan, str | None]:
-    """A random plan redrawn among the modes feasible per op; a uniform plan's infeasibility reason."""
-    blocks = parallel_blocks(model)
-    for block, layer in zip(blocks, plan.layers):
-        reason = block.infeasible(layer, p)
-        if reason:
-            return plan, reason
-    return plan, None
+def _infeasible(model: nn.Module, plan: Plan, p: int) -> str | None:
+    """Why a plan cannot run on ``p`` ranks (the first layer/op that cannot), or ``None``."""
+    for i, (attn_ok, mlp_ok) in enumerate(feasible_modes(model, p, list(MODES))):
+        layer = plan.layers[i]
+        if layer.attention.mode not in attn_ok:
+            return f"layer {i} attention: {layer.attention.mode} infeasible (feasible: {', '.join(attn_ok)})"
+        if layer.mlp.mode not in mlp_ok:
+            return f"layer {i} mlp: {layer.mlp.mode} infeasible (feasible: {', '.join(mlp_ok)})"
+    return None
 
 
 def check_worker(rank: int, world: int, settings: CheckSettings) -> list[CaseResult]:
@@ -160,12 +167,13 @@ def check_worker(rank: int, world: int, settings: CheckSettings) -> list[CaseRes
     tokens = torch.randint(0, config.vocab_size, (settings.batch, settings.seq_len + 1))
     tokens, targets = tokens[:, :-1], tokens[:, 1:]  # targets shifted in the data
     ref_loss, ref_grads = reference_step(copy.deepcopy(plain), tokens, targets)
-    template = parallelize(copy.deepcopy(plain), group)
+    template = copy.deepcopy(plain)
+    parallelize(template, group)
     results = []
     for label, plan in _plans(settings, config.n_layers):
         if label.startswith("random"):
             plan = _redraw_feasible(template, plan, world, settings.seed)
-        _, reason = _feasible_plan(template, plan, world, settings.seed)
+        reason = _infeasible(template, plan, world)
         result = CaseResult(label, str(plan))
         if reason:
             result.infeasible = reason
@@ -180,17 +188,13 @@ def check_worker(rank: int, world: int, settings: CheckSettings) -> list[CaseRes
 
 def _redraw_feasible(model: nn.Module, plan: Plan, p: int, seed: int) -> Plan:
     """Replace each op's mode by a feasible one (deterministically), keeping the recompute flags."""
-    from lightning_paradyse.modes import get_mode
-    from lightning_paradyse.plan import LayerPlan, OpPlan
-
     layers = []
-    for i, (block, layer) in enumerate(zip(parallel_blocks(model), plan.layers)):
-        attn_ok = [m for m in MODES if get_mode(m).attention_infeasible(block.attn_spec, p) is None]
-        mlp_ok = [m for m in MODES if get_mode(m).mlp_infeasible(block.mlp_spec, p) is None]
-        attn = layer.attention if layer.attention.mode in attn_ok else OpPlan(
-            attn_ok[(seed + i) % len(attn_ok)], layer.attention.recompute
-        )
-        mlp = layer.mlp if layer.mlp.mode in mlp_ok else OpPlan(mlp_ok[(seed + i) % len(mlp_ok)], layer.mlp.recompute)
+    for i, ((attn_ok, mlp_ok), layer) in enumerate(zip(feasible_modes(model, p, list(MODES)), plan.layers)):
+        attn, mlp = layer.attention, layer.mlp
+        if attn.mode not in attn_ok:
+            attn = OpPlan(attn_ok[(seed + i) % len(attn_ok)], attn.recompute)
+        if mlp.mode not in mlp_ok:
+            mlp = OpPlan(mlp_ok[(seed + i) % len(mlp_ok)], mlp.recompute)
         layers.append(LayerPlan(attn, mlp))
     return Plan(tuple(layers))
 

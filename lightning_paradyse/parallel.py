@@ -1,274 +1,293 @@
-"""Apply the unified layout to a model: sharded blocks that run any mode per op.
+"""Apply the unified layout to a model and run it per batch: the API the strategy is built on.
 
-The model never knows it is parallel. :func:`parallelize` swaps each transformer block of a model
-for a :class:`ParallelBlock` that holds the block's norms (replicated) and one 1/p row shard of each
-projection (the unified layout of DESIGN.md), and runs each op in the mode its plan names. Nothing
-else of the model changes: embeddings, final norm and head stay replicated and run on local tokens.
+The model never knows it is parallel. In one documented order:
 
-Until the graph rewriting of the strategy finds the roles in a traced block, the roles are read
-from the block by an explicit adapter, :func:`block_roles`, which understands blocks shaped like the
-package's reference models (``attn_norm``, ``attn.{q,k,v,o}``, ``mlp_norm``, ``mlp.{up,gate,down}``).
-The modes themselves depend on none of this: they see only :mod:`~lightning_paradyse.spec` values.
+1. :func:`parallelize` (once, at setup): find the transformer blocks (:func:`find_blocks`), rewrite
+   each in place (:func:`~lightning_paradyse.graph.rewrite.rewrite_block`: trace, find roles,
+   verify, install dispatch modules holding 1/p shards), and install forward pre-hooks that give
+   the model the global positions of its local tokens (and, for Hugging Face models trained with
+   ``labels``, the globally shifted labels and the global token count).
+2. :func:`configure` (every batch): the batch's layout and plan, a table look-up on every dispatch
+   module; :func:`set_step_targets` for label-shifting models.
+3. forward / backward on the local tokens, then :func:`reduce_replicated_grads` (norms, embeddings,
+   head and the output biases are replicated; their gradients are summed over the group).
 
-Order of application (one place, documented): shard the block weights (``parallelize``), then per
-batch set the layout and the plan (``configure``), run forward/backward, then reduce the gradients
-of replicated parameters over the group (``reduce_replicated_grads``).
+:func:`consolidated` / :func:`load_consolidated` convert between the shards and the plain model's
+state dict, so checkpoints load into the unparallelized model.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 
 from lightning_paradyse.comm import Group, all_gather_rows, all_reduce_sum, group_rank, group_size
-from lightning_paradyse.modes import get_mode
-from lightning_paradyse.plan import OPS, LayerPlan, OpPlan, Plan
-from lightning_paradyse.spec import (
-    AttnSpec,
-    AttnWeights,
-    MlpSpec,
-    MlpWeights,
-    SeqContext,
-    row_sizes,
-    shard_rows,
-)
+from lightning_paradyse.dispatch import AttentionDispatch, OpDispatch, ShardSource
+from lightning_paradyse.graph.passes import RoleError
+from lightning_paradyse.graph.rewrite import rewrite_block
+from lightning_paradyse.plan import Plan
+from lightning_paradyse.spec import SeqContext, row_sizes, shard_rows
 
-
-@dataclass(frozen=True)
-class ShardSource:
-    """Where a sharded parameter of a :class:`ParallelBlock` comes from in the plain block."""
-
-    name: str
-    """Name of the parameter in the plain block, e.g. ``attn.o.weight``."""
-    transposed: bool
-    """The shard is of the transposed weight (row-parallel ``o``/``down``)."""
+_STATE_ATTR = "_paradyse_state"
 
 
 @dataclass
-class BlockRoles:
-    """The roles of one transformer block, found by :func:`block_roles`."""
+class StepState:
+    """What the forward pre-hooks read during one step."""
 
-    attn_norm: nn.Module
-    mlp_norm: nn.Module
-    linears: dict[str, nn.Linear]
-    """``q, k, v, o, up, down`` and optionally ``gate``."""
-    paths: dict[str, str]
-    """Dotted path of each role inside the block."""
-    attn: AttnSpec
-    mlp: MlpSpec
-
-
-_LINEAR_PATHS = {"q": "attn.q", "k": "attn.k", "v": "attn.v", "o": "attn.o", "up": "mlp.up", "down": "mlp.down"}
+    ctx: SeqContext | None = None
+    shift_labels: torch.Tensor | None = None
+    """This rank's slice of the globally shifted labels (label-shifting models), or ``None``."""
+    num_items: int | None = None
+    """Global number of real (non-ignored) shifted labels."""
+    labels_consumed: bool = False
+    """Whether a model consumed ``labels`` through the hook this step (its loss is then a global sum share)."""
+    blocks: list[str] = field(default_factory=list)
 
 
-def _find(block: nn.Module, path: str) -> Any:
-    obj: Any = block
-    for part in path.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
-    return obj
+def step_state(module: nn.Module) -> StepState:
+    """The :class:`StepState` of a parallelized module."""
+    state = getattr(module, _STATE_ATTR, None)
+    if not isinstance(state, StepState):
+        raise RuntimeError("the module has not been parallelized (call lightning_paradyse.parallel.parallelize)")
+    return state
 
 
-def block_roles(block: nn.Module, name: str = "block") -> BlockRoles:
-    """Read the roles of a reference-style block; a ``ValueError`` names the block and missing role."""
-    missing = [p for p in ("attn_norm", "mlp_norm", "attn", "mlp") if _find(block, p) is None]
-    missing += [path for path in _LINEAR_PATHS.values() if not isinstance(_find(block, path), nn.Linear)]
-    if missing:
-        raise ValueError(
-            f"cannot parallelize {name} ({type(block).__name__}): missing role(s) {', '.join(missing)}. "
-            f"Blocks need attn_norm, attn.q/k/v/o (nn.Linear), mlp_norm and mlp.up/down (nn.Linear)."
-        )
-    attn: Any = block.attn
-    mlp: Any = block.mlp
-    linears = {role: _find(block, path) for role, path in _LINEAR_PATHS.items()}
-    paths = dict(_LINEAR_PATHS, attn_norm="attn_norm", mlp_norm="mlp_norm")
-    if isinstance(getattr(mlp, "gate", None), nn.Linear):
-        linears["gate"], paths["gate"] = mlp.gate, "mlp.gate"
-    attn_spec = AttnSpec(
-        hidden=linears["q"].in_features,
-        n_heads=int(attn.n_heads),
-        n_kv_heads=int(attn.n_kv_heads),
-        head_dim=int(attn.head_dim),
-        causal=bool(attn.causal),
-        rotary=getattr(attn, "rotary", None),
+# --------------------------------------------------------------------------------------------------
+# Finding and rewriting the blocks
+# --------------------------------------------------------------------------------------------------
+
+
+def _looks_like_block(module: nn.Module) -> bool:
+    mods = list(module.modules())
+    if any(isinstance(m, nn.MultiheadAttention) for m in mods):
+        return True
+    return sum(isinstance(m, nn.Linear) for m in mods) >= 4 and any(
+        "attn" in n.lower() or "attention" in n.lower() for n, _ in module.named_modules()
     )
-    mlp_spec = MlpSpec(
-        hidden=linears["up"].in_features,
-        ffn=linears["up"].out_features,
-        act=mlp.act,
-        gated="gate" in linears and bool(getattr(mlp, "gated", True)),
-    )
-    return BlockRoles(block.attn_norm, block.mlp_norm, linears, paths, attn_spec, mlp_spec)  # type: ignore[arg-type]
 
 
-# (parameter name in ParallelBlock, role, weight or bias, sharded by rows, transposed)
-_SHARDS = (
-    ("q", "q", "weight", False),
-    ("k", "k", "weight", False),
-    ("v", "v", "weight", False),
-    ("o_t", "o", "weight", True),
-    ("up", "up", "weight", False),
-    ("gate", "gate", "weight", False),
-    ("down_t", "down", "weight", True),
-    ("bq", "q", "bias", False),
-    ("bk", "k", "bias", False),
-    ("bv", "v", "bias", False),
-    ("b_up", "up", "bias", False),
-    ("b_gate", "gate", "bias", False),
-)
-_REPLICATED_BIASES = (("bo", "o"), ("b_down", "down"))
+def find_blocks(module: nn.Module, blocks: str | None = None) -> list[tuple[str, nn.Module]]:
+    """The transformer blocks inside ``module`` as ``(name, block)``, in order.
 
-
-class ParallelBlock(nn.Module):
-    """A transformer block on the unified layout: replicated norms, 1/p projection shards.
-
-    Call :meth:`configure` with the batch's :class:`SeqContext` and this layer's plan before forward.
-    ``forward(x, *args)`` has the plain block's signature; extra arguments (positions) are ignored
-    because global positions come from the layout.
+    With ``blocks`` (a dotted path to an ``nn.ModuleList``) that list; otherwise the one ModuleList
+    whose children all look like transformer blocks (an attention and at least four linears).
     """
-
-    def __init__(self, block: nn.Module, group: Group, name: str = "block") -> None:
-        super().__init__()
-        roles = block_roles(block, name)
-        p, rank = group_size(group), group_rank(group)
-        self.attn_spec, self.mlp_spec = roles.attn, roles.mlp
-        self.attn_norm, self.mlp_norm = roles.attn_norm, roles.mlp_norm
-        self.sources: dict[str, ShardSource] = {}
-        self.replicated_sources: dict[str, str] = {}
-        for pname, role, kind, transposed in _SHARDS:
-            tensor = getattr(roles.linears.get(role), kind, None)
-            if tensor is None:
-                self.register_parameter(pname, None)
-                continue
-            data = tensor.detach().t() if transposed else tensor.detach()
-            self.register_parameter(pname, nn.Parameter(shard_rows(data, p, rank)))
-            self.sources[pname] = ShardSource(f"{roles.paths[role]}.{kind}", transposed)
-        for pname, role in _REPLICATED_BIASES:
-            bias = roles.linears[role].bias
-            self.register_parameter(pname, None if bias is None else nn.Parameter(bias.detach().clone()))
-            if bias is not None:
-                self.replicated_sources[pname] = f"{roles.paths[role]}.bias"
-        for norm in ("attn_norm", "mlp_norm"):
-            for pname, _ in getattr(self, norm).named_parameters():
-                self.replicated_sources[f"{norm}.{pname}"] = f"{roles.paths[norm]}.{pname}"
-        self.ctx: SeqContext | None = None
-        self.plan: LayerPlan | None = None
-
-    def configure(self, ctx: SeqContext, plan: LayerPlan) -> None:
-        """Set the layout and this layer's plan for the next forward (a table look-up, no data moves)."""
-        self.ctx, self.plan = ctx, plan
-
-    def infeasible(self, plan: LayerPlan, p: int) -> str | None:
-        """Why ``plan`` cannot run this block on ``p`` ranks, or ``None``."""
-        attn = get_mode(plan.attention.mode).attention_infeasible(self.attn_spec, p)
-        mlp = get_mode(plan.mlp.mode).mlp_infeasible(self.mlp_spec, p)
-        return attn or mlp
-
-    def _opt(self, name: str) -> torch.Tensor | None:
-        return self._parameters.get(name)
-
-    def _req(self, name: str) -> torch.Tensor:
-        param = self._parameters.get(name)
-        assert param is not None, name
-        return param
-
-    def attn_weights(self) -> AttnWeights:
-        """This rank's attention shards (the parameters themselves)."""
-        o = self._opt
-        return AttnWeights(
-            self._req("q"), self._req("k"), self._req("v"), self._req("o_t"), o("bq"), o("bk"), o("bv"), o("bo")
-        )
-
-    def mlp_weights(self) -> MlpWeights:
-        """This rank's MLP shards (the parameters themselves)."""
-        o = self._opt
-        return MlpWeights(self._req("up"), self._req("down_t"), o("gate"), o("b_up"), o("b_gate"), o("b_down"))
-
-    def _attention(self, x: torch.Tensor, ctx: SeqContext, mode: str) -> torch.Tensor:
-        return get_mode(mode).attention(self.attn_norm(x), self.attn_weights(), self.attn_spec, ctx)
-
-    def _mlp(self, x: torch.Tensor, ctx: SeqContext, mode: str) -> torch.Tensor:
-        return get_mode(mode).mlp(self.mlp_norm(x), self.mlp_weights(), self.mlp_spec, ctx)
-
-    def _run(self, op: str, x: torch.Tensor, ctx: SeqContext, op_plan: OpPlan) -> torch.Tensor:
-        fn = self._attention if op == "attention" else self._mlp
-        if op_plan.recompute and torch.is_grad_enabled():
-            return checkpoint(fn, x, ctx, op_plan.mode, use_reentrant=False)  # type: ignore[no-any-return]
-        return fn(x, ctx, op_plan.mode)
-
-    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """``[b, s_r, h] -> [b, s_r, h]`` with the configured plan."""
-        if self.ctx is None or self.plan is None:
-            raise RuntimeError("ParallelBlock.configure(ctx, plan) must be called before forward")
-        expected = self.ctx.layout.local_len(self.ctx.rank)
-        if x.shape[1] != expected:
-            raise ValueError(f"block input has {x.shape[1]} tokens but this rank's layout holds {expected}")
-        for op in OPS:
-            x = x + self._run(op, x, self.ctx, self.plan.op(op))
-        return x
-
-
-def _block_list(model: nn.Module) -> nn.ModuleList:
-    layers = getattr(model, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
+    if blocks is not None:
+        try:
+            found = module.get_submodule(blocks)
+        except AttributeError:
+            raise ValueError(f"blocks={blocks!r}: no such sub-module") from None
+        if not isinstance(found, nn.ModuleList) or len(found) == 0:
+            raise ValueError(f"blocks={blocks!r} must name a non-empty nn.ModuleList of transformer blocks")
+        return [(f"{blocks}.{i}", b) for i, b in enumerate(found)]
+    candidates = [
+        (name, m)
+        for name, m in module.named_modules()
+        if isinstance(m, nn.ModuleList) and len(m) > 0 and all(_looks_like_block(b) for b in m)
+    ]
+    outer = [(n, m) for n, m in candidates if not any(n.startswith(o + ".") for o, _ in candidates if o != n)]
+    if not outer:
         raise ValueError(
-            f"{type(model).__name__} has no `layers` ModuleList of transformer blocks; the explicit adapter "
-            f"needs one (automatic discovery comes with the strategy's graph rewriting)"
+            f"no list of transformer blocks found in {type(module).__name__}; pass blocks='path.to.layers'"
         )
-    return layers
+    if len(outer) > 1:
+        names = ", ".join(n for n, _ in outer)
+        raise ValueError(f"several lists of transformer blocks found ({names}); choose one with blocks='...'")
+    name, found = outer[0]
+    return [(f"{name}.{i}", b) for i, b in enumerate(found)]
 
 
-def parallelize(model: nn.Module, group: Group) -> nn.Module:
-    """Replace every block of ``model.layers`` by a :class:`ParallelBlock` (in place); return ``model``."""
-    layers = _block_list(model)
-    for i, block in enumerate(layers):
-        if not isinstance(block, ParallelBlock):
-            layers[i] = ParallelBlock(block, group, name=f"layers.{i}")
-    return model
+def parallelize(module: nn.Module, group: Group, blocks: str | None = None) -> list[str]:
+    """Rewrite every transformer block of ``module`` in place (see the module docstring).
+
+    Returns the block names. Raises ``ValueError`` naming the block and the missing role when a block
+    cannot be understood; nothing is ever run unparallelized silently.
+    """
+    if getattr(module, _STATE_ATTR, None) is not None:
+        raise RuntimeError("the module is already parallelized")
+    found = find_blocks(module, blocks)
+    for layer, (name, block) in enumerate(found):
+        try:
+            rewrite_block(block, name, layer, group)
+        except RoleError as err:
+            raise ValueError(str(err)) from None
+    state = StepState(blocks=[n for n, _ in found])
+    object.__setattr__(module, _STATE_ATTR, state)
+    _install_hooks(module, [n for n, _ in found], state)
+    return state.blocks
 
 
-def parallel_blocks(model: nn.Module) -> list[ParallelBlock]:
-    """The :class:`ParallelBlock` s of a parallelized model, in order."""
-    return [b for b in _block_list(model) if isinstance(b, ParallelBlock)]
+def feasible_modes(module: nn.Module, p: int, modes: list[str]) -> list[tuple[list[str], list[str]]]:
+    """Per layer, the modes among ``modes`` that can run its attention and its MLP on ``p`` ranks."""
+    out: list[tuple[list[str], list[str]]] = [(list(modes), list(modes)) for _ in range(n_layers(module))]
+    for _, op in dispatchers(module):
+        allowed = out[op.layer][0 if isinstance(op, AttentionDispatch) else 1]
+        allowed[:] = [m for m in allowed if op.infeasible(m, p) is None]
+    return out
 
 
-def check_plan(model: nn.Module, plan: Plan, p: int) -> None:
+def _accepts(fn: Any, name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or (any(p.kind is p.VAR_KEYWORD for p in params.values()) and name == "shift_labels")
+
+
+def _install_hooks(module: nn.Module, block_names: list[str], state: StepState) -> None:
+    """Positions for the module that owns the blocks (or its nearest ancestor accepting them); labels for HF.
+
+    The hooks read the step state from the module they are called on, so deep copies stay independent.
+    """
+    owner_path = block_names[0].rsplit(".", 2)[0] if block_names[0].count(".") >= 2 else ""
+    chain = [owner_path]
+    while chain[-1]:
+        chain.append(chain[-1].rsplit(".", 1)[0] if "." in chain[-1] else "")
+    for path in chain:
+        owner = module.get_submodule(path) if path else module
+        arg = next((a for a in ("positions", "position_ids") if _accepts(owner.forward, a)), None)
+        if arg is not None:
+            object.__setattr__(owner, _STATE_ATTR, state)
+            owner.register_forward_pre_hook(_position_hook(arg), with_kwargs=True)
+            break
+    for path in chain:
+        owner = module.get_submodule(path) if path else module
+        if _accepts(owner.forward, "labels") and _accepts(owner.forward, "shift_labels"):
+            object.__setattr__(owner, _STATE_ATTR, state)
+            owner.register_forward_pre_hook(_labels_hook, with_kwargs=True)
+
+
+def _position_hook(arg: str) -> Any:
+    def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        ctx = step_state(mod).ctx
+        params = list(inspect.signature(mod.forward).parameters)
+        given = kwargs.get(arg) is not None or (arg in params and params.index(arg) < len(args))
+        if ctx is None or given:
+            return args, kwargs
+        positions = ctx.positions(_device_of(args, kwargs))  # [s_r] global positions of the local tokens
+        kwargs[arg] = positions if arg == "positions" else positions[None]  # position_ids: [1, s_r]
+        return args, kwargs
+
+    return hook
+
+
+def _labels_hook(
+    mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    state = step_state(mod)
+    if kwargs.get("labels") is None or state.shift_labels is None or "shift_labels" in kwargs:
+        return args, kwargs
+    kwargs["shift_labels"] = state.shift_labels
+    kwargs["num_items_in_batch"] = torch.tensor(max(int(state.num_items or 0), 1))
+    state.labels_consumed = True
+    return args, kwargs
+
+
+def _device_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device | None:
+    for value in list(args) + list(kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value.device
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# Per batch
+# --------------------------------------------------------------------------------------------------
+
+
+def dispatchers(module: nn.Module) -> list[tuple[str, OpDispatch]]:
+    """Every dispatch module with its name, in model order."""
+    return [(n, m) for n, m in module.named_modules() if isinstance(m, OpDispatch)]
+
+
+def n_layers(module: nn.Module) -> int:
+    """Number of rewritten blocks."""
+    return len(step_state(module).blocks)
+
+
+def is_causal(module: nn.Module) -> bool:
+    """Whether any block is (or may be, when decided per call) causal: the balanced layout is then used."""
+    attn = [m for _, m in dispatchers(module) if isinstance(m, AttentionDispatch)]
+    return any(m.roles.causal is None or m.roles.causal for m in attn)
+
+
+def check_plan(module: nn.Module, plan: Plan, p: int) -> None:
     """Raise a ``ValueError`` (before any collective) if ``plan`` does not fit the model or the group."""
-    blocks = parallel_blocks(model)
-    if len(plan) != len(blocks):
-        raise ValueError(f"the plan has {len(plan)} layers but the model has {len(blocks)} blocks")
-    for i, (block, layer) in enumerate(zip(blocks, plan.layers)):
-        reason = block.infeasible(layer, p)
+    layers = n_layers(module)
+    if len(plan) != layers:
+        raise ValueError(f"the plan has {len(plan)} layers but the model has {layers} blocks")
+    for _, op in dispatchers(module):
+        layer = plan.layers[op.layer]
+        mode = layer.attention.mode if isinstance(op, AttentionDispatch) else layer.mlp.mode
+        reason = op.infeasible(mode, p)
         if reason:
-            raise ValueError(f"layer {i}: {reason}; choose another mode for this layer")
+            raise ValueError(f"layer {op.layer}: {reason}; choose another mode for this layer")
 
 
-def configure(model: nn.Module, ctx: SeqContext, plan: Plan) -> None:
-    """Set the batch's layout and plan on every block (after :func:`check_plan`)."""
-    check_plan(model, plan, ctx.p)
-    for block, layer in zip(parallel_blocks(model), plan.layers):
-        block.configure(ctx, layer)
+def configure(module: nn.Module, ctx: SeqContext, plan: Plan) -> None:
+    """Set the batch's layout and plan on every dispatch module (after :func:`check_plan`)."""
+    check_plan(module, plan, ctx.p)
+    state = step_state(module)
+    state.ctx, state.shift_labels, state.num_items, state.labels_consumed = ctx, None, None, False
+    for _, op in dispatchers(module):
+        layer = plan.layers[op.layer]
+        op.configure(ctx, layer.attention if isinstance(op, AttentionDispatch) else layer.mlp)
 
 
-def _sharded_ids(model: nn.Module) -> set[int]:
-    return {id(b.get_parameter(name)) for b in parallel_blocks(model) for name in b.sources}
+def set_step_targets(module: nn.Module, shift_labels: torch.Tensor | None, num_items: int | None) -> None:
+    """For label-shifting models: this rank's slice of the globally shifted labels and their global count."""
+    state = step_state(module)
+    state.shift_labels, state.num_items, state.labels_consumed = shift_labels, num_items, False
 
 
-def replicated_parameters(model: nn.Module) -> Iterator[nn.Parameter]:
+# --------------------------------------------------------------------------------------------------
+# Gradients and state
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShardRef:
+    """How a sharded parameter relates to the plain model."""
+
+    plain: str
+    """Name of the plain parameter in the module."""
+    source: ShardSource
+
+
+def shard_sources(module: nn.Module) -> dict[str, ShardRef]:
+    """Every sharded parameter's name in ``module`` -> its plain parameter and piece."""
+    out: dict[str, ShardRef] = {}
+    for path, op in dispatchers(module):
+        block = path[: len(path) - len(op.core_path)]
+        for pname, src in op.sources.items():
+            out[f"{path}.{pname}"] = ShardRef(block + src.name, src)
+    return out
+
+
+def _replicated_sources(module: nn.Module) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for path, op in dispatchers(module):
+        block = path[: len(path) - len(op.core_path)]
+        for pname, name in op.replicated_sources.items():
+            out[f"{path}.{pname}"] = block + name
+    return out
+
+
+def replicated_parameters(module: nn.Module) -> Iterator[nn.Parameter]:
     """Parameters every rank holds whole (their gradients are summed over the group)."""
-    sharded = _sharded_ids(model)
-    return (p for p in model.parameters() if id(p) not in sharded)
+    sharded = set(shard_sources(module))
+    return (p for n, p in module.named_parameters() if n not in sharded)
 
 
-def reduce_replicated_grads(model: nn.Module, group: Group) -> None:
+def reduce_replicated_grads(module: nn.Module, group: Group) -> None:
     """Sum the gradients of replicated parameters over the group, in one coalesced all-reduce."""
-    params = [p for p in replicated_parameters(model) if p.grad is not None]
+    params = [p for p in replicated_parameters(module) if p.grad is not None]
     if group_size(group) == 1 or not params:
         return
     flat = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
@@ -280,50 +299,75 @@ def reduce_replicated_grads(model: nn.Module, group: Group) -> None:
         at += n
 
 
-def consolidated(model: nn.Module, group: Group, grads: bool = False) -> dict[str, torch.Tensor]:
-    """The plain model's state dict (or its gradients) from a parallelized model, on every rank.
+def gather_param_like(value: torch.Tensor, ref: ShardRef, group: Group) -> torch.Tensor:
+    """The whole (un-transposed) piece behind a shard, from every rank's ``value`` shaped like the shard."""
+    full = all_gather_rows(value, row_sizes(ref.source.rows, group_size(group)), group)  # [rows/p, k] -> [rows, k]
+    return full.t().contiguous() if ref.source.transposed else full
 
-    Shards are all-gathered and un-transposed, names are the plain block's, so the result loads into
-    the unparallelized model with ``load_state_dict``.
+
+def shard_param_like(full: torch.Tensor, ref: ShardRef, group: Group) -> torch.Tensor:
+    """This rank's shard of a whole (plain-layout) piece: the inverse of :func:`gather_param_like`."""
+    data = full.t() if ref.source.transposed else full
+    return shard_rows(data, group_size(group), group_rank(group))
+
+
+def _value(param: torch.Tensor, grads: bool) -> torch.Tensor | None:
+    return param.grad if grads else param.detach()
+
+
+def consolidated(module: nn.Module, group: Group, grads: bool = False) -> dict[str, torch.Tensor]:
+    """The plain model's state dict (or gradients) from a parallelized module, on every rank.
+
+    Names are relative to ``module``; the result loads into the unparallelized module with
+    ``load_state_dict`` (buffers included when ``grads`` is false).
     """
     out: dict[str, torch.Tensor] = {}
-    block_ids = {id(b): i for i, b in enumerate(_block_list(model))}
-    prefix = {b: f"layers.{block_ids[id(b)]}." for b in parallel_blocks(model)}
-    handled: set[int] = set()
-    for block, pre in prefix.items():
-        p = group_size(group)
-        for pname, src in block.sources.items():
-            param = block.get_parameter(pname)
-            value = param.grad if grads else param.detach()
-            if value is None:
-                continue
-            full = all_gather_rows(value, row_sizes(_full_rows(block, pname, p, group), p), group)
-            out[pre + src.name] = full.t().contiguous() if src.transposed else full
-            handled.add(id(param))
-        for pname, orig in block.replicated_sources.items():
-            param = block.get_parameter(pname)
-            value = param.grad if grads else param.detach()
-            if value is not None:
-                out[pre + orig] = value
-            handled.add(id(param))
-    for name, param in model.named_parameters():
-        if id(param) not in handled:
-            value = param.grad if grads else param.detach()
-            if value is not None:
-                out[name] = value
+    shards, replicated = shard_sources(module), _replicated_sources(module)
+    pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for name, param in module.named_parameters():
+        value = _value(param, grads)
+        if name in shards:
+            ref = shards[name]
+            piece = gather_param_like(value, ref, group) if value is not None else None
+            if piece is not None:
+                pieces.setdefault(ref.plain, []).append((ref.source.offset, piece))
+        elif value is not None:
+            out[replicated.get(name, name)] = value
+    for plain, parts in pieces.items():
+        out[plain] = torch.cat([t for _, t in sorted(parts, key=lambda item: item[0])])
+    if not grads:
+        persistent = set(module.state_dict(keep_vars=True))
+        out.update({n: b.detach() for n, b in module.named_buffers() if n in persistent})
     return out
 
 
-def _full_rows(block: ParallelBlock, pname: str, p: int, group: Group) -> int:
-    """Rows of the whole weight behind a shard (known from the specs)."""
-    a, m = block.attn_spec, block.mlp_spec
-    rows = {
-        "q": a.q_rows,
-        "bq": a.q_rows,
-        "o_t": a.q_rows,
-        "k": a.kv_rows,
-        "v": a.kv_rows,
-        "bk": a.kv_rows,
-        "bv": a.kv_rows,
-    }
-    return rows.get(pname, m.ffn)
+def load_consolidated(module: nn.Module, state: dict[str, torch.Tensor], group: Group, strict: bool = True) -> None:
+    """Load a plain state dict (as :func:`consolidated` returns) into the shards of a parallelized module."""
+    shards, replicated = shard_sources(module), _replicated_sources(module)
+    used: set[str] = set()
+    missing: list[str] = []
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if name in shards:
+                ref = shards[name]
+                key = ref.plain
+                if key not in state:
+                    missing.append(key)
+                    continue
+                src = ref.source
+                piece = state[key] if src.transposed else state[key].narrow(0, src.offset, src.rows)
+                param.copy_(shard_param_like(piece, ref, group))
+            else:
+                key = replicated.get(name, name)
+                if key not in state:
+                    missing.append(key)
+                    continue
+                param.copy_(state[key])
+            used.add(key)
+        for name, buf in module.named_buffers():
+            if name in state:
+                buf.copy_(state[name])
+                used.add(name)
+    unexpected = sorted(set(state) - used)
+    if strict and (missing or unexpected):
+        raise KeyError(f"state dict does not match the model: missing {sorted(set(missing))}, unexpected {unexpected}")

@@ -104,10 +104,14 @@ def _broadcast_parts(w: AttnWeights, aligned: bool) -> Parts:
 
 def _kv_columns(w: AttnWeights) -> Parts:
     """k/v weights and biases as column blocks of one ``[kv_rows/p, 2h (+2)]`` matrix."""
-    return _present({
-        "k": w.k, "bk": None if w.bk is None else w.bk.unsqueeze(1),
-        "v": w.v, "bv": None if w.bv is None else w.bv.unsqueeze(1),
-    })
+    return _present(
+        {
+            "k": w.k,
+            "bk": None if w.bk is None else w.bk.unsqueeze(1),
+            "v": w.v,
+            "bv": None if w.bv is None else w.bv.unsqueeze(1),
+        }
+    )
 
 
 def _gather_kv(w: AttnWeights, spec: AttnSpec, ctx: SeqContext) -> torch.Tensor:
@@ -116,8 +120,7 @@ def _gather_kv(w: AttnWeights, spec: AttnSpec, ctx: SeqContext) -> torch.Tensor:
     return all_gather_rows(packed, row_sizes(spec.kv_rows, ctx.p), ctx.group)
 
 
-def _kv_of_group(kv_full: torch.Tensor, widths: list[int], names: list[str], j: int,
-                 spec: AttnSpec, p: int) -> Parts:
+def _kv_of_group(kv_full: torch.Tensor, widths: list[int], names: list[str], j: int, spec: AttnSpec, p: int) -> Parts:
     """The k/v weights of the kv heads group ``j``'s query heads read (differentiable)."""
     index = gqa_kv_index(spec.n_heads, spec.n_kv_heads, p)
     m = len(index) // p
@@ -127,8 +130,9 @@ def _kv_of_group(kv_full: torch.Tensor, widths: list[int], names: list[str], j: 
     return {n: c.squeeze(1) if n.startswith("b") else c for n, c in zip(names, cols)}
 
 
-def _project(x: torch.Tensor, g: Parts, spec: AttnSpec, positions: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _project(
+    x: torch.Tensor, g: Parts, spec: AttnSpec, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Queries, keys, values of one head group for the local tokens, rotated at global positions."""
     d = spec.head_dim
     q = split_heads(F.linear(x, g["q"], g.get("bq")), d)  # [b, s_r, h] -> [b, n/p, s_r, d]
@@ -160,8 +164,9 @@ class _Groups:
         return _kv_of_group(kv_full, self.kv_widths, self.kv_names, j, self.spec, self.ctx.p)
 
 
-def _group_backward(x: torch.Tensor, dy: torch.Tensor, groups: _Groups, j: int, bc: Parts,
-                    out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+def _group_backward(
+    x: torch.Tensor, dy: torch.Tensor, groups: _Groups, j: int, bc: Parts, out: torch.Tensor, lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, Any]:
     """``(dx_j, packed dW_j of the broadcast shard, d kv_full or None)`` for head group ``j``."""
     spec, ctx = groups.spec, groups.ctx
     with torch.enable_grad():
@@ -241,8 +246,9 @@ def _mlp_numel(names: list[str], rows: int, h: int) -> int:
     return rows * sum(1 if n.startswith("b_") else h for n in names)
 
 
-def _weight_ring(flat: torch.Tensor, names: list[str], h: int, spec: MlpSpec, ctx: SeqContext
-                 ) -> Iterator[tuple[int, int, Parts]]:
+def _weight_ring(
+    flat: torch.Tensor, names: list[str], h: int, spec: MlpSpec, ctx: SeqContext
+) -> Iterator[tuple[int, int, Parts]]:
     """Yield ``(t, owner, owner's shard)`` for ``t = 0..p-1``, sending the shard on while it is used."""
     p, r = ctx.p, ctx.rank
     rows = row_sizes(spec.ffn, p)
@@ -264,8 +270,7 @@ def _mlp_step(x: torch.Tensor, w: Parts, spec: MlpSpec) -> torch.Tensor:
     return mlp_hidden(up, gate, spec) @ w["down_t"]  # [b, s_r, f_j] -> [b, s_r, h]
 
 
-def _mlp_step_backward(x: torch.Tensor, dy: torch.Tensor, w: Parts, spec: MlpSpec
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+def _mlp_step_backward(x: torch.Tensor, dy: torch.Tensor, w: Parts, spec: MlpSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """Recompute one step locally: ``(dx_t, packed dW of the shard in hand)``."""
     with torch.enable_grad():
         xl, leaves = x.detach().requires_grad_(), _leaves(w)

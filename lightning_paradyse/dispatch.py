@@ -1,0 +1,374 @@
+"""Multi-variant op modules: they own an op's 1/p shards and run it in the mode the plan names.
+
+The rewrite (:mod:`lightning_paradyse.graph.rewrite`) replaces the sub-module that computes a block's
+attention (``attn``, ``self_attn``, an ``nn.MultiheadAttention``) by an :class:`AttentionDispatch`
+and the one that computes its MLP by an :class:`MlpDispatch` (or, when the block computes the MLP
+inline, its two linears by :class:`ColumnDispatch` / :class:`RowDispatch`). The block's own code —
+norms, residual additions — keeps running unchanged on the local tokens of the unified layout.
+
+Each dispatch module holds one variant per mode (the mode's resharding collectives are inside the
+mode), all reading the same shard parameters; :meth:`configure` selects the variant for the next
+call, which is a table look-up: no weight moves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from lightning_paradyse.comm import Group, gather_seq, group_rank, group_size, scatter_seq
+from lightning_paradyse.graph.passes import AttentionRoles, MlpRoles
+from lightning_paradyse.modes import get_mode
+from lightning_paradyse.modes.zero3 import zero3_bias, zero3_linear, zero3_linear_t
+from lightning_paradyse.plan import OpPlan
+from lightning_paradyse.spec import AttnSpec, AttnWeights, MlpSpec, MlpWeights, SeqContext, shard_rows
+
+
+@dataclass(frozen=True)
+class ShardSource:
+    """Where a shard parameter comes from in the plain block."""
+
+    name: str
+    """Name of the plain parameter, relative to the block (e.g. ``self_attn.in_proj_weight``)."""
+    transposed: bool
+    """The shard is of the transposed weight (row-parallel ``o`` / ``down``)."""
+    rows: int
+    """Rows of the whole (possibly transposed) weight piece this shard is 1/p of."""
+    offset: int = 0
+    """First row of the piece inside the plain parameter (q/k/v packed in one ``in_proj_weight``)."""
+
+
+class OpDispatch(nn.Module):
+    """Common part of the dispatch modules: shard parameters, their sources, the configured variant."""
+
+    def __init__(self, core_path: str, layer: int) -> None:
+        super().__init__()
+        self.core_path = core_path
+        """Path of the replaced sub-module inside the block."""
+        self.layer = layer
+        """Index of the block in the model (the plan's layer index)."""
+        self.sources: dict[str, ShardSource] = {}
+        self.replicated_sources: dict[str, str] = {}
+        self.ctx: SeqContext | None = None
+        self.op_plan: OpPlan | None = None
+
+    def add_shard(self, name: str, full: torch.Tensor | None, source: ShardSource, group: Group) -> None:
+        """Register this rank's rows of ``full`` (already transposed if needed) as parameter ``name``."""
+        if full is None:
+            self.register_parameter(name, None)
+            return
+        shard = shard_rows(full.detach(), group_size(group), group_rank(group))
+        self.register_parameter(name, nn.Parameter(shard, requires_grad=full.requires_grad))
+        self.sources[name] = source
+
+    def add_replicated(self, name: str, value: torch.Tensor | None, source: str) -> None:
+        if value is None:
+            self.register_parameter(name, None)
+            return
+        self.register_parameter(name, nn.Parameter(value.detach().clone(), requires_grad=value.requires_grad))
+        self.replicated_sources[name] = source
+
+    def opt(self, name: str) -> torch.Tensor | None:
+        return self._parameters.get(name)
+
+    def req(self, name: str) -> torch.Tensor:
+        value = self._parameters.get(name)
+        assert value is not None, name
+        return value
+
+    def configure(self, ctx: SeqContext, op_plan: OpPlan) -> None:
+        """Select the variant (mode, recompute) and the layout for the next call."""
+        self.ctx, self.op_plan = ctx, op_plan
+
+    def infeasible(self, mode: str, p: int) -> str | None:
+        raise NotImplementedError
+
+    def _state(self, x: torch.Tensor) -> tuple[SeqContext, OpPlan]:
+        if self.ctx is None or self.op_plan is None:
+            raise RuntimeError(f"{self.core_path} (layer {self.layer}) ran before the strategy configured a plan")
+        expected = self.ctx.layout.local_len(self.ctx.rank)
+        if x.shape[1] != expected:
+            raise ValueError(f"layer {self.layer}: the input has {x.shape[1]} tokens, the layout gives {expected}")
+        return self.ctx, self.op_plan
+
+    def _run(self, fn: Any, *args: Any) -> torch.Tensor:
+        assert self.op_plan is not None
+        if self.op_plan.recompute and torch.is_grad_enabled():
+            return checkpoint(fn, *args, use_reentrant=False)  # type: ignore[no-any-return]
+        return fn(*args)  # type: ignore[no-any-return]
+
+
+class _TokenTable:
+    """Per-token positional inputs (positions, or rotary cos/sin) of the local tokens, looked up by position.
+
+    Values for tokens of other ranks are all-gathered once per call when a mode needs the whole sequence,
+    except integer position ids equal to the layout's positions, which are known everywhere.
+    """
+
+    def _are_layout_positions(self) -> bool:
+        if len(self.values) != 1 or self.values[0].is_floating_point():
+            return False
+        value, dim = self.values[0], self.dims[0]
+        local = self.ctx.positions(value.device)
+        shaped = local.view([-1 if i == dim else 1 for i in range(value.dim())]).expand_as(value)
+        return bool(torch.equal(value, shaped))
+
+    def __init__(self, values: list[torch.Tensor], dims: tuple[int, ...], ctx: SeqContext) -> None:
+        self.values, self.dims, self.ctx = values, dims, ctx
+        self.full: list[torch.Tensor] | None = None
+
+    def lookup(self, positions: torch.Tensor) -> list[torch.Tensor]:
+        """The values at ``positions``: this rank's own tokens, or every token in natural order."""
+        layout = self.ctx.layout
+        if positions.numel() == layout.local_len(self.ctx.rank):
+            return self.values
+        if self._are_layout_positions():  # position ids are the layout's own: nothing to gather
+            value, dim = self.values[0], self.dims[0]
+            shape = [positions.numel() if i == dim else n for i, n in enumerate(value.shape)]
+            view = [-1 if i == dim else 1 for i in range(value.dim())]
+            return [positions.to(value.dtype).view(view).expand(shape)]
+        if self.full is None:
+            self.full = [self._gather(v, d) for v, d in zip(self.values, self.dims)]
+        return [f.index_select(d, positions) for f, d in zip(self.full, self.dims)]
+
+    def _gather(self, value: torch.Tensor, dim: int) -> torch.Tensor:
+        layout = self.ctx.layout
+        moved = value.detach().movedim(dim, 1) if value.dim() > 1 else value.detach()[None]  # token dim -> 1
+        with torch.no_grad():
+            full = gather_seq(moved.contiguous(), layout, self.ctx.group)  # [.., s_r, ..] -> [.., s, ..]
+        full = full.index_select(1, layout.natural_index(full.device))  # gathered -> natural order
+        return full.movedim(1, dim) if value.dim() > 1 else full[0]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)  # [..., d] -> 2 x [..., d/2]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class AttentionDispatch(OpDispatch):
+    """Replaces the attention sub-module of a block; runs the attention op in the configured mode."""
+
+    def __init__(self, core: nn.Module, roles: AttentionRoles, layer: int, group: Group) -> None:
+        super().__init__(roles.core, layer)
+        self.roles = roles
+        self.batch_first = True  # nn.TransformerEncoderLayer reads these three to choose its path;
+        self.in_proj_bias = None  # without a bias it takes the ordinary path that calls this module
+        self._qkv_same_embed_dim = False
+        self._add_weights(core, roles, group)
+        if roles.rotary == "module" and roles.rotary_module is not None:
+            rel = roles.rotary_module[len(roles.core) + 1 :]
+            self.rotary = core.get_submodule(rel)
+        h = self.req("o_t").shape[1]
+        self.spec = AttnSpec(h, roles.n_heads, roles.n_kv_heads, roles.head_dim, bool(roles.causal))
+
+    def _add_weights(self, core: nn.Module, roles: AttentionRoles, group: Group) -> None:
+        pre = roles.core + "."
+        if roles.kind == "mha":
+            assert isinstance(core, nn.MultiheadAttention)
+            h = core.embed_dim
+            for i, name in enumerate(("q", "k", "v")):
+                src = ShardSource(f"{pre}in_proj_weight", False, h, offset=i * h)
+                self.add_shard(name, core.in_proj_weight[i * h : (i + 1) * h], src, group)
+                bias = None if core.in_proj_bias is None else core.in_proj_bias[i * h : (i + 1) * h]
+                self.add_shard(f"b{name}", bias, ShardSource(f"{pre}in_proj_bias", False, h, offset=i * h), group)
+            out = core.out_proj
+            self.add_shard("o_t", out.weight.t(), ShardSource(f"{pre}out_proj.weight", True, h), group)
+            self.add_replicated("bo", out.bias, f"{pre}out_proj.bias")
+            return
+        for name in ("q", "k", "v"):
+            path = getattr(roles, name)
+            lin = core.get_submodule(path[len(pre) :])
+            assert isinstance(lin, nn.Linear)
+            rows = lin.out_features
+            self.add_shard(name, lin.weight, ShardSource(f"{path}.weight", False, rows), group)
+            self.add_shard(f"b{name}", lin.bias, ShardSource(f"{path}.bias", False, rows), group)
+        o = core.get_submodule(roles.o[len(pre) :])
+        assert isinstance(o, nn.Linear)
+        self.add_shard("o_t", o.weight.t(), ShardSource(f"{roles.o}.weight", True, o.in_features), group)
+        self.add_replicated("bo", o.bias, f"{roles.o}.bias")
+
+    def weights(self) -> AttnWeights:
+        o = self.opt
+        return AttnWeights(
+            self.req("q"), self.req("k"), self.req("v"), self.req("o_t"), o("bq"), o("bk"), o("bv"), o("bo")
+        )
+
+    def infeasible(self, mode: str, p: int) -> str | None:
+        return get_mode(mode).attention_infeasible(self.spec, p)
+
+    def _causal(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        if self.roles.kind != "mha":
+            return bool(self.roles.causal)
+        names = (
+            "query",
+            "key",
+            "value",
+            "key_padding_mask",
+            "need_weights",
+            "attn_mask",
+            "average_attn_weights",
+            "is_causal",
+        )
+        call = dict(zip(names, args)) | kwargs
+        if call.get("key") is not call.get("query") or call.get("value") is not call.get("query"):
+            raise ValueError(f"layer {self.layer}: only self-attention (query is key is value) is supported")
+        if call.get("key_padding_mask") is not None:
+            raise ValueError(f"layer {self.layer}: key_padding_mask is not supported yet; pack without padding")
+        mask = call.get("attn_mask")
+        if call.get("is_causal"):
+            return True
+        if mask is None:
+            return False
+        if not _is_causal_mask(mask):
+            raise ValueError(f"layer {self.layer}: only causal or no attention masks are supported")
+        return True
+
+    def _rotary(self, args: tuple[Any, ...], kwargs: dict[str, Any], ctx: SeqContext) -> Any:
+        if self.roles.rotary is None:
+            return None
+        table = _TokenTable([r.get(args, kwargs) for r in self.roles.positions], self.roles.token_dims, ctx)
+        if self.roles.rotary == "module":
+            module = self.rotary
+
+            def by_module(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> Any:
+                return module(q, k, table.lookup(positions)[0])
+
+            return by_module
+
+        def by_cos_sin(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> Any:
+            cos, sin = (t.unsqueeze(1) for t in table.lookup(positions))  # [b, t, d] -> [b, 1, t, d]
+            return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+        return by_cos_sin
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        x = self.roles.hidden.get(args, kwargs)
+        ctx, op = self._state(x)
+        spec = AttnSpec(
+            self.spec.hidden,
+            self.spec.n_heads,
+            self.spec.n_kv_heads,
+            self.spec.head_dim,
+            self._causal(args, kwargs),
+            self._rotary(args, kwargs, ctx),
+        )
+        mode = get_mode(op.mode)
+        y = self._run(lambda inp: mode.attention(inp, self.weights(), spec, ctx), x)
+        if self.roles.output_item is None:
+            return y
+        return tuple(y if i == self.roles.output_item else None for i in range(self.roles.output_len))
+
+
+def _is_causal_mask(mask: torch.Tensor) -> bool:
+    t = mask.shape[-1]
+    future = torch.ones(t, t, dtype=torch.bool, device=mask.device).triu(1)
+    if mask.dtype == torch.bool:
+        return bool(torch.equal(mask, future))
+    blocked = torch.isinf(mask) & (mask < 0)
+    return bool(torch.equal(blocked, future) and torch.all(mask[~future] == 0))
+
+
+class MlpDispatch(OpDispatch):
+    """Replaces the MLP sub-module of a block; runs the MLP op in the configured mode."""
+
+    def __init__(self, core: nn.Module, roles: MlpRoles, layer: int, group: Group) -> None:
+        assert roles.core is not None
+        super().__init__(roles.core, layer)
+        pre = roles.core + "."
+        up, down = core.get_submodule(roles.up[len(pre) :]), core.get_submodule(roles.down[len(pre) :])
+        gate = None if roles.gate is None else core.get_submodule(roles.gate[len(pre) :])
+        assert isinstance(up, nn.Linear) and isinstance(down, nn.Linear)
+        f = up.out_features
+        self.add_shard("up", up.weight, ShardSource(f"{roles.up}.weight", False, f), group)
+        self.add_shard("b_up", up.bias, ShardSource(f"{roles.up}.bias", False, f), group)
+        if isinstance(gate, nn.Linear):
+            self.add_shard("gate", gate.weight, ShardSource(f"{roles.gate}.weight", False, f), group)
+            self.add_shard("b_gate", gate.bias, ShardSource(f"{roles.gate}.bias", False, f), group)
+        else:
+            self.register_parameter("gate", None)
+            self.register_parameter("b_gate", None)
+        self.add_shard("down_t", down.weight.t(), ShardSource(f"{roles.down}.weight", True, f), group)
+        self.add_replicated("b_down", down.bias, f"{roles.down}.bias")
+        self.act = roles.act
+        self.spec = MlpSpec(up.in_features, f, roles.act, gated=gate is not None)
+
+    def weights(self) -> MlpWeights:
+        o = self.opt
+        return MlpWeights(self.req("up"), self.req("down_t"), o("gate"), o("b_up"), o("b_gate"), o("b_down"))
+
+    def infeasible(self, mode: str, p: int) -> str | None:
+        return get_mode(mode).mlp_infeasible(self.spec, p)
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        ctx, op = self._state(x)
+        mode = get_mode(op.mode)
+        return self._run(lambda inp: mode.mlp(inp, self.weights(), self.spec, ctx), x)
+
+
+_SPLIT_MODES = ("tp_sp", "ulysses", "ring")
+
+
+class ColumnDispatch(OpDispatch):
+    """The up projection of an MLP the block computes inline (e.g. ``nn.TransformerEncoderLayer.linear1``).
+
+    ``tp_sp``: gather the sequence, then the column shard (the activation runs on ``[b, s, f/p]``);
+    ``ulysses``/``ring``: ZeRO-3 gathered weight on the local tokens. ``metp`` needs to own the whole
+    MLP and is infeasible here.
+    """
+
+    def __init__(self, linear: nn.Linear, path: str, layer: int, group: Group) -> None:
+        super().__init__(path, layer)
+        f = linear.out_features
+        self.rows = f
+        self.add_shard("weight", linear.weight, ShardSource(f"{path}.weight", False, f), group)
+        self.add_shard("bias", linear.bias, ShardSource(f"{path}.bias", False, f), group)
+
+    def infeasible(self, mode: str, p: int) -> str | None:
+        if mode not in _SPLIT_MODES:
+            return f"{mode} needs the MLP in a sub-module of its own; this block computes it inline"
+        return None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ctx, op = self._state(x)
+        return self._run(lambda inp: self._compute(inp, ctx, op.mode), x)
+
+    def _compute(self, x: torch.Tensor, ctx: SeqContext, mode: str) -> torch.Tensor:
+        if mode == "tp_sp":
+            xg = gather_seq(x, ctx.layout, ctx.group)  # [b, s_r, h] -> [b, s, h] (gathered order)
+            return F.linear(xg, self.req("weight"), self.opt("bias"))  # -> [b, s, f/p]
+        y = zero3_linear(x, self.req("weight"), self.rows, ctx.group)  # [b, s_r, h] -> [b, s_r, f]
+        b = zero3_bias(self.opt("bias"), self.rows, ctx.group)
+        return y if b is None else y + b
+
+
+class RowDispatch(OpDispatch):
+    """The down projection matching a :class:`ColumnDispatch`."""
+
+    def __init__(self, linear: nn.Linear, path: str, layer: int, group: Group) -> None:
+        super().__init__(path, layer)
+        self.rows = linear.in_features
+        self.add_shard("weight_t", linear.weight.t(), ShardSource(f"{path}.weight", True, self.rows), group)
+        self.add_replicated("bias", linear.bias, f"{path}.bias")
+
+    def infeasible(self, mode: str, p: int) -> str | None:
+        return None if mode in _SPLIT_MODES else f"{mode} needs the MLP in a sub-module of its own"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ctx is None or self.op_plan is None:
+            raise RuntimeError(f"{self.core_path} (layer {self.layer}) ran before the strategy configured a plan")
+        ctx, op = self.ctx, self.op_plan
+        return self._run(lambda inp: self._compute(inp, ctx, op.mode), x)
+
+    def _compute(self, x: torch.Tensor, ctx: SeqContext, mode: str) -> torch.Tensor:
+        if mode == "tp_sp":
+            partial = x @ self.req("weight_t")  # [b, s, f/p] -> [b, s, h], a partial sum
+            y = scatter_seq(partial, ctx.layout, ctx.group)  # -> [b, s_r, h]
+        else:
+            y = zero3_linear_t(x, self.req("weight_t"), self.rows, ctx.group)  # [b, s_r, f] -> [b, s_r, h]
+        bias = self.opt("bias")
+        return y if bias is None else y + bias

@@ -1,0 +1,457 @@
+"""Role-finding passes over a traced block (:mod:`lightning_paradyse.graph.trace`).
+
+Each pass is a pure function of a :class:`BlockTrace` and returns a frozen description of what it
+found, or raises :class:`RoleError` naming what is missing. What they match:
+
+* :func:`find_attention`: the one attention call (``scaled_dot_product_attention``, or an
+  ``nn.MultiheadAttention``); walking back from its q/k/v inputs to the ``nn.Linear`` that produced
+  each, and forward from its output to the output projection; the positional rotation between the
+  projections and the attention (a rotary *module* fed with positions, or ``cos``/``sin`` tensors
+  multiplied into q and k, rotate-half style); the sub-module that computes the whole op (the
+  deepest module enclosing all of it) and where its input and positional arguments sit in its call.
+* :func:`find_mlp`: the remaining two (``up -> act -> down``) or three (gated ``down(act(gate) * up)``)
+  linears, the activation, and the sub-module computing the MLP, or ``None`` when the block computes
+  it inline (``nn.TransformerEncoderLayer``), in which case the two linears are rewritten one by one.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lightning_paradyse.graph.trace import BlockTrace, ModuleCall, _getitem
+
+
+class RoleError(ValueError):
+    """A block whose roles cannot be identified (the message names the block and the role)."""
+
+
+@dataclass(frozen=True)
+class ArgRef:
+    """Where a value sits in a call: positional ``index`` or keyword ``name``, optional tuple ``item``."""
+
+    index: int | None = None
+    name: str | None = None
+    item: int | None = None
+
+    def get(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        value = args[self.index] if self.index is not None and self.index < len(args) else kwargs.get(str(self.name))
+        return value if self.item is None or value is None else value[self.item]
+
+
+@dataclass(frozen=True)
+class AttentionRoles:
+    """The attention op of a block."""
+
+    core: str
+    """Path (inside the block) of the sub-module that computes the op."""
+    kind: str
+    """``linear`` (q/k/v/o ``nn.Linear`` + scaled-dot-product attention) or ``mha`` (``nn.MultiheadAttention``)."""
+    q: str
+    k: str
+    v: str
+    o: str
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    causal: bool | None
+    """``None`` when decided per call (``nn.MultiheadAttention``'s mask / ``is_causal``)."""
+    hidden: ArgRef
+    """The normalised input in the core module's call."""
+    rotary: str | None = None
+    """``module`` (a rotary module called with positions), ``cos_sin`` (rotate-half with cos/sin), or ``None``."""
+    rotary_module: str | None = None
+    positions: tuple[ArgRef, ...] = ()
+    """The positional inputs of the core call: ``(positions,)`` or ``(cos, sin)``."""
+    token_dims: tuple[int, ...] = ()
+    """The token dimension of each positional input."""
+    output_item: int | None = None
+    """``None`` if the core returns the projection itself, else its index in the returned tuple."""
+    output_len: int = 1
+
+
+@dataclass(frozen=True)
+class MlpRoles:
+    """The MLP op of a block."""
+
+    core: str | None
+    """Path of the sub-module computing the MLP, or ``None`` if the block computes it inline."""
+    up: str
+    down: str
+    gate: str | None
+    act: Callable[[torch.Tensor], torch.Tensor]
+
+
+def _is_linear(trace: BlockTrace, node: fx.Node) -> bool:
+    return node.op == "call_module" and isinstance(trace.module(str(node.target)), nn.Linear)
+
+
+def _ancestors(node: fx.Node, stop: Callable[[fx.Node], bool]) -> set[fx.Node]:
+    """Nodes ``node`` depends on, not walking past nodes where ``stop`` holds (those are included).
+
+    Item ``i`` of a module returning a tuple (a rotary module's ``(q, k)``) depends on that module and,
+    through it, only on the module's ``i``-th argument, so q's history does not reach k's projection.
+    """
+    seen: set[fx.Node] = set()
+    todo: list[tuple[fx.Node, int | None]] = [(node, None)]
+    if node.target is _getitem and isinstance(node.args[0], fx.Node):
+        seen.add(node.args[0])
+        todo = [(node.args[0], int(node.args[1]))]  # type: ignore[arg-type]
+    while todo:
+        n, item = todo.pop()
+        inputs = n.all_input_nodes
+        arg = n.args[item] if item is not None and n.op == "call_module" and item < len(n.args) else None
+        if isinstance(arg, fx.Node):
+            inputs = [arg]
+        for a in inputs:
+            if a in seen:
+                continue
+            seen.add(a)
+            if stop(a):
+                continue
+            if a.target is _getitem and isinstance(a.args[0], fx.Node):
+                src = a.args[0]
+                seen.add(src)
+                if not stop(src):
+                    todo.append((src, int(a.args[1])))  # type: ignore[arg-type]
+            else:
+                todo.append((a, None))
+    return seen
+
+
+def _source_linear(trace: BlockTrace, node: fx.Node, role: str) -> fx.Node:
+    found = [a for a in _ancestors(node, lambda n: _is_linear(trace, n)) if _is_linear(trace, a)]
+    if len(found) != 1:
+        raise RoleError(f"the attention's {role} input comes from {len(found)} linear projections, expected 1")
+    return found[0]
+
+
+def _common_core(trace: BlockTrace, nodes: Iterable[fx.Node]) -> str:
+    stacks = [n.meta["stack"] for n in nodes]
+    common = stacks[0]
+    for s in stacks[1:]:
+        k = 0
+        while k < min(len(common), len(s)) and common[k] == s[k]:
+            k += 1
+        common = common[:k]
+    return common[-1] if common else ""
+
+
+def _find_ref(call: ModuleCall, node: fx.Node) -> ArgRef | None:
+    entries: list[tuple[ArgRef, Any]] = [(ArgRef(index=i), a) for i, a in enumerate(call.args)]
+    entries += [(ArgRef(name=k), v) for k, v in call.kwargs.items()]
+    for ref, value in entries:
+        if value is node:
+            return ref
+        if isinstance(value, (tuple, list)):
+            for j, item in enumerate(value):
+                if item is node:
+                    return ArgRef(ref.index, ref.name, j)
+    return None
+
+
+def _sdpa_arg(node: fx.Node, i: int, name: str) -> Any:
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name)
+
+
+def _check_sdpa(node: fx.Node, head_dim: int) -> bool:
+    if _sdpa_arg(node, 3, "attn_mask") is not None:
+        raise RoleError("attention with an explicit mask (padding or custom masks) is not supported yet")
+    if float(_sdpa_arg(node, 4, "dropout_p") or 0.0) > 0:  # type: ignore[arg-type]
+        raise RoleError("attention dropout is not supported by the parallel modes; set it to 0")
+    scale = node.kwargs.get("scale")
+    if scale is not None and not math.isclose(float(scale), head_dim**-0.5, rel_tol=1e-6):  # type: ignore[arg-type]
+        raise RoleError(f"attention scale {scale} differs from 1/sqrt(head_dim); not supported yet")
+    return bool(_sdpa_arg(node, 5, "is_causal"))
+
+
+def _attention_node(trace: BlockTrace) -> fx.Node:
+    calls = [
+        n
+        for n in trace.nodes()
+        if (n.op == "call_function" and n.target is F.scaled_dot_product_attention)
+        or (n.op == "call_module" and isinstance(trace.module(str(n.target)), nn.MultiheadAttention))
+    ]
+    if len(calls) != 1:
+        raise RoleError(
+            f"found {len(calls)} attention calls (scaled_dot_product_attention or MultiheadAttention), "
+            f"expected exactly 1"
+        )
+    return calls[0]
+
+
+def _mha_roles(trace: BlockTrace, node: fx.Node) -> AttentionRoles:
+    path = str(node.target)
+    mha = trace.module(path)
+    assert isinstance(mha, nn.MultiheadAttention)
+    if not mha.batch_first:
+        raise RoleError(f"{path}: nn.MultiheadAttention must use batch_first=True (tokens on dim 1)")
+    if not mha._qkv_same_embed_dim or mha.bias_k is not None or mha.add_zero_attn:
+        raise RoleError(f"{path}: only plain self-attention MultiheadAttention is supported")
+    if mha.dropout > 0:
+        raise RoleError(f"{path}: attention dropout is not supported by the parallel modes; set dropout=0")
+    d = mha.embed_dim // mha.num_heads
+    return AttentionRoles(
+        core=path,
+        kind="mha",
+        q=path,
+        k=path,
+        v=path,
+        o=f"{path}.out_proj",
+        n_heads=mha.num_heads,
+        n_kv_heads=mha.num_heads,
+        head_dim=d,
+        causal=None,
+        hidden=ArgRef(index=0),
+        output_item=0,
+        output_len=2,
+    )
+
+
+def _token_dim(node: fx.Node, hidden: fx.Node) -> int:
+    t = hidden.meta["shape"][1]
+    shape = list(node.meta.get("shape") or ())
+    if shape.count(t) != 1:
+        raise RoleError(f"cannot find the token dimension of positional input {node.name} (shape {shape})")
+    return shape.index(t)
+
+
+def _transparent(trace: BlockTrace, node: fx.Node, path: set[fx.Node]) -> bool:
+    """A parameter-free module fed only from the projection (an identity, a dropout at p=0): skipped.
+
+    Whatever it does is checked when the rewritten block is verified against the original.
+    """
+    no_params = next(trace.module(str(node.target)).parameters(), None) is None
+    return no_params and all(a in path for a in node.all_input_nodes)
+
+
+Rotation = tuple[str | None, str | None, tuple[ArgRef, ...], tuple[int, ...]]
+
+
+def _rotary(trace: BlockTrace, call: ModuleCall, lin: fx.Node, attn_in: fx.Node, hidden: fx.Node) -> Rotation:
+    """How the projection ``lin`` is rotated on its way to the attention input ``attn_in``."""
+    path = _ancestors(attn_in, lambda n: n is lin) | {attn_in}
+    modules = [n for n in path if n.op == "call_module" and n is not lin and not _transparent(trace, n, path)]
+    if modules:
+        rot = modules[0]
+        extra = [(r, a) for a in rot.all_input_nodes if a not in path and (r := _find_ref(call, a)) is not None]
+        if len(modules) > 1 or len(extra) != 1 or next(trace.module(str(rot.target)).parameters(), None) is not None:
+            raise RoleError(
+                f"unsupported step {[str(m.target) for m in modules]} between a projection and the attention "
+                f"(only a parameter-free rotary module called with positions is understood)"
+            )
+        return "module", str(rot.target), (extra[0][0],), (_token_dim(extra[0][1], hidden),)
+    upstream = _ancestors(attn_in, lambda _: False)
+    feeding = [(r, v) for r, v in _flat_call_args(call) if isinstance(v, fx.Node) and v is not hidden and v in upstream]
+    if not feeding:
+        return None, None, (), ()
+    if len(feeding) != 2:
+        raise RoleError(
+            f"a projection is combined with {len(feeding)} other inputs on its way to the attention; "
+            f"expected a rotary cos and sin"
+        )
+    cos, sin = sorted(feeding, key=lambda rv: _multiplies_rotated(rv[1]))
+    return "cos_sin", None, (cos[0], sin[0]), (_token_dim(cos[1], hidden), _token_dim(sin[1], hidden))
+
+
+def _flat_call_args(call: ModuleCall) -> list[tuple[ArgRef, Any]]:
+    out: list[tuple[ArgRef, Any]] = []
+    for ref, value in [(ArgRef(index=i), a) for i, a in enumerate(call.args)] + [
+        (ArgRef(name=k), v) for k, v in call.kwargs.items()
+    ]:
+        if isinstance(value, (tuple, list)):
+            out += [(ArgRef(ref.index, ref.name, j), item) for j, item in enumerate(value)]
+        else:
+            out.append((ref, value))
+    return out
+
+
+def _multiplies_rotated(node: fx.Node) -> bool:
+    """Whether ``node`` (cos or sin) multiplies a rotate-half result (a ``cat``): true for sin."""
+    frontier, seen = [node], set()
+    while frontier:
+        n = frontier.pop()
+        for user in n.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if user.target in (torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__):
+                others = [a for a in user.all_input_nodes if a is not n]
+                if any(o.target in (torch.cat, torch.concat) for o in others):
+                    return True
+            elif user.target in (torch.Tensor.unsqueeze, torch.unsqueeze, torch.Tensor.to):
+                frontier.append(user)
+    return False
+
+
+def find_attention(trace: BlockTrace) -> AttentionRoles:
+    """The attention op of the block (see the module docstring)."""
+    node = _attention_node(trace)
+    if node.op == "call_module":
+        return _mha_roles(trace, node)
+    q_in, k_in, v_in = (_sdpa_arg(node, i, name) for i, name in enumerate(("query", "key", "value")))
+    q_lin, k_lin, v_lin = (_source_linear(trace, n, r) for n, r in ((q_in, "query"), (k_in, "key"), (v_in, "value")))
+    outs = [u for u in _descendants(node) if _is_linear(trace, u)]
+    if not outs:
+        raise RoleError("no output projection (nn.Linear) after the attention")
+    o_lin = min(outs, key=lambda n: _distance(node, n))
+    core = _common_core(trace, [q_lin, k_lin, v_lin, o_lin, node])
+    call = trace.call_of(core) if core else None
+    if call is None:
+        raise RoleError("the attention is not computed by a sub-module of its own")
+    hidden_node = q_lin.args[0]
+    if not isinstance(hidden_node, fx.Node):
+        raise RoleError(f"{core}: the q projection's input is not traced")
+    hidden = _find_ref(call, hidden_node)
+    if hidden is None or k_lin.args[0] is not hidden_node or v_lin.args[0] is not hidden_node:
+        raise RoleError(f"{core}: q, k and v must project the sub-module's input directly")
+    head_dim = int(node.meta["shape"][-1])
+    causal = _check_sdpa(node, head_dim)
+    kind, rot_module, positions, dims = _rotary(trace, call, q_lin, q_in, hidden_node)
+    kind_k = _rotary(trace, call, k_lin, k_in, hidden_node)[0]
+    if kind != kind_k:
+        raise RoleError(f"{core}: q and k are rotated differently")
+    out_item, out_len = _output_ref(call, o_lin, core)
+    mods = {r: str(n.target) for r, n in (("q", q_lin), ("k", k_lin), ("v", v_lin), ("o", o_lin))}
+    n_q = _linear(trace, mods["q"]).out_features
+    n_kv = _linear(trace, mods["k"]).out_features
+    return AttentionRoles(
+        core=core,
+        kind="linear",
+        **mods,
+        n_heads=int(n_q) // head_dim,
+        n_kv_heads=int(n_kv) // head_dim,
+        head_dim=head_dim,
+        causal=causal,
+        hidden=hidden,
+        rotary=kind,
+        rotary_module=rot_module,
+        positions=positions,
+        token_dims=dims,
+        output_item=out_item,
+        output_len=out_len,
+    )
+
+
+def _linear(trace: BlockTrace, path: str) -> nn.Linear:
+    module = trace.module(path)
+    assert isinstance(module, nn.Linear)
+    return module
+
+
+def _output_ref(call: ModuleCall, node: fx.Node, core: str) -> tuple[int | None, int]:
+    if call.output is node:
+        return None, 1
+    if isinstance(call.output, (tuple, list)) and node in call.output:
+        return list(call.output).index(node), len(call.output)
+    raise RoleError(f"{core} does not return its output projection directly")
+
+
+def _descendants(node: fx.Node) -> list[fx.Node]:
+    seen: list[fx.Node] = []
+    todo = list(node.users)
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.append(n)
+            todo.extend(n.users)
+    return seen
+
+
+def _distance(a: fx.Node, b: fx.Node) -> int:
+    order = {n: i for i, n in enumerate(a.graph.nodes)}
+    return order[b] - order[a]
+
+
+# --------------------------------------------------------------------------------------------------
+# MLP
+# --------------------------------------------------------------------------------------------------
+
+
+_DROPOUT = (nn.Dropout,)
+
+
+def _activation(trace: BlockTrace, start: fx.Node, end: fx.Node) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The elementwise activation on the path from ``start``'s output to ``end``."""
+    path = _ancestors(end, lambda n: n is start) & set(_descendants(start))
+    for n in sorted(path, key=lambda n: _distance(start, n)):
+        if n.op == "call_module":
+            module = trace.module(str(n.target))
+            if isinstance(module, (_DROPOUT, nn.Linear)):
+                continue
+            return module
+        if n.op == "call_function" and callable(n.target) and n.target not in _MUL_OPS:
+            if n.kwargs:
+                return functools.partial(n.target, **n.kwargs)
+            return n.target  # type: ignore[return-value]
+    raise RoleError("no activation between the MLP projections")
+
+
+_MUL_OPS = (torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__)
+
+
+def find_mlp(trace: BlockTrace, attention: AttentionRoles) -> MlpRoles:
+    """The MLP op of the block: two or three linears outside the attention (see the module docstring)."""
+    taken = {attention.q, attention.k, attention.v, attention.o}
+    linears = [
+        n
+        for n in trace.nodes("call_module")
+        if _is_linear(trace, n) and str(n.target) not in taken and not str(n.target).startswith(attention.core + ".")
+    ]
+    if len(linears) not in (2, 3):
+        raise RoleError(f"expected 2 or 3 MLP projections (nn.Linear) outside the attention, found {len(linears)}")
+    down = next((n for n in linears if any(a in _ancestors(n, lambda _: False) for a in linears if a is not n)), None)
+    if down is None:
+        raise RoleError("no MLP down projection consuming the other projections")
+    ins = [n for n in linears if n is not down]
+    if len({id(n.args[0]) for n in ins}) != 1:
+        raise RoleError("the MLP's input projections do not read the same input")
+    if len(ins) == 1:
+        up, gate = ins[0], None
+        act = _activation(trace, up, down)
+    else:
+        gate = next((n for n in ins if _activation_follows(trace, n, down)), None)
+        if gate is None:
+            raise RoleError("cannot tell the gate from the up projection in the gated MLP")
+        up = next(n for n in ins if n is not gate)
+        act = _activation(trace, gate, down)
+    core = _common_core(trace, linears)
+    call = trace.call_of(core) if core else None
+    if call is not None:
+        _check_mlp_core(trace, core, call, ins[0], down)
+    return MlpRoles(
+        core=core or None,
+        up=str(up.target),
+        down=str(down.target),
+        gate=None if gate is None else str(gate.target),
+        act=act,
+    )
+
+
+def _activation_follows(trace: BlockTrace, lin: fx.Node, down: fx.Node) -> bool:
+    path = _ancestors(down, lambda n: n is lin) - {lin}
+    first = [u for u in lin.users if u in path or u is down]
+    return any(
+        u.target not in _MUL_OPS
+        and u is not down
+        and (u.op != "call_module" or not isinstance(trace.module(str(u.target)), _DROPOUT))
+        for u in first
+    )
+
+
+def _check_mlp_core(trace: BlockTrace, core: str, call: ModuleCall, first: fx.Node, down: fx.Node) -> None:
+    if _find_ref(call, first.args[0]) is None or call.output is not down:  # type: ignore[arg-type]
+        raise RoleError(f"{core} must take the MLP input and return the down projection directly")
+    for name, module in trace.module(core).named_modules():
+        if isinstance(module, _DROPOUT) and module.p > 0:
+            raise RoleError(
+                f"{core}.{name}: dropout inside the MLP is not supported by the parallel modes; set it to 0"
+            )

@@ -1,0 +1,152 @@
+"""Rewrite one transformer block in place into its multi-variant form.
+
+The order is fixed and each step is a small function:
+
+1. :func:`example_inputs`: build inputs for the block from its signature (hidden states, positions,
+   position ids, rotary ``(cos, sin)``); a required argument it cannot build is an error naming it.
+2. :func:`~lightning_paradyse.graph.trace.trace_block`: run the block once and record its data flow.
+3. :func:`~lightning_paradyse.graph.passes.find_attention` / :func:`~.find_mlp`: find the roles.
+4. :func:`verify`: on a float64 copy, install the dispatch modules for a group of one and check that
+   every mode reproduces the block's own output on the example (a block we misunderstood is
+   rejected here, never run wrongly).
+5. :func:`install`: replace the attention and MLP sub-modules by dispatch modules holding this rank's
+   1/p shards (the unified layout). The old full weights are dropped.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import math
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from lightning_paradyse.comm import Group
+from lightning_paradyse.dispatch import AttentionDispatch, ColumnDispatch, MlpDispatch, OpDispatch, RowDispatch
+from lightning_paradyse.graph.passes import AttentionRoles, MlpRoles, RoleError, find_attention, find_mlp
+from lightning_paradyse.graph.trace import trace_block
+from lightning_paradyse.layout import SeqLayout
+from lightning_paradyse.modes import MODES
+from lightning_paradyse.plan import OpPlan
+from lightning_paradyse.spec import SeqContext
+
+EXAMPLE_LEN = 7
+"""Tokens in the example input: a size no other dimension of the tiny example has."""
+
+
+def _hidden_size(block: nn.Module) -> int:
+    for module in block.modules():
+        if isinstance(module, nn.MultiheadAttention):
+            return int(module.embed_dim)
+        if isinstance(module, nn.Linear):
+            return int(module.in_features)
+    raise RoleError("no nn.Linear or nn.MultiheadAttention inside")
+
+
+def _head_dim(block: nn.Module, hidden: int) -> int:
+    for module in block.modules():
+        head_dim = getattr(module, "head_dim", None)
+        if isinstance(head_dim, int):
+            return head_dim
+        for name in ("num_heads", "n_heads", "num_attention_heads"):
+            if isinstance(getattr(module, name, None), int):
+                return hidden // int(getattr(module, name))
+    raise RoleError("cannot tell the head size (no head_dim / num_heads attribute) to build rotary inputs")
+
+
+def _cos_sin(t: int, d: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / 10000.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = torch.outer(torch.arange(t, dtype=torch.float64), inv)  # [t, d/2]
+    emb = torch.cat([ang, ang], dim=-1)[None]  # [1, t, d]
+    return emb.cos().to(dtype=dtype, device=device), emb.sin().to(dtype=dtype, device=device)
+
+
+def example_inputs(block: nn.Module, name: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Example ``(args, kwargs)`` for ``block``'s forward (see the module docstring)."""
+    param = next(block.parameters())
+    dtype, device = param.dtype, param.device
+    hidden, t = _hidden_size(block), EXAMPLE_LEN
+    params = list(inspect.signature(block.forward).parameters.values())
+    args: tuple[Any, ...] = (torch.randn(1, t, hidden, dtype=dtype, device=device),)
+    kwargs: dict[str, Any] = {}
+    for p in params[1:]:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if p.name == "positions":
+            kwargs[p.name] = torch.arange(t, device=device)
+        elif p.name == "position_ids":
+            kwargs[p.name] = torch.arange(t, device=device)[None]
+        elif p.name == "position_embeddings":
+            kwargs[p.name] = _cos_sin(t, _head_dim(block, hidden), dtype, device)
+        elif p.default is inspect.Parameter.empty:
+            raise RoleError(f"cannot build an example for the required argument {p.name!r} of {name}'s forward")
+    return args, kwargs
+
+
+def find_roles(block: nn.Module, name: str) -> tuple[AttentionRoles, MlpRoles, Any]:
+    """Trace ``block`` on example inputs and find its attention and MLP roles."""
+    args, kwargs = example_inputs(block, name)
+    trace = trace_block(block, args, kwargs)
+    attention = find_attention(trace)
+    return attention, find_mlp(trace, attention), (args, kwargs)
+
+
+def install(block: nn.Module, attention: AttentionRoles, mlp: MlpRoles, layer: int, group: Group) -> list[OpDispatch]:
+    """Replace the op sub-modules of ``block`` by dispatch modules holding this rank's shards."""
+    attn = AttentionDispatch(block.get_submodule(attention.core), attention, layer, group)
+    block.set_submodule(attention.core, attn)
+    if mlp.core is not None:
+        mlp_mod = MlpDispatch(block.get_submodule(mlp.core), mlp, layer, group)
+        block.set_submodule(mlp.core, mlp_mod)
+        return [attn, mlp_mod]
+    up, down = block.get_submodule(mlp.up), block.get_submodule(mlp.down)
+    assert isinstance(up, nn.Linear) and isinstance(down, nn.Linear)
+    if mlp.gate is not None:
+        raise RoleError("a gated MLP computed inline by the block is not supported; put it in a sub-module")
+    col, row = ColumnDispatch(up, mlp.up, layer, group), RowDispatch(down, mlp.down, layer, group)
+    block.set_submodule(mlp.up, col)
+    block.set_submodule(mlp.down, row)
+    return [attn, col, row]
+
+
+def _cast(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.double()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cast(v) for v in value)
+    return value
+
+
+def verify(block: nn.Module, name: str, attention: AttentionRoles, mlp: MlpRoles, example: Any) -> None:
+    """Check on a float64 copy that every feasible mode reproduces the block (group of one)."""
+    args, kwargs = example
+    reference = copy.deepcopy(block).double()
+    args64, kwargs64 = _cast(args), _cast(kwargs)
+    with torch.no_grad():
+        expected = reference(*args64, **kwargs64)
+    ops = install(reference, attention, mlp, 0, None)
+    ctx = SeqContext(SeqLayout(EXAMPLE_LEN, 1), None)
+    for mode in MODES:
+        for op in ops:
+            op.configure(ctx, OpPlan(mode) if op.infeasible(mode, 1) is None else OpPlan("tp_sp"))
+        with torch.no_grad():
+            got = reference(*args64, **kwargs64)
+        got_t, exp_t = (v[0] if isinstance(v, (tuple, list)) else v for v in (got, expected))
+        err = float((got_t - exp_t).abs().max() / exp_t.abs().max().clamp_min(1e-30))
+        if not math.isfinite(err) or err > 1e-9:
+            raise RoleError(
+                f"{name}: the rewritten block does not reproduce the original under {mode} (relative error "
+                f"{err:.2e}); roles found: attention={attention}, mlp={mlp}"
+            )
+
+
+def rewrite_block(block: nn.Module, name: str, layer: int, group: Group) -> list[OpDispatch]:
+    """Trace, find roles, verify and install the dispatch modules into ``block`` (in place)."""
+    try:
+        attention, mlp, example = find_roles(block, name)
+        verify(block, name, attention, mlp, example)
+        return install(block, attention, mlp, layer, group)
+    except RoleError as err:
+        raise RoleError(f"cannot parallelize block {name} ({type(block).__name__}): {err}") from None

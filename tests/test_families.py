@@ -1,0 +1,132 @@
+"""Unmodified models of other families, rewritten automatically, against the single-process reference.
+
+A Hugging Face ``LlamaForCausalLM`` trained with ``labels`` (the model shifts them inside, across the
+sequence chunks of the ranks: the strategy passes the globally shifted labels and the global token
+count through a forward hook) and models built from ``torch.nn.TransformerEncoderLayer`` (causal with
+the model's own mask, and bidirectional). Every feasible uniform plan, with and without
+recomputation, and random mixed per-layer, per-op plans; loss and every gradient (consolidated to
+the plain model's names) within the mode-test tolerances, at p = 2, 3 and 4.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lightning_paradyse.check import TOLERANCES, grad_errors
+from lightning_paradyse.comm import all_reduce_sum
+from lightning_paradyse.layout import SeqLayout
+from lightning_paradyse.modes import MODES
+from lightning_paradyse.parallel import (
+    configure,
+    consolidated,
+    feasible_modes,
+    is_causal,
+    parallelize,
+    reduce_replicated_grads,
+    set_step_targets,
+    step_state,
+)
+from lightning_paradyse.plan import LayerPlan, OpPlan, Plan
+from lightning_paradyse.spec import SeqContext
+from tests.support.dist import run_distributed
+from tests.support.families import EncoderLM, hf_llama
+
+pytest.importorskip("transformers")
+
+LOSS_TOL, GRAD_TOL = TOLERANCES[torch.float32]
+
+
+def _plans(model: nn.Module, p: int, seed: int) -> list[tuple[str, Plan]]:
+    feasible = feasible_modes(model, p, list(MODES))
+    plans = []
+    for mode in MODES:
+        for rc in (False, True):
+            if all(mode in a and mode in m for a, m in feasible):
+                op = OpPlan(mode, rc)
+                plans.append((f"{mode}{'+rc' if rc else ''}", Plan(tuple(LayerPlan(op, op) for _ in feasible))))
+    gen = torch.Generator().manual_seed(seed)
+    for k in range(2):
+        layers = []
+        for attn_ok, mlp_ok in feasible:
+            pick = [int(torch.randint(0, len(ok), (1,), generator=gen)) for ok in (attn_ok, mlp_ok)]
+            layers.append(LayerPlan(OpPlan(attn_ok[pick[0]], k == 1), OpPlan(mlp_ok[pick[1]], k == 0)))
+        plans.append((f"mixed#{k}", Plan(tuple(layers))))
+    return plans
+
+
+def _loss(kind: str, model: nn.Module, ids: torch.Tensor, layout: SeqLayout | None, rank: int) -> torch.Tensor:
+    """The model's loss: HF style with labels, or targets shifted in the data (sum / global count)."""
+    if kind == "hf":
+        if layout is None:
+            return model(input_ids=ids, labels=ids).loss  # type: ignore[no-any-return]
+        local = layout.shard(ids, rank)
+        return model(input_ids=local, labels=local).loss  # type: ignore[no-any-return]
+    tokens, targets = ids[:, :-1], ids[:, 1:]
+    if layout is not None:
+        tokens, targets = layout.shard(tokens, rank), layout.shard(targets, rank)
+    logits = model(tokens)
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") / (ids.shape[1] - 1)
+
+
+def _build(kind: str, p: int) -> nn.Module:
+    if kind == "hf":
+        return hf_llama(n_kv_heads=12 if p == 3 else 4)
+    return EncoderLM(causal=kind == "tel-causal")
+
+
+def _case(rank: int, world: int, kind: str, seq_len: int, seed: int) -> list[tuple[str, Any]]:
+    group = dist.group.WORLD
+    torch.manual_seed(seed)
+    plain = _build(kind, world)
+    ids = torch.randint(0, 128, (1, seq_len))
+    reference = copy.deepcopy(plain)
+    ref_loss = _loss(kind, reference, ids, None, rank)
+    ref_loss.backward()
+    ref_grads = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    template = copy.deepcopy(plain)
+    parallelize(template, group)
+    results = []
+    for label, plan in _plans(template, world, seed):
+        model = copy.deepcopy(template)
+        length = seq_len if kind == "hf" else seq_len - 1
+        layout = SeqLayout.for_sequence(length, world, is_causal(model))
+        configure(model, SeqContext(layout, group), plan)
+        if kind == "hf":  # labels shifted across the ranks' chunks, counted globally
+            shifted = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)
+            set_step_targets(model, layout.shard(shifted, rank), int((shifted != -100).sum()))
+        loss = _loss(kind, model, ids, layout, rank)
+        assert kind != "hf" or step_state(model).labels_consumed
+        loss.backward()
+        reduce_replicated_grads(model, group)
+        total = all_reduce_sum(loss.detach(), group)
+        errors = grad_errors(consolidated(model, group, grads=True), ref_grads)
+        results.append((f"{kind}/{label}", (float(abs(total - ref_loss.detach()) / ref_loss.detach()), errors)))
+    return results
+
+
+def _worker(rank: int, world: int) -> list[tuple[str, Any]]:
+    out = []
+    for i, kind in enumerate(("hf", "tel-causal", "tel")):
+        out += _case(rank, world, kind, 8 * world + 3 + i, seed=world * 10 + i)
+    return out
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_families_match_single_process(p: int) -> None:
+    results = run_distributed(_worker, p, timeout=400)[0]
+    labels = [label for label, _ in results]
+    assert any(label.startswith("hf/") for label in labels) and any(label.startswith("tel/") for label in labels)
+    assert any("mixed" in label for label in labels)
+    bad = []
+    for label, (loss_err, errors) in results:
+        worst = max(errors, key=errors.get)
+        if loss_err > LOSS_TOL or errors[worst] > GRAD_TOL:
+            bad.append(f"{label}: loss {loss_err:.2e}, {worst} {errors[worst]:.2e}")
+    assert not bad, "\n".join(bad)

@@ -1,0 +1,188 @@
+"""Graph rewriting, pass by pass, on traced blocks of every accepted family (single process).
+
+The tracer records a block's data flow; each role-finding pass is checked on the traced graph of the
+package's Llama and GPT blocks, a Hugging Face ``LlamaDecoderLayer`` and a
+``torch.nn.TransformerEncoderLayer``. Blocks that cannot be understood are rejected with the block's
+name and the missing role, and a block the passes misunderstand is caught by verification instead of
+running wrongly.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lightning_paradyse.dispatch import AttentionDispatch, ColumnDispatch, MlpDispatch, RowDispatch
+from lightning_paradyse.graph.passes import RoleError, find_attention, find_mlp
+from lightning_paradyse.graph.rewrite import EXAMPLE_LEN, example_inputs, rewrite_block
+from lightning_paradyse.graph.trace import trace_block
+from lightning_paradyse.models import build_model
+from lightning_paradyse.parallel import consolidated, find_blocks, parallelize
+from tests.support.families import EncoderLM, hf_llama
+
+transformers = pytest.importorskip("transformers")
+
+
+def _trace(block: nn.Module):  # type: ignore[no-untyped-def]
+    args, kwargs = example_inputs(block, "block")
+    return trace_block(block, args, kwargs)
+
+
+def test_trace_records_dataflow_of_reference_block() -> None:
+    trace = _trace(build_model("llama-tiny").layers[0])
+    modules = [str(n.target) for n in trace.nodes("call_module")]
+    assert modules == ["attn_norm", "attn.q", "attn.k", "attn.v", "attn.rotary", "attn.o", "mlp_norm", "mlp.gate",
+                       "mlp.up", "mlp.down"]
+    sdpa = [n for n in trace.nodes("call_function") if n.target is F.scaled_dot_product_attention]
+    assert len(sdpa) == 1 and sdpa[0].meta["stack"] == ("", "attn")
+    assert sdpa[0].meta["shape"] == (1, 12, EXAMPLE_LEN, 8)
+    assert set(trace.inputs) == {"x", "positions"}
+
+
+def test_attention_roles_of_each_family() -> None:
+    llama = find_attention(_trace(build_model("llama-tiny").layers[0]))
+    assert (llama.core, llama.q, llama.o, llama.n_heads, llama.n_kv_heads, llama.causal) == (
+        "attn", "attn.q", "attn.o", 12, 2, True)
+    assert llama.rotary == "module" and llama.rotary_module == "attn.rotary" and llama.token_dims == (0,)
+    bert = find_attention(_trace(build_model("bert-tiny").layers[0]))
+    assert bert.causal is False and bert.rotary is None
+    hf = find_attention(_trace(hf_llama().model.layers[0]))
+    assert (hf.core, hf.k, hf.n_kv_heads, hf.rotary, hf.output_item, hf.output_len) == (
+        "self_attn", "self_attn.k_proj", 4, "cos_sin", 0, 2)
+    assert [(r.name, r.item) for r in hf.positions] == [("position_embeddings", 0), ("position_embeddings", 1)]
+    assert hf.token_dims == (1, 1)  # cos/sin are [b, t, d]
+    tel = find_attention(_trace(EncoderLM(causal=False).encoder.layers[0]))
+    assert (tel.kind, tel.core, tel.causal) == ("mha", "self_attn", None)
+
+
+def test_mlp_roles_of_each_family() -> None:
+    for block, expected in [
+        (build_model("llama-tiny").layers[0], ("mlp", "mlp.up", "mlp.gate", "mlp.down")),
+        (build_model("gpt-tiny").layers[0], ("mlp", "mlp.up", None, "mlp.down")),
+        (hf_llama().model.layers[0], ("mlp", "mlp.up_proj", "mlp.gate_proj", "mlp.down_proj")),
+        (EncoderLM(causal=True).encoder.layers[0], (None, "linear1", None, "linear2")),
+    ]:
+        trace = _trace(block)
+        mlp = find_mlp(trace, find_attention(trace))
+        assert (mlp.core, mlp.up, mlp.gate, mlp.down) == expected
+        x = torch.randn(5)
+        assert not torch.equal(mlp.act(x), x)  # an activation, not the identity
+
+
+def test_rewrite_installs_dispatch_modules_sharing_nothing_with_old_weights() -> None:
+    block = hf_llama().model.layers[0]
+    q_before = block.self_attn.q_proj.weight.detach().clone()
+    ops = rewrite_block(block, "model.layers.0", 0, None)
+    assert [type(op) for op in ops] == [AttentionDispatch, MlpDispatch]
+    assert block.self_attn is ops[0] and block.mlp is ops[1]
+    assert torch.equal(block.self_attn.q, q_before)  # group of one: the shard is the whole weight
+    tel = EncoderLM(causal=True).encoder.layers[0]
+    ops = rewrite_block(tel, "encoder.layers.0", 0, None)
+    assert [type(op) for op in ops] == [AttentionDispatch, ColumnDispatch, RowDispatch]
+
+
+def test_consolidated_state_loads_into_the_plain_model() -> None:
+    for make in (lambda: build_model("gpt-tiny"), lambda: hf_llama(), lambda: EncoderLM(causal=True)):
+        torch.manual_seed(0)
+        plain = make()
+        par = make()
+        par.load_state_dict(plain.state_dict())
+        parallelize(par, None)
+        state = consolidated(par, None)
+        assert set(state) == set(plain.state_dict())
+        for name, value in plain.state_dict().items():
+            assert torch.equal(state[name], value), name
+
+
+def test_find_blocks_and_ambiguity() -> None:
+    model = nn.Module()
+    model.a = build_model("gpt-tiny").layers
+    assert [n for n, _ in find_blocks(model, "a")] == ["a.0", "a.1"]
+    model.b = build_model("gpt-tiny").layers
+    with pytest.raises(ValueError, match="several lists of transformer blocks"):
+        find_blocks(model)
+    with pytest.raises(ValueError, match="blocks='nope'"):
+        find_blocks(model, "nope")
+
+
+class _QNormAttention(nn.Module):
+    """Qwen3-style attention: a parameterised norm on q and k before the attention (not understood yet)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(32, 32) for _ in range(4))
+        self.q_norm = nn.LayerNorm(8)
+        self.head_dim = 8
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_norm(self.q(x).view(b, t, 4, 8)).transpose(1, 2)
+        k, v = (m(x).view(b, t, 4, 8).transpose(1, 2) for m in (self.k, self.v))
+        return self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, 32))
+
+
+class _Block(nn.Module):
+    def __init__(self, attn: nn.Module) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(32), nn.LayerNorm(32)
+        self.attn = attn
+        self.mlp = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class _InterleavedRope(nn.Module):
+    """Attention rotated GPT-J style (pairs interleaved) from given cos/sin: not the rotate-half rule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(32, 32, bias=False) for _ in range(4))
+        self.head_dim = 8
+
+    def forward(self, x: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        cos, sin = (t.unsqueeze(1) for t in position_embeddings)
+        b, t, _ = x.shape
+        q, k, v = (m(x).view(b, t, 4, 8).transpose(1, 2) for m in (self.q, self.k, self.v))
+
+        def rot(y: torch.Tensor) -> torch.Tensor:
+            pairs = torch.stack((-y[..., 1::2], y[..., ::2]), dim=-1).flatten(-2)
+            return y * cos + pairs * sin
+
+        out = F.scaled_dot_product_attention(rot(q), rot(k), v, is_causal=True)
+        return self.o(out.transpose(1, 2).reshape(b, t, 32))
+
+
+class _RopeBlock(_Block):
+    def forward(self, x: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), position_embeddings)
+        return x + self.mlp(self.norm2(x))
+
+
+def test_unsupported_blocks_are_rejected_with_block_and_role() -> None:
+    with pytest.raises(RoleError, match=r"block layers\.3 .*attn\.q_norm"):
+        rewrite_block(_Block(_QNormAttention()), "layers.3", 3, None)
+    plain_mlp = nn.Module()
+    plain_mlp.layers = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8))])
+    with pytest.raises(ValueError, match="no list of transformer blocks"):
+        parallelize(plain_mlp, None)
+
+
+def test_misunderstood_block_is_caught_by_verification() -> None:
+    """An interleaved rotary looks like cos/sin rotary to the passes; verification must reject it."""
+    block = _RopeBlock(_InterleavedRope())
+    with pytest.raises(RoleError, match="does not reproduce the original"):
+        rewrite_block(block, "layers.0", 0, None)
+
+
+def test_sequential_mlp_is_understood() -> None:
+    block = _Block(_QNormAttention())
+    block.attn.q_norm = nn.Identity()  # now a plain attention
+    ops = rewrite_block(block, "layers.0", 0, None)
+    assert isinstance(ops[1], MlpDispatch) and ops[1].core_path == "mlp"
+    assert operator.eq(ops[1].spec.ffn, 64)
