@@ -35,8 +35,18 @@ def _trace(block: nn.Module):  # type: ignore[no-untyped-def]
 def test_trace_records_dataflow_of_reference_block() -> None:
     trace = _trace(build_model("llama-tiny").layers[0])
     modules = [str(n.target) for n in trace.nodes("call_module")]
-    assert modules == ["attn_norm", "attn.q", "attn.k", "attn.v", "attn.rotary", "attn.o", "mlp_norm", "mlp.gate",
-                       "mlp.up", "mlp.down"]
+    assert modules == [
+        "attn_norm",
+        "attn.q",
+        "attn.k",
+        "attn.v",
+        "attn.rotary",
+        "attn.o",
+        "mlp_norm",
+        "mlp.gate",
+        "mlp.up",
+        "mlp.down",
+    ]
     sdpa = [n for n in trace.nodes("call_function") if n.target is F.scaled_dot_product_attention]
     assert len(sdpa) == 1 and sdpa[0].meta["stack"] == ("", "attn")
     assert sdpa[0].meta["shape"] == (1, 12, EXAMPLE_LEN, 8)
@@ -46,13 +56,25 @@ def test_trace_records_dataflow_of_reference_block() -> None:
 def test_attention_roles_of_each_family() -> None:
     llama = find_attention(_trace(build_model("llama-tiny").layers[0]))
     assert (llama.core, llama.q, llama.o, llama.n_heads, llama.n_kv_heads, llama.causal) == (
-        "attn", "attn.q", "attn.o", 12, 2, True)
+        "attn",
+        "attn.q",
+        "attn.o",
+        12,
+        2,
+        True,
+    )
     assert llama.rotary == "module" and llama.rotary_module == "attn.rotary" and llama.token_dims == (0,)
     bert = find_attention(_trace(build_model("bert-tiny").layers[0]))
     assert bert.causal is False and bert.rotary is None
     hf = find_attention(_trace(hf_llama().model.layers[0]))
     assert (hf.core, hf.k, hf.n_kv_heads, hf.rotary, hf.output_item, hf.output_len) == (
-        "self_attn", "self_attn.k_proj", 4, "cos_sin", 0, 2)
+        "self_attn",
+        "self_attn.k_proj",
+        4,
+        "cos_sin",
+        0,
+        2,
+    )
     assert [(r.name, r.item) for r in hf.positions] == [("position_embeddings", 0), ("position_embeddings", 1)]
     assert hf.token_dims == (1, 1)  # cos/sin are [b, t, d]
     tel = find_attention(_trace(EncoderLM(causal=False).encoder.layers[0]))
@@ -168,7 +190,9 @@ def test_unsupported_blocks_are_rejected_with_block_and_role() -> None:
     with pytest.raises(RoleError, match=r"block layers\.3 .*attn\.q_norm"):
         rewrite_block(_Block(_QNormAttention()), "layers.3", 3, None)
     plain_mlp = nn.Module()
-    plain_mlp.layers = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8))])
+    plain_mlp.layers = nn.ModuleList(
+        [nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8))]
+    )
     with pytest.raises(ValueError, match="no list of transformer blocks"):
         parallelize(plain_mlp, None)
 
