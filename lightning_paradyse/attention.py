@@ -26,13 +26,28 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-    """Softmax attention, natural token order: ``q [b, n, s, d], k/v [b, n_kv, s, d] -> [b, n, s, d]``."""
+def full_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    bounds: list[tuple[int, int]] | None = None,
+) -> torch.Tensor:
+    """Softmax attention, natural token order: ``q [b, n, s, d], k/v [b, n_kv, s, d] -> [b, n, s, d]``.
+
+    ``bounds`` are the ``(start, stop)`` token spans of packed documents: each document attends only
+    to itself (one attention call per document, exact and without an ``s x s`` mask).
+    """
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k = k.repeat_interleave(group, dim=1)  # [b, n_kv, s, d] -> [b, n, s, d]
         v = v.repeat_interleave(group, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    if bounds is None or len(bounds) == 1:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    outs = [
+        F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=causal) for a, b in bounds
+    ]
+    return torch.cat(outs, dim=2)  # per-document [b, n, len, d] -> [b, n, s, d]
 
 
 def _grouped(q: torch.Tensor, n_kv: int) -> torch.Tensor:
@@ -40,30 +55,38 @@ def _grouped(q: torch.Tensor, n_kv: int) -> torch.Tensor:
     return q.reshape(b, n_kv, n // n_kv, t, d)  # [b, n, t, d] -> [b, n_kv, g, t, d]
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+def _scores(
+    q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, allowed: torch.Tensor | None = None
+) -> torch.Tensor:
     acc = _acc_dtype(q.dtype)
     qg = _grouped(q.to(acc), k.shape[1])  # [b, n_kv, g, tq, d]
     s = torch.einsum("bhgqd,bhkd->bhgqk", qg, k.to(acc)) * scale  # [b, n_kv, g, tq, tk]
-    if causal:
-        tq, tk = s.shape[-2], s.shape[-1]
-        mask = torch.ones(tq, tk, dtype=torch.bool, device=s.device).triu(1)  # future keys
-        s = s.masked_fill(mask, float("-inf"))
-    return s
+    tq, tk = s.shape[-2], s.shape[-1]
+    blocked = torch.ones(tq, tk, dtype=torch.bool, device=s.device).triu(1) if causal else None  # future keys
+    if allowed is not None:  # [tq, tk] True where query and key are in the same document
+        blocked = ~allowed if blocked is None else blocked | ~allowed
+    return s if blocked is None else s.masked_fill(blocked, float("-inf"))
 
 
 def block_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float | None = None,
+    allowed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One attention tile: ``(out [b, n, tq, d], lse [b, n, tq])`` in the accumulation dtype.
 
     ``causal`` masks key ``j > i`` inside the tile: use it only when the query and key blocks are the
     same tokens (the diagonal tile). Tiles entirely in the past are called with ``causal=False``;
-    tiles entirely in the future must not be called at all.
+    tiles entirely in the future must not be called at all. ``allowed [tq, tk]`` restricts attention to
+    pairs in the same packed document; a row with no allowed key gets ``lse = -inf`` and output 0.
     """
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    s = _scores(q, k, scale, causal)  # [b, n_kv, g, tq, tk]
+    s = _scores(q, k, scale, causal, allowed)  # [b, n_kv, g, tq, tk]
     lse = torch.logsumexp(s, dim=-1)  # [b, n_kv, g, tq]
-    p = torch.exp(s - lse.unsqueeze(-1))
+    p = torch.exp(s - _finite(lse).unsqueeze(-1))  # masked rows: exp(-inf) = 0
     out = torch.einsum("bhgqk,bhkd->bhgqd", p, v.to(s.dtype))  # [b, n_kv, g, tq, d]
     b, n, tq, d = q.shape
     return out.reshape(b, n, tq, d), lse.reshape(b, n, tq)
@@ -78,6 +101,7 @@ def block_backward(
     delta: torch.Tensor,
     causal: bool,
     scale: float | None = None,
+    allowed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one tile given the *final* ``lse`` and ``delta = rowsum(dout * out)``.
 
@@ -86,7 +110,7 @@ def block_backward(
     """
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     n_kv = k.shape[1]
-    s = _scores(q, k, scale, causal)  # [b, n_kv, g, tq, tk]
+    s = _scores(q, k, scale, causal, allowed)  # [b, n_kv, g, tq, tk]
     acc = s.dtype
     p = torch.exp(s - _grouped(lse.unsqueeze(-1).to(acc), n_kv))  # softmax rows of the full sequence
     dog = _grouped(dout.to(acc), n_kv)  # [b, n_kv, g, tq, d]
@@ -98,12 +122,21 @@ def block_backward(
     return dq.reshape(q.shape), dk, dv
 
 
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` with ``-inf`` (rows that saw no key) replaced by 0, so ``s - lse`` stays ``-inf``, not nan."""
+    return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+
+
 def merge(
     out: torch.Tensor | None, lse: torch.Tensor | None, out_b: torch.Tensor, lse_b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stable merge of two partial softmax results over disjoint key sets (``None`` = empty)."""
+    """Stable merge of two partial softmax results over disjoint key sets (``None`` = empty).
+
+    Rows that have seen no key yet (``lse = -inf`` on both sides) stay ``-inf`` with output 0.
+    """
     if out is None or lse is None:
         return out_b, lse_b
     new = torch.logaddexp(lse, lse_b)  # [b, n, t]
-    out = out * torch.exp(lse - new).unsqueeze(-1) + out_b * torch.exp(lse_b - new).unsqueeze(-1)
+    base = _finite(new)
+    out = out * torch.exp(lse - base).unsqueeze(-1) + out_b * torch.exp(lse_b - base).unsqueeze(-1)
     return out, new

@@ -109,6 +109,24 @@ class SeqContext:
     """Which tokens each rank holds."""
     group: Group
     """The ranks sharing the sequence (``None`` for a single process)."""
+    doc_ids: torch.Tensor | None = None
+    """Packed documents: the document id of every token of the whole sequence, ``[s]`` in natural order
+    (documents contiguous). Attention never crosses a document boundary. ``None``: one document."""
+
+    def __post_init__(self) -> None:
+        if self.doc_ids is not None and tuple(self.doc_ids.shape) != (self.layout.seq_len,):
+            raise ValueError(
+                f"doc_ids must have one id per token of the sequence, shape ({self.layout.seq_len},), "
+                f"got {tuple(self.doc_ids.shape)}; packing uses one packed sequence per batch row and batch 1"
+            )
+
+    def doc_bounds(self) -> list[tuple[int, int]]:
+        """``(start, stop)`` of every document in natural order (one span without packing)."""
+        return document_bounds(self.doc_ids, self.layout.seq_len)
+
+    def docs_of(self, rank: int) -> torch.Tensor | None:
+        """Document ids of ``rank``'s tokens in local order, or ``None`` without packing."""
+        return None if self.doc_ids is None else self.layout.shard(self.doc_ids, rank, dim=0)
 
     @property
     def p(self) -> int:
@@ -121,6 +139,17 @@ class SeqContext:
     def positions(self, device: torch.device | None = None) -> torch.Tensor:
         """Global positions of this rank's tokens, ``[s_r]``."""
         return self.layout.positions(self.rank, device)
+
+
+def document_bounds(doc_ids: torch.Tensor | None, seq_len: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` spans of equal consecutive ids; documents must be contiguous."""
+    if doc_ids is None:
+        return [(0, seq_len)]
+    change = (doc_ids[1:] != doc_ids[:-1]).nonzero().flatten().add(1).tolist()
+    starts, stops = [0, *change], [*change, seq_len]
+    if len(set(doc_ids[starts].tolist())) != len(starts):
+        raise ValueError("doc_ids: every document must be one contiguous span of the sequence")
+    return list(zip(starts, stops))
 
 
 def row_sizes(n: int, p: int) -> list[int]:

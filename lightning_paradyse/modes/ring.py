@@ -31,6 +31,7 @@ from lightning_paradyse.modes.zero3 import zero3_linear_t, zero3_mlp
 from lightning_paradyse.spec import AttnSpec, AttnWeights, MlpSpec, MlpWeights, SeqContext
 
 Tile = tuple[slice, slice, bool]  # (local query slice, key slice in the block, causal diagonal)
+MaskedTile = tuple[slice, slice, bool, torch.Tensor | None]  # + allowed [tq, tk] for packed documents
 
 
 def _local_slices(layout: SeqLayout, rank: int) -> list[tuple[slice, int, int]]:
@@ -57,6 +58,21 @@ def tiles(layout: SeqLayout, rank: int, src: int, causal: bool) -> list[Tile]:
     return result
 
 
+def doc_tiles(ctx: SeqContext, rank: int, src: int, causal: bool) -> list[MaskedTile]:
+    """:func:`tiles` with packed documents: tiles with no shared document are skipped, others masked."""
+    plain = tiles(ctx.layout, rank, src, causal)
+    if ctx.doc_ids is None:
+        return [(q_sl, k_sl, diag, None) for q_sl, k_sl, diag in plain]
+    docs_q, docs_k = ctx.docs_of(rank), ctx.docs_of(src)
+    assert docs_q is not None and docs_k is not None
+    out: list[MaskedTile] = []
+    for q_sl, k_sl, diag in plain:
+        allowed = docs_q[q_sl, None] == docs_k[None, k_sl]  # [tq, tk] same document
+        if bool(allowed.any()):
+            out.append((q_sl, k_sl, diag, None if bool(allowed.all()) else allowed))
+    return out
+
+
 def _kv_shape(k: torch.Tensor, layout: SeqLayout, rank: int) -> tuple[int, ...]:
     b, n_kv, _, d = k.shape
     return (2, b, n_kv, layout.local_len(rank), d)
@@ -75,8 +91,8 @@ def ring_forward(
     for t in range(p):
         src = (r - t) % p
         pending = ring_pass_start(kv, ctx.group, 1, _kv_shape(k, layout, (src - 1) % p)) if t < p - 1 else None
-        for q_sl, k_sl, diag in tiles(layout, r, src, causal):
-            o, lse = block_forward(q[:, :, q_sl], kv[0][:, :, k_sl], kv[1][:, :, k_sl], diag)
+        for q_sl, k_sl, diag, allowed in doc_tiles(ctx, r, src, causal):
+            o, lse = block_forward(q[:, :, q_sl], kv[0][:, :, k_sl], kv[1][:, :, k_sl], diag, allowed=allowed)
             key = q_sl.start
             outs[key] = merge(*outs.get(key, (None, None)), o, lse)
         if pending is not None:
@@ -109,7 +125,7 @@ def ring_backward(
         src = (r - t) % p
         pending = ring_pass_start(kv, ctx.group, 1, _kv_shape(k, layout, (src - 1) % p)) if t < p - 1 else None
         dkv = own if t == 0 else (carried if carried is not None else torch.zeros_like(kv, dtype=acc))
-        for q_sl, k_sl, diag in tiles(layout, r, src, causal):
+        for q_sl, k_sl, diag, allowed in doc_tiles(ctx, r, src, causal):
             dq_t, dk_t, dv_t = block_backward(
                 dout[:, :, q_sl],
                 q[:, :, q_sl],
@@ -118,6 +134,7 @@ def ring_backward(
                 lse[:, :, q_sl],
                 delta[:, :, q_sl],
                 diag,
+                allowed=allowed,
             )
             dq[:, :, q_sl] += dq_t
             dkv[0][:, :, k_sl] += dk_t

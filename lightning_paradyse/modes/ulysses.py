@@ -59,7 +59,9 @@ class Ulysses(Mode):
         qh, kh, vh = full.split([nq, m, m], dim=1)
         if spec.rotary is not None:
             qh, kh = spec.rotary(qh, kh, torch.arange(layout.seq_len, device=x.device))
-        o = full_attention(qh, kh, vh, spec.causal).transpose(1, 2)  # [b, n/p, s, d] -> [b, s, n/p, d]
+        o = full_attention(qh, kh, vh, spec.causal, ctx.doc_bounds()).transpose(
+            1, 2
+        )  # [b, n/p, s, d] -> [b, s, n/p, d]
         if not layout.is_natural:
             o = o.index_select(1, layout.gathered_positions(x.device))  # -> gathered order
         o = heads_to_seq(o, layout, ctx.group).reshape(b, s_r, spec.q_rows)  # -> [b, s_r, n*d]
