@@ -1,6 +1,12 @@
 """Command line of lightning_paradyse.
 
+    python cli.py fit --config configs/cpu_2proc.yaml         # train (also: validate, test)
     python cli.py check --world-size 3 --seq-len 101 --plan random --seed 7
+
+``fit`` / ``validate`` / ``test`` are Lightning's ``LightningCLI`` over :class:`~lightning_paradyse.lit.LanguageModel`
+and :class:`~lightning_paradyse.data.TextDataModule`; the strategy is chosen in the config
+(``trainer.strategy: paradyse`` or ``class_path: lightning_paradyse.ParaDySeStrategy`` with ``init_args``), and
+``--help`` shows every option with its docstring.
 
 ``check`` runs a model for one forward+backward single-process and under every mode (or the plan
 you name) on N local gloo processes and prints the relative error of the loss and of every gradient
@@ -14,10 +20,15 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import jsonargparse
 import yaml
+from lightning.pytorch.cli import LightningCLI
+from typing_extensions import override
 
 from lightning_paradyse.check import CheckSettings, check_worker, format_report
+from lightning_paradyse.data import TextDataModule
 from lightning_paradyse.layout import SeqLayout
+from lightning_paradyse.lit import LanguageModel
 from lightning_paradyse.models import CONFIGS
 from lightning_paradyse.plan import parse_plan
 from lightning_paradyse.spawn import run_distributed
@@ -91,12 +102,53 @@ def check_main(argv: Sequence[str]) -> int:
 COMMANDS = {"check": check_main}
 
 
+def enable_attribute_docstrings() -> None:
+    """Show the docstring under each config field in ``--help`` (jsonargparse's attribute docstrings)."""
+    if hasattr(jsonargparse, "set_parsing_settings"):  # jsonargparse >= 4.39
+        jsonargparse.set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    else:
+        jsonargparse.set_docstring_parse_options(attribute_docstrings=True)
+
+
+LIGHTNING_COMMANDS = ("fit", "validate", "test")
+DESCRIPTION = (
+    "Train, validate or test with Lightning and the ParaDySe strategy. "
+    "(Exactness check of the parallel modes: python cli.py check --help)"
+)
+
+
+class ParaDySeCLI(LightningCLI):
+    """``LightningCLI`` for :class:`LanguageModel` and :class:`TextDataModule`: subcommands fit, validate, test.
+
+    Args:
+        args: Command-line arguments (``None``: ``sys.argv``).
+        run: Run the subcommand (``False``: parse and instantiate only, no subcommand expected).
+        **kwargs: Passed to ``LightningCLI`` (e.g. ``save_config_callback=None``).
+    """
+
+    def __init__(self, args: Sequence[str] | None = None, run: bool = True, **kwargs: Any) -> None:
+        enable_attribute_docstrings()
+        kwargs.setdefault("parser_kwargs", {"prog": "cli.py", "description": DESCRIPTION})
+        super().__init__(LanguageModel, TextDataModule, args=None if args is None else list(args), run=run, **kwargs)
+
+    @staticmethod
+    @override
+    def subcommands() -> dict[str, set[str]]:
+        return {name: keys for name, keys in LightningCLI.subcommands().items() if name in LIGHTNING_COMMANDS}
+
+
+def lightning_main(argv: Sequence[str] | None = None) -> int:
+    """Run ``fit``/``validate``/``test`` through :class:`ParaDySeCLI` (``None``: arguments from ``sys.argv``)."""
+    ParaDySeCLI(args=argv)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in COMMANDS:
-        print(f"usage: python cli.py {{{','.join(COMMANDS)}}} [options]  (try: python cli.py check --help)")
-        return 2
-    return COMMANDS[argv[0]](argv[1:])
+    """``check`` goes to :func:`check_main`; anything else (fit, validate, test, --help) to the LightningCLI."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in COMMANDS:
+        return COMMANDS[args[0]](args[1:])
+    return lightning_main(argv)
 
 
 if __name__ == "__main__":

@@ -1,1 +1,53 @@
-"""lightning_paradyse: per-batch, per-layer parallel-mode switching for variable-length training."""
+"""lightning_paradyse: per-batch, per-layer parallel-mode switching for variable-length training.
+
+The Lightning strategy is registered under the name ``paradyse`` as soon as Lightning is imported
+(before or after this package), so ``Trainer(strategy="paradyse")`` and ``--trainer.strategy=paradyse``
+work. Lightning itself is loaded lazily: the mode library (and processes that only run it) does not
+pay for importing Lightning.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+from typing import Any
+
+__all__ = ["ParaDySeStrategy", "ParaDySeSwitcher"]
+
+_LAZY = {"ParaDySeStrategy": "lightning_paradyse.strategy", "ParaDySeSwitcher": "lightning_paradyse.callbacks"}
+_TRIGGER = "lightning.pytorch.strategies"
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'lightning_paradyse' has no attribute {name!r}")
+
+
+class _RegisterAfterLightning(importlib.abc.MetaPathFinder):
+    """Registers the strategy right after Lightning's strategy registry is imported."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != _TRIGGER:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        original = loader.exec_module  # type: ignore[attr-defined]
+
+        def exec_module(module: Any) -> None:
+            original(module)
+            importlib.import_module("lightning_paradyse.strategy")  # registers "paradyse"
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+if _TRIGGER in sys.modules:
+    importlib.import_module("lightning_paradyse.strategy")
+else:
+    sys.meta_path.insert(0, _RegisterAfterLightning())

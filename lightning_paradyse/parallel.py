@@ -270,7 +270,8 @@ def shard_sources(module: nn.Module) -> dict[str, ShardRef]:
     return out
 
 
-def _replicated_sources(module: nn.Module) -> dict[str, str]:
+def replicated_sources(module: nn.Module) -> dict[str, str]:
+    """Every replicated dispatch parameter (output biases) name in ``module`` -> its plain parameter name."""
     out: dict[str, str] = {}
     for path, op in dispatchers(module):
         block = path[: len(path) - len(op.core_path)]
@@ -322,7 +323,7 @@ def consolidated(module: nn.Module, group: Group, grads: bool = False) -> dict[s
     ``load_state_dict`` (buffers included when ``grads`` is false).
     """
     out: dict[str, torch.Tensor] = {}
-    shards, replicated = shard_sources(module), _replicated_sources(module)
+    shards, replicated = shard_sources(module), replicated_sources(module)
     pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
     for name, param in module.named_parameters():
         value = _value(param, grads)
@@ -343,7 +344,7 @@ def consolidated(module: nn.Module, group: Group, grads: bool = False) -> dict[s
 
 def load_consolidated(module: nn.Module, state: dict[str, torch.Tensor], group: Group, strict: bool = True) -> None:
     """Load a plain state dict (as :func:`consolidated` returns) into the shards of a parallelized module."""
-    shards, replicated = shard_sources(module), _replicated_sources(module)
+    shards, replicated = shard_sources(module), replicated_sources(module)
     used: set[str] = set()
     missing: list[str] = []
     with torch.no_grad():

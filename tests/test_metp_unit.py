@@ -57,8 +57,9 @@ def _check_params(params: dict[str, torch.Tensor], before: dict[str, torch.Tenso
 
 def _attention_case(p: int, rank: int, s: int, n_kv: int, causal: bool, bias: bool, rope: bool) -> None:
     torch.manual_seed(1000 + s + n_kv + 2 * causal)
-    lin = {n: nn.Linear(H, r, bias=bias, dtype=torch.float64) for n, r in
-           (("q", N * D), ("k", n_kv * D), ("v", n_kv * D))}
+    lin = {
+        n: nn.Linear(H, r, bias=bias, dtype=torch.float64) for n, r in (("q", N * D), ("k", n_kv * D), ("v", n_kv * D))
+    }
     lin["o"] = nn.Linear(N * D, H, bias=bias, dtype=torch.float64)
     x = torch.randn(B, s, H, dtype=torch.float64, requires_grad=True)
     wl = torch.randn(B, s, H, dtype=torch.float64)
@@ -74,8 +75,15 @@ def _attention_case(p: int, rank: int, s: int, n_kv: int, causal: bool, bias: bo
     # parallel
     ctx = _ctx(s, p, rank, causal)
     lay = ctx.layout
-    full = {"q": lin["q"].weight, "k": lin["k"].weight, "v": lin["v"].weight, "o_t": lin["o"].weight.t(),
-            "bq": lin["q"].bias, "bk": lin["k"].bias, "bv": lin["v"].bias}
+    full = {
+        "q": lin["q"].weight,
+        "k": lin["k"].weight,
+        "v": lin["v"].weight,
+        "o_t": lin["o"].weight.t(),
+        "bq": lin["q"].bias,
+        "bk": lin["k"].bias,
+        "bv": lin["v"].bias,
+    }
     params = _params({n: None if t is None else shard_rows(t.detach(), p, rank) for n, t in full.items()})
     bo = None if lin["o"].bias is None else lin["o"].bias.detach().clone().requires_grad_()
     before = {n: t.detach().clone() for n, t in params.items()}
@@ -105,8 +113,13 @@ def _mlp_case(p: int, rank: int, s: int, f: int, gated: bool, bias: bool) -> dic
     (ref * wl).sum().backward()
     ctx = _ctx(s, p, rank, causal=False)
     lay = ctx.layout
-    full = {"up": up.weight, "gate": None if gate is None else gate.weight, "down_t": down.weight.t(),
-            "b_up": up.bias, "b_gate": None if gate is None else gate.bias}
+    full = {
+        "up": up.weight,
+        "gate": None if gate is None else gate.weight,
+        "down_t": down.weight.t(),
+        "b_up": up.bias,
+        "b_gate": None if gate is None else gate.bias,
+    }
     params = _params({n: None if t is None else shard_rows(t.detach(), p, rank) for n, t in full.items()})
     before = {n: t.detach().clone() for n, t in params.items()}
     xl = lay.shard(x.detach(), rank).requires_grad_()
@@ -141,8 +154,12 @@ def _world_checks(rank: int, p: int) -> dict[str, Any]:
     kvs = [kv for kv in (12, 4, 3, 2, 1) if MODE.attention_infeasible(AttnSpec(H, N, kv, D, True), p) is None]
     for i, (s, kv, causal) in enumerate((s, kv, c) for s in (37, 64) for kv in kvs for c in (True, False)):
         _attention_case(p, rank, s, kv, causal, bias=i % 2 == 0, rope=i % 3 != 1)
-    traffic = [_mlp_case(p, rank, s, f, gated, bias=gated == (s == 37))
-               for s in (37, 64) for f in (192, 190) for gated in (True, False)]
+    traffic = [
+        _mlp_case(p, rank, s, f, gated, bias=gated == (s == 37))
+        for s in (37, 64)
+        for f in (192, 190)
+        for gated in (True, False)
+    ]
     return {"mlp": traffic, "attn": _attention_traffic(p, rank), "kvs": kvs}
 
 
@@ -163,8 +180,9 @@ def test_metp_single_process() -> None:
     _mlp_case(1, 0, 37, 190, True, bias=True)
     ctx = SeqContext(SeqLayout(16, 1), None)
     w = {n: torch.randn(r, H, requires_grad=True) for n, r in (("q", N * D), ("k", N * D), ("v", N * D))}
-    y = MODE.attention(torch.randn(1, 16, H), AttnWeights(**w, o_t=torch.randn(N * D, H)),
-                       AttnSpec(H, N, N, D, False), ctx)
+    y = MODE.attention(
+        torch.randn(1, 16, H), AttnWeights(**w, o_t=torch.randn(N * D, H)), AttnSpec(H, N, N, D, False), ctx
+    )
     assert y.dtype == torch.float32
 
 

@@ -1,0 +1,157 @@
+"""ParaDySeSwitcher: chooses, checks, applies and logs the plan of every batch.
+
+Before each training, validation and test batch the switcher
+
+1. lets the strategy validate the global batch (length limit, targets) — errors are raised here, on
+   every rank alike, before any collective;
+2. asks the planner for the plan of the batch's global length (the strategy's planner unless one is
+   given here) and checks it against the model;
+3. verifies that every rank holds the same plan *and* the same batch: an all-gather of a hash of the
+   plan, the batch shape and a token checksum; a mismatch raises instead of hanging in a collective;
+4. configures the model (layout, plan: a table look-up), records the plan in :attr:`history`, logs
+   the number of layers per op and mode through the Trainer's logger and, on rank 0, prints each
+   plan change.
+
+The strategy adds a switcher when the user did not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
+
+from lightning_paradyse.plan import OPS, Plan
+from lightning_paradyse.policy import Planner
+
+
+@dataclass(frozen=True)
+class PlanRecord:
+    """One executed plan."""
+
+    stage: str
+    """``train``, ``validate`` or ``test``."""
+    seq_len: int
+    """Global length of the batch."""
+    batch: int
+    """Sequences in the batch."""
+    plan: Plan
+    """The plan the batch ran with."""
+
+
+def plan_digest(plan: Plan, *extra: int) -> int:
+    """A stable signed 64-bit hash of a plan (and extra integers), equal across processes."""
+    text = repr((plan.to_list(), extra)).encode()
+    return int.from_bytes(hashlib.sha256(text).digest()[:8], "little", signed=True)
+
+
+def describe(plan: Plan) -> str:
+    """``"ring+rc,metp+rc x4"`` for a uniform plan, else the per-layer list."""
+    first = plan.layers[0]
+    if all(layer == first for layer in plan.layers):
+        return f"{first} x{len(plan)}"
+    return str(plan)
+
+
+class ParaDySeSwitcher(pl.Callback):
+    """Applies a plan before every batch; all ranks are checked to hold the same one.
+
+    Args:
+        planner: Where plans come from; ``None`` uses the strategy's (its fixed plan, or the threshold
+            policy for ``plan="auto"``).
+        log_plan: Log the plan's mode counts per step through ``pl_module.log_dict``.
+        verify: All-gather a hash of plan and batch every batch and raise if the ranks differ.
+
+    Raises:
+        TypeError: When the Trainer's strategy is not a ``ParaDySeStrategy``.
+        RuntimeError: When ranks hold different plans or batches.
+
+    Example::
+
+        trainer = Trainer(strategy=ParaDySeStrategy(plan="auto"), callbacks=[ParaDySeSwitcher()])
+    """
+
+    def __init__(self, planner: Planner | None = None, log_plan: bool = True, verify: bool = True) -> None:
+        self.planner = planner
+        self.log_plan = log_plan
+        self.verify = verify
+        self.history: list[PlanRecord] = []
+        self._last: Plan | None = None
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self.switch(trainer, pl_module, batch, "train")
+
+    @override
+    def on_validation_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self.switch(trainer, pl_module, batch, "validate")
+
+    @override
+    def on_test_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self.switch(trainer, pl_module, batch, "test")
+
+    def switch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, stage: str) -> Plan:
+        """Validate the batch, choose and check its plan, verify agreement, configure; return the plan."""
+        from lightning_paradyse.strategy import ParaDySeStrategy
+
+        strategy = trainer.strategy
+        if not isinstance(strategy, ParaDySeStrategy):
+            raise TypeError(f"ParaDySeSwitcher needs Trainer(strategy=ParaDySeStrategy(...)), got {type(strategy)}")
+        info = strategy.inspect_batch(batch)
+        planner = self.planner or strategy.planner
+        assert planner is not None, "the strategy creates its planner in setup"
+        plan = planner.plan(info.seq_len, info.batch)
+        strategy.check_plan(plan)
+        if self.verify:
+            self._verify(strategy, plan_digest(plan, info.seq_len, info.batch, info.checksum))
+        strategy.activate(info, plan)
+        self.history.append(PlanRecord(stage, info.seq_len, info.batch, plan))
+        if self.log_plan:
+            pl_module.log_dict(
+                self.metrics(plan, strategy.modes, stage), on_step=True, on_epoch=False, batch_size=info.batch
+            )
+        if plan != self._last:
+            rank_zero_info(f"[paradyse] {stage} length {info.seq_len}: plan {describe(plan)}")
+            self._last = plan
+        return plan
+
+    @staticmethod
+    def _verify(strategy: Any, digest: int) -> None:
+        if strategy.world_size == 1:
+            return
+        mine = torch.tensor([digest], dtype=torch.int64, device=strategy.root_device)
+        every = strategy.all_gather(mine).reshape(-1).tolist()
+        if len(set(every)) != 1:
+            raise RuntimeError(
+                f"the ranks disagree on the plan or the batch (digest per rank: {every}); every rank must see the "
+                f"same batches (same data and seed, no per-rank sampler) and the planner must be deterministic"
+            )
+
+    @staticmethod
+    def metrics(plan: Plan, modes: tuple[str, ...], stage: str = "train") -> dict[str, float]:
+        """Layers per op and mode, ops recomputed (a fixed set of keys, numbers only)."""
+        prefix = "plan" if stage == "train" else f"plan_{stage}"
+        out = {f"{prefix}/{op}_{mode}": 0.0 for op in OPS for mode in modes}
+        recompute = 0
+        for layer in plan.layers:
+            for op in OPS:
+                op_plan = layer.op(op)
+                key = f"{prefix}/{op}_{op_plan.mode}"
+                out[key] = out.get(key, 0.0) + 1.0
+                recompute += op_plan.recompute
+        out[f"{prefix}/recompute"] = float(recompute)
+        return out
+
+
+__all__ = ["ParaDySeSwitcher", "PlanRecord", "describe", "plan_digest"]

@@ -1,0 +1,96 @@
+"""LanguageModel: an ordinary LightningModule around a reference model, for the command line and examples.
+
+Nothing in it knows about parallelism: it computes the mean token cross-entropy of the tokens it is
+given (targets are shifted in the data, -100 marks tokens without a target). Under
+``ParaDySeStrategy`` the step sees this rank's slice of the sequence and the strategy turns the
+returned loss into the global one; the module logs the loss the step *returned* (``outputs`` of the
+batch-end hooks), which is therefore the exact single-process loss on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_paradyse.models import build_model
+
+
+class LanguageModel(pl.LightningModule):
+    """A causal language model trained with mean token cross-entropy and AdamW.
+
+    Args:
+        model: Name of a reference model config (see ``lightning_paradyse.models.CONFIGS``).
+        lr: AdamW learning rate.
+        weight_decay: AdamW weight decay.
+
+    Example::
+
+        module = LanguageModel("llama-tiny", lr=3e-3)
+    """
+
+    def __init__(self, model: str = "llama-tiny", lr: float = 3e-3, weight_decay: float = 0.0) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = build_model(model)
+        self.lr = lr
+        self.weight_decay = weight_decay
+        self.last_loss: float | None = None
+
+    @override
+    def forward(self, tokens: Tensor) -> Tensor:
+        """Logits ``[b, s, vocab]`` of token ids ``[b, s]``."""
+        return self.model(tokens)  # type: ignore[no-any-return]
+
+    def loss(self, batch: dict[str, Tensor]) -> Tensor:
+        """Mean cross-entropy over the real targets of the tokens in ``batch``."""
+        logits = self(batch["input_ids"])  # [b, s, vocab]
+        logits = logits.float()
+        return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(), ignore_index=-100)
+
+    @override
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        return self.loss(batch)
+
+    @override
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        return self.loss(batch)
+
+    @override
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        return self.loss(batch)
+
+    @override
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.last_loss = float(loss)
+        self.log("train_loss", loss, prog_bar=True, batch_size=_batch_size(batch))
+
+    @override
+    def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.log("val_loss", outputs, prog_bar=True, batch_size=_batch_size(batch), sync_dist=True)
+
+    @override
+    def on_test_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.log("test_loss", outputs, batch_size=_batch_size(batch), sync_dist=True)
+
+    @override
+    def on_train_end(self) -> None:
+        if self.last_loss is not None:
+            rank_zero_info(f"final loss {self.last_loss:.4f} after {self.trainer.global_step} steps")
+
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+
+
+def _batch_size(batch: Any) -> int:
+    return int(batch["input_ids"].shape[0]) if isinstance(batch, dict) else 1
+
+
+__all__ = ["LanguageModel"]

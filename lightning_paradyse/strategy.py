@@ -1,0 +1,762 @@
+"""ParaDySeStrategy: a Lightning strategy that runs every batch in the parallel mode its length calls for.
+
+All processes form one sequence-parallel group (gloo on CPU, NCCL on CUDA) and see the *same* global
+batch. For every batch the strategy
+
+1. (through the :class:`~lightning_paradyse.callbacks.ParaDySeSwitcher` callback, added when absent)
+   validates the batch, asks the planner for a plan, checks that every rank holds the same plan and
+   configures the rewritten blocks with the batch's layout and plan;
+2. slices every tensor of the batch whose first two dims are ``[b, s]`` of the token tensor along the
+   sequence with :meth:`SeqLayout.shard` — lengths need not be padded to a multiple of the group size:
+   the layout's chunks differ by at most one token;
+3. turns the loss the LightningModule returns into the *global* loss: ``GlobalLoss(local * w_r)``,
+   an all-reduce (SUM) forward and an identity backward, with ``w_r = n_r / N`` (real target tokens on
+   this rank over real target tokens in the batch) for a mean loss, so the loss is the single-process
+   loss and the gradients are exact;
+4. after backward, sums the gradients of replicated parameters over the group.
+
+Batch conventions (those of common language-model data): the tokens are the batch itself, the first
+tensor of a tuple/list, or a dict entry named in :data:`TOKEN_KEYS`; the targets a dict entry named in
+:data:`TARGET_KEYS` or the last tensor of a tuple/list of two or more (``-100`` marks no target).
+``labels`` means the Hugging Face convention (the model shifts them): the model is then handed the
+globally shifted labels (:func:`lightning_paradyse.parallel.set_step_targets`).
+
+Checkpoints hold the *plain* model's state dict (it loads into the unparallelised model) and full,
+consolidated optimizer state, so a run can resume with another plan, mode set or number of processes.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from lightning_utilities.core.apply_func import apply_to_collection
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_paradyse import parallel
+from lightning_paradyse.checkpoint import consolidate_optimizer_state, load_optimizer_state
+from lightning_paradyse.comm import Group, all_gather_rows, all_reduce_sum, broadcast_from, group_size
+from lightning_paradyse.layout import SeqLayout
+from lightning_paradyse.plan import Plan, parse_plan
+from lightning_paradyse.policy import (
+    FixedPlanner,
+    Planner,
+    PlanSpec,
+    ThresholdPolicy,
+    parse_memory_budget,
+    validate_modes,
+    validate_plan_spec,
+)
+from lightning_paradyse.spec import SeqContext
+
+START_METHODS = ("spawn", "fork", "forkserver", "popen")
+IGNORE_INDEX = -100
+"""Target value of a token that is not a real target (padding, prompt): the cross-entropy default."""
+TOKEN_KEYS = ("input_ids", "tokens", "idx", "input", "inputs", "x")
+"""Keys of the token tensor in a dict batch, first match wins (else the first tensor)."""
+TARGET_KEYS = ("labels", "targets", "target", "y")
+"""Keys of the target tensor in a dict batch (else: the last tensor of a tuple or list batch)."""
+
+
+class GlobalLoss(torch.autograd.Function):
+    """Forward: the sum of every rank's ``local`` (all-reduce); backward: the gradient, unchanged.
+
+    Each rank returns ``w_r * local_r``; the sum is the global loss on every rank, and since each
+    rank's contribution enters the sum with coefficient 1, the identity backward gives every rank the
+    gradient of its own contribution, which the modes' collectives and the replicated-gradient
+    all-reduce then combine into the exact gradient of the global loss.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, local: Tensor, group: Group) -> Tensor:
+        return local.clone() if group_size(group) == 1 else all_reduce_sum(local, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
+
+
+@dataclass(frozen=True)
+class BatchInfo:
+    """What the strategy knows about the current global batch (identical on every rank but ``n_local``)."""
+
+    batch: int
+    """Sequences ``b`` in the batch."""
+    seq_len: int
+    """Global sequence length ``s``."""
+    layout: SeqLayout
+    """Which tokens each rank holds."""
+    n_local: int
+    """Real target tokens on this rank (``targets != -100``; every token when there are no targets)."""
+    n_global: int
+    """Real target tokens in the whole batch."""
+    checksum: int
+    """A cheap fingerprint of the token ids (ranks compare it to catch diverging data)."""
+    shift_labels: Tensor | None = None
+    """HF-style batches: this rank's slice of ``labels[:, 1:]`` padded with -100 at the end."""
+    n_shift_labels: int | None = None
+    """HF-style batches: real shifted labels in the whole batch."""
+
+
+def find_tokens(batch: Any) -> Tensor:
+    """The token tensor ``[b, s, ...]`` of a batch: a tensor, a dict (:data:`TOKEN_KEYS`) or a sequence."""
+    if isinstance(batch, Tensor):
+        tensors = [batch]
+    elif isinstance(batch, Mapping):
+        named = [batch[k] for k in TOKEN_KEYS if isinstance(batch.get(k), Tensor)]
+        tensors = named or [v for v in batch.values() if isinstance(v, Tensor)]
+    elif isinstance(batch, Sequence):
+        tensors = [v for v in batch if isinstance(v, Tensor)]
+    else:
+        tensors = []
+    if not tensors or tensors[0].dim() < 2:
+        raise TypeError(
+            f"ParaDySeStrategy cannot find the token tensor [batch, seq] in a batch of type {type(batch).__name__}: "
+            f"yield a tensor, a tuple/list whose first tensor holds the tokens, or a dict with one of {TOKEN_KEYS}"
+        )
+    return tensors[0]
+
+
+def find_targets(batch: Any) -> tuple[str | None, Tensor | None]:
+    """``(key, targets)``: a dict's :data:`TARGET_KEYS` entry, or the last of two or more tensors of a sequence."""
+    if isinstance(batch, Mapping):
+        for key in TARGET_KEYS:
+            if isinstance(batch.get(key), Tensor):
+                return key, batch[key]
+        return None, None
+    if isinstance(batch, Sequence) and not isinstance(batch, (str, Tensor)):
+        tensors = [v for v in batch if isinstance(v, Tensor)]
+        if len(tensors) >= 2:
+            return None, tensors[-1]
+    return None, None
+
+
+def shard_batch(batch: Any, info: BatchInfo, rank: int) -> Any:
+    """This rank's tokens of every tensor of ``batch`` whose dims 0, 1 are ``[b, s]`` (others unchanged)."""
+
+    def cut(t: Tensor) -> Tensor:
+        if t.dim() >= 2 and tuple(t.shape[:2]) == (info.batch, info.seq_len):
+            return info.layout.shard(t, rank)  # [b, s, ...] -> [b, s_r, ...]
+        return t
+
+    return apply_to_collection(batch, Tensor, cut)
+
+
+def checksum(tokens: Tensor) -> int:
+    """A position-weighted sum of the token ids: equal on ranks that hold the same batch."""
+    t = tokens.long().reshape(tokens.shape[0], tokens.shape[1], -1)  # [b, s, ...] -> [b, s, rest]
+    weights = torch.arange(1, t.shape[1] + 1, device=t.device).view(1, -1, 1)
+    return int((t * weights).sum())
+
+
+def target_counts(targets: Tensor | None, layout: SeqLayout, b: int, s: int) -> list[int]:
+    """Real target tokens held by each rank (all tokens when the batch has no ``[b, s]`` targets)."""
+    if targets is None or targets.dim() < 2 or tuple(targets.shape[:2]) != (b, s):
+        return [b * n for n in layout.local_lens]
+    valid = targets != IGNORE_INDEX
+    return [int(layout.shard(valid, r).sum()) for r in range(layout.world)]
+
+
+def shifted_labels(labels: Tensor) -> Tensor:
+    """``labels[:, 1:]`` padded with -100 at the end: the targets a label-shifting model computes."""
+    shifted = torch.full_like(labels, IGNORE_INDEX)
+    shifted[:, :-1] = labels[:, 1:]
+    return shifted
+
+
+def describe_batch(
+    batch: Any, p: int, rank: int, causal: bool, max_seq_len: int | None = None, mean_loss: bool = True
+) -> BatchInfo:
+    """Validate a global batch for ``p`` ranks and describe it (no collective: raises alike on every rank).
+
+    Raises:
+        ValueError: For a batch longer than ``max_seq_len``, shorter than ``p``, without real targets, or (for a
+            mean loss) with a rank holding no real target.
+    """
+    tokens = find_tokens(batch)
+    b, s = int(tokens.shape[0]), int(tokens.shape[1])
+    if max_seq_len is not None and s > max_seq_len:
+        raise ValueError(
+            f"a batch of length {s} exceeds ParaDySeStrategy(max_seq_len={max_seq_len}): "
+            f"cut or drop longer sequences in the data, or raise max_seq_len"
+        )
+    if s < p:
+        raise ValueError(f"a batch of length {s} is shorter than the {p} processes: every rank needs a token")
+    layout = SeqLayout.for_sequence(s, p, causal)
+    key, targets = find_targets(batch)
+    counts = target_counts(targets, layout, b, s)
+    _check_counts(counts, s, mean_loss and key != "labels")
+    if key == "labels" and targets is not None:
+        shifted = shifted_labels(targets)
+        local, n_shift = layout.shard(shifted, rank), int((shifted != IGNORE_INDEX).sum())
+        return BatchInfo(b, s, layout, counts[rank], sum(counts), checksum(tokens), local, n_shift)
+    return BatchInfo(b, s, layout, counts[rank], sum(counts), checksum(tokens))
+
+
+def _check_counts(counts: list[int], seq_len: int, every_rank: bool) -> None:
+    if sum(counts) == 0:
+        raise ValueError(f"a batch of length {seq_len} has no real target token (all targets are -100)")
+    empty = [r for r, n in enumerate(counts) if n == 0]
+    if empty and every_rank:
+        raise ValueError(
+            f"rank(s) {empty} hold no real target token of this batch of length {seq_len}, so their mean loss "
+            f"is undefined; use ParaDySeStrategy(loss_reduction='sum') with a summed loss, or less padding"
+        )
+
+
+class _SpawnLauncher(_MultiProcessingLauncher):
+    """The spawn launcher, handing rank 0's *consolidated* weights back (the local shards would not load)."""
+
+    @override
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:
+        strategy = self._strategy
+        assert isinstance(strategy, ParaDySeStrategy)
+        if strategy.local_rank != 0:
+            return None
+        callback = trainer.checkpoint_callback
+        best = getattr(callback, "best_model_path", None) if callback else None
+        weights_path = None
+        if trainer.state.fn == TrainerFn.FITTING and strategy.final_state_dict is not None:
+            weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
+            strategy.checkpoint_io.save_checkpoint(strategy.final_state_dict, weights_path)
+        return _WorkerOutput(best, weights_path, trainer.state, results, self.get_extra_results(trainer))
+
+
+class ParaDySeStrategy(ParallelStrategy):
+    """Sequence-parallel training that switches the parallel mode per batch, per layer and per op.
+
+    Every process of the run belongs to one group that shares each sequence; all of them see the same
+    batches (``num_replicas=1``). The LightningModule stays unmodified: it computes its usual loss on
+    the local tokens it is given, and the strategy makes the returned loss the global one.
+
+    Args:
+        modes: The modes the planner may use (default: all four, ``tp_sp``, ``ulysses``, ``ring``, ``metp``).
+        plan: ``"auto"`` (the planner chooses per batch), a single mode name, or a list with one entry per
+            layer, each a mode name or a mapping such as ``{attention: ring, mlp: metp, recompute: true}``.
+        thresholds: ``(short_max, middle_max)`` lengths of the stand-in length-threshold policy used by
+            ``plan="auto"`` until the cost-model planner arrives.
+        memory_budget: Per-rank memory budget in bytes or as a string such as ``"4GiB"`` (stored for the planner).
+        profile: Path of a cost profile (stored for the planner); must exist when given.
+        compile: Wrap each rewritten block with ``torch.compile(dynamic=True)`` (eager by default).
+        blocks: Dotted path of the block list inside the LightningModule (e.g. ``"model.layers"``);
+            found automatically when ``None``.
+        max_seq_len: Longest global sequence allowed; a longer batch raises before any collective.
+        start_method: ``"spawn"`` (default, notebooks and tests), ``"fork"``, ``"forkserver"``, or ``"popen"``
+            (re-run the script per process, as the command line does).
+        timeout: Seconds before a collective of the process group times out.
+        loss_reduction: ``"mean"`` if the module's loss is a mean over its local real tokens (rescaled by
+            ``n_r / N``), ``"sum"`` if it is already a sum over them.
+
+    Raises:
+        ValueError: For a bad option, naming the option, the value and the fix.
+
+    Notes:
+        * As with DDP, Lightning replaces the training sampler by a shuffling ``DistributedSampler`` built from
+          :attr:`distributed_sampler_kwargs` (one replica: the same order on every rank). Pass your own
+          ``DistributedSampler`` or ``Trainer(use_distributed_sampler=False)`` to keep another order; the
+          switcher checks every batch that all ranks hold the same one.
+        * The process group is destroyed when the Trainer finishes: save checkpoints while it runs
+          (``ModelCheckpoint``, or ``trainer.save_checkpoint`` in a hook).
+        * Not yet supported: ``gradient_clip_algorithm="norm"`` (use ``"value"``) and ``trainer.predict``.
+
+    Example::
+
+        trainer = Trainer(accelerator="cpu", devices=2, strategy=ParaDySeStrategy(plan="auto"))
+    """
+
+    strategy_name = "paradyse"
+
+    def __init__(
+        self,
+        modes: Sequence[str] | None = None,
+        plan: str | list[str | dict[str, Any]] = "auto",
+        thresholds: tuple[int, int] = (256, 1024),
+        memory_budget: int | str | None = None,
+        profile: str | None = None,
+        compile: bool = False,
+        blocks: str | None = None,
+        max_seq_len: int | None = None,
+        start_method: Literal["spawn", "fork", "forkserver", "popen"] = "spawn",
+        timeout: float = 1800.0,
+        loss_reduction: Literal["mean", "sum"] = "mean",
+    ) -> None:
+        super().__init__()
+        self.modes = validate_modes(modes)
+        self.plan_spec: PlanSpec = validate_plan_spec(plan, self.modes)
+        self.thresholds = _validate_thresholds(thresholds)
+        self.memory_budget = parse_memory_budget(memory_budget)
+        self.profile = _validate_profile(profile)
+        self.compile = _validate_flag("compile", compile)
+        self.blocks = _validate_blocks(blocks)
+        self.max_seq_len = _validate_positive("max_seq_len", max_seq_len)
+        self.start_method = _validate_choice("start_method", start_method, START_METHODS)
+        self.timeout = _validate_timeout(timeout)
+        self.loss_reduction = _validate_choice("loss_reduction", loss_reduction, ("mean", "sum"))
+        self.num_nodes = 1
+        self.planner: Planner | None = None
+        self.final_state_dict: dict[str, Tensor] | None = None
+        self._group: Group = None
+        self._block_names: list[str] = []
+        self._pending: BatchInfo | None = None
+        self._trainer: pl.Trainer | None = None
+
+    # ------------------------------------------------------------------ processes and devices
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def group(self) -> Group:
+        """The process group that shares each sequence (``None`` for a single process)."""
+        return self._group
+
+    @property
+    def is_distributed(self) -> bool:
+        """Tells Lightning to inject a sampler built from :attr:`distributed_sampler_kwargs`."""
+        return True
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """One replica: every rank of the group iterates over the same global batches."""
+        return {"num_replicas": 1, "rank": 0}
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Checkpoints hold plain weights: they are loaded into the model after it is parallelised."""
+        return True
+
+    @property
+    def block_names(self) -> list[str]:
+        """Names of the rewritten blocks inside the LightningModule (after setup)."""
+        return list(self._block_names)
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self.cluster_environment.creates_processes_externally or self.num_processes * self.num_nodes == 1:
+            return
+        if self.start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _SpawnLauncher(self, start_method=self.start_method)  # type: ignore[arg-type]
+
+    def set_world_ranks(self) -> None:
+        """Global rank and world size from the node rank and the local rank."""
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+
+    @override
+    def setup_environment(self) -> None:
+        """Select the device, then create the process group of the whole world (with a timeout)."""
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        if self.world_size == 1:
+            self._group = None
+            return
+        assert self.cluster_environment is not None
+        backend = _get_default_process_group_backend_for_device(self.root_device)
+        kwargs: dict[str, Any] = {"timeout": timedelta(seconds=self.timeout)}
+        if self.root_device.type == "cuda":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, backend, **kwargs)
+        self._group = dist.group.WORLD
+
+    # ------------------------------------------------------------------ model set-up
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        """Move the model, parallelise it once, add the switcher, then set up optimizers and precision."""
+        assert self.accelerator is not None
+        self._trainer = trainer
+        self.accelerator.setup(trainer)
+        _check_gradient_clipping(trainer)
+        self.precision_plugin.convert_module(self._module)
+        self.model_to_device()
+        self._parallelize()
+        self.planner = self._make_planner()
+        _ensure_switcher(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @property
+    def _module(self) -> pl.LightningModule:
+        if self.lightning_module is None:
+            raise RuntimeError("ParaDySeStrategy has no LightningModule yet (call through a Trainer)")
+        return self.lightning_module
+
+    def _parallelize(self) -> None:
+        """Broadcast rank 0's weights, rewrite the blocks, check a fixed plan (once per module)."""
+        module = self._module
+        names = _parallelized_blocks(module)
+        if names is None:
+            if self.plan_spec != "auto":  # a plan of the wrong length fails before any collective
+                self._fixed_plan(len(parallel.find_blocks(module, self.blocks)))
+            self._broadcast_weights(module)
+            names = parallel.parallelize(module, self._group, blocks=self.blocks)
+            if self.compile:
+                compile_blocks(module, names)
+        self._block_names = list(names)
+        if self.plan_spec != "auto":
+            self.check_plan(self._fixed_plan(parallel.n_layers(module)))
+
+    def _broadcast_weights(self, module: torch.nn.Module) -> None:
+        """Rank 0's parameters and buffers on every rank (one coalesced broadcast per dtype)."""
+        if group_size(self._group) == 1:
+            return
+        tensors = [t for t in (*module.parameters(), *module.buffers()) if t.numel() > 0]
+        for dtype in sorted({t.dtype for t in tensors}, key=str):
+            same = [t for t in tensors if t.dtype == dtype]
+            flat = torch.cat([t.detach().reshape(-1) for t in same])
+            flat = broadcast_from(flat, 0, self._group)
+            with torch.no_grad():
+                for t, piece in zip(same, torch.split(flat, [t.numel() for t in same])):
+                    t.copy_(piece.view_as(t))
+
+    def _fixed_plan(self, n_layers: int) -> Plan:
+        assert self.plan_spec != "auto"
+        try:
+            return parse_plan(self.plan_spec, n_layers)  # type: ignore[arg-type]
+        except ValueError as err:
+            raise ValueError(f"ParaDySeStrategy(plan={self.plan_spec!r}): {err}") from None
+
+    def _make_planner(self) -> Planner:
+        n = parallel.n_layers(self._module)
+        if self.plan_spec == "auto":
+            return ThresholdPolicy(n, self.modes, self.thresholds, check=self.check_plan)
+        return FixedPlanner(self._fixed_plan(n))
+
+    def check_plan(self, plan: Plan) -> None:
+        """Raise a ``ValueError`` naming the layer and the reason if ``plan`` cannot run (no collective)."""
+        outside = sorted({op.mode for layer in plan.layers for op in (layer.attention, layer.mlp)} - set(self.modes))
+        if outside:
+            raise ValueError(f"the plan uses mode(s) {outside} outside ParaDySeStrategy(modes={list(self.modes)})")
+        try:
+            parallel.check_plan(self._module, plan, group_size(self._group))
+        except ValueError as err:
+            raise ValueError(
+                f"ParaDySeStrategy(plan={self.plan_spec!r}) cannot run on {group_size(self._group)} processes: {err}"
+            ) from None
+
+    # ------------------------------------------------------------------ per batch
+
+    def inspect_batch(self, batch: Any) -> BatchInfo:
+        """Validate a global batch and describe it; raises (identically on every rank) before any collective."""
+        return describe_batch(
+            batch,
+            group_size(self._group),
+            self.global_rank,
+            causal=parallel.is_causal(self._module),
+            max_seq_len=self.max_seq_len,
+            mean_loss=self.loss_reduction == "mean",
+        )
+
+    def activate(self, info: BatchInfo, plan: Plan) -> None:
+        """Configure the blocks for the batch (layout, plan, HF labels); the next step consumes it."""
+        module = self._module
+        parallel.configure(module, SeqContext(info.layout, self._group), plan)
+        parallel.set_step_targets(module, info.shift_labels, info.n_shift_labels)
+        self._pending = info
+
+    def _take_pending(self, hook: str) -> BatchInfo:
+        info, self._pending = self._pending, None
+        if info is None:
+            raise RuntimeError(
+                f"ParaDySeStrategy.{hook}: the batch was not configured; the ParaDySeSwitcher callback does it "
+                f"before every batch (was it removed from trainer.callbacks?)"
+            )
+        return info
+
+    def _shard_step(
+        self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[BatchInfo, tuple[Any, ...], dict[str, Any]]:
+        info = self._take_pending(hook)
+        if args:
+            args = (shard_batch(args[0], info, self.global_rank), *args[1:])
+        elif "batch" in kwargs:
+            kwargs = {**kwargs, "batch": shard_batch(kwargs["batch"], info, self.global_rank)}
+        return info, args, kwargs
+
+    def _global(self, output: Any, info: BatchInfo) -> Any:
+        """Replace the local loss of a step's output (a tensor or a dict with ``loss``) by the global loss."""
+        if isinstance(output, Tensor):
+            return self.global_loss(output, info)
+        if isinstance(output, Mapping) and isinstance(output.get("loss"), Tensor):
+            return {**output, "loss": self.global_loss(output["loss"], info)}
+        return output
+
+    def global_loss(self, local: Tensor, info: BatchInfo) -> Tensor:
+        """``GlobalLoss(local * w_r)``: the exact single-process loss on every rank."""
+        consumed = bool(parallel.step_state(self._module).labels_consumed)
+        weight = 1.0 if consumed or self.loss_reduction == "sum" else info.n_local / info.n_global
+        return GlobalLoss.apply(local * weight, self._group)  # type: ignore[no-any-return]
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        """The module's step on this rank's tokens, with the global loss."""
+        info, args, kwargs = self._shard_step("training_step", args, kwargs)
+        return self._global(super().training_step(*args, **kwargs), info)  # type: ignore[no-any-return]
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        """The module's validation step on this rank's tokens, with the global loss."""
+        info, args, kwargs = self._shard_step("validation_step", args, kwargs)
+        return self._global(super().validation_step(*args, **kwargs), info)  # type: ignore[no-any-return]
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        """The module's test step on this rank's tokens, with the global loss."""
+        info, args, kwargs = self._shard_step("test_step", args, kwargs)
+        return self._global(super().test_step(*args, **kwargs), info)  # type: ignore[no-any-return]
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("ParaDySeStrategy does not support trainer.predict yet; use a single device")
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        """Sum the replicated parameters' gradients over the group once the last micro-batch is done.
+
+        With gradient accumulation (automatic optimization) the sum waits for the micro-batch that steps, as
+        DDP's ``no_sync`` does; with manual optimization it follows every backward.
+        """
+        if not self._accumulating():
+            parallel.reduce_replicated_grads(self._module, self._group)
+
+    def _accumulating(self) -> bool:
+        trainer = self._trainer
+        if trainer is None or not self._module.automatic_optimization or trainer.state.fn != TrainerFn.FITTING:
+            return False
+        return bool(trainer.fit_loop.epoch_loop._should_accumulate())
+
+    # ------------------------------------------------------------------ collectives
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        """Every rank's ``tensor`` stacked, ``[world, ...]`` (unchanged when there is no process group)."""
+        if sync_grads or not _distributed_is_initialized():
+            return super().all_gather(tensor, group, sync_grads)
+        group = group if group is not None else dist.group.WORLD
+        p = group_size(group)
+        return all_gather_rows(tensor.detach().unsqueeze(0), [1] * p, group)  # [...] -> [p, ...]
+
+    @override
+    def reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor | Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The plain model's state dict (consolidated on every rank; rank 0 writes it)."""
+        module = self._module
+        if _parallelized_blocks(module) is None:  # e.g. the spawn launcher's parent process: a plain module
+            return module.state_dict()
+        self._require_group("save a checkpoint")
+        return parallel.consolidated(module, self._group)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        parallel.load_consolidated(self._module, checkpoint["state_dict"], self._group, strict=strict)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """Full optimizer state keyed by plain parameter name (shards gathered), the same on every rank."""
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        if _parallelized_blocks(self._module) is None:
+            return optimizer.state_dict()
+        self._require_group("save a checkpoint")
+        return consolidate_optimizer_state(optimizer, self._module, self._group)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            load_optimizer_state(optimizer, self._module, state, self._group)
+            _optimizers_to_device([optimizer], self.root_device)
+
+    def _require_group(self, action: str) -> None:
+        if self._group is None and self.world_size > 1:
+            raise RuntimeError(
+                f"cannot {action} now: the process group was destroyed when the Trainer finished. Save checkpoints "
+                f"while it runs (ModelCheckpoint, or trainer.save_checkpoint in a hook such as on_train_end)"
+            )
+
+    # ------------------------------------------------------------------ teardown
+
+    @override
+    def teardown(self) -> None:
+        """Keep the final weights for the spawn launcher, then destroy the process group."""
+        self._keep_final_state()
+        super().teardown()
+        if _distributed_is_initialized():
+            dist.destroy_process_group()
+        self._group = None
+        self._pending = None
+
+    def _keep_final_state(self) -> None:
+        trainer = self._trainer
+        if not isinstance(self._launcher, _SpawnLauncher) or trainer is None or not self._block_names:
+            return
+        if trainer.state.fn == TrainerFn.FITTING and trainer.state.status == TrainerStatus.RUNNING:
+            state = parallel.consolidated(self._module, self._group)
+            self.final_state_dict = {k: v.detach().cpu().clone() for k, v in state.items()}
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="Per-batch, per-layer parallel-mode switching (ParaDySe)"
+        )
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def compile_blocks(module: torch.nn.Module, names: Sequence[str]) -> None:
+    """``torch.compile(dynamic=True)`` each rewritten block in place (parameter names are unchanged)."""
+    for name in names:
+        module.get_submodule(name).compile(dynamic=True)
+
+
+def _parallelized_blocks(module: torch.nn.Module) -> list[str] | None:
+    """The rewritten block names of an already parallelised module, else ``None``."""
+    try:
+        return parallel.step_state(module).blocks
+    except RuntimeError:
+        return None
+
+
+def _ensure_switcher(trainer: pl.Trainer) -> None:
+    """Put a :class:`ParaDySeSwitcher` first among the callbacks unless the user added one."""
+    from lightning_paradyse.callbacks import ParaDySeSwitcher
+
+    callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]
+    if not any(isinstance(cb, ParaDySeSwitcher) for cb in callbacks):
+        callbacks.insert(0, ParaDySeSwitcher())
+
+
+def _check_gradient_clipping(trainer: pl.Trainer) -> None:
+    if trainer.gradient_clip_val and trainer.gradient_clip_algorithm in (None, "norm"):  # None means "norm"
+        raise ValueError(
+            "ParaDySeStrategy does not support gradient_clip_algorithm='norm' yet (the norm of sharded gradients "
+            "needs a sum over ranks); use Trainer(gradient_clip_algorithm='value') or no clipping"
+        )
+
+
+def _validate_choice(option: str, value: str, choices: Sequence[str]) -> str:
+    if value not in choices:
+        raise ValueError(f"ParaDySeStrategy({option}={value!r}): choose one of {list(choices)}")
+    return value
+
+
+def _validate_flag(option: str, value: bool) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"ParaDySeStrategy({option}={value!r}): expected true or false")
+    return value
+
+
+def _validate_positive(option: str, value: int | None) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"ParaDySeStrategy({option}={value!r}): expected a positive integer or None")
+    return value
+
+
+def _validate_timeout(value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"ParaDySeStrategy(timeout={value!r}): expected a positive number of seconds")
+    return float(value)
+
+
+def _validate_thresholds(value: Sequence[int]) -> tuple[int, int]:
+    ok = isinstance(value, Sequence) and len(value) == 2 and all(isinstance(v, int) and v > 0 for v in value)
+    if not ok or value[0] > value[1]:
+        raise ValueError(
+            f"ParaDySeStrategy(thresholds={value!r}): expected two lengths (short_max, middle_max) "
+            f"with 0 < short_max <= middle_max, e.g. (256, 1024)"
+        )
+    return int(value[0]), int(value[1])
+
+
+def _validate_profile(value: str | None) -> str | None:
+    if value is not None and not Path(value).is_file():
+        raise ValueError(f"ParaDySeStrategy(profile={value!r}): no such file; give the path of a saved cost profile")
+    return value
+
+
+def _validate_blocks(value: str | None) -> str | None:
+    if value is not None and (not isinstance(value, str) or not value or any(not p for p in value.split("."))):
+        raise ValueError(f"ParaDySeStrategy(blocks={value!r}): expected a dotted path such as 'model.layers'")
+    return value
+
+
+if "paradyse" not in StrategyRegistry:
+    ParaDySeStrategy.register_strategies(StrategyRegistry)
