@@ -4,7 +4,7 @@
     python cli.py check --world-size 3 --seq-len 101 --plan random --seed 7
 
 ``fit`` / ``validate`` / ``test`` are Lightning's ``LightningCLI`` over :class:`~lightning_paradyse.lit.LanguageModel`
-and :class:`~lightning_paradyse.data.TextDataModule`; the strategy is chosen in the config
+and :class:`~lightning_paradyse.data.CorpusDataModule`; the strategy is chosen in the config
 (``trainer.strategy: paradyse`` or ``class_path: lightning_paradyse.ParaDySeStrategy`` with ``init_args``), and
 ``--help`` shows every option with its docstring.
 
@@ -26,7 +26,7 @@ from lightning.pytorch.cli import LightningCLI
 from typing_extensions import override
 
 from lightning_paradyse.check import CheckSettings, check_worker, format_report
-from lightning_paradyse.data import TextDataModule
+from lightning_paradyse.data import CorpusDataModule
 from lightning_paradyse.layout import SeqLayout
 from lightning_paradyse.lit import LanguageModel
 from lightning_paradyse.models import CONFIGS
@@ -118,7 +118,7 @@ DESCRIPTION = (
 
 
 class ParaDySeCLI(LightningCLI):
-    """``LightningCLI`` for :class:`LanguageModel` and :class:`TextDataModule`: subcommands fit, validate, test.
+    """``LightningCLI`` for :class:`LanguageModel` and :class:`CorpusDataModule`: subcommands fit, validate, test.
 
     Args:
         args: Command-line arguments (``None``: ``sys.argv``).
@@ -129,7 +129,7 @@ class ParaDySeCLI(LightningCLI):
     def __init__(self, args: Sequence[str] | None = None, run: bool = True, **kwargs: Any) -> None:
         enable_attribute_docstrings()
         kwargs.setdefault("parser_kwargs", {"prog": "cli.py", "description": DESCRIPTION})
-        super().__init__(LanguageModel, TextDataModule, args=None if args is None else list(args), run=run, **kwargs)
+        super().__init__(LanguageModel, CorpusDataModule, args=None if args is None else list(args), run=run, **kwargs)
 
     @staticmethod
     @override

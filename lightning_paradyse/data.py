@@ -1,4 +1,13 @@
-"""TextDataModule: small variable-length language-modelling batches from text found on every machine.
+"""Data modules: the bundled corpus with token budgets and packing (:class:`CorpusDataModule`, the default of
+the command line) and a small synthetic-window module for quick tests (:class:`TextDataModule`).
+
+``CorpusDataModule`` wires :mod:`lightning_paradyse.corpus` (documents found on every machine, byte tokens,
+cached) and :mod:`lightning_paradyse.batching` (token-budget batches, optional packing with document
+boundaries, sorted or shuffled order, a resumable sampler): every rank of the sequence-parallel group
+builds the same batches, and the sampler's position is saved in checkpoints so a resumed run sees exactly
+the batches it would have seen.
+
+``TextDataModule``:
 
 The text is the source code of Python's standard library, read as bytes (non-ASCII bytes clipped to
 127, so the vocabulary is 128). Batch ``i`` of a split has ``batch_size`` windows of one length drawn
@@ -6,21 +15,25 @@ from a long-tailed (log-uniform) distribution between ``min_len`` and ``max_len`
 a few long ones. Everything is a pure function of ``(seed, split, i)``, so every process builds the
 same batches. Targets are the inputs shifted by one token.
 
-A later issue replaces this module by a full corpus pipeline (token budgets, packing); it is kept small.
 """
 
 from __future__ import annotations
 
 import math
 import sysconfig
+from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
+
+from lightning_paradyse.batching import BatchingConfig, make_dataloader
+from lightning_paradyse.corpus import CorpusConfig, check_vocab, load_corpus, split_documents
 
 SPLIT_SEEDS = {"train": 0, "val": 1, "test": 2}
 
@@ -133,4 +146,101 @@ class TextDataModule(pl.LightningDataModule):
         return self._loader("test")
 
 
-__all__ = ["TextDataModule", "VariableLengthText", "draw_length", "stdlib_bytes"]
+class CorpusDataModule(pl.LightningDataModule):
+    """Token-budget batches of a real corpus (by default the bundled Python sources), the same on every rank.
+
+    Args:
+        source: ``python`` (the standard library's and installed packages' ``*.py`` files, no download),
+            ``folder`` (text files under ``path``), ``jsonl`` (``path``, field ``text_field``) or ``tokens``
+            (a pre-tokenized folder at ``path``).
+        path: The folder or file for the non-default sources.
+        text_field: JSONL: the key of each document's text.
+        corpus_bytes: Cap on source bytes read (``None``: the corpus default).
+        ascii: Byte tokens clipped to 7 bits (vocabulary 128, as the tiny reference models).
+        max_tokens: Token budget per batch, padding included.
+        max_len: Longest sequence; longer documents are cut into chunks (``None``: ``max_tokens``).
+        pack: Pack short documents into one sequence with document-aware attention (batch 1).
+        order: ``shuffled`` (seeded per epoch), ``sorted`` (ascending lengths, the paper's curriculum) or
+            ``natural``.
+        val_fraction: Share of documents held out for validation and test.
+        seed: Seed of the split and the shuffled order.
+    """
+
+    def __init__(
+        self,
+        source: Literal["python", "folder", "jsonl", "tokens"] = "python",
+        path: str | None = None,
+        text_field: str = "text",
+        corpus_bytes: int | None = 8_000_000,
+        ascii: bool = True,
+        max_tokens: int = 1024,
+        max_len: int | None = 768,
+        pack: bool = True,
+        order: Literal["shuffled", "sorted", "natural"] = "shuffled",
+        val_fraction: float = 0.02,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if not 0.0 <= val_fraction < 1.0:
+            raise ValueError(f"CorpusDataModule: val_fraction must be in [0, 1), got {val_fraction}")
+        self.corpus_config = CorpusConfig(
+            source=source, path=path, text_field=text_field, max_bytes=corpus_bytes, ascii=ascii
+        )
+        self.batching = BatchingConfig(max_tokens=max_tokens, max_len=max_len, pack=pack, order=order)
+        self.val_fraction, self.seed = val_fraction, seed
+        self._corpus: Any = None
+        self._train: Any = None
+        self._resume: dict[str, Any] | None = None
+
+    @override
+    def prepare_data(self) -> None:
+        load_corpus(self.corpus_config)  # builds the cache once (on the first local rank)
+
+    def corpus(self) -> Any:
+        """The token corpus (loaded from the cache on first use)."""
+        if self._corpus is None:
+            self._corpus = load_corpus(self.corpus_config)
+            vocab = getattr(getattr(self.trainer, "lightning_module", None), "vocab_size", None)
+            if vocab is not None:
+                check_vocab(self._corpus, int(vocab))
+        return self._corpus
+
+    def _split(self) -> tuple[Any, Any]:
+        return split_documents(len(self.corpus()), self.val_fraction, self.seed)
+
+    def _loader(self, docs: Any, order: str | None = None) -> DataLoader[Tensor]:
+        config = self.batching if order is None else replace(self.batching, order=order)  # type: ignore[arg-type]
+        return make_dataloader(self.corpus(), config, seed=self.seed, docs=docs)
+
+    @override
+    def train_dataloader(self) -> DataLoader[Tensor]:
+        self._train = self._loader(self._split()[0])
+        if self._resume is not None:
+            self._train.batch_sampler.load_state_dict(self._resume)
+            self._resume = None
+        return self._train
+
+    @override
+    def val_dataloader(self) -> DataLoader[Tensor]:
+        return self._loader(self._split()[1], order="natural")
+
+    @override
+    def test_dataloader(self) -> DataLoader[Tensor]:
+        return self._loader(self._split()[1], order="natural")
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """The sampler's position in batches *trained* (not fetched ahead), saved in checkpoints."""
+        if self._train is None or self.trainer is None:
+            return {}
+        state = dict(self._train.batch_sampler.state_dict())
+        progress = self.trainer.fit_loop.epoch_loop.batch_progress.current
+        state["epoch"], state["next_batch"] = int(self.trainer.current_epoch), int(progress.completed)
+        return {"sampler": state}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._resume = state_dict.get("sampler")
+
+
+__all__ = ["CorpusDataModule", "TextDataModule", "VariableLengthText", "draw_length", "stdlib_bytes"]

@@ -42,14 +42,19 @@ class LanguageModel(pl.LightningModule):
         self.weight_decay = weight_decay
         self.last_loss: float | None = None
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model accepts."""
+        return int(self.model.config.vocab_size)
+
     @override
-    def forward(self, tokens: Tensor) -> Tensor:
-        """Logits ``[b, s, vocab]`` of token ids ``[b, s]``."""
-        return self.model(tokens)  # type: ignore[no-any-return]
+    def forward(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
+        """Logits ``[b, s, vocab]`` of token ids ``[b, s]`` at ``positions`` ``[s]`` (default ``0..s-1``)."""
+        return self.model(tokens, positions)  # type: ignore[no-any-return]
 
     def loss(self, batch: dict[str, Tensor]) -> Tensor:
-        """Mean cross-entropy over the real targets of the tokens in ``batch``."""
-        logits = self(batch["input_ids"])  # [b, s, vocab]
+        """Mean cross-entropy over the real targets of the tokens in ``batch`` (packed batches carry positions)."""
+        logits = self(batch["input_ids"], batch.get("positions"))  # [b, s, vocab]
         logits = logits.float()
         return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(), ignore_index=-100)
 

@@ -84,6 +84,8 @@ TOKEN_KEYS = ("input_ids", "tokens", "idx", "input", "inputs", "x")
 """Keys of the token tensor in a dict batch, first match wins (else the first tensor)."""
 TARGET_KEYS = ("labels", "targets", "target", "y")
 """Keys of the target tensor in a dict batch (else: the last tensor of a tuple or list batch)."""
+TOKEN_1D_KEYS = ("positions", "position_ids", "doc_ids")
+"""Keys of per-token ``[s]`` tensors in a dict batch (packed sequences), sliced like the tokens."""
 
 
 class GlobalLoss(torch.autograd.Function):
@@ -124,6 +126,8 @@ class BatchInfo:
     """HF-style batches: this rank's slice of ``labels[:, 1:]`` padded with -100 at the end."""
     n_shift_labels: int | None = None
     """HF-style batches: real shifted labels in the whole batch."""
+    doc_ids: Tensor | None = None
+    """Packed batches: the document id of every token ``[s]`` (attention stays inside each document)."""
 
 
 def find_tokens(batch: Any) -> Tensor:
@@ -160,14 +164,35 @@ def find_targets(batch: Any) -> tuple[str | None, Tensor | None]:
 
 
 def shard_batch(batch: Any, info: BatchInfo, rank: int) -> Any:
-    """This rank's tokens of every tensor of ``batch`` whose dims 0, 1 are ``[b, s]`` (others unchanged)."""
+    """This rank's tokens of every tensor of ``batch`` whose dims 0, 1 are ``[b, s]``, and of the per-token
+    ``[s]`` entries of a dict batch (:data:`TOKEN_1D_KEYS`); other values unchanged."""
 
     def cut(t: Tensor) -> Tensor:
         if t.dim() >= 2 and tuple(t.shape[:2]) == (info.batch, info.seq_len):
             return info.layout.shard(t, rank)  # [b, s, ...] -> [b, s_r, ...]
         return t
 
+    if isinstance(batch, Mapping):
+        per_token = {
+            k: info.layout.shard(v, rank, dim=0)  # [s] -> [s_r]
+            for k, v in batch.items()
+            if k in TOKEN_1D_KEYS and isinstance(v, Tensor) and tuple(v.shape) == (info.seq_len,)
+        }
+        return {k: per_token[k] if k in per_token else apply_to_collection(v, Tensor, cut) for k, v in batch.items()}
     return apply_to_collection(batch, Tensor, cut)
+
+
+def find_doc_ids(batch: Any, b: int, s: int) -> Tensor | None:
+    """The ``doc_ids`` ``[s]`` of a packed dict batch (batch size 1), or ``None``."""
+    doc_ids = batch.get("doc_ids") if isinstance(batch, Mapping) else None
+    if not isinstance(doc_ids, Tensor):
+        return None
+    if b != 1 or tuple(doc_ids.shape) != (s,):
+        raise ValueError(
+            f"a packed batch needs batch size 1 and doc_ids of shape ({s},), got batch {b} and doc_ids "
+            f"{tuple(doc_ids.shape)}: pack the documents of a batch into one sequence"
+        )
+    return doc_ids
 
 
 def checksum(tokens: Tensor) -> int:
@@ -214,11 +239,12 @@ def describe_batch(
     key, targets = find_targets(batch)
     counts = target_counts(targets, layout, b, s)
     _check_counts(counts, s, mean_loss and key != "labels")
+    doc_ids = find_doc_ids(batch, b, s)
     if key == "labels" and targets is not None:
         shifted = shifted_labels(targets)
         local, n_shift = layout.shard(shifted, rank), int((shifted != IGNORE_INDEX).sum())
-        return BatchInfo(b, s, layout, counts[rank], sum(counts), checksum(tokens), local, n_shift)
-    return BatchInfo(b, s, layout, counts[rank], sum(counts), checksum(tokens))
+        return BatchInfo(b, s, layout, counts[rank], sum(counts), checksum(tokens), local, n_shift, doc_ids)
+    return BatchInfo(b, s, layout, counts[rank], sum(counts), checksum(tokens), doc_ids=doc_ids)
 
 
 def _check_counts(counts: list[int], seq_len: int, every_rank: bool) -> None:
@@ -279,10 +305,9 @@ class ParaDySeStrategy(ParallelStrategy):
         ValueError: For a bad option, naming the option, the value and the fix.
 
     Notes:
-        * As with DDP, Lightning replaces the training sampler by a shuffling ``DistributedSampler`` built from
-          :attr:`distributed_sampler_kwargs` (one replica: the same order on every rank). Pass your own
-          ``DistributedSampler`` or ``Trainer(use_distributed_sampler=False)`` to keep another order; the
-          switcher checks every batch that all ranks hold the same one.
+        * Every rank of the group sees the same global batch: Lightning's distributed-sampler injection is
+          turned off and the data's own order is used (seed it alike on every rank, e.g. ``seed_everything``);
+          the switcher checks every batch that all ranks hold the same one.
         * The process group is destroyed when the Trainer finishes: save checkpoints while it runs
           (``ModelCheckpoint``, or ``trainer.save_checkpoint`` in a hook).
         * Not yet supported: ``gradient_clip_algorithm="norm"`` (use ``"value"``) and ``trainer.predict``.
@@ -415,6 +440,7 @@ class ParaDySeStrategy(ParallelStrategy):
         self._parallelize()
         self.planner = self._make_planner()
         _ensure_switcher(trainer)
+        _keep_user_samplers(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -501,7 +527,7 @@ class ParaDySeStrategy(ParallelStrategy):
     def activate(self, info: BatchInfo, plan: Plan) -> None:
         """Configure the blocks for the batch (layout, plan, HF labels); the next step consumes it."""
         module = self._module
-        parallel.configure(module, SeqContext(info.layout, self._group), plan)
+        parallel.configure(module, SeqContext(info.layout, self._group, info.doc_ids), plan)
         parallel.set_step_targets(module, info.shift_labels, info.n_shift_labels)
         self._pending = info
 
@@ -702,6 +728,16 @@ def _ensure_switcher(trainer: pl.Trainer) -> None:
     callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]
     if not any(isinstance(cb, ParaDySeSwitcher) for cb in callbacks):
         callbacks.insert(0, ParaDySeSwitcher())
+
+
+def _keep_user_samplers(trainer: pl.Trainer) -> None:
+    """Every rank of the group must see the same global batch: never inject a distributed sampler.
+
+    Lightning would replace the loaders' samplers (one replica: a reshuffled order, and an error for custom
+    batch samplers such as the token-budget sampler); the data's own order, seeded alike on every rank, is
+    kept instead, and the switcher checks that every rank holds the same batch.
+    """
+    trainer._accelerator_connector.use_distributed_sampler = False
 
 
 def _check_gradient_clipping(trainer: pl.Trainer) -> None:

@@ -18,7 +18,7 @@ from typing_extensions import override
 
 from cli import ParaDySeCLI, main
 from lightning_paradyse import ParaDySeStrategy
-from lightning_paradyse.data import TextDataModule
+from lightning_paradyse.data import CorpusDataModule
 from lightning_paradyse.lit import LanguageModel
 from lightning_paradyse.models import CONFIGS
 
@@ -53,7 +53,7 @@ def test_config_parses(path: Path) -> None:
     config = ParseOnlyCLI(args=["--config", str(path)], run=False, save_config_callback=None).config
     strategy = _strategy(config)  # every option validates
     assert strategy.plan_spec is not None and config.model.model in CONFIGS
-    TextDataModule(**dict(config.data))  # cheap: validates the data options
+    CorpusDataModule(**dict(config.data))  # cheap: validates the data options (the corpus loads lazily)
     if not _available(config.trainer.accelerator):
         return
     cli = ParaDySeCLI(args=["--config", str(path)], run=False, save_config_callback=None)

@@ -134,15 +134,14 @@ def loader(
 ) -> DataLoader[Any]:
     """A loader of whole batches.
 
-    ``fixed``: an explicit ``DistributedSampler(num_replicas=1, rank=0, shuffle=False)``, which Lightning keeps:
-    every epoch in the same order, so resuming from a checkpoint continues exactly. ``inject``: a plain loader, into
-    which Lightning injects the strategy's sampler (``num_replicas=1``, shuffled with seed 0, the same order on every
-    rank); ``shuffled``: that sampler given explicitly (for the single-process reference of an ``inject`` run).
+    ``fixed``: an explicit ``DistributedSampler(num_replicas=1, rank=0, shuffle=False)``: every epoch in the same
+    order, so resuming from a checkpoint continues exactly. ``plain``: a plain loader; the strategy injects no
+    sampler, so every rank (and a single-process run) iterates it in the same order.
     """
     data = LengthData(lengths, as_dict, hf=hf)
-    if sampler == "inject":
+    if sampler == "plain":
         return DataLoader(data, batch_size=None)
-    sampler_ = DistributedSampler(data, num_replicas=1, rank=0, shuffle=sampler == "shuffled", seed=0)
+    sampler_ = DistributedSampler(data, num_replicas=1, rank=0, shuffle=False, seed=0)
     return DataLoader(data, batch_size=None, sampler=sampler_)
 
 
@@ -324,8 +323,8 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, 
 
 
 @pytest.fixture(scope="module")
-def shuffled_reference() -> dict[str, Any]:
-    """Single-process Llama run on the order Lightning's injected sampler gives (shuffled, seed 0)."""
+def plain_reference() -> dict[str, Any]:
+    """Single-process Llama run on a plain loader (the order every rank of the strategy sees too)."""
     pl.seed_everything(0, verbose=False)
     recorder = Recorder()
     trainer = pl.Trainer(
@@ -338,7 +337,7 @@ def shuffled_reference() -> dict[str, Any]:
         enable_checkpointing=False,
         callbacks=[recorder],
     )
-    trainer.fit(TinyLM(), loader(as_dict=True, sampler="shuffled"))
+    trainer.fit(TinyLM(), loader(as_dict=True, sampler="plain"))
     return {"losses": recorder.losses, "state": recorder.state}
 
 
@@ -443,7 +442,7 @@ def test_single_process_errors_name_the_problem() -> None:
 
 
 @pytest.mark.dist
-def test_spawn_launcher_matches_single_process(tmp_path: Path, shuffled_reference: dict[str, Any]) -> None:
+def test_spawn_launcher_matches_single_process(tmp_path: Path, plain_reference: dict[str, Any]) -> None:
     """``Trainer(devices=2, strategy=ParaDySeStrategy(plan="auto"))`` from a notebook or a test: spawn launcher."""
     out = str(tmp_path / "rank0.pt")
     pl.seed_everything(0, verbose=False)
@@ -462,12 +461,12 @@ def test_spawn_launcher_matches_single_process(tmp_path: Path, shuffled_referenc
         val_check_interval=3,
         callbacks=[SaveOnRankZero(out)],
     )
-    trainer.fit(module, loader(as_dict=True, sampler="inject"), loader(LENGTHS[:2], as_dict=True))
+    trainer.fit(module, loader(as_dict=True, sampler="plain"), loader(LENGTHS[:2], as_dict=True))
     assert trainer.state.finished
     result = torch.load(out, weights_only=False)
-    assert_same_training(result, shuffled_reference, "spawn p=2 auto")
+    assert_same_training(result, plain_reference, "spawn p=2 auto")
     assert len(set(result["plans"])) == 3, result["plans"]  # short, middle and long plans were used
-    assert_same_weights(dict(module.state_dict()), shuffled_reference["state"], "weights handed back")
+    assert_same_weights(dict(module.state_dict()), plain_reference["state"], "weights handed back")
 
 
 @pytest.mark.dist
