@@ -117,6 +117,29 @@ def parallel_step(
     return total, consolidated(model, group, grads=True)
 
 
+def backward_and_compare(
+    model: nn.Module, local_loss: torch.Tensor, group: Group, ref_loss: torch.Tensor, ref_grads: dict[str, torch.Tensor]
+) -> tuple[float, dict[str, float]]:
+    """Backward of this rank's share of the loss, the replicated-gradient sum, then the errors of the global
+    loss and of every consolidated gradient against a single-process reference."""
+    local_loss.backward()
+    reduce_replicated_grads(model, group)
+    total = all_reduce_sum(local_loss.detach(), group)
+    ref = ref_loss.detach()
+    return float(abs(total - ref) / ref), grad_errors(consolidated(model, group, grads=True), ref_grads)
+
+
+def tolerance_failures(results: Sequence[tuple[str, tuple[float, dict[str, float]]]], dtype: torch.dtype) -> list[str]:
+    """The cases of ``(label, (loss error, gradient errors))`` over the tolerances of ``dtype``, described."""
+    loss_tol, grad_tol = TOLERANCES[dtype]
+    bad = []
+    for label, (loss_err, errors) in results:
+        worst = max(errors, key=lambda k: errors[k])
+        if loss_err > loss_tol or errors[worst] > grad_tol:
+            bad.append(f"{label}: loss {loss_err:.2e}, {worst} {errors[worst]:.2e}")
+    return bad
+
+
 def rel_err(par: torch.Tensor, ref: torch.Tensor, floor: float = 1e-30) -> float:
     """``max|par - ref| / max(max|ref|, floor)`` (in float64)."""
     scale = ref.double().abs().max().clamp_min(floor)

@@ -19,17 +19,14 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lightning_paradyse.check import TOLERANCES, grad_errors
-from lightning_paradyse.comm import all_reduce_sum
+from lightning_paradyse.check import backward_and_compare, tolerance_failures
 from lightning_paradyse.layout import SeqLayout
 from lightning_paradyse.modes import MODES
 from lightning_paradyse.parallel import (
     configure,
-    consolidated,
     feasible_modes,
     is_causal,
     parallelize,
-    reduce_replicated_grads,
     set_step_targets,
     step_state,
 )
@@ -39,8 +36,6 @@ from tests.support.dist import run_distributed
 from tests.support.families import EncoderLM, hf_llama
 
 pytest.importorskip("transformers")
-
-LOSS_TOL, GRAD_TOL = TOLERANCES[torch.float32]
 
 
 def _plans(model: nn.Module, p: int, seed: int) -> list[tuple[str, Plan]]:
@@ -103,11 +98,7 @@ def _case(rank: int, world: int, kind: str, seq_len: int, seed: int) -> list[tup
             set_step_targets(model, layout.shard(shifted, rank), int((shifted != -100).sum()))
         loss = _loss(kind, model, ids, layout, rank)
         assert kind != "hf" or step_state(model).labels_consumed
-        loss.backward()
-        reduce_replicated_grads(model, group)
-        total = all_reduce_sum(loss.detach(), group)
-        errors = grad_errors(consolidated(model, group, grads=True), ref_grads)
-        results.append((f"{kind}/{label}", (float(abs(total - ref_loss.detach()) / ref_loss.detach()), errors)))
+        results.append((f"{kind}/{label}", backward_and_compare(model, loss, group, ref_loss, ref_grads)))
     return results
 
 
@@ -124,9 +115,5 @@ def test_families_match_single_process(p: int) -> None:
     labels = [label for label, _ in results]
     assert any(label.startswith("hf/") for label in labels) and any(label.startswith("tel/") for label in labels)
     assert any("mixed" in label for label in labels)
-    bad = []
-    for label, (loss_err, errors) in results:
-        worst = max(errors, key=errors.get)
-        if loss_err > LOSS_TOL or errors[worst] > GRAD_TOL:
-            bad.append(f"{label}: loss {loss_err:.2e}, {worst} {errors[worst]:.2e}")
+    bad = tolerance_failures(results, torch.float32)
     assert not bad, "\n".join(bad)

@@ -17,24 +17,19 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lightning_paradyse.check import TOLERANCES, grad_errors
-from lightning_paradyse.comm import all_reduce_sum
+from lightning_paradyse.check import backward_and_compare, tolerance_failures
 from lightning_paradyse.layout import SeqLayout
 from lightning_paradyse.models import build_model
 from lightning_paradyse.modes import MODES
 from lightning_paradyse.parallel import (
     configure,
-    consolidated,
     feasible_modes,
     is_causal,
     parallelize,
-    reduce_replicated_grads,
 )
 from lightning_paradyse.plan import LayerPlan, OpPlan, Plan, random_plan
 from lightning_paradyse.spec import SeqContext, document_bounds
 from tests.support.dist import run_distributed
-
-LOSS_TOL, GRAD_TOL = TOLERANCES[torch.float32]
 
 
 def pack(docs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -99,11 +94,7 @@ def _case(rank: int, world: int, name: str, lengths: list[int]) -> list[tuple[st
         configure(model, SeqContext(layout, group, doc_ids), plan)
         logits = model(layout.shard(tokens[None], rank), layout.shard(positions, rank, dim=0))
         loss = F.cross_entropy(logits[0], layout.shard(targets, rank, dim=0), reduction="sum") / count
-        loss.backward()
-        reduce_replicated_grads(model, group)
-        total = all_reduce_sum(loss.detach(), group)
-        errors = grad_errors(consolidated(model, group, grads=True), ref_grads)
-        out.append((f"{name}/{plan}", (float(abs(total - ref_loss.detach()) / ref_loss.detach()), errors)))
+        out.append((f"{name}/{plan}", backward_and_compare(model, loss, group, ref_loss, ref_grads)))
     return out
 
 
@@ -116,9 +107,5 @@ def _worker(rank: int, world: int) -> list[tuple[str, Any]]:
 def test_packed_documents_match_separate_runs(p: int) -> None:
     results = run_distributed(_worker, p, timeout=300)[0]
     assert len(results) >= 3 * 5
-    bad = []
-    for label, (loss_err, errors) in results:
-        worst = max(errors, key=errors.get)
-        if loss_err > LOSS_TOL or errors[worst] > GRAD_TOL:
-            bad.append(f"{label}: loss {loss_err:.2e}, {worst} {errors[worst]:.2e}")
+    bad = tolerance_failures(results, torch.float32)
     assert not bad, "\n".join(bad)
