@@ -60,6 +60,8 @@ class CheckSettings:
     """``float32`` or ``float64``."""
     random_plans: int = 3
     """How many random mixed plans ``all``/``random`` draw."""
+    uniform_recompute: bool = True
+    """``all``: also run every uniform plan with recomputation (random plans draw recompute flags anyway)."""
 
 
 @dataclass
@@ -161,7 +163,8 @@ def _plans(settings: CheckSettings, n_layers: int) -> list[tuple[str, Plan]]:
         if settings.plan == "all":
             for mode in MODES:
                 plans.append((mode, uniform_plan(mode, n_layers)))
-                plans.append((f"{mode}+rc", uniform_plan(mode, n_layers, recompute=True)))
+                if settings.uniform_recompute:
+                    plans.append((f"{mode}+rc", uniform_plan(mode, n_layers, recompute=True)))
         for k in range(settings.random_plans):
             plans.append((f"random#{k}", random_plan(n_layers, list(MODES), settings.seed * 1000 + k)))
         return plans

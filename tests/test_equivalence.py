@@ -1,9 +1,9 @@
 """Every mode and random mixed plans against the single-process reference: loss and every gradient.
 
 Each rank runs the plain model on the whole sequence (the reference), then the same weights
-parallelized under each plan (uniform plans of every mode, with and without recomputation, and
-random per-layer, per-op mixed plans), and compares the loss and every parameter gradient,
-consolidated to the plain model's names (``lightning_paradyse.check``). fp32 tolerances from the
+parallelized under each plan (uniform plans of every mode, also with recomputation at p <= 2, and
+random per-layer, per-op mixed plans with random recompute flags), and compares the loss and every
+parameter gradient, consolidated to the plain model's names (``lightning_paradyse.check``). fp32 tolerances from the
 issue: 1e-5 relative on the loss, 1e-4 on gradients. Models cover causal GQA with kv heads < p (Llama
 kv=2 at p=4, MQA kv=1 at p=3), MHA, a causal GPT with biases and a bidirectional BERT; lengths
 divisible and not divisible by p. One spawn per world size keeps the suite fast.
@@ -22,7 +22,9 @@ MODELS = ["llama-tiny", "llama-tiny-mqa", "llama-tiny-mha", "gpt-tiny", "bert-ti
 def _settings(p: int) -> list[CheckSettings]:
     lengths = (16 * p, 16 * p + 5)  # divisible and not divisible by p (and by 2p)
     return [
-        CheckSettings(model=m, seq_len=s, batch=1 + (i % 2), plan="all", seed=i, random_plans=3)
+        CheckSettings(
+            model=m, seq_len=s, batch=1 + (i % 2), plan="all", seed=i, random_plans=3, uniform_recompute=p <= 2
+        )
         for i, (m, s) in enumerate((m, s) for m in MODELS for s in lengths)
     ]
 
