@@ -47,6 +47,7 @@ from lightning_paradyse.plan import uniform_plan
 from lightning_paradyse.policy import ThresholdPolicy, parse_memory_budget
 from lightning_paradyse.spawn import run_distributed
 from lightning_paradyse.strategy import BatchInfo, compile_blocks, find_targets, find_tokens, shard_batch
+from tests.support.families import EncoderLM, hf_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 THRESHOLDS = (64, 160)
@@ -58,6 +59,10 @@ LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-3
 sqrt(v), which scales the rounding noise of gradient entries near zero up to a small fraction of the step."""
 MIXED_2 = ["tp_sp", {"attention": "ring", "mlp": "metp", "recompute": True}]
 MIXED_3 = ["ulysses", {"attention": {"mode": "metp", "recompute": True}, "mlp": "tp_sp"}]
+MIXED_TEL = [{"attention": "metp", "mlp": "ring"}, {"attention": "ulysses", "mlp": "tp_sp", "recompute": True}]
+"""nn.TransformerEncoderLayer computes its MLP inline: tp_sp, ulysses or ring for it (metp runs its attention)."""
+MIXED_HF3 = [{"attention": "ring", "mlp": "metp"}, {"attention": "ring", "mlp": "tp_sp", "recompute": True}]
+"""Hugging Face Llama with 4 kv heads on 3 ranks: only ring runs its attention."""
 
 
 # ---------------------------------------------------------------------------------------------- test module, data
@@ -68,7 +73,7 @@ class TinyLM(pl.LightningModule):
 
     def __init__(self, model: str = "llama-tiny", optimizer: str = "adamw", reduction: str = "mean") -> None:
         super().__init__()
-        self.model = build_model(model)
+        self.model = EncoderLM(causal=True) if model == "tel" else build_model(model)
         self.optimizer, self.reduction = optimizer, reduction
 
     @override
@@ -83,7 +88,7 @@ class TinyLM(pl.LightningModule):
 
     @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        if self.optimizer == "sgd":  # GPT: Adam would amplify the rounding noise of the (exactly zero) key-bias grads
+        if self.optimizer == "sgd":  # key biases (GPT, TEL): Adam would amplify the rounding noise of their zero grads
             return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
         return torch.optim.AdamW(self.parameters(), lr=3e-3)
 
@@ -91,11 +96,10 @@ class TinyLM(pl.LightningModule):
 class HFLM(pl.LightningModule):
     """An ordinary LightningModule around Hugging Face ``LlamaForCausalLM``, trained with ``labels`` it shifts."""
 
-    def __init__(self) -> None:
+    def __init__(self, optimizer: str = "adamw") -> None:
         super().__init__()
-        from tests.support.families import hf_llama
-
         self.model = hf_llama(n_kv_heads=4)
+        self.optimizer = optimizer
 
     @override
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
@@ -103,6 +107,8 @@ class HFLM(pl.LightningModule):
 
     @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
         return torch.optim.AdamW(self.parameters(), lr=3e-3)
 
 
@@ -211,7 +217,7 @@ class Scenario:
 def run_scenario(sc: Scenario, devices: int, parallel: bool = True) -> dict[str, Any]:
     """Fit ``sc`` on ``devices`` processes (this process is one of them); the plain model when not ``parallel``."""
     pl.seed_everything(0, verbose=False)
-    module = HFLM() if sc.model == "hf-llama" else TinyLM(sc.model, sc.optimizer, sc.reduction)
+    module = HFLM(sc.optimizer) if sc.model == "hf-llama" else TinyLM(sc.model, sc.optimizer, sc.reduction)
     recorder = Recorder()
     callbacks: list[pl.Callback] = [recorder]
     if sc.ckpt_dir:
@@ -298,6 +304,9 @@ SUM_ACCUMULATE = Scenario(
 )
 """A summed loss (``loss_reduction="sum"``) and gradient accumulation over 2 batches (3 optimizer steps)."""
 HF = Scenario("hf-llama", model="hf-llama", lengths=LENGTHS[:4], trainer_kwargs={"max_steps": 4})
+HF_SGD = Scenario(
+    "hf-mixed", model="hf-llama", optimizer="sgd", lengths=LENGTHS[:4], plan=MIXED_HF3, trainer_kwargs={"max_steps": 4}
+)
 """Hugging Face Llama with ``labels``: the model gets the globally shifted labels, its loss is not rescaled."""
 
 
@@ -319,7 +328,9 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, 
     llama6 = run_scenario(Scenario("ref-llama6"), devices=1, parallel=False)
     summed = run_scenario(SUM_ACCUMULATE, devices=1, parallel=False)
     hf = run_scenario(HF, devices=1, parallel=False)
-    return {"llama3x2": llama, "gpt": gpt, "llama": llama6, "sum": summed, "hf": hf}
+    tel = run_scenario(Scenario("ref-tel", model="tel", optimizer="sgd"), devices=1, parallel=False)
+    hf_sgd = run_scenario(HF_SGD, devices=1, parallel=False)
+    return {"llama3x2": llama, "gpt": gpt, "llama": llama6, "sum": summed, "hf": hf, "tel": tel, "hf-sgd": hf_sgd}
 
 
 @pytest.fixture(scope="module")
@@ -477,7 +488,8 @@ def test_two_processes(tmp_path: Path, references: dict[str, dict[str, Any]]) ->
     first = Scenario("llama-mixed", lengths=LENGTHS[:3], plan=MIXED_2, ckpt_dir=ckpt)
     resumed = Scenario("llama-resumed", lengths=LENGTHS[:3], modes=("ulysses", "ring"), resume=f"{ckpt}/step=3.ckpt")
     gpt = Scenario("gpt-auto", model="gpt-tiny", optimizer="sgd")
-    out = run_scenarios(2, [first, resumed, gpt, SUM_ACCUMULATE, HF])[0]
+    tel = Scenario("tel-mixed", model="tel", optimizer="sgd", plan=MIXED_TEL)
+    out = run_scenarios(2, [first, resumed, gpt, SUM_ACCUMULATE, HF, tel])[0]
     ref = references["llama3x2"]
     assert_same_training(out["llama-mixed"], ref, "llama p=2 mixed plan")
     assert set(out["llama-mixed"]["plans"]) == {"tp_sp,tp_sp | ring+rc,metp+rc"}
@@ -492,6 +504,7 @@ def test_two_processes(tmp_path: Path, references: dict[str, dict[str, Any]]) ->
     assert_same_training(out["llama-sum-accumulate"], references["sum"], "llama p=2 summed loss, accumulation")
     assert_same_training(out["hf-llama"], references["hf"], "HF Llama p=2 with labels")
     assert len(set(out["hf-llama"]["plans"])) == 3
+    assert_same_training(out["tel-mixed"], references["tel"], "TransformerEncoderLayer model p=2 mixed plan")
 
 
 @pytest.mark.dist
@@ -500,6 +513,8 @@ def test_three_processes(references: dict[str, dict[str, Any]]) -> None:
     scenarios = [
         Scenario("llama-auto"),
         Scenario("gpt-mixed", model="gpt-tiny", optimizer="sgd", plan=MIXED_3),
+        Scenario("tel-auto", model="tel", optimizer="sgd"),
+        HF_SGD,
         Scenario("infeasible", plan="tp_sp", expect_error="cannot run on 3 processes: layer 0: tp_sp needs"),
         Scenario("layers", plan=["ring"] * 3, expect_error="the plan has 3 entries but the model has 2 layers"),
         Scenario(
@@ -512,6 +527,9 @@ def test_three_processes(references: dict[str, dict[str, Any]]) -> None:
     # llama-tiny has 2 kv heads: on 3 ranks only ring can run its attention; the MLP still switches
     assert {p.split(" | ")[0] for p in out["llama-auto"]["plans"]} == {"ring,tp_sp", "ring,ulysses", "ring+rc,metp+rc"}
     assert_same_training(out["gpt-mixed"], references["gpt"], "gpt p=3 mixed plan")
+    assert_same_training(out["tel-auto"], references["tel"], "TransformerEncoderLayer model p=3 auto")
+    assert len(set(out["tel-auto"]["plans"])) == 3
+    assert_same_training(out["hf-mixed"], references["hf-sgd"], "HF Llama p=3 mixed plan with labels")
     for name in ("infeasible", "layers", "long"):
         messages = {rank_out[name]["error"] for rank_out in per_rank}
         assert len(messages) == 1, f"{name}: the ranks raised different errors: {messages}"
