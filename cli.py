@@ -99,7 +99,21 @@ def check_main(argv: Sequence[str]) -> int:
     return 0 if ok else 1
 
 
-COMMANDS = {"check": check_main}
+def profile_main(argv: Sequence[str]) -> int:
+    """``python cli.py profile``: calibrate the cost model on this machine (see ``--help``)."""
+    from lightning_paradyse.cost.cli import profile_main as run
+
+    return run(list(argv))
+
+
+def plan_main(argv: Sequence[str]) -> int:
+    """``python cli.py plan``: the planner's choices for given lengths and budget (see ``--help``)."""
+    from lightning_paradyse.cost.cli import plan_main as run
+
+    return run(list(argv))
+
+
+COMMANDS = {"check": check_main, "profile": profile_main, "plan": plan_main}
 
 
 def enable_attribute_docstrings() -> None:

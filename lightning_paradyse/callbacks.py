@@ -26,6 +26,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_paradyse.cost.planner import PlanSkipped
 from lightning_paradyse.plan import OPS, Plan
 from lightning_paradyse.policy import Planner
 
@@ -101,8 +102,9 @@ class ParaDySeSwitcher(pl.Callback):
     ) -> None:
         self.switch(trainer, pl_module, batch, "test")
 
-    def switch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, stage: str) -> Plan:
-        """Validate the batch, choose and check its plan, verify agreement, configure; return the plan."""
+    def switch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, stage: str) -> Plan | None:
+        """Validate the batch, choose and check its plan, verify agreement, configure; return the plan
+        (``None`` when the batch is skipped because no plan fits the memory budget)."""
         from lightning_paradyse.strategy import ParaDySeStrategy
 
         strategy = trainer.strategy
@@ -111,7 +113,11 @@ class ParaDySeSwitcher(pl.Callback):
         info = strategy.inspect_batch(batch)
         planner = self.planner or strategy.planner
         assert planner is not None, "the strategy creates its planner in setup"
-        plan = planner.plan(info.seq_len, info.batch)
+        try:
+            plan = planner.plan(info.seq_len, info.batch)
+        except PlanSkipped as skipped:  # decided alike on every rank: no collective needed
+            strategy.skip(info, str(skipped))
+            return None
         strategy.check_plan(plan)
         if self.verify:
             self._verify(strategy, plan_digest(plan, info.seq_len, info.batch, info.checksum))

@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -53,7 +53,7 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _Su
 from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from lightning_utilities.core.apply_func import apply_to_collection
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
@@ -78,6 +78,8 @@ from lightning_paradyse.policy import (
 from lightning_paradyse.spec import SeqContext
 
 START_METHODS = ("spawn", "fork", "forkserver", "popen")
+UNLIMITED_BYTES = 2**62
+"""The memory budget when none is given: the planner then picks the fastest plan."""
 IGNORE_INDEX = -100
 """Target value of a token that is not a real target (padding, prompt): the cross-entropy default."""
 TOKEN_KEYS = ("input_ids", "tokens", "idx", "input", "inputs", "x")
@@ -128,6 +130,8 @@ class BatchInfo:
     """HF-style batches: real shifted labels in the whole batch."""
     doc_ids: Tensor | None = None
     """Packed batches: the document id of every token ``[s]`` (attention stays inside each document)."""
+    skip: bool = False
+    """No plan fits the memory budget and the strategy was told to skip such batches."""
 
 
 def find_tokens(batch: Any) -> Tensor:
@@ -289,8 +293,10 @@ class ParaDySeStrategy(ParallelStrategy):
             layer, each a mode name or a mapping such as ``{attention: ring, mlp: metp, recompute: true}``.
         thresholds: ``(short_max, middle_max)`` lengths of the stand-in length-threshold policy used by
             ``plan="auto"`` until the cost-model planner arrives.
-        memory_budget: Per-rank memory budget in bytes or as a string such as ``"4GiB"`` (stored for the planner).
-        profile: Path of a cost profile (stored for the planner); must exist when given.
+        memory_budget: Per-rank memory budget in bytes or as a string such as ``"4GiB"``, for the planner.
+        profile: Path of a cost profile (``python cli.py profile``) or a cluster file; with ``plan="auto"`` the
+            exact planner then picks, per batch, the fastest plan within ``memory_budget`` (without it, a simple
+            length-threshold policy, ``thresholds``, stands in).
         compile: Wrap each rewritten block with ``torch.compile(dynamic=True)`` (eager by default).
         blocks: Dotted path of the block list inside the LightningModule (e.g. ``"model.layers"``);
             found automatically when ``None``.
@@ -298,6 +304,8 @@ class ParaDySeStrategy(ParallelStrategy):
         start_method: ``"spawn"`` (default, notebooks and tests), ``"fork"``, ``"forkserver"``, or ``"popen"``
             (re-run the script per process, as the command line does).
         timeout: Seconds before a collective of the process group times out.
+        on_infeasible: ``"error"`` (default) when no plan fits the memory budget, or ``"skip"`` the batch with a
+            warning (counted in ``skipped_batches``).
         loss_reduction: ``"mean"`` if the module's loss is a mean over its local real tokens (rescaled by
             ``n_r / N``), ``"sum"`` if it is already a sum over them.
 
@@ -332,6 +340,7 @@ class ParaDySeStrategy(ParallelStrategy):
         start_method: Literal["spawn", "fork", "forkserver", "popen"] = "spawn",
         timeout: float = 1800.0,
         loss_reduction: Literal["mean", "sum"] = "mean",
+        on_infeasible: Literal["error", "skip"] = "error",
     ) -> None:
         super().__init__()
         self.modes = validate_modes(modes)
@@ -339,6 +348,9 @@ class ParaDySeStrategy(ParallelStrategy):
         self.thresholds = _validate_thresholds(thresholds)
         self.memory_budget = parse_memory_budget(memory_budget)
         self.profile = _validate_profile(profile)
+        self.on_infeasible = _validate_choice("on_infeasible", on_infeasible, ("error", "skip"))
+        self.skipped_batches = 0
+        """Batches skipped because no plan fit the memory budget (``on_infeasible="skip"``)."""
         self.compile = _validate_flag("compile", compile)
         self.blocks = _validate_blocks(blocks)
         self.max_seq_len = _validate_positive("max_seq_len", max_seq_len)
@@ -495,9 +507,29 @@ class ParaDySeStrategy(ParallelStrategy):
 
     def _make_planner(self) -> Planner:
         n = parallel.n_layers(self._module)
+        if self.plan_spec == "auto" and self.profile is not None:  # the exact planner on the cost model
+            from lightning_paradyse.cost.planner import make_planner
+
+            budget = self.memory_budget if self.memory_budget is not None else UNLIMITED_BYTES
+            return make_planner(  # type: ignore[no-any-return]
+                self._module,
+                group_size(self._group),
+                budget,
+                self.profile,
+                self.modes,
+                on_infeasible="skip" if self.on_infeasible == "skip" else "raise",
+            )
         if self.plan_spec == "auto":
             return ThresholdPolicy(n, self.modes, self.thresholds, check=self.check_plan)
         return FixedPlanner(self._fixed_plan(n))
+
+    def skip(self, info: BatchInfo, reason: str) -> None:
+        """No plan fits this batch: its step is skipped on every rank (the planner decided alike everywhere)."""
+        self.skipped_batches += 1
+        rank_zero_warn(
+            f"[paradyse] skipping a batch of length {info.seq_len} ({self.skipped_batches} so far): {reason}"
+        )
+        self._pending = replace(info, skip=True)
 
     def check_plan(self, plan: Plan) -> None:
         """Raise a ``ValueError`` naming the layer and the reason if ``plan`` cannot run (no collective)."""
@@ -544,6 +576,8 @@ class ParaDySeStrategy(ParallelStrategy):
         self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[BatchInfo, tuple[Any, ...], dict[str, Any]]:
         info = self._take_pending(hook)
+        if info.skip:
+            return info, args, kwargs
         if args:
             args = (shard_batch(args[0], info, self.global_rank), *args[1:])
         elif "batch" in kwargs:
@@ -568,18 +602,24 @@ class ParaDySeStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         """The module's step on this rank's tokens, with the global loss."""
         info, args, kwargs = self._shard_step("training_step", args, kwargs)
+        if info.skip:
+            return None  # type: ignore[return-value]  # Lightning skips the optimizer step of a None loss
         return self._global(super().training_step(*args, **kwargs), info)  # type: ignore[no-any-return]
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         """The module's validation step on this rank's tokens, with the global loss."""
         info, args, kwargs = self._shard_step("validation_step", args, kwargs)
+        if info.skip:
+            return None  # type: ignore[return-value]  # Lightning skips the optimizer step of a None loss
         return self._global(super().validation_step(*args, **kwargs), info)  # type: ignore[no-any-return]
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         """The module's test step on this rank's tokens, with the global loss."""
         info, args, kwargs = self._shard_step("test_step", args, kwargs)
+        if info.skip:
+            return None  # type: ignore[return-value]  # Lightning skips the optimizer step of a None loss
         return self._global(super().test_step(*args, **kwargs), info)  # type: ignore[no-any-return]
 
     @override

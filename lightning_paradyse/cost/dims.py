@@ -1,0 +1,216 @@
+"""The model as the cost model sees it: a handful of dimensions, no module.
+
+Every formula of the cost model (FLOPs, bytes saved for backward, transients, communication volume)
+is a function of these numbers, the sequence length ``s``, the batch ``b`` and the group size ``p``.
+They come from a model config (:func:`dims_from_config`, so that ``cli.py plan`` can plan for a 70B
+model without building it) or from a parallelized module (:func:`dims_from_module`, which reads the
+:class:`~lightning_paradyse.spec.AttnSpec` / :class:`~lightning_paradyse.spec.MlpSpec` of its
+dispatch modules, so user models are covered too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lightning_paradyse.comm import gqa_kv_index
+from lightning_paradyse.models import GPTConfig, LlamaConfig
+from lightning_paradyse.spec import AttnSpec, MlpSpec
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The dimensions of a transformer that the cost formulas need."""
+
+    hidden: int
+    """Model width ``h``."""
+    n_heads: int
+    """Query heads ``n``."""
+    n_kv_heads: int
+    """Key/value heads."""
+    head_dim: int
+    """Width ``d`` of a head."""
+    ffn: int
+    """MLP intermediate width ``f``."""
+    n_layers: int
+    """Transformer blocks ``L``; the planner places ``2L`` ops (attention, MLP per block)."""
+    vocab: int
+    """Vocabulary size (LM head and embedding)."""
+    gated: bool = True
+    """SwiGLU-style MLP (gate and up projections) or a plain one (up only)."""
+    biases: bool = False
+    """The q/k/v/o and MLP linears have biases."""
+    causal: bool = True
+    """Causal attention (balanced layout, half the attention FLOPs) or bidirectional."""
+    rotary: bool = True
+    """RoPE on q and k (float32 cos/sin tables are saved for backward)."""
+    norm: str = "rms"
+    """``rms`` (RMSNorm) or ``layer`` (LayerNorm): what the norm before each op saves."""
+    dtype_bytes: int = 4
+    """Element size of activations, weights and gradients (4 for float32, 2 for bf16)."""
+    extra_params: int = 0
+    """Replicated parameters outside the blocks and norms beyond ``2*vocab*h`` (e.g. position embeddings)."""
+
+    def __post_init__(self) -> None:
+        if self.norm not in ("rms", "layer"):
+            raise ValueError(f"norm must be 'rms' or 'layer', got {self.norm!r}")
+        if min(self.hidden, self.n_heads, self.n_kv_heads, self.head_dim, self.ffn, self.n_layers, self.vocab) < 1:
+            raise ValueError(f"every dimension must be positive: {self}")
+
+    @property
+    def q_rows(self) -> int:
+        """Query width ``n*d``."""
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_rows(self) -> int:
+        """Key (or value) width ``n_kv*d``."""
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def group(self) -> int:
+        """Query heads per key/value head."""
+        return self.n_heads // self.n_kv_heads
+
+    @property
+    def branches(self) -> int:
+        """Input projections of the MLP: 2 (gate, up) when gated, else 1."""
+        return 2 if self.gated else 1
+
+    @property
+    def acc_bytes(self) -> int:
+        """Element size of the ring attention's accumulators (float32, float64 for float64)."""
+        return max(self.dtype_bytes, 4)
+
+    def kv_heads_per_rank(self, p: int) -> int:
+        """``m``: kv heads a head-sharded mode holds per rank (replicated when ``n_kv < p``)."""
+        return len(gqa_kv_index(self.n_heads, self.n_kv_heads, p)) // p
+
+    def attn_params(self) -> int:
+        """Sharded elements of one attention op (q, k, v, o and the q/k/v biases)."""
+        biases = self.q_rows + 2 * self.kv_rows if self.biases else 0
+        return (2 * self.q_rows + 2 * self.kv_rows) * self.hidden + biases
+
+    def mlp_params(self) -> int:
+        """Sharded elements of one MLP op (up, gate, down and the up/gate biases)."""
+        biases = self.branches * self.ffn if self.biases else 0
+        return (self.branches + 1) * self.ffn * self.hidden + biases
+
+    def op_params(self, op: str) -> int:
+        return self.attn_params() if op == "attention" else self.mlp_params()
+
+    def norm_params(self) -> int:
+        """Replicated elements of one norm (weight, and bias for LayerNorm)."""
+        return self.hidden * (2 if self.norm == "layer" else 1)
+
+    def op_replicated(self) -> int:
+        """Replicated elements of one op: its norm and, with biases, its output bias."""
+        return self.norm_params() + (self.hidden if self.biases else 0)
+
+    def outer_params(self) -> int:
+        """Replicated elements outside the blocks: embedding, LM head, final norm and extras."""
+        return 2 * self.vocab * self.hidden + self.norm_params() + self.extra_params
+
+    def attn_spec(self) -> AttnSpec:
+        """The :class:`AttnSpec` the volume formulas take."""
+        return AttnSpec(self.hidden, self.n_heads, self.n_kv_heads, self.head_dim, self.causal)
+
+    def mlp_spec(self) -> MlpSpec:
+        """The :class:`MlpSpec` the volume formulas take (the activation does not matter to them)."""
+        return MlpSpec(self.hidden, self.ffn, F.silu if self.gated else F.gelu, gated=self.gated)
+
+    def with_dtype(self, dtype_bytes: int) -> ModelDims:
+        return dataclasses.replace(self, dtype_bytes=dtype_bytes)
+
+
+def dims_from_config(config: LlamaConfig | GPTConfig, dtype_bytes: int = 4) -> ModelDims:
+    """The dimensions of a model config of :mod:`lightning_paradyse.models` (nothing is built)."""
+    if isinstance(config, LlamaConfig):
+        return ModelDims(
+            config.hidden,
+            config.n_heads,
+            config.n_kv_heads,
+            config.head_dim,
+            config.ffn,
+            config.n_layers,
+            config.vocab_size,
+            gated=True,
+            biases=False,
+            causal=True,
+            rotary=True,
+            norm="rms",
+            dtype_bytes=dtype_bytes,
+        )
+    return ModelDims(
+        config.hidden,
+        config.n_heads,
+        config.n_heads,
+        config.head_dim,
+        config.ffn,
+        config.n_layers,
+        config.vocab_size,
+        gated=False,
+        biases=True,
+        causal=config.causal,
+        rotary=False,
+        norm="layer",
+        dtype_bytes=dtype_bytes,
+        extra_params=config.max_seq_len * config.hidden,
+    )
+
+
+def _ops(module: nn.Module) -> tuple[Any, Any]:
+    from lightning_paradyse.dispatch import AttentionDispatch, MlpDispatch
+    from lightning_paradyse.parallel import dispatchers
+
+    ops = [op for _, op in dispatchers(module)]
+    attn = next((op for op in ops if isinstance(op, AttentionDispatch)), None)
+    mlp = next((op for op in ops if isinstance(op, MlpDispatch)), None)
+    if attn is None or mlp is None:
+        raise ValueError("the cost model needs a parallelized module with attention and MLP dispatch modules")
+    return attn, mlp
+
+
+def dims_from_module(module: nn.Module, vocab: int | None = None) -> ModelDims:
+    """The dimensions of a module parallelized by :func:`lightning_paradyse.parallel.parallelize`.
+
+    ``vocab`` defaults to the largest ``num_embeddings`` of an ``nn.Embedding`` in the module. The
+    norm kind is RMS when a module whose class name contains ``RMS`` exists, else LayerNorm.
+    """
+    from lightning_paradyse.parallel import n_layers
+
+    attn, mlp = _ops(module)
+    a, m = attn.spec, mlp.spec
+    if vocab is None:
+        sizes = [e.num_embeddings for e in module.modules() if isinstance(e, nn.Embedding)]
+        vocab = max(sizes, default=1)
+    rms = any("rms" in type(sub).__name__.lower() for sub in module.modules())
+    dtype_bytes = attn.req("q").element_size()
+    return ModelDims(
+        a.hidden,
+        a.n_heads,
+        a.n_kv_heads,
+        a.head_dim,
+        m.ffn,
+        n_layers(module),
+        vocab,
+        gated=m.gated,
+        biases=attn.opt("bq") is not None,
+        causal=bool(attn.roles.causal is not False),
+        rotary=attn.roles.rotary is not None,
+        norm="rms" if rms else "layer",
+        dtype_bytes=dtype_bytes,
+    )
+
+
+def dtype_size(dtype: str | torch.dtype) -> int:
+    """Bytes of one element of ``dtype`` (a ``torch.dtype`` or its name, e.g. ``bfloat16``)."""
+    resolved = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if not isinstance(resolved, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}")
+    return torch.empty((), dtype=resolved).element_size()

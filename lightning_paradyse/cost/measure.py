@@ -1,0 +1,301 @@
+"""Measurements a profiling rank takes: kernel rates, collectives, segments and whole steps.
+
+Every function runs on every rank of the group in the same order (they issue collectives), times with
+``time.perf_counter`` after a barrier and a warm-up, and measures memory with
+:class:`~lightning_paradyse.cost.tracker.MemoryTracker`. The reference models' blocks are used
+(``layers[0]`` with its ``attn_norm`` / ``mlp_norm``); see :mod:`lightning_paradyse.cost.profile`.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lightning_paradyse.attention import block_backward, block_forward
+from lightning_paradyse.check import lm_loss_sum
+from lightning_paradyse.comm import (
+    CommCounter,
+    all_gather_rows,
+    all_reduce_sum,
+    all_to_all_rows,
+    broadcast_from,
+    reduce_scatter_rows,
+    reduce_to,
+    ring_pass,
+    ring_pass_start,
+)
+from lightning_paradyse.cost.dims import ModelDims
+from lightning_paradyse.cost.time import full_pairs, tile_side
+from lightning_paradyse.cost.tracker import MemoryTracker
+from lightning_paradyse.dispatch import AttentionDispatch, MlpDispatch
+from lightning_paradyse.layout import SeqLayout
+from lightning_paradyse.parallel import configure, dispatchers, is_causal, reduce_replicated_grads
+from lightning_paradyse.plan import OpPlan, Plan
+from lightning_paradyse.spec import SeqContext
+
+COLLECTIVE_SIZES = (256, 16_384, 262_144, 1_048_576)
+"""float32 elements per rank of the benchmarked collectives (1 KiB to 4 MiB)."""
+KERNEL_REPS = 5
+"""Repetitions of a kernel or collective benchmark (the fastest counts)."""
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def timed(fn: Callable[[], Any], reps: int) -> float:
+    """Fastest seconds of ``fn()`` over ``reps`` runs after one warm-up, each started after a barrier.
+
+    The minimum, not the mean: other processes on the machine only ever add time.
+    """
+    times = []
+    for i in range(reps + 1):
+        _barrier()
+        start = time.perf_counter()
+        fn()
+        if i:
+            times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def _dtype(settings: Any) -> torch.dtype:
+    return getattr(torch, settings.dtype)  # type: ignore[no-any-return]
+
+
+# --------------------------------------------------------------------------------------------------
+# Machine benchmarks
+# --------------------------------------------------------------------------------------------------
+
+
+def bench_gemm(dims: ModelDims, settings: Any, p: int, s: int) -> tuple[float, float]:
+    """``(local tokens, FLOP/s)`` of ``[t, h] @ [h, f]`` at the local token count of length ``s``."""
+    w = torch.randn(dims.hidden, dims.ffn, dtype=_dtype(settings))
+    a = torch.randn(max(s * settings.batch // p, 1), dims.hidden, dtype=_dtype(settings))
+    seconds = timed(functools.partial(torch.matmul, a, w), KERNEL_REPS)
+    return float(a.shape[0]), 2.0 * a.shape[0] * dims.hidden * dims.ffn / seconds
+
+
+def _sdpa_times(dims: ModelDims, settings: Any, p: int, s: int) -> tuple[float, float, float]:
+    """``(attention FLOPs, forward seconds, backward seconds)`` of SDPA over ``n/p`` heads and ``s`` tokens."""
+    b, heads = settings.batch, max(dims.n_heads // p, 1)
+    q, k, v = (torch.randn(b, heads, s, dims.head_dim, dtype=_dtype(settings), requires_grad=True) for _ in range(3))
+    flops = 4 * b * dims.head_dim * heads * full_pairs(s, dims.causal)
+    fwd = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=dims.causal), KERNEL_REPS)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=dims.causal)
+    dout = torch.randn_like(out)
+
+    def both() -> None:
+        F.scaled_dot_product_attention(q, k, v, is_causal=dims.causal).backward(dout)
+
+    bwd = max(timed(both, KERNEL_REPS) - fwd, 1e-9)
+    return flops, fwd, bwd
+
+
+def _tile_times(dims: ModelDims, settings: Any, p: int, s: int) -> tuple[float, float, float]:
+    """``(attention FLOPs, forward seconds, backward seconds)`` of one ring tile of length ``s``'s chunk."""
+    b, c = settings.batch, tile_side(s, p, dims.causal)
+    dtype = _dtype(settings)
+    q = torch.randn(b, dims.n_heads, c, dims.head_dim, dtype=dtype)
+    k, v = (torch.randn(b, dims.n_kv_heads, c, dims.head_dim, dtype=dtype) for _ in range(2))
+    flops = 4 * b * dims.head_dim * dims.n_heads * c * c
+    fwd = timed(lambda: block_forward(q, k, v, False), KERNEL_REPS)
+    out, lse = block_forward(q, k, v, False)
+    dout = torch.randn_like(out)
+    delta = (dout * out).sum(-1)
+    bwd = timed(lambda: block_backward(dout, q, k, v, lse, delta, False), KERNEL_REPS)
+    return flops, fwd, bwd
+
+
+def bench_kernels(dims: ModelDims, settings: Any, p: int) -> dict[str, list[tuple[float, float]]]:
+    """Rate curves ``{kernel: [(size, FLOP/s), ...]}`` of the GEMM, SDPA and ring tile kernels.
+
+    Measured at every length of ``settings.kernel_lengths`` (the profiled lengths and a few longer
+    ones): single-kernel microbenchmarks, so that rates at lengths beyond the profiled ones (caches
+    overflowing, larger tiles) come from measurement rather than extrapolation.
+    """
+    out: dict[str, list[tuple[float, float]]] = {}
+    for s in settings.kernel_lengths:
+        out.setdefault("gemm", []).append(bench_gemm(dims, settings, p, s))
+        flops, fwd, bwd = _sdpa_times(dims, settings, p, s)
+        out.setdefault("sdpa_fwd", []).append((float(s), flops / fwd))
+        out.setdefault("sdpa_bwd", []).append((float(s), 2.5 * flops / bwd))
+        flops, fwd, bwd = _tile_times(dims, settings, p, s)
+        side = float(tile_side(s, p, dims.causal))
+        out.setdefault("tile_fwd", []).append((side, flops / fwd))
+        out.setdefault("tile_bwd", []).append((side, 2.5 * flops / bwd))
+    return out
+
+
+def _collective_calls(n: int, p: int) -> dict[str, Callable[[], Any]]:
+    group = dist.group.WORLD
+    x, big = torch.randn(n, 1), torch.randn(n * p, 1)
+    sizes = [n] * p
+    return {
+        "all_gather": lambda: all_gather_rows(x, sizes, group),
+        "reduce_scatter": lambda: reduce_scatter_rows(big, sizes, group),
+        "all_to_all": lambda: all_to_all_rows(big, sizes, sizes, group),
+        "ring": lambda: ring_pass(x, group),
+        "broadcast": lambda: broadcast_from(x, 0, group),
+        "reduce": lambda: reduce_to(x, 0, group),
+        "all_reduce": lambda: all_reduce_sum(x, group),
+    }
+
+
+def bench_collectives(p: int, reps: int) -> dict[str, list[tuple[float, float]]]:
+    """``{kind: [(bytes one rank sends, seconds), ...]}`` over :data:`COLLECTIVE_SIZES`."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    if p == 1:
+        return out
+    for n in COLLECTIVE_SIZES:
+        for kind, call in _collective_calls(n, p).items():
+            with CommCounter() as counter:
+                call()
+            seconds = timed(call, max(reps, KERNEL_REPS))
+            out.setdefault(kind, []).append((counter.total, seconds))
+    return out
+
+
+def bench_overlap(dims: ModelDims, p: int) -> float:
+    """Overlap efficiency of a ring transfer with a GEMM: ``(T_gemm + T_ring - T_both) / min(T_gemm, T_ring)``."""
+    if p == 1:
+        return 1.0
+    a, w = torch.randn(512, 512), torch.randn(512, 512)
+    x = torch.randn(1_048_576)
+    group = dist.group.WORLD
+    t_gemm = timed(lambda: a @ w, 2 * KERNEL_REPS)
+    t_ring = timed(lambda: ring_pass(x, group), 2 * KERNEL_REPS)
+
+    def both() -> None:
+        pending = ring_pass_start(x, group)
+        a @ w
+        pending.wait()
+
+    t_both = timed(both, 2 * KERNEL_REPS)
+    eta = (t_gemm + t_ring - t_both) / min(t_gemm, t_ring)
+    return float(min(max(eta, 0.0), 1.0))
+
+
+# --------------------------------------------------------------------------------------------------
+# Segments, the head and whole steps
+# --------------------------------------------------------------------------------------------------
+
+
+def segment_fn(
+    model: nn.Module, op: str, mode: str, rc: bool, ctx: SeqContext
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Layer 0's norm and op in ``mode``: ``[b, s_r, h] -> [b, s_r, h]`` (without the residual)."""
+    block: Any = model.get_submodule("layers.0")
+    ops = [m for _, m in dispatchers(model) if m.layer == 0]
+    attn = next(m for m in ops if isinstance(m, AttentionDispatch))
+    mlp = next(m for m in ops if isinstance(m, MlpDispatch))
+    target = attn if op == "attention" else mlp
+    target.configure(ctx, OpPlan(mode, rc))
+    if op == "attention":
+        return lambda x: attn(block.attn_norm(x), ctx.positions())
+    return lambda x: mlp(block.mlp_norm(x))
+
+
+def memory_of(model: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], x0: torch.Tensor) -> tuple[int, int, int]:
+    """``(saved, forward peak, backward peak)`` bytes of ``fn`` on a copy of ``x0`` (see ``cost.memory``)."""
+    model.zero_grad(set_to_none=True)
+    with MemoryTracker() as mem:
+        x = x0.detach().clone().requires_grad_()
+        before = mem.live
+        mem.reset_peak()
+        y = fn(x)
+        fwd = mem.peak - before
+        x_bytes = x.untyped_storage().nbytes()
+        del x
+        saved = mem.live - (before - x_bytes) - y.untyped_storage().nbytes()
+        dy = torch.randn_like(y) if y.dim() else None
+        start = mem.live
+        mem.reset_peak()
+        y.backward(dy)
+        bwd = mem.peak - start
+        del y, dy
+    return saved, fwd, bwd
+
+
+def _time_and_memory(
+    model: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], x0: torch.Tensor, reps: int
+) -> dict[str, Any]:
+    def run() -> None:
+        model.zero_grad(set_to_none=True)
+        x = x0.detach().clone().requires_grad_()
+        y = fn(x)
+        y.backward(torch.ones_like(y) if y.dim() else None)
+
+    seconds = timed(run, 2 * reps + 1)  # cheap at profiled lengths: more repetitions against noise
+    mems = [memory_of(model, fn, x0) for _ in range(max(reps, 2))]
+    return {
+        "time_s": seconds,
+        "saved": min(m[0] for m in mems),
+        "fwd": statistics.median(m[1] for m in mems),
+        "bwd": statistics.median(m[2] for m in mems),
+    }
+
+
+def measure_segment(
+    model: nn.Module, op: str, mode: str, rc: bool, ctx: SeqContext, batch: int, reps: int
+) -> dict[str, Any]:
+    """Time and memory of one segment (layer 0's norm and op) in ``mode``."""
+    fn = segment_fn(model, op, mode, rc, ctx)
+    norm: Any = model.get_submodule("layers.0.attn_norm")
+    hidden = int(norm.weight.shape[0])
+    dtype = next(model.parameters()).dtype
+    x0 = torch.randn(batch, ctx.layout.local_len(ctx.rank), hidden, dtype=dtype)
+    return _time_and_memory(model, fn, x0, reps)
+
+
+def measure_head(model: nn.Module, ctx: SeqContext, settings: Any) -> dict[str, Any]:
+    """Time and memory of the final norm, the LM head and the float32 cross-entropy (sum) on the local tokens."""
+    lm: Any = model
+    vocab = lm.lm_head.out_features
+    t = ctx.layout.local_len(ctx.rank)
+    targets = torch.randint(0, vocab, (settings.batch, t))
+
+    def head(x: torch.Tensor) -> torch.Tensor:
+        logits = lm.lm_head(lm.norm(x)).float()
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+
+    hidden = lm.norm.weight.shape[0]
+    x0 = torch.randn(settings.batch, t, hidden, dtype=next(model.parameters()).dtype)
+    return _time_and_memory(model, head, x0, settings.reps)
+
+
+def measure_step(model: nn.Module, plan: Plan, seq_len: int, settings: Any, p: int) -> dict[str, Any]:
+    """Time and peak memory of one training step (forward, backward, replicated-gradient reduction)."""
+    group = dist.group.WORLD if p > 1 else None
+    ctx = SeqContext(SeqLayout.for_sequence(seq_len, p, is_causal(model)), group)
+    lm: Any = model
+    vocab = lm.lm_head.out_features
+    tokens = torch.randint(0, vocab, (settings.batch, seq_len + 1))
+    local = ctx.layout.shard(tokens[:, :-1], ctx.rank)
+    targets = ctx.layout.shard(tokens[:, 1:], ctx.rank)
+    positions = ctx.positions()
+
+    def step() -> None:
+        configure(model, ctx, plan)
+        model.zero_grad(set_to_none=True)
+        loss = lm_loss_sum(model, local, targets, positions) / (settings.batch * seq_len)
+        loss.backward()
+        reduce_replicated_grads(model, group)
+
+    seconds = timed(step, settings.reps)
+    peaks = []
+    for _ in range(settings.step_memory_reps):
+        model.zero_grad(set_to_none=True)
+        with MemoryTracker() as mem:
+            step()
+        peaks.append(mem.peak)
+    model.zero_grad(set_to_none=True)
+    return {"time_s": seconds, "peak": min(peaks)}

@@ -1,0 +1,351 @@
+"""Memory of one op per mode: what it saves for backward and its transient peaks, in bytes per rank.
+
+The unit of the memory model is a *segment*: the norm before an op plus the op's core (the mode),
+i.e. what runs between two residual additions. For a segment in a given mode, recompute flag,
+length ``s`` and batch ``b`` on ``p`` ranks the model gives three numbers:
+
+* ``saved``: bytes the segment leaves alive after its forward until its backward (the norm's input
+  and statistics, the tensors the mode saves; with recomputation only the op's input).
+* ``fwd``: the peak of the segment's forward above the memory alive before it (its input included).
+* ``bwd``: the peak of the segment's backward above the memory alive when it starts (its saved
+  tensors and the incoming gradient included); with recomputation the re-run forward is in it.
+
+How a whole step composes them (saved bytes accumulate over the ops, transients do not add up, weight
+gradients accumulate in backward) is in :mod:`lightning_paradyse.cost.model`.
+
+Each number is split into a length-independent part (gathered weights, weight shards in flight: known
+exactly from the shapes) and a length-dependent part (activations, attention tiles), because the profile
+calibrates only the latter with a multiplicative factor. The formulas were derived from the modes' code
+(``modes/*.py``) and checked tensor by tensor against :class:`~lightning_paradyse.cost.tracker.MemoryTracker`
+on CPU: ``saved`` is exact for ``b = 1`` (float32), the transients are the dominant moments of each
+op and agree to about 10%. Symbols (all per rank): ``t = b*ceil(s/p)`` local tokens, ``T = b*s``,
+``X = t*h*e`` a local hidden state, ``XG = T*h*e`` a gathered one, ``e`` the element size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from lightning_paradyse.cost.dims import ModelDims
+
+
+@dataclass(frozen=True)
+class Mem:
+    """Bytes split into a length-independent and a length-dependent part."""
+
+    fixed: float = 0.0
+    """Length-independent bytes (weights, weight shards, weight gradients)."""
+    var: float = 0.0
+    """Length-dependent bytes (activations, attention tiles); what calibration scales."""
+
+    @property
+    def total(self) -> float:
+        return self.fixed + self.var
+
+    def __add__(self, other: Mem) -> Mem:
+        return Mem(self.fixed + other.fixed, self.var + other.var)
+
+    def scaled(self, var_factor: float) -> Mem:
+        return Mem(self.fixed, self.var * var_factor)
+
+
+def peak(*moments: Mem) -> Mem:
+    """The largest of several candidate moments (the first one on ties)."""
+    return max(moments, key=lambda m: m.total)
+
+
+@dataclass(frozen=True)
+class SegmentMemory:
+    """One segment (norm + op) in one mode: bytes per rank."""
+
+    saved: Mem
+    """Alive from the end of the segment's forward to its backward."""
+    fwd: Mem
+    """Forward peak above the bytes alive before the segment (its input included)."""
+    bwd: Mem
+    """Backward peak above the bytes alive when the segment's backward starts."""
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """Per-rank sizes of one (length, batch, group) case: the symbols of the module docstring."""
+
+    d: ModelDims
+    s: int
+    b: int
+    p: int
+    flash: bool = False
+    """Attention tiles run in a flash kernel (no score tile is materialised)."""
+
+    @property
+    def e(self) -> int:
+        return self.d.dtype_bytes
+
+    @property
+    def a(self) -> int:
+        return self.d.acc_bytes
+
+    @property
+    def s_r(self) -> int:
+        """Tokens of the fullest rank."""
+        return math.ceil(self.s / self.p)
+
+    @property
+    def t(self) -> int:
+        return self.b * self.s_r
+
+    @property
+    def T(self) -> int:
+        return self.b * self.s
+
+    @property
+    def X(self) -> float:
+        return self.t * self.d.hidden * self.e
+
+    @property
+    def XG(self) -> float:
+        return self.T * self.d.hidden * self.e
+
+    @property
+    def balanced(self) -> bool:
+        """The head-tail layout of causal attention (see :class:`~lightning_paradyse.layout.SeqLayout`)."""
+        return self.d.causal and self.p > 1 and self.s >= 2 * self.p
+
+    @property
+    def qr(self) -> int:
+        """Query width of the ``n/p`` local heads."""
+        return self.d.q_rows // self.p
+
+    @property
+    def kvr(self) -> int:
+        """Key width of the kv heads the local query heads read (``m*d``)."""
+        return self.d.kv_heads_per_rank(self.p) * self.d.head_dim
+
+    @property
+    def kr(self) -> int:
+        """Key width the attention kernel sees per rank: repeated to ``n/p`` heads when grouped."""
+        return self.qr if self.d.n_heads // self.p > self.d.kv_heads_per_rank(self.p) else self.kvr
+
+    @property
+    def chunk(self) -> int:
+        """Tokens of one ring tile side: ``s/2p`` in the balanced layout, else ``s/p``."""
+        return math.ceil(self.s / (2 * self.p)) if self.balanced else self.s_r
+
+    def tile(self, heads: int) -> float:
+        """Bytes of one attention score tile ``[b, heads, chunk, chunk]`` in the accumulation dtype."""
+        if self.flash:
+            return 0.0
+        return self.b * heads * self.chunk * self.chunk * self.a
+
+    def rot(self, tokens: int) -> float:
+        """The float32 cos/sin tables a rotary op saves (two per q and k) for ``tokens`` positions."""
+        return 4 * tokens * self.d.head_dim * 4 if self.d.rotary else 0.0
+
+    def index(self) -> float:
+        """The two int64 permutations of a balanced gather (natural order and back)."""
+        return 2 * 8 * self.s if self.balanced else 0.0
+
+
+# --------------------------------------------------------------------------------------------------
+# Per mode: (saved without the op input, saves its input, fwd peak, bwd peak, fwd peak when recomputed)
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Core:
+    saved: Mem
+    """Saved by the op's core, not counting its input."""
+    saves_input: bool
+    """The core keeps its input (the norm's output) for backward."""
+    fwd: Mem
+    """Core forward peak, not counting the input."""
+    bwd: Mem
+    """Core backward peak above its start."""
+    fwd_rc: Mem | None = None
+    """Core forward peak when checkpointed (nothing saved, intermediates freed early); default ``fwd``."""
+
+
+def _full_attention_saved(c: _Shape, q_view_of: str) -> float:
+    """q, k, v, out and lse of full-sequence attention over the ``n/p`` local heads (``tp_sp``, ``ulysses``).
+
+    ``q_view_of``: ``own`` when un-rotated q/k/v are views of their own projections (``tp_sp``),
+    ``full`` when they are views of one all-to-all buffer, which then stays alive whole (``ulysses``).
+    """
+    d, T, e = c.d, c.T, c.e
+    repeat = c.kr == c.qr and d.n_heads // c.p > d.kv_heads_per_rank(c.p)
+    lse = c.b * (d.n_heads // c.p) * c.s * 4
+    if q_view_of == "own":
+        return T * (2 * c.qr + 2 * c.kr) * e + lse
+    new = (c.qr if d.rotary else 0) + (c.kr if (d.rotary or repeat) else 0) + (c.kr if repeat else 0)
+    views = (not d.rotary) or (not repeat)
+    return T * (new + c.qr) * e + (T * (c.qr + 2 * c.kvr) * e if views else 0.0) + lse
+
+
+def _tp_sp_attention(c: _Shape) -> _Core:
+    XG = c.XG
+    saved = XG + _full_attention_saved(c, "own") + c.rot(c.s) + c.index()
+    after = XG if c.balanced else c.X  # the output re-ordered (balanced) or the reduce-scatter result
+    fwd = Mem(0.0, saved + XG + after)
+    bwd = Mem(0.0, XG * (3 if c.balanced else 2))
+    fwd_rc = Mem(0.0, 2 * XG + after + c.T * (2 * c.qr + c.kvr) * c.e)
+    return _Core(Mem(0.0, saved), False, fwd, bwd, fwd_rc)
+
+
+def _ulysses_attention(c: _Shape) -> _Core:
+    d, t, T, e = c.d, c.t, c.T, c.e
+    saved = _full_attention_saved(c, "full") + c.rot(c.s) + c.index() + t * d.q_rows * e
+    kv_sent = c.p * c.kvr  # kv width shipped, kv heads replicated when n_kv < p
+    act = 2 * t * (d.q_rows + 2 * kv_sent) * e + T * (c.qr + 2 * c.kvr) * e + 2 * T * c.qr * e
+    w_out = d.q_rows * d.hidden * e
+    fwd = Mem(w_out * (1 + 1 / c.p), saved + act)
+    bwd = peak(Mem(w_out * (2 + 1 / c.p), c.X), Mem(2 * w_out, 2 * T * c.qr * e))
+    rc = 2 * t * (d.q_rows + 2 * kv_sent) * e + T * (2 * c.qr + 3 * c.kvr) * e + t * d.q_rows * e
+    return _Core(Mem(0.0, saved), True, fwd, bwd, Mem(w_out * (1 + 1 / c.p), rc))
+
+
+def _ring_attention(c: _Shape) -> _Core:
+    d, t, e, a = c.d, c.t, c.e, c.a
+    q, kv, n = d.q_rows, d.kv_rows, d.n_heads
+    saved = c.rot(c.s_r) + t * (q + 2 * kv) * e + 2 * t * q * e + c.b * n * c.s_r * a
+    tiles = Mem(0.0, saved - 2 * t * q * e + 4 * t * kv * e + 1.5 * t * q * a + 3 * c.tile(n))
+    w_max = max(q, kv) * d.hidden * e
+    weights = Mem(w_max * (1 + 1 / c.p), saved + c.X)
+    fwd = peak(tiles, weights)
+    ring = Mem(q * d.hidden * e / c.p, 5 * c.tile(n) + t * q * a + 6 * t * kv * a + c.X)
+    bwd = peak(ring, Mem(w_max * (2 + 1 / c.p), c.X))
+    return _Core(Mem(0.0, saved), True, fwd, bwd)
+
+
+def _metp_attention(c: _Shape) -> _Core:
+    d, t, e, a = c.d, c.t, c.e, c.a
+    qr, kvr, nr = c.qr, c.kvr, d.n_heads // c.p
+    shard = d.attn_params() / c.p * e  # one head group's packed broadcast shard
+    saved = t * d.q_rows * e + c.b * d.n_heads * c.s_r * a
+    group = 1.5 * t * (qr + 2 * kvr) * e + 4 * t * kvr * e + 1.5 * t * qr * a + 3 * c.tile(nr)
+    fwd = Mem(2 * shard, c.X + saved + group)
+    recompute = t * (qr + 2 * kvr) * e + c.rot(c.s_r) + t * qr * e + t * qr * a + 6 * t * kvr * a
+    bwd = Mem(4 * shard + qr * d.hidden * e, 2 * c.X + recompute + 5 * c.tile(nr))
+    return _Core(Mem(0.0, saved), True, fwd, bwd)
+
+
+def _mlp_saved_factor(d: ModelDims) -> int:
+    """``[.., f]`` tensors an MLP saves: up, gate, act(gate), product when gated; up, act(up) otherwise."""
+    return 4 if d.gated else 2
+
+
+def _tp_sp_mlp(c: _Shape) -> _Core:
+    d, T, e = c.d, c.T, c.e
+    f_r = d.ffn // c.p
+    saved = c.XG + _mlp_saved_factor(d) * T * f_r * e
+    fwd = Mem(0.0, saved + c.XG + c.X)
+    bwd = Mem(f_r * d.hidden * e, c.XG + T * f_r * e)
+    return _Core(Mem(0.0, saved), False, fwd, bwd, Mem(0.0, saved))
+
+
+def _zero3_mlp(c: _Shape) -> _Core:
+    d, t, e = c.d, c.t, c.e
+    w = d.ffn * d.hidden * e  # one gathered MLP matrix
+    saved = _mlp_saved_factor(d) * t * d.ffn * e
+    fwd = Mem(w * (1 + 1 / c.p), saved)
+    bwd = peak(Mem(w * (2 + 1 / c.p), t * d.ffn * e), Mem(w / c.p, 2 * t * d.ffn * e))
+    fwd_rc = Mem(w * (1 + 1 / c.p), (_mlp_saved_factor(d) - 1) * t * d.ffn * e)
+    return _Core(Mem(0.0, saved), True, fwd, bwd, fwd_rc)
+
+
+def _metp_mlp(c: _Shape) -> _Core:
+    d, t, e = c.d, c.t, c.e
+    shard = d.mlp_params() / c.p * e  # the packed shard travelling on the ring
+    inter = _mlp_saved_factor(d) * t * (d.ffn // c.p) * e
+    fwd = Mem(2 * shard, c.X + inter)
+    bwd = peak(Mem(5 * shard, 2 * c.X), Mem(3 * shard, 3 * c.X + inter))
+    return _Core(Mem(), True, fwd, bwd)
+
+
+_CORES: dict[tuple[str, str], Callable[[_Shape], _Core]] = {
+    ("tp_sp", "attention"): _tp_sp_attention,
+    ("tp_sp", "mlp"): _tp_sp_mlp,
+    ("ulysses", "attention"): _ulysses_attention,
+    ("ulysses", "mlp"): _zero3_mlp,
+    ("ring", "attention"): _ring_attention,
+    ("ring", "mlp"): _zero3_mlp,
+    ("metp", "attention"): _metp_attention,
+    ("metp", "mlp"): _metp_mlp,
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# Norms, segments and the model's ends
+# --------------------------------------------------------------------------------------------------
+
+
+def _norm(c: _Shape) -> tuple[float, float]:
+    """``(saved, allocated before the core)`` of the norm, its output (the op's input) included in the latter.
+
+    RMSNorm (float32 compute) saves its input, the normalised input and ``1/rms``; a low-precision input
+    is first copied to float32. LayerNorm saves its input, mean and ``1/std``.
+    """
+    t, h, e, X = c.t, c.d.hidden, c.e, c.X
+    if c.d.norm == "layer":
+        return X + 8 * t, 8 * t + X
+    if e >= 4:
+        return 2 * X + 4 * t, 4 * t + 2 * X
+    return 2 * t * h * 4 + 4 * t, 2 * t * h * 4 + 4 * t + X
+
+
+def segment_memory(
+    mode: str, op: str, recompute: bool, seq_len: int, batch: int, p: int, dims: ModelDims, flash: bool = False
+) -> SegmentMemory:
+    """Bytes per rank of one segment (norm + ``op`` in ``mode``); see the module docstring.
+
+    ``flash``: ring attention tiles run in a flash kernel (GPU), so no ``[b, heads, chunk, chunk]``
+    score tile is ever held; the CPU implementation materialises it.
+    """
+    formula = _CORES.get((mode, op))
+    if formula is None:
+        raise ValueError(f"no memory formula for mode {mode!r}, op {op!r}")
+    c = _Shape(dims, seq_len, batch, p, flash)
+    core = formula(c)
+    norm_saved, norm_alloc = _norm(c)
+    before = Mem(0.0, norm_alloc)
+    if recompute:  # only the input is saved; backward re-runs the forward, saving, then the backward
+        saved = Mem(0.0, norm_saved + c.X)
+        bwd = peak(core.saved + core.bwd, core.fwd)
+        return SegmentMemory(saved, before + (core.fwd_rc or core.fwd), bwd)
+    saved = Mem(0.0, norm_saved + (c.X if core.saves_input else 0.0)) + core.saved
+    return SegmentMemory(saved, before + core.fwd, core.bwd)
+
+
+def head_memory(seq_len: int, batch: int, p: int, dims: ModelDims) -> SegmentMemory:
+    """The final norm, the LM head and a float32 cross-entropy on the local tokens, as a segment."""
+    c = _Shape(dims, seq_len, batch, p)
+    t, V, e = c.t, dims.vocab, c.e
+    norm_saved, norm_alloc = _norm(c)
+    logits32 = t * V * 4
+    upcast = logits32 if e < 4 else 0.0
+    saved = Mem(0.0, norm_saved + c.X + logits32)
+    fwd = Mem(0.0, norm_alloc + t * V * e + upcast + logits32)
+    bwd = Mem(V * dims.hidden * e, 2 * logits32 + t * V * e + c.X)
+    return SegmentMemory(saved, fwd, bwd)
+
+
+def stream_bytes(seq_len: int, batch: int, p: int, dims: ModelDims) -> float:
+    """One local hidden state ``[b, s/p, h]``: the residual stream, or its gradient."""
+    return _Shape(dims, seq_len, batch, p).X
+
+
+def op_grad_bytes(op: str, p: int, dims: ModelDims) -> float:
+    """Gradient bytes one segment leaves after its backward: its weight shards, norm and output bias."""
+    return (math.ceil(dims.op_params(op) / p) + dims.op_replicated()) * dims.dtype_bytes
+
+
+def outer_grad_bytes(dims: ModelDims) -> float:
+    """Gradient bytes of the replicated parameters outside the blocks (embedding, head, final norm)."""
+    return dims.outer_params() * dims.dtype_bytes
+
+
+def param_bytes(p: int, dims: ModelDims) -> float:
+    """Parameter bytes per rank: the 1/p shards of every block weight and the replicated rest."""
+    per_layer = sum(math.ceil(dims.op_params(op) / p) + dims.op_replicated() for op in ("attention", "mlp"))
+    return (dims.n_layers * per_layer + dims.outer_params()) * dims.dtype_bytes

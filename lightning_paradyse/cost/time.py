@@ -1,0 +1,340 @@
+"""Time of one op per mode: FLOPs at measured rates plus alpha-beta collectives, with overlap.
+
+For one op of one layer in a mode, on ``p`` ranks, for ``s`` tokens and ``b`` sequences, each phase of
+a step (forward, backward, and the re-run forward of activation recomputation) costs
+
+    compute = GEMM FLOPs / GEMM rate  +  attention FLOPs / attention-kernel rate
+    comm    = sum over collectives of  alpha(kind, p) * calls + bytes / beta(kind, p)
+    time    = compute_rest + comm_exposed + overlap(compute_hidden, comm_overlapped)
+
+with ``overlap(c, m) = c + m - eta * min(c, m)``: ``eta = 1`` is perfect overlap (``max(c, m)``), ``eta =
+0`` none. What overlaps follows the code (see :mod:`lightning_paradyse.cost.traffic`): ring attention's
+key/value hops hide behind the attention tiles (``ring``, and ``metp``'s inner ring), ``metp``'s MLP
+weight ring behind the MLP matmuls.
+
+FLOPs per rank (``t = b*s/p`` local tokens, ``T = b*s``, ``q = n*d``, ``kv = n_kv*d``):
+
+* projections: ``2*t*h*(q + 2*kv) + 2*t*q*h`` (``tp_sp`` computes the kv heads its query heads read,
+  ``metp`` each head group's, which differs only with fewer kv heads than ranks); MLP ``2*t*h*f*(B+1)``
+  with ``B`` input branches. Backward is twice the forward; ``metp`` recomputes its projections (and
+  the MLP step) inside backward, once more.
+* attention: ``4*d`` FLOPs per (query, key) pair and head, forward; backward ``2.5x`` (five products
+  against two). Full-sequence attention (``tp_sp``, ``ulysses``, the fused SDPA kernel) over ``n/p``
+  heads and ``s(s+1)/2`` pairs when causal; ring attention (``ring``, ``metp``, tile by tile) over all
+  heads and exactly the pairs of the tiles :func:`lightning_paradyse.modes.ring.tiles` computes (a
+  diagonal tile is computed whole and masked).
+
+Rates come from a :class:`Machine`: measured on this machine by the profile (a GEMM, the SDPA kernel
+and the ring tile kernel at the model's head size, collectives of several sizes), or derived from a
+cluster description (:mod:`lightning_paradyse.cost.cluster`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from lightning_paradyse.cost.dims import ModelDims
+from lightning_paradyse.cost.traffic import KINDS, Collective, op_collectives
+from lightning_paradyse.layout import SeqLayout
+from lightning_paradyse.modes.ring import tiles
+
+
+@dataclass(frozen=True)
+class AlphaBeta:
+    """Time of ``calls`` collectives moving ``nbytes``: ``alpha * calls + nbytes / beta``."""
+
+    alpha: float
+    """Seconds per call (latency, launch and synchronisation)."""
+    beta: float
+    """Bytes per second of the algorithmic volume one rank sends."""
+
+    def time(self, calls: int, nbytes: float) -> float:
+        return self.alpha * calls + nbytes / self.beta
+
+
+@dataclass(frozen=True)
+class Links:
+    """A cluster's network, for collectives of any group size (no measurement)."""
+
+    gpus_per_node: int
+    """GPUs sharing the fast intra-node links."""
+    intra_bytes_s: float
+    """Per-GPU bandwidth inside a node (bytes/s), e.g. NVLink."""
+    inter_bytes_s: float
+    """Per-GPU bandwidth across nodes (bytes/s), e.g. InfiniBand."""
+    latency_s: float
+    """Latency of one hop (seconds)."""
+
+    def alpha_beta(self, kind: str, p: int) -> AlphaBeta:
+        """Ring-algorithm collectives pay ``p - 1`` hop latencies; a point-to-point hop pays one."""
+        hops = 1 if kind == "ring" else max(1, p - 1)
+        beta = self.intra_bytes_s if p <= self.gpus_per_node else self.inter_bytes_s
+        return AlphaBeta(self.latency_s * hops, beta)
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Compute rates and collective costs of one machine (measured) or cluster (described)."""
+
+    name: str
+    """What was measured or described, e.g. ``cpu-gloo`` or ``8x A100-80GB NVLink``."""
+    gemm_flops: float
+    """Matrix-multiply rate (FLOP/s) at the model's shapes."""
+    sdpa_fwd_flops: float
+    """Fused attention kernel, forward, in attention FLOPs per second (``4*d`` per pair and head)."""
+    sdpa_bwd_flops: float
+    """Fused attention kernel, backward (``10*d`` per pair and head)."""
+    tile_fwd_flops: float
+    """Ring attention tile kernel (:func:`lightning_paradyse.attention.block_forward`), forward."""
+    tile_bwd_flops: float
+    """Ring attention tile kernel, backward."""
+    overlap: float = 1.0
+    """Overlap efficiency ``eta`` in ``[0, 1]`` of asynchronous transfers with compute."""
+    collectives: Mapping[str, Mapping[int, AlphaBeta]] = field(default_factory=dict)
+    """Measured ``{kind: {p: AlphaBeta}}``."""
+    links: Links | None = None
+    """A network description used for group sizes without measurements."""
+    flash_tiles: bool = False
+    """Ring tiles run in a flash kernel that never holds a score tile (GPU); else the tile is materialised."""
+    op_overhead_s: float = 0.0
+    """Fixed time per op and step when nothing is calibrated (kernel launches)."""
+    curves: Mapping[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    """Measured ``{kernel: ((size, FLOP/s), ...)}`` for ``gemm`` (size: local tokens), ``sdpa_fwd``/``sdpa_bwd``
+    (sequence length), ``tile_fwd``/``tile_bwd`` (tile side); rates in between are interpolated in log-size,
+    outside the measured sizes the nearest is used. Kernels without a curve use the scalar rates."""
+
+    def rate(self, kernel: str, size: float) -> float:
+        """FLOP/s of ``kernel`` (``gemm``, ``sdpa_fwd``, ...) at ``size`` (see :attr:`curves`)."""
+        curve = self.curves.get(kernel)
+        if not curve:
+            return float(getattr(self, f"{kernel}_flops"))
+        sizes = [math.log(max(x, 1.0)) for x, _ in curve]
+        return float(np.interp(math.log(max(size, 1.0)), sizes, [r for _, r in curve]))
+
+    def collective(self, kind: str, p: int) -> AlphaBeta:
+        """The alpha-beta model of ``kind`` on ``p`` ranks."""
+        measured = self.collectives.get(kind, {})
+        if p in measured:
+            return measured[p]
+        if self.links is not None:
+            return self.links.alpha_beta(kind, p)
+        sizes = sorted({q for table in self.collectives.values() for q in table})
+        raise ValueError(f"{self.name}: no {kind} measurement for {p} ranks (measured group sizes: {sizes})")
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {k: getattr(self, k) for k in ("name", "gemm_flops", "overlap", "flash_tiles")}
+        out.update({k: getattr(self, k) for k in ("sdpa_fwd_flops", "sdpa_bwd_flops", "tile_fwd_flops")})
+        out.update(tile_bwd_flops=self.tile_bwd_flops, op_overhead_s=self.op_overhead_s)
+        out["curves"] = {k: [list(point) for point in v] for k, v in self.curves.items()}
+        out["collectives"] = {
+            kind: {str(p): {"alpha": ab.alpha, "beta": ab.beta} for p, ab in table.items()}
+            for kind, table in self.collectives.items()
+        }
+        out["links"] = None if self.links is None else vars(self.links)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Machine:
+        collectives = {
+            kind: {int(p): AlphaBeta(float(v["alpha"]), float(v["beta"])) for p, v in table.items()}
+            for kind, table in data.get("collectives", {}).items()
+        }
+        links = Links(**data["links"]) if data.get("links") else None
+        keys = ("gemm_flops", "sdpa_fwd_flops", "sdpa_bwd_flops", "tile_fwd_flops", "tile_bwd_flops")
+        rates = {k: float(data[k]) for k in keys}
+        curves = {k: tuple((float(x), float(r)) for x, r in v) for k, v in data.get("curves", {}).items()}
+        return cls(
+            curves=curves,
+            name=str(data["name"]),
+            overlap=float(data.get("overlap", 1.0)),
+            collectives=collectives,
+            links=links,
+            flash_tiles=bool(data.get("flash_tiles", False)),
+            op_overhead_s=float(data.get("op_overhead_s", 0.0)),
+            **rates,
+        )
+
+
+@functools.lru_cache(maxsize=4096)
+def ring_pairs(seq_len: int, p: int, causal: bool) -> int:
+    """(query, key) pairs the busiest rank computes in ring attention, diagonal tiles counted whole."""
+    layout = SeqLayout.for_sequence(seq_len, p, causal)
+    most = 0
+    for rank in range(p):
+        pairs = 0
+        for src in range(p):
+            for q_sl, k_sl, _ in tiles(layout, rank, src, causal):
+                pairs += (q_sl.stop - q_sl.start) * (k_sl.stop - k_sl.start)
+        most = max(most, pairs)
+    return most
+
+
+def full_pairs(seq_len: int, causal: bool) -> int:
+    """(query, key) pairs of full-sequence attention: ``s(s+1)/2`` causal, ``s^2`` otherwise."""
+    return seq_len * (seq_len + 1) // 2 if causal else seq_len * seq_len
+
+
+@dataclass(frozen=True)
+class Work:
+    """Compute of one phase of one op, per rank."""
+
+    gemm: float
+    """Matrix-multiply FLOPs."""
+    attn: float = 0.0
+    """Attention FLOPs (``4*d`` per pair and head forward, ``10*d`` backward)."""
+    kernel: str = ""
+    """``sdpa`` (full-sequence fused kernel) or ``tile`` (ring attention tiles)."""
+    hidden: str = ""
+    """Which compute hides the overlapped transfers: ``attn`` or ``gemm`` (or nothing)."""
+    gemm_size: float = 1.0
+    """Local tokens of the GEMMs (the size their rate is looked up at)."""
+    attn_size: float = 1.0
+    """Sequence length (``sdpa``) or tile side (``tile``) the attention rate is looked up at."""
+
+
+def op_work(mode: str, op: str, seq_len: int, batch: int, p: int, dims: ModelDims) -> dict[str, Work]:
+    """``{forward, backward, recompute}`` compute of one op of one layer (see the module docstring)."""
+    d, b = dims, batch
+    t = b * math.ceil(seq_len / p)
+    if op == "mlp":
+        fwd = 2 * t * d.hidden * d.ffn * (d.branches + 1)
+        hidden = "gemm" if mode == "metp" else ""
+        extra = fwd if mode == "metp" else 0.0  # the ring step is recomputed inside backward
+        return {
+            "forward": Work(fwd, hidden=hidden, gemm_size=t),
+            "backward": Work(2 * fwd + extra, hidden=hidden, gemm_size=t),
+            "recompute": Work(fwd, hidden=hidden, gemm_size=t),
+        }
+    kv = d.kv_rows
+    if mode in ("tp_sp", "metp"):
+        kv = p * d.kv_heads_per_rank(p) * d.head_dim if p > 1 else d.kv_rows
+    qkv = 2 * t * d.hidden * (d.q_rows + 2 * kv)
+    fwd = qkv + 2 * t * d.q_rows * d.hidden
+    if mode in ("tp_sp", "ulysses"):
+        kernel, attn, size = "sdpa", 4 * b * d.head_dim * (d.n_heads / p) * full_pairs(seq_len, d.causal), seq_len
+    else:
+        kernel, attn = "tile", 4 * b * d.head_dim * d.n_heads * ring_pairs(seq_len, p, d.causal)
+        size = tile_side(seq_len, p, d.causal)
+    hidden = "attn" if kernel == "tile" else ""
+    extra = qkv if mode == "metp" else 0.0
+    return {
+        "forward": Work(fwd, attn, kernel, hidden, t, size),
+        "backward": Work(2 * fwd + extra, 2.5 * attn, kernel, hidden, t, size),
+        "recompute": Work(fwd, attn, kernel, hidden, t, size),
+    }
+
+
+def tile_side(seq_len: int, p: int, causal: bool) -> int:
+    """Tokens on a side of a ring attention tile: ``s/2p`` in the balanced layout, else ``s/p``."""
+    if SeqLayout.for_sequence(seq_len, p, causal).balanced:
+        return math.ceil(seq_len / (2 * p))
+    return math.ceil(seq_len / p)
+
+
+def _attn_rate(machine: Machine, work: Work, backward: bool) -> float:
+    return machine.rate(f"{work.kernel}_{'bwd' if backward else 'fwd'}", work.attn_size)
+
+
+def comm_time(collectives: list[Collective], p: int, machine: Machine) -> tuple[float, float]:
+    """``(exposed, overlapped)`` seconds of a phase's collectives."""
+    exposed = overlapped = 0.0
+    for coll in collectives:
+        seconds = machine.collective(coll.kind, p).time(coll.calls, coll.nbytes)
+        if coll.overlapped:
+            overlapped += seconds
+        else:
+            exposed += seconds
+    return exposed, overlapped
+
+
+def overlap(compute: float, comm: float, eta: float) -> float:
+    """Time of ``compute`` and ``comm`` running together with overlap efficiency ``eta``."""
+    return compute + comm - eta * min(compute, comm)
+
+
+@dataclass(frozen=True)
+class PhaseTime:
+    """One phase of an op: GEMM and attention compute, each split into exposed and hidden, and collectives."""
+
+    gemm: float
+    """Seconds of GEMMs not hidden behind transfers."""
+    attn: float
+    """Seconds of attention kernels not hidden behind transfers."""
+    hidden_gemm: float
+    """Seconds of GEMMs that asynchronous transfers run behind."""
+    hidden_attn: float
+    """Seconds of attention kernels that asynchronous transfers run behind."""
+    exposed: float
+    """Seconds of collectives waited for at once."""
+    overlapped: float
+    """Seconds of asynchronous transfers."""
+
+
+@dataclass(frozen=True)
+class OpTime:
+    """An op's modelled time for one step, per phase.
+
+    Calibration scales only the GEMM seconds (``gemm_factor``): the benchmarked GEMM does not include
+    the elementwise work around an op's projections (norm, rotary, activation, copies), which grows with
+    the tokens like the GEMMs do. The attention seconds are those of the very kernels the op calls,
+    benchmarked at the same sizes, and are not scaled; that keeps the quadratic term, which dominates
+    long sequences, anchored in measurement rather than in a fit at short lengths.
+    """
+
+    phases: tuple[PhaseTime, ...]
+    """Forward, backward (and the recomputed forward)."""
+    eta: float
+    """Overlap efficiency of the machine."""
+
+    def total(self, gemm_factor: float = 1.0, attn_factor: float = 1.0) -> float:
+        """Seconds, with the GEMM and attention seconds scaled by calibration constants."""
+        out = 0.0
+        for ph in self.phases:
+            out += ph.gemm * gemm_factor + ph.attn * attn_factor + ph.exposed
+            hidden = ph.hidden_gemm * gemm_factor + ph.hidden_attn * attn_factor
+            out += overlap(hidden, ph.overlapped, self.eta)
+        return out
+
+    @property
+    def comm(self) -> float:
+        """Seconds of collectives (exposed and overlapped)."""
+        return sum(ph.exposed + ph.overlapped for ph in self.phases)
+
+
+def op_time(
+    mode: str, op: str, recompute: bool, seq_len: int, batch: int, p: int, dims: ModelDims, machine: Machine
+) -> OpTime:
+    """Modelled time of one op of one layer for one step (forward + backward [+ recomputation])."""
+    work = op_work(mode, op, seq_len, batch, p, dims)
+    colls = op_collectives(mode, op, seq_len, batch, p, dims)
+    names = ("forward", "backward", "recompute") if recompute else ("forward", "backward")
+    phases = []
+    for phase in names:
+        w = work[phase]
+        gemm = w.gemm / machine.rate("gemm", w.gemm_size)
+        attn = w.attn / _attn_rate(machine, w, phase == "backward") if w.attn else 0.0
+        hide_gemm, hide_attn = (gemm if w.hidden == "gemm" else 0.0), (attn if w.hidden == "attn" else 0.0)
+        exposed, overlapped = comm_time(colls[phase], p, machine)
+        phases.append(PhaseTime(gemm - hide_gemm, attn - hide_attn, hide_gemm, hide_attn, exposed, overlapped))
+    return OpTime(tuple(phases), machine.overlap)
+
+
+def head_work(seq_len: int, batch: int, p: int, dims: ModelDims) -> float:
+    """GEMM FLOPs of the LM head for a step (forward + backward)."""
+    t = batch * math.ceil(seq_len / p)
+    return 3 * 2 * t * dims.hidden * dims.vocab
+
+
+def head_time(seq_len: int, batch: int, p: int, dims: ModelDims, machine: Machine) -> float:
+    """Modelled seconds of the LM head's GEMMs for a step."""
+    t = batch * math.ceil(seq_len / p)
+    return head_work(seq_len, batch, p, dims) / machine.rate("gemm", t)
+
+
+__all__ = ["KINDS", "AlphaBeta", "Links", "Machine", "OpTime", "Work", "op_time", "op_work", "ring_pairs"]

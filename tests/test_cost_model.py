@@ -1,0 +1,136 @@
+"""The cost model's pieces without processes: collectives against volume.py, memory and time formulas.
+
+* The collective inventory (kind, calls, overlap) sums to ``volume.op_traffic`` byte for byte, for every
+  mode, op and phase, several models (GQA with kv heads dividing p or not, MHA with biases), dtypes and
+  group sizes, so the time model's communication terms rest on the measured-exact volumes.
+* Memory formulas: the saved bytes under recomputation do not depend on the mode; everything grows
+  with the length; flash tiles remove the ring's quadratic transient; parameter bytes match a real
+  parallelized module.
+* Time: modelled op time grows with the length, a cluster's group beyond one node uses the inter-node
+  bandwidth, and a plan's predicted cost is what the planner's tables say.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_paradyse.cost.cluster import load_cluster
+from lightning_paradyse.cost.dims import ModelDims, dims_from_config
+from lightning_paradyse.cost.memory import param_bytes, segment_memory
+from lightning_paradyse.cost.model import CostModel
+from lightning_paradyse.cost.search import evaluate
+from lightning_paradyse.cost.time import op_time, ring_pairs
+from lightning_paradyse.cost.traffic import PHASES, op_collectives, phase_bytes
+from lightning_paradyse.models import CONFIGS, build_model
+from lightning_paradyse.modes import MODES, get_mode
+from lightning_paradyse.parallel import parallelize
+from lightning_paradyse.plan import OPS, random_plan
+from lightning_paradyse.volume import op_traffic
+
+CLUSTER = load_cluster(sorted((Path(__file__).resolve().parents[1] / "configs" / "clusters").glob("*.yaml"))[0])
+MODELS = ["llama-tiny", "llama-tiny-mha", "llama-tiny-mqa", "gpt-tiny", "llama-70b"]
+
+
+def _feasible(mode: str, op: str, dims: ModelDims, p: int) -> bool:
+    m = get_mode(mode)
+    reason = m.attention_infeasible(dims.attn_spec(), p) if op == "attention" else m.mlp_infeasible(dims.mlp_spec(), p)
+    return reason is None
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_collectives_sum_to_the_exact_volume(name: str) -> None:
+    checked = 0
+    for dtype_bytes in (2, 4):
+        dims = dims_from_config(CONFIGS[name], dtype_bytes)
+        for p in (1, 2, 3, 4, 8):
+            for mode in MODES:
+                for op in OPS:
+                    if not _feasible(mode, op, dims, p):
+                        continue
+                    for s, b in ((1000, 1), (4099, 2)):
+                        traffic = op_traffic(
+                            mode,
+                            op,
+                            seq_len=s,
+                            batch=b,
+                            p=p,
+                            attn=dims.attn_spec(),
+                            mlp=dims.mlp_spec(),
+                            dtype_bytes=dtype_bytes,
+                            biases=dims.biases,
+                        )
+                        colls = op_collectives(mode, op, s, b, p, dims)
+                        for phase in PHASES:
+                            want = getattr(traffic, phase).total
+                            assert phase_bytes(colls[phase]) == pytest.approx(want, rel=1e-12, abs=1e-6)
+                            checked += 1
+    assert checked > 100
+
+
+def test_recomputation_saves_the_same_whatever_the_mode() -> None:
+    dims = dims_from_config(CONFIGS["llama-7b"], 2)
+    for op in OPS:
+        saved = {segment_memory(m, op, True, 32768, 1, 8, dims).saved.total for m in MODES}
+        assert len(saved) == 1
+        plain = [segment_memory(m, op, False, 32768, 1, 8, dims).saved.total for m in MODES]
+        assert min(plain) >= saved.pop()
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("op", OPS)
+def test_memory_and_time_grow_with_the_length(mode: str, op: str) -> None:
+    dims = dims_from_config(CONFIGS["llama-7b"], 2)
+    machine = CLUSTER.machine()
+    for rc in (False, True):
+        mems = [segment_memory(mode, op, rc, s, 1, 8, dims) for s in (1024, 8192, 65536)]
+        for a, b in itertools.pairwise(mems):
+            assert a.saved.total < b.saved.total and a.fwd.total < b.fwd.total and a.bwd.total < b.bwd.total
+        times = [op_time(mode, op, rc, s, 1, 8, dims, machine).total() for s in (1024, 8192, 65536)]
+        assert times == sorted(times) and times[0] > 0
+
+
+def test_flash_tiles_remove_the_quadratic_ring_transient() -> None:
+    dims = dims_from_config(CONFIGS["llama-7b"], 2)
+    for mode in ("ring", "metp"):
+        eager = segment_memory(mode, "attention", False, 131072, 1, 8, dims)
+        flash = segment_memory(mode, "attention", False, 131072, 1, 8, dims, flash=True)
+        assert flash.fwd.total < eager.fwd.total and flash.saved == eager.saved
+
+
+def test_ring_pairs_are_balanced_and_half_causal() -> None:
+    assert ring_pairs(4096, 4, causal=False) == 4096 * 1024
+    causal = ring_pairs(4096, 4, causal=True)  # head-tail layout: every rank the same, diagonals whole
+    assert 4096 * 4096 / 2 / 4 <= causal <= 4096 * 4096 / 2 / 4 + 2 * 512 * 512
+
+
+def test_parameter_bytes_match_a_parallelized_module() -> None:
+    for name in ("llama-tiny", "gpt-tiny"):
+        config = CONFIGS[name]
+        module = build_model(config)
+        parallelize(module, None)
+        actual = sum(p.numel() * p.element_size() for p in module.parameters())
+        assert param_bytes(1, dims_from_config(config, 4)) == actual == config.num_params() * 4
+
+
+def test_inter_node_groups_use_the_slower_links() -> None:
+    machine = dataclasses.replace(CLUSTER, gpus=16).machine()
+    inside, across = machine.collective("all_to_all", 8), machine.collective("all_to_all", 16)
+    assert inside.beta == CLUSTER.intra_node_gbps * 1e9 and across.beta == CLUSTER.inter_node_gbps * 1e9
+
+
+def test_plan_cost_is_the_planner_accounting() -> None:
+    dims = dims_from_config(dataclasses.replace(CONFIGS["llama-tiny"], n_layers=4), 4)
+    model = CostModel(dims, 2, CLUSTER.machine())
+    plan = random_plan(4, list(MODES), seed=3)
+    problem = model.problem(3000, 2)
+    index = {(c.mode, c.recompute): i for i, c in enumerate(problem.choices)}
+    seq = [index[(layer.op(op).mode, layer.op(op).recompute)] for layer in plan.layers for op in OPS]
+    assert model.plan_cost(plan, 3000, 2) == pytest.approx(evaluate(problem, seq))
+    time, peak = model.plan_cost(plan, 3000, 2)
+    assert peak > model.static_bytes() > 0 and time > 0
+    assert torch.tensor(problem.saved).min() > 0
