@@ -34,8 +34,9 @@ when even the smallest possible completion would overflow (a valid lower bound),
 infeasible prefixes; and, when switching is free, a choice that another choice of the same op type
 beats on every count (time, saved, forward and backward need) is dropped before the search, since
 swapping it for its dominator never breaks feasibility nor slows a plan. Buffers are charged exactly by
-solving once per subset ``U`` of the modes that have buffers, with the other buffered modes forbidden and the budget reduced by ``U``'s buffers: the
-optimal plan, which uses some set ``V``, is found in the subproblem ``U = V``, and every subproblem's
+solving once per subset ``U`` of the modes that have buffers, with the other buffered modes forbidden and
+the budget reduced by ``U``'s buffers: the optimal plan, which uses some set ``V``, is found in the subproblem
+``U = V``, and every subproblem's
 answer costs at most what that subproblem charged. Without switching costs the last choice does not
 matter and one front per position suffices.
 
