@@ -304,6 +304,8 @@ class ParaDySeStrategy(ParallelStrategy):
         start_method: ``"spawn"`` (default, notebooks and tests), ``"fork"``, ``"forkserver"``, or ``"popen"``
             (re-run the script per process, as the command line does).
         timeout: Seconds before a collective of the process group times out.
+        plan_bucket: The planner plans once per bucket of this many tokens (at the bucket's longest length) and
+            caches the plan.
         on_infeasible: ``"error"`` (default) when no plan fits the memory budget, or ``"skip"`` the batch with a
             warning (counted in ``skipped_batches``).
         loss_reduction: ``"mean"`` if the module's loss is a mean over its local real tokens (rescaled by
@@ -341,6 +343,7 @@ class ParaDySeStrategy(ParallelStrategy):
         timeout: float = 1800.0,
         loss_reduction: Literal["mean", "sum"] = "mean",
         on_infeasible: Literal["error", "skip"] = "error",
+        plan_bucket: int = 512,
     ) -> None:
         super().__init__()
         self.modes = validate_modes(modes)
@@ -349,6 +352,7 @@ class ParaDySeStrategy(ParallelStrategy):
         self.memory_budget = parse_memory_budget(memory_budget)
         self.profile = _validate_profile(profile)
         self.on_infeasible = _validate_choice("on_infeasible", on_infeasible, ("error", "skip"))
+        self.plan_bucket = int(_validate_positive("plan_bucket", plan_bucket) or 512)
         self.skipped_batches = 0
         """Batches skipped because no plan fit the memory budget (``on_infeasible="skip"``)."""
         self.compile = _validate_flag("compile", compile)
@@ -518,6 +522,7 @@ class ParaDySeStrategy(ParallelStrategy):
                 self.profile,
                 self.modes,
                 on_infeasible="skip" if self.on_infeasible == "skip" else "raise",
+                bucket_tokens=self.plan_bucket,
             )
         if self.plan_spec == "auto":
             return ThresholdPolicy(n, self.modes, self.thresholds, check=self.check_plan)
