@@ -63,6 +63,11 @@ CONFIGS: dict[str, LlamaConfig | GPTConfig] = {
     "gpt-175b": GPTConfig(
         vocab_size=50257, n_layers=96, hidden=12288, n_heads=96, ffn=49152, max_seq_len=_LONG, causal=True
     ),
+    # the paper's setting: an 8-layer slice of GPT-175B on one 8-GPU node (planning only; its learned position
+    # table is kept at 4096 rows so that it does not dominate the static memory of the slice)
+    "gpt-175b-8l": GPTConfig(
+        vocab_size=50257, n_layers=8, hidden=12288, n_heads=96, ffn=49152, max_seq_len=4096, causal=True
+    ),
     "bert-large": GPTConfig(
         vocab_size=30522, n_layers=24, hidden=1024, n_heads=16, ffn=4096, max_seq_len=_LONG, causal=False
     ),
