@@ -10,6 +10,7 @@ each in a bucket of its own (uncached: the dynamic programme runs), then the sam
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -21,10 +22,8 @@ def _timed(planner: object, lengths: list[int]) -> list[float]:
     times = []
     for length in lengths:
         start = time.perf_counter()
-        try:
+        with contextlib.suppress(PlanInfeasible):
             planner.plan(length, 1)  # type: ignore[attr-defined]
-        except PlanInfeasible:
-            pass
         times.append(time.perf_counter() - start)
     return times
 
