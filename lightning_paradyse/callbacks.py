@@ -18,6 +18,7 @@ The strategy adds a switcher when the user did not.
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,12 +84,30 @@ class ParaDySeSwitcher(pl.Callback):
         self.verify = verify
         self.history: list[PlanRecord] = []
         self._last: Plan | None = None
+        self._started: float | None = None
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self.switch(trainer, pl_module, batch, "train")
+        if torch.cuda.is_available() and trainer.strategy.root_device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
+        self._started = time.perf_counter()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """Log the measured step time (and, on CUDA, the measured peak memory) next to the predictions."""
+        if self._started is None or not self.log_plan:
+            return
+        measured = {"plan/measured_time_s": time.perf_counter() - self._started}
+        device = trainer.strategy.root_device
+        if device.type == "cuda":
+            measured["plan/measured_peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
+        pl_module.log_dict(measured, on_step=True, on_epoch=False, batch_size=1)
+        self._started = None
 
     @override
     def on_validation_batch_start(
@@ -124,9 +143,8 @@ class ParaDySeSwitcher(pl.Callback):
         strategy.activate(info, plan)
         self.history.append(PlanRecord(stage, info.seq_len, info.batch, plan))
         if self.log_plan:
-            pl_module.log_dict(
-                self.metrics(plan, strategy.modes, stage), on_step=True, on_epoch=False, batch_size=info.batch
-            )
+            metrics = self.metrics(plan, strategy.modes, stage) | self.predictions(planner, info.seq_len, info.batch)
+            pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=info.batch)
         if plan != self._last:
             rank_zero_info(f"[paradyse] {stage} length {info.seq_len}: plan {describe(plan)}")
             self._last = plan
@@ -143,6 +161,15 @@ class ParaDySeSwitcher(pl.Callback):
                 f"the ranks disagree on the plan or the batch (digest per rank: {every}); every rank must see the "
                 f"same batches (same data and seed, no per-rank sampler) and the planner must be deterministic"
             )
+
+    @staticmethod
+    def predictions(planner: Any, seq_len: int, batch: int) -> dict[str, float]:
+        """The cost model's predicted step time and peak memory of the plan, when the planner has them."""
+        step = getattr(planner, "step", None)
+        if step is None:
+            return {}
+        planned = step(seq_len, batch)  # cached: the plan just chosen
+        return {"plan/predicted_time_s": float(planned.time_s), "plan/predicted_peak_mib": planned.peak_bytes / 2**20}
 
     @staticmethod
     def metrics(plan: Plan, modes: tuple[str, ...], stage: str = "train") -> dict[str, float]:
