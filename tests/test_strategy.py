@@ -541,9 +541,10 @@ def test_cli_fit_on_two_processes(tmp_path: Path) -> None:
     """``python cli.py fit --config configs/cpu_2proc.yaml`` (the README's main job), 3 steps."""
     cmd = [sys.executable, str(ROOT / "cli.py"), "fit", "--config", str(ROOT / "configs/cpu_2proc.yaml")]
     cmd += ["--trainer.max_steps=3", "--trainer.limit_val_batches=1", "--trainer.num_sanity_val_steps=0"]
+    cmd += [f"--trainer.default_root_dir={tmp_path}"]  # logs there; the config's paths are relative to the root
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK")}
     env["PYTHONPATH"] = str(ROOT)
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
     assert "[paradyse] train length" in output and "final loss" in output, output[-4000:]
