@@ -164,6 +164,7 @@ class CorpusDataModule(pl.LightningDataModule):
             ``natural``.
         val_fraction: Share of documents held out for validation and test.
         seed: Seed of the split and the shuffled order.
+        cache_dir: Where the built corpus is cached (``None``: the user's cache directory).
     """
 
     def __init__(
@@ -179,12 +180,13 @@ class CorpusDataModule(pl.LightningDataModule):
         order: Literal["shuffled", "sorted", "natural"] = "shuffled",
         val_fraction: float = 0.02,
         seed: int = 0,
+        cache_dir: str | None = None,
     ) -> None:
         super().__init__()
         if not 0.0 <= val_fraction < 1.0:
             raise ValueError(f"CorpusDataModule: val_fraction must be in [0, 1), got {val_fraction}")
         self.corpus_config = CorpusConfig(
-            source=source, path=path, text_field=text_field, max_bytes=corpus_bytes, ascii=ascii
+            source=source, path=path, text_field=text_field, max_bytes=corpus_bytes, ascii=ascii, cache_dir=cache_dir
         )
         self.batching = BatchingConfig(max_tokens=max_tokens, max_len=max_len, pack=pack, order=order)
         self.val_fraction, self.seed = val_fraction, seed
@@ -216,7 +218,10 @@ class CorpusDataModule(pl.LightningDataModule):
     def train_dataloader(self) -> DataLoader[Tensor]:
         self._train = self._loader(self._split()[0])
         if self._resume is not None:
-            self._train.batch_sampler.load_state_dict(self._resume)
+            sampler = self._train.batch_sampler
+            sampler.load_state_dict(self._resume)
+            if sampler.next_batch >= len(sampler.batches(sampler.epoch)):  # saved at the end of an epoch
+                sampler.set_epoch(sampler.epoch + 1)
             self._resume = None
         return self._train
 
@@ -235,7 +240,8 @@ class CorpusDataModule(pl.LightningDataModule):
             return {}
         state = dict(self._train.batch_sampler.state_dict())
         progress = self.trainer.fit_loop.epoch_loop.batch_progress.current
-        state["epoch"], state["next_batch"] = int(self.trainer.current_epoch), int(progress.completed)
+        # checkpoints are written from on_train_batch_end: the batch in hand is processed, not yet "completed"
+        state["epoch"], state["next_batch"] = int(self.trainer.current_epoch), int(progress.processed)
         return {"sampler": state}
 
     @override
