@@ -241,7 +241,8 @@ class CorpusDataModule(pl.LightningDataModule):
         state = dict(self._train.batch_sampler.state_dict())
         progress = self.trainer.fit_loop.epoch_loop.batch_progress.current
         # checkpoints are written from on_train_batch_end: the batch in hand is processed, not yet "completed"
-        state["epoch"], state["next_batch"] = int(self.trainer.current_epoch), int(progress.processed)
+        processed = int(progress.processed)  # type: ignore[attr-defined]  # the batch tracker has it
+        state["epoch"], state["next_batch"] = int(self.trainer.current_epoch), processed
         return {"sampler": state}
 
     @override
