@@ -1,0 +1,144 @@
+"""PNG plots of a benchmark report (matplotlib, the optional ``bench`` extra: ``pip install -e ".[bench]"``).
+
+* ``cumulative-<trace>.png``: cumulative training time against sequence length for every run, the trace
+  sorted shortest first as in the paper's figures; a curve stops at its first OOM step, marked ``x``.
+* ``plan-<trace>.png``: the adaptive run's plan as a heat map, one row per (layer, op), one column per
+  batch, the colour the mode (lighter: with recomputation).
+
+Without matplotlib, :func:`write_plots` prints a note and returns no paths: plots are never required.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+MODE_COLOURS = {"tp_sp": "#1f77b4", "ulysses": "#2ca02c", "ring": "#d62728", "metp": "#9467bd"}
+SKIPPED = "skipped (no plan fits)"
+BUILTIN_COLOURS = {"lightning-ddp": "#ff7f0e", "lightning-fsdp2": "#8c564b", "lightning-tp": "#17becf"}
+
+
+def matplotlib_available() -> bool:
+    """Whether matplotlib can be imported (the ``bench`` extra)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _style(run: dict[str, Any]) -> dict[str, Any]:
+    name = run["name"]
+    if run["family"] == "paradyse":
+        return {"color": "black", "linewidth": 2.6, "linestyle": "-", "zorder": 5}
+    if run["family"] == "lightning":
+        return {"color": BUILTIN_COLOURS.get(name, "grey"), "linewidth": 1.6, "linestyle": ":"}
+    mode = name.removeprefix("static-").removesuffix("+rc")
+    dashed = name.endswith("+rc")
+    return {"color": MODE_COLOURS.get(mode, "grey"), "linewidth": 1.4, "linestyle": "--" if dashed else "-"}
+
+
+def cumulative_plot(runs: list[dict[str, Any]], trace: str, budget_mib: float, path: Path) -> None:
+    """Cumulative time against sequence length, one curve per run, stopping (``x``) at the first OOM."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for run in runs:
+        if "error" in run:
+            continue
+        stop = run["first_oom_step"] if run["first_oom_step"] is not None else len(run["step_time_s"])
+        x = run["step_lengths"][:stop]
+        y = list(itertools.accumulate(run["step_time_s"][:stop]))
+        style = _style(run)
+        ax.plot(x, y, label=run["name"], **style)
+        if run["first_oom_step"] is not None:
+            ax.plot(run["step_lengths"][stop], y[-1] if y else 0.0, marker="x", markersize=10, color=style["color"])
+    lengths = [n for run in runs if "error" not in run for n in run["step_lengths"]]
+    if lengths and max(lengths) >= 10 * min(lengths):
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("sequence length (tokens; trace sorted shortest first)")
+    ax.set_ylabel("cumulative training time (s)")
+    ax.set_title(f"trace {trace}: cumulative time, x = first step over the {budget_mib:.0f} MiB budget")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, ncol=2, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plan_heatmap(run: dict[str, Any], trace: str, path: Path) -> None:
+    """The adaptive run's plan per batch: rows (layer, op), columns batches, colour the mode."""
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap, to_rgb
+    from matplotlib.patches import Patch
+
+    n_layers = len(next(plan for plan in run["plans"] if plan is not None))
+    plans = [plan or [[SKIPPED, SKIPPED]] * n_layers for plan in run["plans"]]  # None: skipped, no plan fits
+    names = sorted({op for plan in plans for layer in plan for op in layer}, key=_mode_order)
+    index = {name: i for i, name in enumerate(names)}
+    grid = [[index[plan[layer][op]] for plan in plans] for layer in range(n_layers) for op in (0, 1)]
+    colours = [_mode_colour(name, to_rgb) for name in names]
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.18 * len(plans) + 2), 1.0 + 0.45 * len(grid)))
+    ax.imshow(
+        grid, aspect="auto", cmap=ListedColormap(colours), vmin=-0.5, vmax=len(names) - 0.5, interpolation="nearest"
+    )
+    ax.set_yticks(range(len(grid)), [f"layer {i // 2} {'attn' if i % 2 == 0 else 'mlp'}" for i in range(len(grid))])
+    ticks = sorted(set(range(0, len(plans), max(1, len(plans) // 10))) | {len(plans) - 1})
+    ax.set_xticks(ticks, [str(run["step_lengths"][t]) for t in ticks], rotation=45)
+    ax.set_xlabel("batch (labelled with its sequence length)")
+    ax.set_title(f"trace {trace}: adaptive plan per batch")
+    ax.legend(
+        handles=[Patch(color=c, label=n) for n, c in zip(names, colours)],
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
+        fontsize=8,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _mode_order(name: str) -> tuple[int, bool]:
+    mode = name.removesuffix("+rc")
+    order = list(MODE_COLOURS)
+    return (order.index(mode) if mode in order else len(order), name.endswith("+rc"))
+
+
+def _mode_colour(name: str, to_rgb: Any) -> tuple[float, float, float]:
+    if name == SKIPPED:
+        return (0.85, 0.85, 0.85)
+    r, g, b = to_rgb(MODE_COLOURS.get(name.removesuffix("+rc"), "grey"))
+    if name.endswith("+rc"):  # lighter: recomputed
+        return (r + (1 - r) * 0.55, g + (1 - g) * 0.55, b + (1 - b) * 0.55)
+    return (r, g, b)
+
+
+def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
+    """Every plot of ``report`` under ``out_dir``; a note and no plots when matplotlib is missing."""
+    if not matplotlib_available():
+        print('note: matplotlib is not installed, so no plots were made (pip install -e ".[bench]")')
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    budget_mib = report["settings"]["budget"] / 2**20
+    for trace in report["traces"]:
+        runs = [r for r in report["runs"] if r["trace"] == trace]
+        path = out_dir / f"cumulative-{trace}.png"
+        cumulative_plot(runs, trace, budget_mib, path)
+        paths.append(path)
+        adaptive = next((r for r in runs if r["family"] == "paradyse" and any(r.get("plans") or [])), None)
+        if adaptive is not None:
+            path = out_dir / f"plan-{trace}.png"
+            plan_heatmap(adaptive, trace, path)
+            paths.append(path)
+    return paths
+
+
+__all__ = ["cumulative_plot", "matplotlib_available", "plan_heatmap", "write_plots"]

@@ -1,0 +1,226 @@
+"""Benchmark ParaDySe against every static mode and against Lightning's own strategies.
+
+Usage::
+
+    python benchmarks/run.py                     # the full benchmark (under 30 minutes on 2 CPU cores)
+    python benchmarks/run.py --quick --out q.json  # the smoke run (under 3 minutes)
+
+It spawns ``--devices`` processes (gloo on CPU with one thread each; NCCL with one GPU each when CUDA is
+available: the same command), trains the same LightningModule under every run on the same length traces,
+and writes the JSON file (``--out``), a Markdown report next to it and PNG plots (``--plots``, needs
+matplotlib: ``pip install -e ".[bench]"``). See ``benchmarks/__init__.py`` for the modules and
+``benchmarks/RESULTS.md`` for the numbers of the full run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.settings import ALL_RUNS, BenchSettings, TraceSettings
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="smoke run: tiny model and trace, four runs")
+    p.add_argument("--out", type=Path, default=None, help="JSON output (default benchmarks/results/results.json)")
+    p.add_argument("--plots", type=Path, default=None, help="folder of the PNG plots (default: next to --out)")
+    p.add_argument("--no-plots", action="store_true", help="do not draw plots")
+    p.add_argument("--devices", type=int, default=None, help="processes (default: GPUs if any, else 2)")
+    p.add_argument("--budget", type=str, default=None, help="per-rank memory budget, e.g. 48MiB")
+    p.add_argument("--repeats", type=int, default=None, help="timed passes per (trace, run)")
+    p.add_argument("--runs", type=str, default=None, help=f"comma-separated runs out of {','.join(ALL_RUNS)}")
+    p.add_argument("--traces", type=str, default=None, help="comma-separated traces: github,grch38,corpus")
+    p.add_argument("--trace-len", type=int, default=None, help="sequences per trace")
+    p.add_argument("--max-len", type=int, default=None, help="longest sequence of every trace")
+    p.add_argument("--search-cap", type=int, default=None, help="largest length the length search probes")
+    p.add_argument("--profile", type=str, default=None, help="cost profile for the adaptive run")
+    p.add_argument("--timeout", type=float, default=None, help="seconds before the processes are given up")
+    return p.parse_args(argv)
+
+
+def settings_from(args: argparse.Namespace) -> BenchSettings:
+    """The preset (full or quick) with the command line's overrides."""
+    from dataclasses import replace
+
+    from lightning_paradyse.policy import parse_memory_budget
+
+    base = BenchSettings.quick() if args.quick else BenchSettings.full()
+    traces = select_traces(base.traces, args.traces)
+    traces = tuple(replace(t, n=args.trace_len or t.n, max_len=args.max_len or t.max_len) for t in traces)
+    runs = tuple(r.strip() for r in args.runs.split(",") if r.strip()) if args.runs else None
+    search = replace(base.search, cap=args.search_cap) if args.search_cap is not None else None
+    devices = args.devices or _default_devices()
+    budget = parse_memory_budget(args.budget) if args.budget else None
+    return base.with_overrides(
+        traces=traces,
+        runs=runs,
+        search=search,
+        devices=devices,
+        budget=budget,
+        repeats=args.repeats,
+        profile=args.profile,
+        timeout=args.timeout,
+    )
+
+
+def select_traces(preset: tuple[TraceSettings, ...], names: str | None) -> tuple[TraceSettings, ...]:
+    """The preset's traces named in ``names`` (comma-separated), in that order; a kind the preset lacks gets
+    the first trace's size."""
+    if not names:
+        return preset
+    known: dict[str, TraceSettings] = {t.kind: t for t in preset}
+    out = []
+    for kind in (k.strip() for k in names.split(",") if k.strip()):
+        if kind not in ("github", "grch38", "corpus"):
+            raise SystemExit(f"unknown trace {kind!r}: choose among github, grch38, corpus")
+        default = TraceSettings(kind, n=preset[0].n, max_len=preset[0].max_len)  # type: ignore[arg-type]
+        out.append(known.get(kind, default))
+    return tuple(out)
+
+
+def _default_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
+
+
+def machine() -> dict[str, Any]:
+    """A description of this machine and the software (recorded in the results)."""
+    import lightning
+    import torch
+
+    info: dict[str, Any] = {
+        "cpu": _cpu_name(),
+        "logical_cpus": os.cpu_count(),
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+    return info
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def adaptive_profile(settings: BenchSettings, out_dir: Path) -> tuple[str | None, dict[str, Any]]:
+    """The cost profile of the adaptive run: ``--profile``, else one made now (``out_dir/profile.json``)."""
+    if settings.profile:
+        return str(Path(settings.profile).resolve()), {"path": Path(settings.profile).name, "given": True}
+    from benchmarks.profiling import make_profile
+
+    path = out_dir / "profile.json"
+    print(f"calibrating the cost model for the adaptive run ({settings.devices} processes) ...", flush=True)
+    try:
+        info = make_profile(settings, path)
+    except Exception as err:  # the adaptive run then uses the strategy's threshold policy
+        print(
+            f"warning: the calibration failed ({type(err).__name__}: {err}); the adaptive run uses the threshold policy"
+        )
+        return None, {"error": f"{type(err).__name__}: {err}"}
+    return str(path.resolve()), info
+
+
+def run_benchmark(settings: BenchSettings, out_dir: Path) -> tuple[dict[str, Any], list[Any]]:
+    """Calibrate, build the traces, run every process, aggregate: the report and the traces."""
+    from benchmarks.report import aggregate
+    from benchmarks.worker import bench_worker
+    from benchmarks.workload import build_trace
+    from lightning_paradyse.spawn import run_distributed
+
+    start = time.perf_counter()
+    profile, profile_info = adaptive_profile(settings, out_dir)
+    traces = [build_trace(t, settings.devices) for t in settings.traces]
+    with tempfile.TemporaryDirectory() as store_dir:
+        args = (settings, traces, store_dir, profile)
+        raw = run_distributed(bench_worker, settings.devices, *args, timeout=settings.timeout)
+    wall = time.perf_counter() - start
+    report = {
+        "meta": {
+            "command": command_line(),
+            "machine": machine(),
+            "wall_s": wall,
+            "device": raw[0]["device"],
+            "profile": profile_info,
+        },
+        "settings": asdict(settings),
+        "matmul_flops_per_rank": [r["matmul"] for r in raw],
+        "traces": {t.name: {"lengths": t.lengths, "edges": list(t.edges), "labels": t.labels} for t in traces},
+        "runs": aggregate(raw, settings, traces),
+    }
+    return report, traces
+
+
+def command_line() -> str:
+    """How this invocation was started (relative paths only)."""
+    return " ".join(["python", "benchmarks/run.py", *sys.argv[1:]])
+
+
+def header(report: dict[str, Any]) -> str:
+    """The Markdown report's first lines: command, machine, settings."""
+    m, s = report["meta"]["machine"], report["settings"]
+    model = s["model"]
+    rate = sum(report["matmul_flops_per_rank"]) / len(report["matmul_flops_per_rank"]) / 1e9
+    return "\n".join(
+        [
+            f"Command: `{report['meta']['command']}` ({report['meta']['wall_s'] / 60:.1f} minutes).",
+            "",
+            f"Machine: {m['cpu']}, {m['logical_cpus']} logical CPUs; {m['os']}; Python {m['python']}, "
+            f"torch {m['torch']}, Lightning {m['lightning']}; device {report['meta']['device']}"
+            + (f" ({m['cuda']})" if m["cuda"] else "")
+            + f"; measured float32 matmul {rate:.1f} GFLOP/s per process.",
+            "",
+            f"Model: Llama, {model['layers']} layers, hidden {model['hidden']}, {model['heads']} heads "
+            f"({model['kv_heads']} kv), SwiGLU {model['ffn']}, vocabulary {model['vocab']}; {s['devices']} processes; "
+            f"{s['repeats']} timed passes per run (median per step) after one instrumented pass; AdamW.",
+        ]
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark and write the JSON, the Markdown report and the plots."""
+    args = parse_args(argv)
+    settings = settings_from(args)
+    out = args.out or RESULTS / "results.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report, traces = run_benchmark(settings, out.parent)
+    out.write_text(json.dumps(report, indent=1, default=str))
+    from benchmarks.report import markdown
+
+    text = header(report) + "\n\n" + markdown(report, traces)
+    if not args.no_plots:
+        from benchmarks.plots import write_plots
+
+        paths = write_plots(report, args.plots or out.parent)
+        text += "".join(f"\n![{p.stem}]({p.name})\n" for p in paths)
+    out.with_suffix(".md").write_text(text)
+    print(text)
+    print(f"wrote {out} and {out.with_suffix('.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""The benchmark harness: ``python benchmarks/run.py --quick`` end to end, and its pure helpers.
+
+The smoke run spawns two gloo processes that train the adaptive run, two static modes and DDP on a tiny
+trace; the test checks the structure of what it writes (every run present, numbers finite and positive,
+the adaptive and static runs through the whole trace, plots when matplotlib is installed). It measures;
+it never asserts that one run is faster than another.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.instrument import collective_bytes
+from benchmarks.plots import matplotlib_available
+from benchmarks.report import best, model_flops
+from benchmarks.runs import run_spec
+from benchmarks.settings import QUICK_RUNS, BenchSettings, ModelSettings
+from benchmarks.worker import rotated
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+    out = tmp_path_factory.mktemp("bench") / "quick.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/run.py", "--quick", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text()), out
+
+
+@pytest.mark.dist
+def test_quick_run_reports_every_run(quick: tuple[dict[str, Any], Path]) -> None:
+    report, out = quick
+    traces = report["traces"]
+    names = [(r["name"], r["trace"]) for r in report["runs"]]
+    assert sorted(names) == sorted((n, t) for n in QUICK_RUNS for t in traces)
+    for run in report["runs"]:
+        assert "error" not in run, f"{run['name']}: {run.get('error')}"
+        for key in ("tokens_per_s", "peak_memory_bytes", "max_trainable_len", "comm_bytes_per_step", "mfu"):
+            assert isinstance(run[key], (int, float)) and math.isfinite(run[key]) and run[key] > 0, (run["name"], key)
+        assert isinstance(run["oom_steps"], int) and run["oom_steps"] >= 0
+        assert all(t > 0 for t in run["step_time_s"])
+        assert set(run["tokens_per_s_by_bucket"]) == set(traces[run["trace"]]["labels"])
+    assert out.with_suffix(".md").read_text().count("| paradyse-auto") >= 1
+
+
+@pytest.mark.dist
+def test_quick_run_adaptive_and_static_complete_the_trace(quick: tuple[dict[str, Any], Path]) -> None:
+    report, _ = quick
+    for run in report["runs"]:
+        trace = report["traces"][run["trace"]]["lengths"]
+        steps = len(trace) // report["settings"]["devices"] if run["name"] == "lightning-ddp" else len(trace)
+        assert len(run["step_time_s"]) == steps, run["name"]
+        if run["family"] in ("paradyse", "static"):
+            assert run["completed"] and run["oom_steps"] == 0, run["name"]
+            assert sum(run["step_tokens"]) == sum(trace)
+    adaptive = next(r for r in report["runs"] if r["family"] == "paradyse")
+    assert len(adaptive["plans"]) == len(adaptive["step_time_s"])
+    assert adaptive["planner_ms_per_batch"] is not None and adaptive["planner_ms_per_batch"] >= 0
+
+
+@pytest.mark.dist
+def test_quick_run_plots(quick: tuple[dict[str, Any], Path]) -> None:
+    _, out = quick
+    pngs = sorted(p.name for p in out.parent.glob("*.png"))
+    if matplotlib_available():
+        assert pngs == ["cumulative-github.png", "plan-github.png"]
+    else:
+        assert pngs == []
+
+
+def test_collective_bytes_follow_the_comm_counter_conventions() -> None:
+    import torch
+
+    x = torch.zeros(1000)  # 4000 bytes
+    assert collective_bytes("allreduce_", ([x],), 4) == pytest.approx(2 * 4000 * 3 / 4)
+    assert collective_bytes("_allgather_base_", (torch.zeros(4000), x), 4) == 3 * 4000
+    assert collective_bytes("_reduce_scatter_base_", (x, torch.zeros(4000)), 4) == pytest.approx(4 * 4000 * 3 / 4)
+    assert collective_bytes("send", ([x], 1, 0), 2) == 4000
+    assert collective_bytes("recv_", ([x], 1, 0), 2) == 0
+    assert collective_bytes("allreduce_", ([x],), 1) == 0
+
+
+def test_runs_settings_and_helpers() -> None:
+    assert run_spec("static-ring+rc").plan(2) == [{"attention": "ring", "mlp": "ring", "recompute": True}] * 2
+    assert run_spec("paradyse-auto").plan(3) == "auto"
+    assert run_spec("lightning-fsdp2").data_parallel and not run_spec("lightning-tp").data_parallel
+    with pytest.raises(ValueError, match="unknown run"):
+        run_spec("static")
+    assert rotated(("a", "b", "c"), 1) == ["b", "c", "a"]
+    model = ModelSettings(layers=1, hidden=8, heads=2, kv_heads=1, ffn=16, vocab=4, max_seq_len=64)
+    assert model_flops(model, 2) == pytest.approx(2 * model_flops(model, 1) + 6 * 8 * 2)  # linear + quadratic
+    quick = BenchSettings.quick()
+    assert quick.runs == QUICK_RUNS and quick.repeats >= 1
+    runs = [
+        {"family": "static", "tokens_per_s": 5.0, "completed": False},
+        {"family": "static", "tokens_per_s": 3.0, "completed": True},
+    ]
+    assert best(runs, "static") is runs[1]
+    assert best(runs, "lightning") is None
