@@ -88,6 +88,10 @@ def run_spec(name: str) -> RunSpec:
 class BenchLM(LanguageModel):
     """The package's ``LanguageModel`` with sharding for ``ModelParallelStrategy`` and CUDA OOM skipping.
 
+    A ``torch.cuda.OutOfMemoryError`` in a step is counted (:attr:`oom_steps`) and the step does not update the
+    weights; the run goes on. Best effort: if only some ranks run out of memory in the middle of a collective
+    pattern, the others wait in that collective until the process group's timeout.
+
     Args:
         config: The model.
         lr: AdamW learning rate.
@@ -118,7 +122,9 @@ class BenchLM(LanguageModel):
             return super().training_step(batch, batch_idx)
         except torch.cuda.OutOfMemoryError:
             self._out_of_memory()
-            return None  # Lightning skips backward and the optimizer step
+            # Lightning refuses a None loss in distributed training: a zero loss on the parameters instead
+            # (zero gradients, the same gradient collectives on every rank; the optimizer step is skipped)
+            return sum(p.sum() * 0.0 for p in self.parameters() if p.requires_grad)
 
     @override
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
