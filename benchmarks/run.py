@@ -168,6 +168,7 @@ def run_benchmark(settings: BenchSettings, out_dir: Path) -> tuple[dict[str, Any
         },
         "settings": asdict(settings),
         "matmul_flops_per_rank": [r["matmul"] for r in raw],
+        "matmul_flops_per_rank_start_end": [[r["matmul_start"], r["matmul_end"]] for r in raw],
         "traces": {t.name: {"lengths": t.lengths, "edges": list(t.edges), "labels": t.labels} for t in traces},
         "runs": aggregate(raw, settings, traces),
     }

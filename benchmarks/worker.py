@@ -225,7 +225,8 @@ def select_device(rank: int) -> torch.device:
 def bench_worker(
     rank: int, world: int, settings: BenchSettings, traces: list[Trace], store_dir: str, profile: str | None
 ) -> Any:
-    """The body of every spawned process; rank 0 returns all results, the others their matmul rate.
+    """The body of every spawned process; rank 0 returns all results, the others their matmul rates (measured
+    before and after the runs; the larger one is this process's rate, the other was slowed by other load).
 
     ``profile`` is the adaptive run's cost profile (``None``: the strategy's threshold policy stands in).
     """
@@ -251,9 +252,11 @@ def bench_worker(
         searches[name] = search_length(ctx, run_spec(name))
     if ctx.bar is not None:
         ctx.bar.close()
+    rates = {"matmul_start": rate, "matmul_end": matmul_rate(device)}  # the best of both: the machine's rate
+    rates["matmul"] = max(rates.values())
     if rank != 0:
-        return {"matmul": rate}
-    return {"matmul": rate, "fits": fits, "search": searches, "device": str(device)}
+        return rates
+    return {**rates, "fits": fits, "search": searches, "device": str(device)}
 
 
 __all__ = ["Context", "bench_worker", "fit", "probe", "rotated", "search_length", "total_ticks"]
