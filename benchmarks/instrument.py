@@ -5,8 +5,10 @@
   synchronisation and the optimizer step are inside; data loading is not. CUDA is synchronised at both ends.
 * **Memory**: the cost model's :class:`~lightning_paradyse.cost.tracker.MemoryTracker` (live tensor storage on
   CPU, allocator statistics on CUDA), or :class:`FallbackTracker` when the package has none. The tracker
-  counts what is allocated during the step; what lives across steps (parameters, gradients, optimizer state,
-  the local shards of DTensors included) is added at the step's start, so the peak is absolute.
+  counts what is allocated during the step and what lives across steps (parameters, gradients, optimizer
+  state, the local shards of DTensors included) from the step's start until it is freed (Lightning frees the
+  previous step's gradients after the forward), so the peak is absolute. (The fallback cannot see those
+  frees: it adds what lives across steps to its peak, over-counting a backward by the gradients' size.)
 * **Communication**: :class:`CollectiveCounter` sees every collective at the dispatcher (``c10d`` and
   ``_c10d_functional`` ops: Lightning's DDP reducer, FSDP2, DTensor and ParaDySe's own calls alike) and counts
   the bytes each rank sends with the conventions of :class:`lightning_paradyse.comm.CommCounter` (the
@@ -87,11 +89,15 @@ def _tensors(values: Any) -> list[torch.Tensor]:
     return [v for v in tree_flatten(values)[0] if isinstance(v, torch.Tensor)]
 
 
-def make_tracker(device: torch.device) -> Any:
-    """The package's ``MemoryTracker`` when importable, else :class:`FallbackTracker` (CPU only)."""
+def make_tracker(device: torch.device, resident: list[torch.Tensor]) -> tuple[Any, bool]:
+    """The package's ``MemoryTracker`` when importable, else :class:`FallbackTracker` (CPU only); and whether
+    its peak already counts ``resident`` (alive at the start, until freed during the step)."""
     if PackageTracker is not None:
-        return PackageTracker(device)
-    return FallbackTracker()
+        try:
+            return PackageTracker(device, resident=[_local(t) for t in resident]), True
+        except TypeError:  # an older package: its tracker counts only what the step allocates
+            return PackageTracker(device), False
+    return FallbackTracker(), False
 
 
 def resident_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -244,8 +250,11 @@ class StepRecorder(pl.Callback):
         self._ooms = int(getattr(pl_module, "oom_steps", 0))
         self._plans = len(self.switcher.history) if self.switcher is not None else 0
         if self.instrumented and idx >= self.warmup:
-            self._resident = resident_bytes(state_tensors(pl_module, trainer.optimizers))
-            self._modes = [make_tracker(device), CollectiveCounter(), _comm_counter()]
+            state = state_tensors(pl_module, trainer.optimizers)
+            tracker, absolute = make_tracker(device, state)
+            self._resident = 0 if absolute else resident_bytes(state)
+            del state
+            self._modes = [tracker, CollectiveCounter(), _comm_counter()]
             for mode in self._modes:
                 mode.__enter__()
         _sync(device)

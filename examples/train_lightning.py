@@ -50,9 +50,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--plan", default="auto", help="auto, a mode name (tp_sp, ulysses, ring, metp)")
+    parser.add_argument("--budget", default="8MiB", help="per-process memory budget of the planner (plan auto)")
     args = parser.parse_args()
     pl.seed_everything(0)
-    strategy = ParaDySeStrategy(plan=args.plan, thresholds=(128, 384), max_seq_len=1024, timeout=300)
+    strategy = ParaDySeStrategy(plan=args.plan, memory_budget=args.budget, max_seq_len=1024, timeout=300)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=args.devices,

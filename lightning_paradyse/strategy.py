@@ -53,7 +53,7 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _Su
 from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from lightning_utilities.core.apply_func import apply_to_collection
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
@@ -291,12 +291,15 @@ class ParaDySeStrategy(ParallelStrategy):
         modes: The modes the planner may use (default: all four, ``tp_sp``, ``ulysses``, ``ring``, ``metp``).
         plan: ``"auto"`` (the planner chooses per batch), a single mode name, or a list with one entry per
             layer, each a mode name or a mapping such as ``{attention: ring, mlp: metp, recompute: true}``.
-        thresholds: ``(short_max, middle_max)`` lengths of the stand-in length-threshold policy used by
-            ``plan="auto"`` until the cost-model planner arrives.
-        memory_budget: Per-rank memory budget in bytes or as a string such as ``"4GiB"``, for the planner.
-        profile: Path of a cost profile (``python cli.py profile``) or a cluster file; with ``plan="auto"`` the
-            exact planner then picks, per batch, the fastest plan within ``memory_budget`` (without it, a simple
-            length-threshold policy, ``thresholds``, stands in).
+        thresholds: ``(short_max, middle_max)``: with ``plan="auto"`` and no ``profile``, use the simple
+            length-threshold policy (:class:`~lightning_paradyse.policy.ThresholdPolicy`) instead of the planner.
+        memory_budget: Per-rank memory budget in bytes or as a string such as ``"4GiB"``, for the planner
+            (default: 90% of the GPU's memory on CUDA, none on CPU).
+        profile: Path of a cost profile (``python cli.py profile``) or a cluster file. With ``plan="auto"`` the
+            exact planner picks, per batch, the fastest plan within ``memory_budget`` on its cost model: the
+            profile's calibrated one, or without a profile one whose kernel rates and collectives are measured
+            during setup (a second or two; uncalibrated per-op overheads, see
+            :mod:`lightning_paradyse.cost.quick`).
         compile: Wrap each rewritten block with ``torch.compile(dynamic=True)`` (eager by default).
         blocks: Dotted path of the block list inside the LightningModule (e.g. ``"model.layers"``);
             found automatically when ``None``.
@@ -333,7 +336,7 @@ class ParaDySeStrategy(ParallelStrategy):
         self,
         modes: Sequence[str] | None = None,
         plan: str | list[str | dict[str, Any]] = "auto",
-        thresholds: tuple[int, int] = (256, 1024),
+        thresholds: tuple[int, int] | None = None,
         memory_budget: int | str | None = None,
         profile: str | None = None,
         compile: bool = False,
@@ -348,7 +351,7 @@ class ParaDySeStrategy(ParallelStrategy):
         super().__init__()
         self.modes = validate_modes(modes)
         self.plan_spec: PlanSpec = validate_plan_spec(plan, self.modes)
-        self.thresholds = _validate_thresholds(thresholds)
+        self.thresholds = None if thresholds is None else _validate_thresholds(thresholds)
         self.memory_budget = parse_memory_budget(memory_budget)
         self.profile = _validate_profile(profile)
         self.on_infeasible = _validate_choice("on_infeasible", on_infeasible, ("error", "skip"))
@@ -511,22 +514,38 @@ class ParaDySeStrategy(ParallelStrategy):
 
     def _make_planner(self) -> Planner:
         n = parallel.n_layers(self._module)
-        if self.plan_spec == "auto" and self.profile is not None:  # the exact planner on the cost model
-            from lightning_paradyse.cost.planner import make_planner
-
-            budget = self.memory_budget if self.memory_budget is not None else UNLIMITED_BYTES
-            return make_planner(  # type: ignore[no-any-return]
-                self._module,
-                group_size(self._group),
-                budget,
-                self.profile,
-                self.modes,
-                on_infeasible="skip" if self.on_infeasible == "skip" else "raise",
-                bucket_tokens=self.plan_bucket,
-            )
-        if self.plan_spec == "auto":
+        if self.plan_spec != "auto":
+            return FixedPlanner(self._fixed_plan(n))
+        if self.profile is None and self.thresholds is not None:
             return ThresholdPolicy(n, self.modes, self.thresholds, check=self.check_plan)
-        return FixedPlanner(self._fixed_plan(n))
+        from lightning_paradyse.cost.planner import make_planner
+
+        source: Any = self.profile
+        if source is None:  # measure this machine now (every rank, then agreed: the same model everywhere)
+            from lightning_paradyse.cost.dims import dims_from_module
+            from lightning_paradyse.cost.quick import quick_machine
+
+            dtype = next(self._module.parameters()).dtype
+            dims = dims_from_module(self._module)
+            source = quick_machine(dims, group_size(self._group), self._group, self.root_device, dtype)
+            rank_zero_info(f"[paradyse] cost model: {source.name}; run `python cli.py profile` for a calibrated one")
+        return make_planner(  # type: ignore[no-any-return]
+            self._module,
+            group_size(self._group),
+            self._budget_bytes(),
+            source,
+            self.modes,
+            on_infeasible="skip" if self.on_infeasible == "skip" else "raise",
+            bucket_tokens=self.plan_bucket,
+        )
+
+    def _budget_bytes(self) -> int:
+        """``memory_budget``, else 90% of the GPU's memory on CUDA, else no limit."""
+        if self.memory_budget is not None:
+            return self.memory_budget
+        if self.root_device.type == "cuda":
+            return int(0.9 * torch.cuda.get_device_properties(self.root_device).total_memory)
+        return UNLIMITED_BYTES
 
     def skip(self, info: BatchInfo, reason: str) -> None:
         """No plan fits this batch: its step is skipped on every rank (the planner decided alike everywhere)."""
@@ -608,8 +627,34 @@ class ParaDySeStrategy(ParallelStrategy):
         """The module's step on this rank's tokens, with the global loss."""
         info, args, kwargs = self._shard_step("training_step", args, kwargs)
         if info.skip:
-            return None  # type: ignore[return-value]  # Lightning skips the optimizer step of a None loss
+            return self._skipped_loss()
         return self._global(super().training_step(*args, **kwargs), info)  # type: ignore[no-any-return]
+
+    def _skipped_loss(self) -> Tensor | None:
+        """The loss of a skipped batch: a zero that no parameter depends on.
+
+        Lightning refuses a ``None`` loss with more than one process, so automatic optimization gets a zero
+        leaf: its backward leaves every gradient as it was (``None`` after the closure's ``zero_grad``) and
+        :meth:`optimizer_step` then leaves the weights alone. Manual optimization gets ``None``.
+        """
+        if self.lightning_module.automatic_optimization:
+            return torch.zeros((), device=self.root_device, requires_grad=True)
+        return None
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """The optimizer step, skipped when the batch was skipped and no gradient is left to apply.
+
+        With gradient accumulation the micro-batches before a skipped one still count: their gradients are
+        applied as usual.
+        """
+        pending = self._pending
+        if pending is not None and pending.skip:
+            loss = closure()  # the skipped training step (a zero loss) and its backward, as Lightning expects
+            if all(p.grad is None for group in optimizer.param_groups for p in group["params"]):
+                return loss
+            return super().optimizer_step(optimizer, lambda: loss, model, **kwargs)  # earlier micro-batches' grads
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:

@@ -134,3 +134,36 @@ def test_plan_cost_is_the_planner_accounting() -> None:
     time, peak = model.plan_cost(plan, 3000, 2)
     assert peak > model.static_bytes() > 0 and time > 0
     assert torch.tensor(problem.saved).min() > 0
+
+
+def test_quick_machine_measures_every_kernel_the_model_needs() -> None:
+    """``plan="auto"`` without a profile: rates measured in-process become an exact planner's cost model."""
+    from lightning_paradyse.cost.planner import make_planner
+    from lightning_paradyse.cost.quick import QUICK_LENGTHS, quick_machine
+
+    dims = dims_from_config(CONFIGS["llama-tiny"], 4)
+    machine = quick_machine(dims, 1, None, torch.device("cpu"), torch.float32)
+    assert {"gemm", "sdpa_fwd", "sdpa_bwd", "tile_fwd", "tile_bwd", "tile_diag_fwd", "tile_diag_bwd"} <= set(
+        machine.curves
+    )
+    assert all(len(curve) == len(QUICK_LENGTHS) and all(r > 0 for _, r in curve) for curve in machine.curves.values())
+    assert machine.collectives == {}  # one rank: nothing to measure
+    planner = make_planner(dims, 1, 2**40, machine)
+    assert planner.plan(512, 1).layers[0].attention.mode in MODES
+
+
+def test_diagonal_ring_tiles_are_timed_at_their_own_rate() -> None:
+    """Head-tail layout on 2 ranks: each rank computes 5 tiles of s/4 tokens a side, 2 of them on the diagonal."""
+    from lightning_paradyse.cost.time import Machine, Work, attn_seconds, ring_tile_pairs
+
+    side = 2048 // 4
+    assert ring_tile_pairs(2048, 2, causal=True) == (5 * side * side, 2 * side * side)
+    assert ring_tile_pairs(2048, 2, causal=False)[1] == 0
+    curves = {"tile_fwd": ((side, 8e9),), "tile_diag_fwd": ((side, 2e9),)}
+    machine = Machine("test", 1e12, 1e10, 1e10, 8e9, 8e9, curves=curves)
+    work = Work(0.0, attn=5e9, kernel="tile", attn_size=side, attn_diag=2e9)
+    assert attn_seconds(machine, work, backward=False) == pytest.approx(3e9 / 8e9 + 2e9 / 2e9)
+    plain = dataclasses.replace(machine, curves={"tile_fwd": ((side, 8e9),)})  # no diagonal curve: one rate
+    assert attn_seconds(plain, work, backward=False) == pytest.approx(5e9 / 8e9)
+    metp = Work(0.0, attn=5e9, kernel="gtile", attn_size=side, attn_diag=2e9)  # no group curve: the all-head ones
+    assert attn_seconds(machine, metp, backward=False) == pytest.approx(3e9 / 8e9 + 2e9 / 2e9)

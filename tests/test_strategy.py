@@ -113,17 +113,29 @@ class HFLM(pl.LightningModule):
 
 
 class LengthData(Dataset[Any]):
-    """Item ``i`` is a whole batch of 2 sequences of ``lengths[i]`` tokens (targets shifted by one)."""
+    """Item ``i`` is a whole batch of 2 sequences of ``lengths[i]`` tokens (targets shifted by one).
 
-    def __init__(self, lengths: tuple[int, ...], as_dict: bool = False, seed: int = 0, hf: bool = False) -> None:
+    ``drop``: items left out (the others keep their contents), for a reference that never saw them.
+    """
+
+    def __init__(
+        self,
+        lengths: tuple[int, ...],
+        as_dict: bool = False,
+        seed: int = 0,
+        hf: bool = False,
+        drop: tuple[int, ...] = (),
+    ) -> None:
         self.lengths, self.as_dict, self.seed, self.hf = lengths, as_dict, seed, hf
+        self.items = [i for i in range(len(lengths)) if i not in drop]
 
     @override
     def __len__(self) -> int:
-        return len(self.lengths)
+        return len(self.items)
 
     @override
-    def __getitem__(self, i: int) -> Any:
+    def __getitem__(self, index: int) -> Any:
+        i = self.items[index]
         gen = torch.Generator().manual_seed(self.seed * 1000 + i)
         window = torch.randint(0, 128, (2, self.lengths[i] + 1), generator=gen)
         tokens, targets = window[:, :-1], window[:, 1:].clone()
@@ -136,7 +148,11 @@ class LengthData(Dataset[Any]):
 
 
 def loader(
-    lengths: tuple[int, ...] = LENGTHS, as_dict: bool = False, sampler: str = "fixed", hf: bool = False
+    lengths: tuple[int, ...] = LENGTHS,
+    as_dict: bool = False,
+    sampler: str = "fixed",
+    hf: bool = False,
+    drop: tuple[int, ...] = (),
 ) -> DataLoader[Any]:
     """A loader of whole batches.
 
@@ -144,7 +160,7 @@ def loader(
     order, so resuming from a checkpoint continues exactly. ``plain``: a plain loader; the strategy injects no
     sampler, so every rank (and a single-process run) iterates it in the same order.
     """
-    data = LengthData(lengths, as_dict, hf=hf)
+    data = LengthData(lengths, as_dict, hf=hf, drop=drop)
     if sampler == "plain":
         return DataLoader(data, batch_size=None)
     sampler_ = DistributedSampler(data, num_replicas=1, rank=0, shuffle=False, seed=0)
@@ -210,6 +226,8 @@ class Scenario:
     resume: str | None = None
     expect_error: str | None = None
     reduction: str = "mean"
+    drop: tuple[int, ...] = ()
+    """Items of ``lengths`` the run never sees (a reference for a run that skips them)."""
     strategy_kwargs: dict[str, Any] = field(default_factory=dict)
     trainer_kwargs: dict[str, Any] = field(default_factory=dict)
 
@@ -225,7 +243,8 @@ def run_scenario(sc: Scenario, devices: int, parallel: bool = True) -> dict[str,
     strategy: Any = "auto"
     if parallel:
         kwargs = {"plan": sc.plan, "modes": sc.modes, "thresholds": THRESHOLDS, "max_seq_len": sc.max_seq_len}
-        strategy = ParaDySeStrategy(**kwargs, timeout=60, loss_reduction=sc.reduction, **sc.strategy_kwargs)
+        kwargs.update(sc.strategy_kwargs)
+        strategy = ParaDySeStrategy(**kwargs, timeout=60, loss_reduction=sc.reduction)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=devices,
@@ -238,14 +257,17 @@ def run_scenario(sc: Scenario, devices: int, parallel: bool = True) -> dict[str,
         **{"max_steps": 6, **sc.trainer_kwargs},
     )
     try:
-        data = loader(sc.lengths, hf=sc.model == "hf-llama")
+        data = loader(sc.lengths, hf=sc.model == "hf-llama", drop=sc.drop)
         trainer.fit(module, train_dataloaders=data, ckpt_path=sc.resume)
     except Exception as err:
         if sc.expect_error is not None and sc.expect_error in str(err):
             return {"error": str(err)}
         raise
     assert sc.expect_error is None, f"{sc.name}: expected an error containing {sc.expect_error!r}"
-    return {"losses": recorder.losses, "state": recorder.state, "plans": recorder.plans}
+    skipped = trainer.strategy.skipped_batches if isinstance(trainer.strategy, ParaDySeStrategy) else 0
+    planner = type(getattr(trainer.strategy, "planner", None)).__name__
+    out = {"losses": recorder.losses, "state": recorder.state, "plans": recorder.plans, "skipped": skipped}
+    return {**out, "planner": planner}
 
 
 def scenario_worker(rank: int, world: int, scenarios: list[Scenario], base_port: int) -> bytes:
@@ -308,6 +330,17 @@ HF_SGD = Scenario(
     "hf-mixed", model="hf-llama", optimizer="sgd", lengths=LENGTHS[:4], plan=MIXED_HF3, trainer_kwargs={"max_steps": 4}
 )
 """Hugging Face Llama with ``labels``: the model gets the globally shifted labels, its loss is not rescaled."""
+PROFILE = str(Path(__file__).resolve().parents[1] / "configs" / "profiles" / "cpu-2proc-llama-tiny.json")
+SKIP_LENGTHS = (40, 300, 150, 90)
+SKIP = Scenario(
+    "llama-skip",
+    lengths=SKIP_LENGTHS,
+    strategy_kwargs={"profile": PROFILE, "memory_budget": 3_600_000, "on_infeasible": "skip"},
+    trainer_kwargs={"max_steps": 4},
+)
+"""The cost planner with a budget no plan for 2 x 300 tokens fits (the least needs about 4.0 MB; 2 x 150 about
+2.8 MB): that batch is skipped on every rank, the others train as if it never existed."""
+SKIP_REF = Scenario("ref-skip", lengths=SKIP_LENGTHS, drop=(1,), trainer_kwargs={"max_steps": 3})
 
 
 @pytest.fixture(autouse=True)
@@ -330,7 +363,11 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, 
     hf = run_scenario(HF, devices=1, parallel=False)
     tel = run_scenario(Scenario("ref-tel", model="tel", optimizer="sgd"), devices=1, parallel=False)
     hf_sgd = run_scenario(HF_SGD, devices=1, parallel=False)
-    return {"llama3x2": llama, "gpt": gpt, "llama": llama6, "sum": summed, "hf": hf, "tel": tel, "hf-sgd": hf_sgd}
+    skip = run_scenario(SKIP_REF, devices=1, parallel=False)
+    return {
+        **{"llama3x2": llama, "gpt": gpt, "llama": llama6, "sum": summed, "hf": hf, "tel": tel, "hf-sgd": hf_sgd},
+        "skip": skip,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -489,7 +526,9 @@ def test_two_processes(tmp_path: Path, references: dict[str, dict[str, Any]]) ->
     resumed = Scenario("llama-resumed", lengths=LENGTHS[:3], modes=("ulysses", "ring"), resume=f"{ckpt}/step=3.ckpt")
     gpt = Scenario("gpt-auto", model="gpt-tiny", optimizer="sgd")
     tel = Scenario("tel-mixed", model="tel", optimizer="sgd", plan=MIXED_TEL)
-    out = run_scenarios(2, [first, resumed, gpt, SUM_ACCUMULATE, HF, tel])[0]
+    measured = Scenario("llama-measured", strategy_kwargs={"thresholds": None, "memory_budget": "4.5MB"})
+    per_rank = run_scenarios(2, [first, resumed, gpt, SUM_ACCUMULATE, HF, tel, SKIP, measured])
+    out = per_rank[0]
     ref = references["llama3x2"]
     assert_same_training(out["llama-mixed"], ref, "llama p=2 mixed plan")
     assert set(out["llama-mixed"]["plans"]) == {"tp_sp,tp_sp | ring+rc,metp+rc"}
@@ -505,6 +544,13 @@ def test_two_processes(tmp_path: Path, references: dict[str, dict[str, Any]]) ->
     assert_same_training(out["hf-llama"], references["hf"], "HF Llama p=2 with labels")
     assert len(set(out["hf-llama"]["plans"])) == 3
     assert_same_training(out["tel-mixed"], references["tel"], "TransformerEncoderLayer model p=2 mixed plan")
+    assert out["llama-measured"]["planner"] == "CostPlanner", "plan='auto' without a profile: the exact planner"
+    assert_same_training(out["llama-measured"], references["llama"], "llama p=2 planner on rates measured at setup")
+    assert len(set(out["llama-measured"]["plans"])) >= 2, out["llama-measured"]["plans"]
+    skip, ref_skip = out["llama-skip"], references["skip"]
+    assert [r["llama-skip"]["skipped"] for r in per_rank] == [1, 1], "the 2 x 300 batch is skipped on every rank"
+    assert skip["losses"][1] == 0.0 and len(skip["plans"]) == 3
+    assert_same_training({**skip, "losses": skip["losses"][:1] + skip["losses"][2:]}, ref_skip, "llama p=2 skip")
 
 
 @pytest.mark.dist

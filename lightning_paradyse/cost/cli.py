@@ -72,7 +72,9 @@ def profile_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", "--model", dest="model", default="llama-tiny", choices=sorted(CONFIGS))
     parser.add_argument("--world-size", "-p", type=int, default=2, help="local gloo processes (default 2)")
     parser.add_argument("--lengths", type=parse_lengths, default=None, help="profiled lengths (default 128,256,512)")
-    parser.add_argument("--heldout", type=parse_lengths, default=None, help="held-out lengths (default 384,1024,2048)")
+    parser.add_argument(
+        "--heldout", type=parse_lengths, default=None, help="held-out lengths (default 192,384,1024,2048)"
+    )
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
     parser.add_argument("--modes", type=_modes, default=tuple(MODES), help="comma-separated modes")

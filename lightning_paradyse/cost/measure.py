@@ -9,6 +9,7 @@ Every function runs on every rank of the group in the same order (they issue col
 from __future__ import annotations
 
 import functools
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -52,23 +53,64 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def timed(fn: Callable[[], Any], reps: int) -> float:
+def _sync() -> None:
+    """Wait for queued CUDA work, so that wall-clock times cover it (a no-op on CPU)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+MAX_REPS = 40
+"""Most timed repetitions of one measurement when ``min_seconds`` asks for more than ``reps``."""
+
+
+def agreed_reps(warm_seconds: float, reps: int, min_seconds: float) -> int:
+    """Repetitions so that they take about ``min_seconds`` (at least ``reps``, at most :data:`MAX_REPS`).
+
+    Decided from the slowest rank's warm-up (one all-reduce), so that every rank runs the same number of
+    barriers.
+    """
+    if min_seconds <= 0:
+        return reps
+    slowest = torch.tensor([warm_seconds], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    wanted = math.ceil(min_seconds / max(float(slowest), 1e-6))
+    return max(reps, min(wanted, MAX_REPS))
+
+
+def timed(fn: Callable[[], Any], reps: int, min_seconds: float = 0.0) -> float:
     """Fastest seconds of ``fn()`` over ``reps`` runs after one warm-up, each started after a barrier.
 
-    The minimum, not the mean: other processes on the machine only ever add time.
+    The minimum, not the mean: other processes on the machine only ever add time. With ``min_seconds``,
+    short measurements are repeated more often (see :func:`agreed_reps`): their minimum is the one most
+    exposed to a single disturbed run.
     """
+    _sync()
+    _barrier()
+    start = time.perf_counter()
+    fn()
+    _sync()
+    reps = agreed_reps(time.perf_counter() - start, reps, min_seconds)
     times = []
-    for i in range(reps + 1):
+    for _ in range(reps):
         _barrier()
         start = time.perf_counter()
         fn()
-        if i:
-            times.append(time.perf_counter() - start)
+        _sync()
+        times.append(time.perf_counter() - start)
     return min(times)
+
+
+def _kernel_seconds(settings: Any) -> float:
+    return float(getattr(settings, "kernel_seconds", 0.0))
 
 
 def _dtype(settings: Any) -> torch.dtype:
     return getattr(torch, settings.dtype)  # type: ignore[no-any-return]
+
+
+def _device(settings: Any) -> torch.device:
+    return torch.device(getattr(settings, "device", "cpu"))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -78,45 +120,62 @@ def _dtype(settings: Any) -> torch.dtype:
 
 def bench_gemm(dims: ModelDims, settings: Any, p: int, s: int) -> tuple[float, float]:
     """``(local tokens, FLOP/s)`` of ``[t, h] @ [h, f]`` at the local token count of length ``s``."""
-    w = torch.randn(dims.hidden, dims.ffn, dtype=_dtype(settings))
-    a = torch.randn(max(s * settings.batch // p, 1), dims.hidden, dtype=_dtype(settings))
-    seconds = timed(functools.partial(torch.matmul, a, w), KERNEL_REPS)
+    w = torch.randn(dims.hidden, dims.ffn, dtype=_dtype(settings), device=_device(settings))
+    a = torch.randn(max(s * settings.batch // p, 1), dims.hidden, dtype=_dtype(settings), device=_device(settings))
+    seconds = timed(functools.partial(torch.matmul, a, w), KERNEL_REPS, _kernel_seconds(settings))
     return float(a.shape[0]), 2.0 * a.shape[0] * dims.hidden * dims.ffn / seconds
 
 
 def _sdpa_times(dims: ModelDims, settings: Any, p: int, s: int) -> tuple[float, float, float]:
     """``(attention FLOPs, forward seconds, backward seconds)`` of SDPA over ``n/p`` heads and ``s`` tokens."""
     b, heads = settings.batch, max(dims.n_heads // p, 1)
-    q, k, v = (torch.randn(b, heads, s, dims.head_dim, dtype=_dtype(settings), requires_grad=True) for _ in range(3))
+    q, k, v = (
+        torch.randn(b, heads, s, dims.head_dim, dtype=_dtype(settings), device=_device(settings), requires_grad=True)
+        for _ in range(3)
+    )
     flops = 4 * b * dims.head_dim * heads * full_pairs(s, dims.causal)
-    fwd = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=dims.causal), KERNEL_REPS)
+    fwd = timed(
+        lambda: F.scaled_dot_product_attention(q, k, v, is_causal=dims.causal), KERNEL_REPS, _kernel_seconds(settings)
+    )
     out = F.scaled_dot_product_attention(q, k, v, is_causal=dims.causal)
     dout = torch.randn_like(out)
 
     def both() -> None:
         F.scaled_dot_product_attention(q, k, v, is_causal=dims.causal).backward(dout)
 
-    bwd = max(timed(both, KERNEL_REPS) - fwd, 1e-9)
+    bwd = max(timed(both, KERNEL_REPS, _kernel_seconds(settings)) - fwd, 1e-9)
     return flops, fwd, bwd
 
 
-def _tile_times(dims: ModelDims, settings: Any, p: int, s: int) -> tuple[float, float, float]:
-    """``(attention FLOPs, forward seconds, backward seconds)`` of one ring tile of length ``s``'s chunk."""
+def _tile_times(
+    dims: ModelDims, settings: Any, p: int, s: int, diagonal: bool, group: bool
+) -> tuple[float, float, float]:
+    """``(attention FLOPs, forward seconds, backward seconds)`` of one ring tile of length ``s``'s chunk.
+
+    ``diagonal``: the causal tile on the diagonal (masked inside; all its pairs counted, as the ring
+    computes it whole), which costs about twice a tile in the past on CPU. ``group``: over one head
+    group (``n/p`` query heads and the kv heads they read), as ``metp`` calls it, else over all heads.
+    """
     b, c = settings.batch, tile_side(s, p, dims.causal)
     dtype = _dtype(settings)
-    q = torch.randn(b, dims.n_heads, c, dims.head_dim, dtype=dtype)
-    k, v = (torch.randn(b, dims.n_kv_heads, c, dims.head_dim, dtype=dtype) for _ in range(2))
-    flops = 4 * b * dims.head_dim * dims.n_heads * c * c
-    fwd = timed(lambda: block_forward(q, k, v, False), KERNEL_REPS)
-    out, lse = block_forward(q, k, v, False)
+    heads = max(dims.n_heads // p, 1) if group else dims.n_heads
+    kv_heads = max(heads * dims.n_kv_heads // dims.n_heads, 1)
+    q = torch.randn(b, heads, c, dims.head_dim, dtype=dtype, device=_device(settings))
+    k, v = (torch.randn(b, kv_heads, c, dims.head_dim, dtype=dtype, device=_device(settings)) for _ in range(2))
+    flops = 4 * b * dims.head_dim * heads * c * c
+    fwd = timed(lambda: block_forward(q, k, v, diagonal), KERNEL_REPS, _kernel_seconds(settings))
+    out, lse = block_forward(q, k, v, diagonal)
     dout = torch.randn_like(out)
     delta = (dout * out).sum(-1)
-    bwd = timed(lambda: block_backward(dout, q, k, v, lse, delta, False), KERNEL_REPS)
+    bwd = timed(lambda: block_backward(dout, q, k, v, lse, delta, diagonal), KERNEL_REPS, _kernel_seconds(settings))
     return flops, fwd, bwd
 
 
 def bench_kernels(dims: ModelDims, settings: Any, p: int) -> dict[str, list[tuple[float, float]]]:
     """Rate curves ``{kernel: [(size, FLOP/s), ...]}`` of the GEMM, SDPA and ring tile kernels.
+
+    Ring tiles come in four kinds: over all heads (``tile``, ring attention) or one head group
+    (``gtile``, ``metp``), each in the past or on the causal diagonal (``_diag``).
 
     Measured at every length of ``settings.kernel_lengths`` (the profiled lengths and a few longer
     ones): single-kernel microbenchmarks, so that rates at lengths beyond the profiled ones (caches
@@ -128,16 +187,19 @@ def bench_kernels(dims: ModelDims, settings: Any, p: int) -> dict[str, list[tupl
         flops, fwd, bwd = _sdpa_times(dims, settings, p, s)
         out.setdefault("sdpa_fwd", []).append((float(s), flops / fwd))
         out.setdefault("sdpa_bwd", []).append((float(s), 2.5 * flops / bwd))
-        flops, fwd, bwd = _tile_times(dims, settings, p, s)
         side = float(tile_side(s, p, dims.causal))
-        out.setdefault("tile_fwd", []).append((side, flops / fwd))
-        out.setdefault("tile_bwd", []).append((side, 2.5 * flops / bwd))
+        for kernel in ("tile", "tile_diag", "gtile", "gtile_diag"):
+            diagonal, group = kernel.endswith("_diag"), kernel.startswith("g")
+            if (diagonal and not dims.causal) or (group and p == 1):
+                continue
+            flops, fwd, bwd = _tile_times(dims, settings, p, s, diagonal, group)
+            out.setdefault(f"{kernel}_fwd", []).append((side, flops / fwd))
+            out.setdefault(f"{kernel}_bwd", []).append((side, 2.5 * flops / bwd))
     return out
 
 
-def _collective_calls(n: int, p: int) -> dict[str, Callable[[], Any]]:
-    group = dist.group.WORLD
-    x, big = torch.randn(n, 1), torch.randn(n * p, 1)
+def _collective_calls(n: int, p: int, group: Any, device: torch.device) -> dict[str, Callable[[], Any]]:
+    x, big = torch.randn(n, 1, device=device), torch.randn(n * p, 1, device=device)
     sizes = [n] * p
     return {
         "all_gather": lambda: all_gather_rows(x, sizes, group),
@@ -150,13 +212,20 @@ def _collective_calls(n: int, p: int) -> dict[str, Callable[[], Any]]:
     }
 
 
-def bench_collectives(p: int, reps: int) -> dict[str, list[tuple[float, float]]]:
-    """``{kind: [(bytes one rank sends, seconds), ...]}`` over :data:`COLLECTIVE_SIZES`."""
+def bench_collectives(
+    p: int,
+    reps: int,
+    group: Any = None,
+    device: torch.device | None = None,
+    sizes: tuple[int, ...] = COLLECTIVE_SIZES,
+) -> dict[str, list[tuple[float, float]]]:
+    """``{kind: [(bytes one rank sends, seconds), ...]}`` over ``sizes`` (elements per rank) on ``group``."""
     out: dict[str, list[tuple[float, float]]] = {}
     if p == 1:
         return out
-    for n in COLLECTIVE_SIZES:
-        for kind, call in _collective_calls(n, p).items():
+    group = group if group is not None else dist.group.WORLD
+    for n in sizes:
+        for kind, call in _collective_calls(n, p, group, device or torch.device("cpu")).items():
             with CommCounter() as counter:
                 call()
             seconds = timed(call, max(reps, KERNEL_REPS))
@@ -226,7 +295,7 @@ def memory_of(model: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], x0: 
 
 
 def _time_and_memory(
-    model: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], x0: torch.Tensor, reps: int
+    model: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], x0: torch.Tensor, reps: int, min_seconds: float
 ) -> dict[str, Any]:
     def run() -> None:
         model.zero_grad(set_to_none=True)
@@ -234,7 +303,7 @@ def _time_and_memory(
         y = fn(x)
         y.backward(torch.ones_like(y) if y.dim() else None)
 
-    seconds = timed(run, 2 * reps + 1)  # cheap at profiled lengths: more repetitions against noise
+    seconds = timed(run, 2 * reps + 1, min_seconds)  # cheap at profiled lengths: more repetitions against noise
     mems = [memory_of(model, fn, x0) for _ in range(max(reps, 2))]
     return {
         "time_s": seconds,
@@ -245,7 +314,7 @@ def _time_and_memory(
 
 
 def measure_segment(
-    model: nn.Module, op: str, mode: str, rc: bool, ctx: SeqContext, batch: int, reps: int
+    model: nn.Module, op: str, mode: str, rc: bool, ctx: SeqContext, batch: int, reps: int, min_seconds: float = 0.0
 ) -> dict[str, Any]:
     """Time and memory of one segment (layer 0's norm and op) in ``mode``."""
     fn = segment_fn(model, op, mode, rc, ctx)
@@ -253,7 +322,7 @@ def measure_segment(
     hidden = int(norm.weight.shape[0])
     dtype = next(model.parameters()).dtype
     x0 = torch.randn(batch, ctx.layout.local_len(ctx.rank), hidden, dtype=dtype)
-    return _time_and_memory(model, fn, x0, reps)
+    return _time_and_memory(model, fn, x0, reps, min_seconds)
 
 
 def measure_head(model: nn.Module, ctx: SeqContext, settings: Any) -> dict[str, Any]:
@@ -269,7 +338,7 @@ def measure_head(model: nn.Module, ctx: SeqContext, settings: Any) -> dict[str, 
 
     hidden = lm.norm.weight.shape[0]
     x0 = torch.randn(settings.batch, t, hidden, dtype=next(model.parameters()).dtype)
-    return _time_and_memory(model, head, x0, settings.reps)
+    return _time_and_memory(model, head, x0, settings.reps, settings.segment_seconds)
 
 
 def measure_step(model: nn.Module, plan: Plan, seq_len: int, settings: Any, p: int) -> dict[str, Any]:
@@ -290,7 +359,7 @@ def measure_step(model: nn.Module, plan: Plan, seq_len: int, settings: Any, p: i
         loss.backward()
         reduce_replicated_grads(model, group)
 
-    seconds = timed(step, settings.reps)
+    seconds = timed(step, settings.reps, settings.step_seconds)
     peaks = []
     for _ in range(settings.step_memory_reps):
         model.zero_grad(set_to_none=True)

@@ -19,7 +19,8 @@ every segment's saved bytes stay alive, so position ``k`` sees the saved prefix,
 stream and its own forward transient; during the backward, it sees the saved prefix up to and
 including itself, the stream's gradient, the weight gradients of the layers after it, and its
 backward transient; the LM head and loss come after the last block; after the backward, all
-gradients and the replicated-gradient all-reduce. Parameters and optimizer state are static.
+gradients and the replicated-gradient all-reduce. Parameters and optimizer state are static; under
+Lightning the previous step's gradients are alive through the forward (``grads_resident``).
 
 Switching between modes is free in this design (one layout, no data movement, no buffer pools), so
 ``switch_s`` and ``buffers`` default to zero; they exist so that a deployment with mode-specific
@@ -115,6 +116,10 @@ class CostModel:
     """Optimizer state per parameter element (Adam: 8 for two float32 moments, 12 with a float32 master)."""
     include_static: bool = True
     """Count parameters and optimizer state (off when measuring a step with parameters already allocated)."""
+    grads_resident: bool = True
+    """The previous step's gradients are alive during the forward (and the head's forward): Lightning zeroes
+    them in the step's closure after the forward, before the backward, and gradient accumulation keeps
+    them on purpose. Off for a step that starts without gradients (the profile's measured steps)."""
     switch_s: float = 0.0
     """Seconds paid when consecutive ops run in different modes (zero in this design)."""
     buffers: Mapping[str, int] = field(default_factory=dict)
@@ -212,6 +217,7 @@ class CostModel:
         head_grads = math.ceil(self.dims.vocab * self.dims.hidden * self.dims.dtype_bytes)
         after = np.cumsum(grads[::-1])[::-1]  # grads of positions >= k
         bwd_offset = np.array([stream + head_grads + int(after[k]) - grads[k] for k in range(K)], dtype=np.int64)
+        resident = int(sum(grads)) + outer if self.grads_resident else 0  # every gradient, through the forward
         switch = None
         if self.switch_s:
             modes = np.array([ch.mode for ch in choices])
@@ -224,9 +230,9 @@ class CostModel:
             saved=tables["saved"],
             fwd=tables["fwd"],
             bwd=tables["bwd"],
-            fwd_offset=np.full(K, stream, dtype=np.int64),
+            fwd_offset=np.full(K, stream + resident, dtype=np.int64),
             bwd_offset=bwd_offset,
-            end_need=max(stream + head.fwd, head.saved + head.bwd),
+            end_need=max(stream + resident + head.fwd, head.saved + head.bwd),
             fixed_need=int(sum(grads)) + outer + math.ceil(2 * self.replicated_bytes()),
             static=self.static_bytes(),
             switch=switch,

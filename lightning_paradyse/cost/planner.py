@@ -206,7 +206,10 @@ class CostPlanner:
 def _source_model(dims: ModelDims, p: int, source: Any, **model_kwargs: Any) -> CostModel:
     from lightning_paradyse.cost.cluster import Cluster, load_cluster
     from lightning_paradyse.cost.profile import Profile, load_profile
+    from lightning_paradyse.cost.time import Machine
 
+    if isinstance(source, Machine):  # measured or described rates, nothing calibrated per op
+        return CostModel(dims, p, source, **model_kwargs)
     if isinstance(source, (str, Path)):
         path = Path(source)
         is_profile = path.suffix == ".json" and '"calibration"' in path.read_text()
@@ -218,7 +221,10 @@ def _source_model(dims: ModelDims, p: int, source: Any, **model_kwargs: Any) -> 
     if isinstance(source, Cluster):
         model_kwargs.setdefault("optimizer_bytes_per_param", source.optimizer_bytes_per_param)
         return CostModel(dims, p, source.machine(), **model_kwargs)
-    raise TypeError(f"source must be a Profile, a Cluster or a path to either, got {type(source).__name__}")
+    raise TypeError(
+        f"source must be a Profile, a Cluster, a Machine or a path to a profile or cluster file, "
+        f"got {type(source).__name__}"
+    )
 
 
 def make_planner(
@@ -232,7 +238,8 @@ def make_planner(
     """A :class:`CostPlanner` for a parallelized module, a model config or dimensions.
 
     ``source`` is a :class:`~lightning_paradyse.cost.profile.Profile`, a
-    :class:`~lightning_paradyse.cost.cluster.Cluster`, or a path to a JSON profile or a cluster file.
+    :class:`~lightning_paradyse.cost.cluster.Cluster`, a :class:`~lightning_paradyse.cost.time.Machine`
+    (e.g. :func:`~lightning_paradyse.cost.quick.quick_machine`), or a path to a JSON profile or a cluster file.
     For a parallelized module the dimensions come from its dispatch modules' specs and the allowed
     modes per op from :func:`lightning_paradyse.parallel.feasible_modes` (every layer must allow them).
     ``kwargs`` go to :class:`CostPlanner` (``recompute``, ``bucket_tokens``, ``on_infeasible``) or to

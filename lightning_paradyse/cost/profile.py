@@ -73,7 +73,7 @@ class ProfileSettings:
     """Model config name (``lightning_paradyse.models.CONFIGS``)."""
     lengths: tuple[int, ...] = (128, 256, 512)
     """Sequence lengths the constants are fitted on."""
-    heldout: tuple[int, ...] = (384, 1024, 2048)
+    heldout: tuple[int, ...] = (192, 384, 1024, 2048)
     """Lengths of the validation steps (never used for fitting); include one >= 4x the longest profiled."""
     batch: int = 1
     """Sequences per batch."""
@@ -91,6 +91,12 @@ class ProfileSettings:
     """Profiled lengths of the whole steps that fit the step factor (default: all profiled lengths)."""
     step_memory_reps: int = 2
     """Tracked (slower) repetitions of a whole step for its peak memory."""
+    kernel_seconds: float = 0.15
+    """Kernel benchmarks are repeated until their repetitions take about this long (at most 40)."""
+    segment_seconds: float = 0.5
+    """Short segments are timed with more repetitions, about this many seconds of them (at most 40)."""
+    step_seconds: float = 2.0
+    """Short whole steps likewise: the fastest of many runs is the one least disturbed by other load."""
 
     @property
     def kernel_lengths(self) -> tuple[int, ...]:
@@ -110,7 +116,15 @@ class ProfileSettings:
     def quick(cls, model: str = "llama-tiny", **overrides: Any) -> ProfileSettings:
         """A run of well under a minute on 2 CPU cores (for tests and smoke checks)."""
         base: dict[str, Any] = dict(
-            model=model, lengths=(64, 128, 256), heldout=(192, 1024), reps=2, step_lengths=(256,), step_memory_reps=1
+            model=model,
+            lengths=(64, 128, 256),
+            heldout=(192, 1024),
+            reps=2,
+            step_lengths=(256,),
+            step_memory_reps=1,
+            kernel_seconds=0.0,
+            segment_seconds=0.0,
+            step_seconds=0.0,
         )
         return cls(**{**base, **overrides})
 
@@ -221,7 +235,9 @@ def _segments(model: torch.nn.Module, settings: ProfileSettings, p: int, bar: _P
         for mode in settings.modes:
             for op in OPS:
                 for rc in (False, True):
-                    row = measure_segment(model, op, mode, rc, ctx, settings.batch, settings.reps)
+                    row = measure_segment(
+                        model, op, mode, rc, ctx, settings.batch, settings.reps, settings.segment_seconds
+                    )
                     out.append({"mode": mode, "op": op, "rc": rc, "seq_len": s, **row})
                     bar.step(f"{calibration_key(mode, op, rc)} s={s}")
         out.append({"mode": "head", "op": "head", "rc": False, "seq_len": s, **measure_head(model, ctx, settings)})
@@ -317,10 +333,10 @@ def fit_profile(raw: dict[str, Any], settings: ProfileSettings, p: int) -> Profi
         rows = [r for r in raw["segments"] if (r["mode"], r["op"], r["rc"]) == (mode, op, rc)]
         key = "head" if mode == "head" else calibration_key(mode, op, rc)
         calibration[key] = fit_op(mode, op, rc, rows, seg_dims, p, machine, settings.batch)
-    model = CostModel(dims, p, machine, calibration, include_static=False)
+    model = CostModel(dims, p, machine, calibration, include_static=False, grads_resident=False)
     fitted = _validate(model, raw["fit_steps"], config.n_layers, settings.batch)
     calibration["step"] = OpCalibration(time_scale=fit_step_scale(fitted))
-    model = CostModel(dims, p, machine, calibration, include_static=False)
+    model = CostModel(dims, p, machine, calibration, include_static=False, grads_resident=False)
     validation = _validate(model, raw["steps"], config.n_layers, settings.batch)
     measurements = {"segments": raw["segments"], "steps": fitted}
     measurements["benchmarks"] = {k: raw[k] for k in ("kernels", "overlap")}
@@ -354,8 +370,21 @@ def _ape(pred: float, meas: float) -> float:
     return abs(pred - meas) / meas * 100 if meas > 0 else math.nan
 
 
-def mape_per_mode(validation: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """``{mode: {"time": MAPE %, "memory": MAPE %}}`` over the held-out steps (both recompute flags)."""
+TIME_TARGET = {"interpolation": 10.0, "extrapolation": 15.0}
+"""Mean absolute percentage error the time model is meant to stay within (held-out lengths inside the
+profiled range, and beyond it up to 4x)."""
+MEMORY_TARGET = {"interpolation": 5.0, "extrapolation": 15.0}
+"""Likewise for peak memory."""
+
+
+def mape_per_mode(validation: list[dict[str, Any]], longest: int | None = None) -> dict[str, dict[str, float]]:
+    """``{mode: {"time": MAPE %, "memory": MAPE %}}`` over the held-out steps (both recompute flags).
+
+    With ``longest`` (the longest profiled length), only the steps of at most that length
+    (``longest > 0``) or longer than ``-longest`` (``longest < 0``) count; see :func:`mape_table`.
+    """
+    if longest is not None:
+        validation = [r for r in validation if (r["seq_len"] <= longest if longest > 0 else r["seq_len"] > -longest)]
     out: dict[str, dict[str, float]] = {}
     for mode in dict.fromkeys(r["mode"] for r in validation):
         rows = [r for r in validation if r["mode"] == mode]
@@ -364,6 +393,18 @@ def mape_per_mode(validation: list[dict[str, Any]]) -> dict[str, dict[str, float
             "memory": statistics.fmean(_ape(r["pred_peak"], r["peak"]) for r in rows),
         }
     return out
+
+
+def mape_table(profile: Profile) -> dict[str, dict[str, dict[str, float]]]:
+    """MAPE per mode, apart for held-out lengths within the profiled range (``interpolation``) and beyond it
+    (``extrapolation``), and over all (``all``); a part without held-out lengths is left out."""
+    longest = max(profile.settings.get("lengths", [0]))
+    parts = {
+        "interpolation": mape_per_mode(profile.validation, longest),
+        "extrapolation": mape_per_mode(profile.validation, -longest),
+        "all": mape_per_mode(profile.validation),
+    }
+    return {name: table for name, table in parts.items() if table}
 
 
 def format_validation(profile: Profile) -> str:
@@ -383,19 +424,31 @@ def format_validation(profile: Profile) -> str:
             f"{label:<12} {r['seq_len']:>7} {r['time_s'] * 1e3:>8.1f}ms {r['pred_time_s'] * 1e3:>8.1f}ms {te:>6.1f}%   "
             f"{r['peak'] / 2**20:>9.2f}MiB {r['pred_peak'] / 2**20:>9.2f}MiB {me:>6.1f}%"
         )
-    lines.append("MAPE per mode (held-out lengths, with and without recomputation):")
-    for mode, errs in mape_per_mode(profile.validation).items():
-        lines.append(f"  {mode:<10} time {errs['time']:6.1f}%   memory {errs['memory']:6.1f}%")
+    titles = {
+        "interpolation": f"held-out lengths <= {longest} (within the profiled range)",
+        "extrapolation": f"held-out lengths > {longest} (beyond the profiled range)",
+        "all": "all held-out lengths",
+    }
+    for part, table in mape_table(profile).items():
+        target = ""
+        if part in TIME_TARGET:
+            target = f" (targets: time <= {TIME_TARGET[part]:.0f}%, memory <= {MEMORY_TARGET[part]:.0f}%)"
+        lines.append(f"MAPE per mode, {titles[part]}, with and without recomputation{target}:")
+        for mode, errs in table.items():
+            lines.append(f"  {mode:<10} time {errs['time']:6.1f}%   memory {errs['memory']:6.1f}%")
     return "\n".join(lines)
 
 
 __all__ = [
+    "MEMORY_TARGET",
+    "TIME_TARGET",
     "Profile",
     "ProfileSettings",
     "fit_profile",
     "format_validation",
     "load_profile",
     "mape_per_mode",
+    "mape_table",
     "merge_ranks",
     "profile_worker",
     "run_profile",

@@ -22,7 +22,7 @@ FLOPs per rank (``t = b*s/p`` local tokens, ``T = b*s``, ``q = n*d``, ``kv = n_k
   against two). Full-sequence attention (``tp_sp``, ``ulysses``, the fused SDPA kernel) over ``n/p``
   heads and ``s(s+1)/2`` pairs when causal; ring attention (``ring``, ``metp``, tile by tile) over all
   heads and exactly the pairs of the tiles :func:`lightning_paradyse.modes.ring.tiles` computes (a
-  diagonal tile is computed whole and masked).
+  diagonal tile is computed whole and masked, at its own measured rate: the mask makes it slower).
 
 Rates come from a :class:`Machine`: measured on this machine by the profile (a GEMM, the SDPA kernel
 and the ring tile kernel at the model's head size, collectives of several sizes), or derived from a
@@ -106,7 +106,8 @@ class Machine:
     """Fixed time per op and step when nothing is calibrated (kernel launches)."""
     curves: Mapping[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     """Measured ``{kernel: ((size, FLOP/s), ...)}`` for ``gemm`` (size: local tokens), ``sdpa_fwd``/``sdpa_bwd``
-    (sequence length), ``tile_fwd``/``tile_bwd`` (tile side); rates in between are interpolated in log-size,
+    (sequence length), ``tile_fwd``/``tile_bwd`` and the causal diagonal ``tile_diag_fwd``/``tile_diag_bwd``
+    (tile side); rates in between are interpolated in log-size,
     outside the measured sizes the nearest is used. Kernels without a curve use the scalar rates."""
 
     def rate(self, kernel: str, size: float) -> float:
@@ -162,17 +163,27 @@ class Machine:
 
 
 @functools.lru_cache(maxsize=4096)
+def ring_tile_pairs(seq_len: int, p: int, causal: bool) -> tuple[int, int]:
+    """``(pairs, of which in diagonal tiles)`` the busiest rank computes in ring attention.
+
+    Diagonal tiles are computed whole (and masked inside), so all their pairs count.
+    """
+    layout = SeqLayout.for_sequence(seq_len, p, causal)
+    most = (0, 0)
+    for rank in range(p):
+        pairs = diag_pairs = 0
+        for src in range(p):
+            for q_sl, k_sl, diag in tiles(layout, rank, src, causal):
+                n = (q_sl.stop - q_sl.start) * (k_sl.stop - k_sl.start)
+                pairs += n
+                diag_pairs += n if diag else 0
+        most = max(most, (pairs, diag_pairs))
+    return most
+
+
 def ring_pairs(seq_len: int, p: int, causal: bool) -> int:
     """(query, key) pairs the busiest rank computes in ring attention, diagonal tiles counted whole."""
-    layout = SeqLayout.for_sequence(seq_len, p, causal)
-    most = 0
-    for rank in range(p):
-        pairs = 0
-        for src in range(p):
-            for q_sl, k_sl, _ in tiles(layout, rank, src, causal):
-                pairs += (q_sl.stop - q_sl.start) * (k_sl.stop - k_sl.start)
-        most = max(most, pairs)
-    return most
+    return ring_tile_pairs(seq_len, p, causal)[0]
 
 
 def full_pairs(seq_len: int, causal: bool) -> int:
@@ -189,13 +200,16 @@ class Work:
     attn: float = 0.0
     """Attention FLOPs (``4*d`` per pair and head forward, ``10*d`` backward)."""
     kernel: str = ""
-    """``sdpa`` (full-sequence fused kernel) or ``tile`` (ring attention tiles)."""
+    """``sdpa`` (full-sequence fused kernel), ``tile`` (ring attention tiles over all heads) or ``gtile``
+    (``metp``'s ring tiles over one head group, ``n/p`` heads)."""
     hidden: str = ""
     """Which compute hides the overlapped transfers: ``attn`` or ``gemm`` (or nothing)."""
     gemm_size: float = 1.0
     """Local tokens of the GEMMs (the size their rate is looked up at)."""
     attn_size: float = 1.0
     """Sequence length (``sdpa``) or tile side (``tile``) the attention rate is looked up at."""
+    attn_diag: float = 0.0
+    """The part of ``attn`` in diagonal (masked) ring tiles, timed at the ``tile_diag`` rate where measured."""
 
 
 def op_work(mode: str, op: str, seq_len: int, batch: int, p: int, dims: ModelDims) -> dict[str, Work]:
@@ -216,17 +230,19 @@ def op_work(mode: str, op: str, seq_len: int, batch: int, p: int, dims: ModelDim
         kv = p * d.kv_heads_per_rank(p) * d.head_dim if p > 1 else d.kv_rows
     qkv = 2 * t * d.hidden * (d.q_rows + 2 * kv)
     fwd = qkv + 2 * t * d.q_rows * d.hidden
+    diag = 0.0
     if mode in ("tp_sp", "ulysses"):
         kernel, attn, size = "sdpa", 4 * b * d.head_dim * (d.n_heads / p) * full_pairs(seq_len, d.causal), seq_len
-    else:
-        kernel, attn = "tile", 4 * b * d.head_dim * d.n_heads * ring_pairs(seq_len, p, d.causal)
-        size = tile_side(seq_len, p, d.causal)
-    hidden = "attn" if kernel == "tile" else ""
+    else:  # metp runs the ring once per head group, on n/p heads at a time ("gtile")
+        pairs, diag_pairs = ring_tile_pairs(seq_len, p, d.causal)
+        kernel, attn = ("gtile" if mode == "metp" else "tile"), 4 * b * d.head_dim * d.n_heads * pairs
+        diag, size = 4 * b * d.head_dim * d.n_heads * diag_pairs, tile_side(seq_len, p, d.causal)
+    hidden = "attn" if kernel != "sdpa" else ""
     extra = qkv if mode == "metp" else 0.0
     return {
-        "forward": Work(fwd, attn, kernel, hidden, t, size),
-        "backward": Work(2 * fwd + extra, 2.5 * attn, kernel, hidden, t, size),
-        "recompute": Work(fwd, attn, kernel, hidden, t, size),
+        "forward": Work(fwd, attn, kernel, hidden, t, size, diag),
+        "backward": Work(2 * fwd + extra, 2.5 * attn, kernel, hidden, t, size, 2.5 * diag),
+        "recompute": Work(fwd, attn, kernel, hidden, t, size, diag),
     }
 
 
@@ -237,8 +253,27 @@ def tile_side(seq_len: int, p: int, causal: bool) -> int:
     return math.ceil(seq_len / p)
 
 
-def _attn_rate(machine: Machine, work: Work, backward: bool) -> float:
-    return machine.rate(f"{work.kernel}_{'bwd' if backward else 'fwd'}", work.attn_size)
+FALLBACK = {"gtile_diag": ("tile_diag", "gtile", "tile"), "tile_diag": ("tile",), "gtile": ("tile",)}
+"""Kernels whose rate stands in where a kernel has no measured curve (e.g. a cluster file, an older profile)."""
+
+
+def kernel_rate(machine: Machine, kernel: str, direction: str, size: float) -> float:
+    """FLOP/s of ``kernel`` (``sdpa``, ``tile``, ``tile_diag``, ``gtile``, ``gtile_diag``), ``fwd``/``bwd``."""
+    for name in (kernel, *FALLBACK.get(kernel, ())):
+        if f"{name}_{direction}" in machine.curves:
+            return machine.rate(f"{name}_{direction}", size)
+    base = "sdpa" if kernel == "sdpa" else "tile"
+    return machine.rate(f"{base}_{direction}", size)
+
+
+def attn_seconds(machine: Machine, work: Work, backward: bool) -> float:
+    """Seconds of a phase's attention kernels; diagonal ring tiles at their own rate where it was measured."""
+    direction = "bwd" if backward else "fwd"
+    full = work.attn - work.attn_diag
+    seconds = full / kernel_rate(machine, work.kernel, direction, work.attn_size) if full else 0.0
+    if work.attn_diag:
+        seconds += work.attn_diag / kernel_rate(machine, f"{work.kernel}_diag", direction, work.attn_size)
+    return seconds
 
 
 def comm_time(collectives: list[Collective], p: int, machine: Machine) -> tuple[float, float]:
@@ -318,7 +353,7 @@ def op_time(
     for phase in names:
         w = work[phase]
         gemm = w.gemm / machine.rate("gemm", w.gemm_size)
-        attn = w.attn / _attn_rate(machine, w, phase == "backward") if w.attn else 0.0
+        attn = attn_seconds(machine, w, phase == "backward") if w.attn else 0.0
         hide_gemm, hide_attn = (gemm if w.hidden == "gemm" else 0.0), (attn if w.hidden == "attn" else 0.0)
         exposed, overlapped = comm_time(colls[phase], p, machine)
         phases.append(PhaseTime(gemm - hide_gemm, attn - hide_attn, hide_gemm, hide_attn, exposed, overlapped))
@@ -337,4 +372,17 @@ def head_time(seq_len: int, batch: int, p: int, dims: ModelDims, machine: Machin
     return head_work(seq_len, batch, p, dims) / machine.rate("gemm", t)
 
 
-__all__ = ["KINDS", "AlphaBeta", "Links", "Machine", "OpTime", "Work", "op_time", "op_work", "ring_pairs"]
+__all__ = [
+    "KINDS",
+    "AlphaBeta",
+    "Links",
+    "Machine",
+    "OpTime",
+    "Work",
+    "attn_seconds",
+    "kernel_rate",
+    "op_time",
+    "op_work",
+    "ring_pairs",
+    "ring_tile_pairs",
+]

@@ -15,12 +15,15 @@ Allocator rounding, fragmentation and buffers that communication libraries alloc
 PyTorch (gloo, NCCL) are not included; the planner's reserve covers them.
 
 Only storages created while the tracker is active are counted, so ``live`` and ``peak`` are relative
-to the moment the tracker was entered.
+to the moment the tracker was entered, unless ``resident`` tensors are given: their storages count from
+the start and stop counting when they are freed during the tracked span (gradients that the training
+loop sets to ``None`` before the backward), so ``peak`` is then the absolute peak of everything tracked.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -63,6 +66,11 @@ class _StorageCounter(TorchDispatchMode):
                 self._add(tensor, inputs)
         return out
 
+    def add_resident(self, tensors: list[torch.Tensor]) -> None:
+        """Count the storages of ``tensors`` as live now (each once), until they are freed."""
+        for tensor in tensors:
+            self._add(tensor, set())
+
     def _add(self, tensor: torch.Tensor, inputs: set[int]) -> None:
         try:
             storage = tensor.untyped_storage()
@@ -96,9 +104,12 @@ class MemoryTracker:
         mem.peak  # largest live bytes during backward, relative to entry
     """
 
-    def __init__(self, device: torch.device | str | None = None) -> None:
+    def __init__(self, device: torch.device | str | None = None, resident: Iterable[torch.Tensor] = ()) -> None:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         """Where the tracked tensors live: ``cuda`` uses the allocator's statistics."""
+        self.resident = [t for t in resident if isinstance(t, torch.Tensor)]
+        """Tensors alive at entry that count (parameters, gradients, optimizer state): see the module docstring.
+        On CUDA any ``resident`` makes :attr:`live` and :attr:`peak` absolute (everything allocated)."""
         self._mode: _StorageCounter | None = None
         self._base = 0
 
@@ -109,11 +120,13 @@ class MemoryTracker:
     def __enter__(self) -> MemoryTracker:
         if self.cuda:
             torch.cuda.synchronize(self.device)
-            self._base = torch.cuda.memory_allocated(self.device)
+            self._base = 0 if self.resident else torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
             self._mode = _StorageCounter()
+            self._mode.add_resident(self.resident)
             self._mode.__enter__()
+        self.resident = []  # counted; not kept alive by the tracker
         return self
 
     def __exit__(self, *exc: object) -> None:
