@@ -52,6 +52,16 @@ def plan_digest(plan: Plan, *extra: int) -> int:
     return int.from_bytes(hashlib.sha256(text).digest()[:8], "little", signed=True)
 
 
+def _state_tensors(module: torch.nn.Module, optimizers: Any) -> list[torch.Tensor]:
+    """What lives across steps: parameters, buffers, gradients and optimizer state."""
+    out: list[torch.Tensor] = [*module.parameters(), *module.buffers()]
+    out += [p.grad for p in module.parameters() if p.grad is not None]
+    for opt in optimizers:
+        for state in getattr(opt, "optimizer", opt).state.values():
+            out += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
 def describe(plan: Plan) -> str:
     """``"ring+rc,metp+rc x4"`` for a uniform plan, else the per-layer list."""
     first = plan.layers[0]
@@ -68,6 +78,9 @@ class ParaDySeSwitcher(pl.Callback):
             policy for ``plan="auto"``).
         log_plan: Log the plan's mode counts per step through ``pl_module.log_dict``.
         verify: All-gather a hash of plan and batch every batch and raise if the ranks differ.
+        track_memory: Also measure every training step's peak memory on CPU (live tensor storage, through a
+            dispatch mode: slower steps) and log it as ``plan/measured_peak_mib``; CUDA always logs the
+            allocator's peak.
 
     Raises:
         TypeError: When the Trainer's strategy is not a ``ParaDySeStrategy``.
@@ -78,10 +91,14 @@ class ParaDySeSwitcher(pl.Callback):
         trainer = Trainer(strategy=ParaDySeStrategy(plan="auto"), callbacks=[ParaDySeSwitcher()])
     """
 
-    def __init__(self, planner: Planner | None = None, log_plan: bool = True, verify: bool = True) -> None:
+    def __init__(
+        self, planner: Planner | None = None, log_plan: bool = True, verify: bool = True, track_memory: bool = False
+    ) -> None:
         self.planner = planner
         self.log_plan = log_plan
         self.verify = verify
+        self.track_memory = track_memory
+        self._tracker: Any = None
         self.history: list[PlanRecord] = []
         self._last: Plan | None = None
         self._started: float | None = None
@@ -93,6 +110,11 @@ class ParaDySeSwitcher(pl.Callback):
         self.switch(trainer, pl_module, batch, "train")
         if torch.cuda.is_available() and trainer.strategy.root_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
+        elif self.track_memory:
+            from lightning_paradyse.cost.tracker import MemoryTracker
+
+            self._tracker = MemoryTracker(resident=_state_tensors(pl_module, trainer.optimizers))
+            self._tracker.__enter__()
         self._started = time.perf_counter()
 
     @override
@@ -100,12 +122,17 @@ class ParaDySeSwitcher(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         """Log the measured step time (and, on CUDA, the measured peak memory) next to the predictions."""
+        tracker, self._tracker = self._tracker, None
+        if tracker is not None:
+            tracker.__exit__(None, None, None)
         if self._started is None or not self.log_plan:
             return
         measured = {"plan/measured_time_s": time.perf_counter() - self._started}
         device = trainer.strategy.root_device
         if device.type == "cuda":
             measured["plan/measured_peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
+        elif tracker is not None:
+            measured["plan/measured_peak_mib"] = tracker.peak / 2**20
         pl_module.log_dict(measured, on_step=True, on_epoch=False, batch_size=1)
         self._started = None
 

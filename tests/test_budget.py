@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from lightning_paradyse import ParaDySeStrategy
+from lightning_paradyse import ParaDySeStrategy, ParaDySeSwitcher
 from lightning_paradyse.cost.tracker import MemoryTracker
 from lightning_paradyse.models import CONFIGS, build_model
 from lightning_paradyse.spawn import run_distributed
@@ -110,10 +110,11 @@ def _fit(plan: str, port: int, world: int) -> dict[str, Any]:
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,
-        callbacks=[peaks],
+        callbacks=[peaks, ParaDySeSwitcher(track_memory=True)],
     )
     trainer.fit(LM(), DataLoader(GrowingLengths(), batch_size=None))
-    return {"peaks": peaks.peaks, "skipped": strategy.skipped_batches}
+    logged = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("plan/")}
+    return {"peaks": peaks.peaks, "skipped": strategy.skipped_batches, "logged": logged}
 
 
 def _worker(rank: int, world: int, port: int) -> dict[str, Any]:
@@ -141,3 +142,9 @@ def test_adaptive_run_stays_within_the_budget_where_static_tp_sp_exceeds_it(monk
         over = [s for s, peak in zip(LENGTHS, static) if peak > BUDGET]
         assert over and over == list(LENGTHS[LENGTHS.index(over[0]) :]), f"rank {rank}: static tp_sp peaks {static}"
         assert over[0] <= 512, f"static tp_sp should exceed the budget from 512 tokens on, exceeded at {over}"
+        for plan, result in out.items():  # the switcher's log of the last step (1024 tokens)
+            logged = result["logged"]
+            assert logged["plan/measured_peak_mib"] * 2**20 == pytest.approx(result["peaks"][-1], rel=0.01), plan
+            assert logged["plan/measured_time_s"] > 0
+        predicted = out["auto"]["logged"]["plan/predicted_peak_mib"] * 2**20
+        assert predicted <= BUDGET and predicted == pytest.approx(out["auto"]["peaks"][-1], rel=0.03)
