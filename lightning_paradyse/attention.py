@@ -4,8 +4,10 @@
   through ``torch.nn.functional.scaled_dot_product_attention`` so that autograd and the fastest
   backend of the device apply.
 * :func:`block_forward` / :func:`block_backward`: one (query block, key block) tile returning the
-  output and the log-sum-exp, and its explicit backward (the flash-attention recurrences), used by
-  ring attention. They compute in float32 (float64 stays float64) whatever the input dtype.
+  output and the log-sum-exp, and its backward (the flash-attention recurrences), used by ring
+  attention. They compute in float32 (float64 stays float64) whatever the input dtype. On CPU, tiles
+  without a document mask run PyTorch's fused flash kernel, which returns the log-sum-exp and never
+  holds a score tile (:func:`fused_tiles`); otherwise the scores are materialised explicitly.
 * :func:`merge`: the numerically stable online-softmax merge of two partial results,
   ``lse = logaddexp(lse_a, lse_b)``, ``out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)``.
   It never exponentiates a raw log-sum-exp, so large logits cannot overflow.
@@ -84,6 +86,8 @@ def block_forward(
     pairs in the same packed document; a row with no allowed key gets ``lse = -inf`` and output 0.
     """
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if _fusable(q, k, allowed):
+        return _fused_forward(q, k, v, causal, scale)
     s = _scores(q, k, scale, causal, allowed)  # [b, n_kv, g, tq, tk]
     lse = torch.logsumexp(s, dim=-1)  # [b, n_kv, g, tq]
     p = torch.exp(s - _finite(lse).unsqueeze(-1))  # masked rows: exp(-inf) = 0
@@ -102,13 +106,17 @@ def block_backward(
     causal: bool,
     scale: float | None = None,
     allowed: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one tile given the *final* ``lse`` and ``delta = rowsum(dout * out)``.
 
     ``dout [b, n, tq, d]``, ``lse``/``delta [b, n, tq]``. Returns ``dq [b, n, tq, d]`` and
-    ``dk, dv [b, n_kv, tk, d]`` in the accumulation dtype; the caller sums them over tiles.
+    ``dk, dv [b, n_kv, tk, d]`` in the accumulation dtype; the caller sums them over tiles. With the
+    final ``out [b, n, tq, d]`` (whose rows ``delta`` sums) the fused kernel may run instead.
     """
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if out is not None and _fusable(q, k, allowed):
+        return _fused_backward(dout, q, k, v, out, lse, causal, scale)
     n_kv = k.shape[1]
     s = _scores(q, k, scale, causal, allowed)  # [b, n_kv, g, tq, tk]
     acc = s.dtype
@@ -120,6 +128,62 @@ def block_backward(
     dq = torch.einsum("bhgqk,bhkd->bhgqd", ds, k.to(acc)) * scale
     dk = torch.einsum("bhgqk,bhgqd->bhkd", ds, _grouped(q.to(acc), n_kv)) * scale
     return dq.reshape(q.shape), dk, dv
+
+
+def fused_tiles(device: torch.device | str) -> bool:
+    """Whether tiles without a document mask run the fused flash kernel on ``device`` (CPU: no score tile)."""
+    return torch.device(device).type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+
+
+def _fusable(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor | None) -> bool:
+    return allowed is None and q.shape[-2] > 0 and k.shape[-2] > 0 and fused_tiles(q.device)
+
+
+def _expand_kv(k: torch.Tensor, n: int) -> torch.Tensor:
+    group = n // k.shape[1]
+    return k if group == 1 else k.repeat_interleave(group, dim=1)  # [b, n_kv, t, d] -> [b, n, t, d]
+
+
+def _fused_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    acc = _acc_dtype(q.dtype)
+    n = q.shape[1]
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.to(acc), _expand_kv(k.to(acc), n), _expand_kv(v.to(acc), n), 0.0, causal, scale=scale
+    )  # [b, n, tq, d], [b, n, tq]
+    return out, lse.to(acc)
+
+
+def _fused_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tile's gradients from the *final* output and log-sum-exp (the kernel forms ``rowsum(dout * out)``)."""
+    acc = _acc_dtype(q.dtype)
+    b, n, _, d = q.shape
+    n_kv = k.shape[1]
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout.to(acc),
+        q.to(acc),
+        _expand_kv(k.to(acc), n),
+        _expand_kv(v.to(acc), n),
+        out.to(acc),
+        lse.to(acc),
+        0.0,
+        causal,
+        scale=scale,
+    )
+    if n_kv != n:  # sum the query heads of each kv head: [b, n, tk, d] -> [b, n_kv, tk, d]
+        dk = dk.reshape(b, n_kv, n // n_kv, -1, d).sum(2)
+        dv = dv.reshape(b, n_kv, n // n_kv, -1, d).sum(2)
+    return dq, dk, dv
 
 
 def _finite(lse: torch.Tensor) -> torch.Tensor:

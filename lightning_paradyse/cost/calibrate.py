@@ -63,6 +63,7 @@ def fit_machine(raw: dict[str, Any], dims: ModelDims, p: int) -> Machine:
         tile_fwd_flops=curves["tile_fwd"][-1][1],
         tile_bwd_flops=curves["tile_bwd"][-1][1],
         overlap=float(raw["overlap"]),
+        flash_tiles=bool(raw.get("flash_tiles", False)),
         collectives=collectives,
         curves=curves,
     )

@@ -299,8 +299,8 @@ def segment_memory(
 ) -> SegmentMemory:
     """Bytes per rank of one segment (norm + ``op`` in ``mode``); see the module docstring.
 
-    ``flash``: ring attention tiles run in a flash kernel (GPU), so no ``[b, heads, chunk, chunk]``
-    score tile is ever held; the CPU implementation materialises it.
+    ``flash``: ring attention tiles run in a fused flash kernel (on CPU, tiles without a document mask), so no
+    ``[b, heads, chunk, chunk]`` score tile is ever held; the explicit implementation materialises it.
     """
     formula = _CORES.get((mode, op))
     if formula is None:

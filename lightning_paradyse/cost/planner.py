@@ -133,6 +133,7 @@ class CostPlanner:
         """Batches skipped because no plan fit (``on_infeasible="skip"``)."""
         self._cache: dict[tuple[int, int], PlannedStep] = {}
         self._infeasible: set[tuple[int, int]] = set()
+        self._least: dict[tuple[int, int], int | None] = {}
 
     def bucket(self, seq_len: int) -> int:
         """The upper end of ``seq_len``'s bucket."""
@@ -179,9 +180,12 @@ class CostPlanner:
         return min_peak(self.problem(seq_len, batch, modes))
 
     def _fail(self, seq_len: int, batch: int) -> PlannedStep:
-        least = self.minimum(seq_len, batch)
+        key = (seq_len, batch)
+        if key not in self._least:  # the error's "least memory any plan needs", computed once per shape
+            least = self.minimum(seq_len, batch)
+            self._least[key] = None if least is None else least.peak
         error_type = PlanSkipped if self.on_infeasible == "skip" else PlanInfeasible
-        error = error_type(seq_len, batch, self.budget, None if least is None else least.peak)
+        error = error_type(seq_len, batch, self.budget, self._least[key])
         if self.on_infeasible == "skip":
             self.skipped += 1
             log.warning("skipping the batch (%d so far): %s", self.skipped, error)

@@ -20,9 +20,9 @@ alone) on the steps at profiled lengths; it then predicts the held-out steps wit
 and reports predicted against measured with the mean absolute percentage error per mode. Everything
 goes into a JSON profile that :func:`load_profile` reads back for the planner.
 
-Timings are the median over repetitions of the slowest rank; memory is the fullest rank's: saved bytes
-the minimum over repetitions (gloo may release a communication buffer late, which only adds), peaks
-the median.
+Timings are the slowest rank's fastest repetition (short measurements are repeated more often), the
+fastest of ``rounds`` whole rounds of measurement; memory is the fullest rank's: saved bytes the minimum
+over repetitions (gloo may release a communication buffer late, which only adds), peaks the median.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_paradyse.attention import fused_tiles
 from lightning_paradyse.cost.calibrate import fit_machine, fit_op, fit_step_scale
 from lightning_paradyse.cost.dims import ModelDims, dims_from_config, dtype_size
 from lightning_paradyse.cost.measure import (
@@ -97,6 +98,9 @@ class ProfileSettings:
     """Short segments are timed with more repetitions, about this many seconds of them (at most 40)."""
     step_seconds: float = 2.0
     """Short whole steps likewise: the fastest of many runs is the one least disturbed by other load."""
+    rounds: int = 2
+    """Every measurement is taken this many times, a whole calibration apart, and the fastest counts: a
+    machine slowed for a while by other load (a shared host) then rarely slows the same measurement twice."""
 
     @property
     def kernel_lengths(self) -> tuple[int, ...]:
@@ -109,8 +113,8 @@ class ProfileSettings:
             raise ValueError("give at least one profiled and one held-out length")
         if self.model not in CONFIGS:
             raise ValueError(f"unknown model config {self.model!r}; known: {', '.join(sorted(CONFIGS))}")
-        if self.reps < 1 or self.batch < 1:
-            raise ValueError(f"reps and batch must be positive, got {self.reps}, {self.batch}")
+        if self.reps < 1 or self.batch < 1 or self.rounds < 1:
+            raise ValueError(f"reps, batch and rounds must be positive, got {self.reps}, {self.batch}, {self.rounds}")
 
     @classmethod
     def quick(cls, model: str = "llama-tiny", **overrides: Any) -> ProfileSettings:
@@ -125,6 +129,7 @@ class ProfileSettings:
             kernel_seconds=0.0,
             segment_seconds=0.0,
             step_seconds=0.0,
+            rounds=1,
         )
         return cls(**{**base, **overrides})
 
@@ -260,15 +265,11 @@ def _steps(
     return out
 
 
-def profile_worker(rank: int, world: int, settings: ProfileSettings) -> dict[str, Any]:
-    """Everything a rank measures (see the module docstring); all ranks run the same collectives."""
-    model, config = _build(settings)
+def _measure_once(
+    model: torch.nn.Module, settings: ProfileSettings, dims: ModelDims, world: int, bar: _Progress
+) -> dict[str, Any]:
     step_lengths = settings.step_lengths or settings.lengths
-    n_steps = (len(step_lengths) + len(settings.heldout)) * len(settings.modes) * 2
-    n_meas = len(settings.lengths) * (len(settings.modes) * 4 + 1) + n_steps
-    bar = _Progress(n_meas + 3, settings.progress and rank == 0)
-    dims = dims_from_config(config, dtype_size(settings.dtype))
-    raw: dict[str, Any] = {"kernels": bench_kernels(dims, settings, world)}
+    raw: dict[str, Any] = {"kernels": bench_kernels(dims, settings, world), "flash_tiles": fused_tiles("cpu")}
     bar.step("kernels")
     raw["collectives"] = bench_collectives(world, settings.reps)
     bar.step("collectives")
@@ -277,8 +278,44 @@ def profile_worker(rank: int, world: int, settings: ProfileSettings) -> dict[str
     raw["segments"] = _segments(model, settings, world, bar)
     raw["fit_steps"] = _steps(model, settings, step_lengths, world, bar)
     raw["steps"] = _steps(model, settings, settings.heldout, world, bar)
-    bar.close()
     return raw
+
+
+def _fastest_rows(rounds: Sequence[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Row-wise over rounds: the fastest time; memory as the first round measured it (it does not vary)."""
+    return [{**parts[0], "time_s": min(r["time_s"] for r in parts)} for parts in zip(*rounds)]
+
+
+def merge_rounds(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One measurement set from several rounds: the best rate and the fastest time of every measurement."""
+    first = rounds[0]
+    merged = dict(first)
+    merged["kernels"] = {
+        kernel: [(points[0][0], max(pt[1] for pt in points)) for points in zip(*(r["kernels"][kernel] for r in rounds))]
+        for kernel in first["kernels"]
+    }
+    merged["collectives"] = {
+        kind: [(points[0][0], min(pt[1] for pt in points)) for points in zip(*(r["collectives"][kind] for r in rounds))]
+        for kind in first["collectives"]
+    }
+    merged["overlap"] = max(r["overlap"] for r in rounds)
+    for key in ("segments", "fit_steps", "steps"):
+        merged[key] = _fastest_rows([r[key] for r in rounds])
+    return merged
+
+
+def profile_worker(rank: int, world: int, settings: ProfileSettings) -> dict[str, Any]:
+    """Everything a rank measures (see the module docstring), ``settings.rounds`` times; all ranks run the same
+    collectives."""
+    model, config = _build(settings)
+    step_lengths = settings.step_lengths or settings.lengths
+    n_steps = (len(step_lengths) + len(settings.heldout)) * len(settings.modes) * 2
+    n_meas = len(settings.lengths) * (len(settings.modes) * 4 + 1) + n_steps
+    bar = _Progress((n_meas + 3) * settings.rounds, settings.progress and rank == 0)
+    dims = dims_from_config(config, dtype_size(settings.dtype))
+    rounds = [_measure_once(model, settings, dims, world, bar) for _ in range(settings.rounds)]
+    bar.close()
+    return merge_rounds(rounds)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -301,7 +338,7 @@ def _merge_rows(per_rank: Sequence[list[dict[str, Any]]]) -> list[dict[str, Any]
 def merge_ranks(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One measurement set from every rank's (max over ranks of times and bytes)."""
     first = per_rank[0]
-    merged = {k: first[k] for k in ("collectives", "overlap")}
+    merged = {k: first[k] for k in ("collectives", "overlap", "flash_tiles") if k in first}
     merged["kernels"] = {}
     for kernel in first["kernels"]:
         per_size = zip(*(r["kernels"][kernel] for r in per_rank))  # the slowest rank's rate at each size
@@ -450,6 +487,7 @@ __all__ = [
     "mape_per_mode",
     "mape_table",
     "merge_ranks",
+    "merge_rounds",
     "profile_worker",
     "run_profile",
 ]

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_paradyse.attention import fused_tiles
 from lightning_paradyse.cost.calibrate import fit_machine
 from lightning_paradyse.cost.dims import ModelDims
 from lightning_paradyse.cost.measure import bench_collectives, bench_kernels
@@ -71,7 +72,7 @@ def quick_machine(dims: ModelDims, p: int, group: Any, device: torch.device, dty
     for k in kinds:
         collectives[k] = [(nbytes, times[at + i]) for i, (nbytes, _) in enumerate(collectives[k])]
         at += len(collectives[k])
-    raw = {"kernels": kernels, "collectives": collectives, "overlap": QUICK_OVERLAP}
+    raw = {"kernels": kernels, "collectives": collectives, "overlap": QUICK_OVERLAP, "flash_tiles": fused_tiles(device)}
     machine = fit_machine(raw, dims, p)
     return dataclasses.replace(machine, name=f"measured at setup ({p} ranks, {device.type})")
 

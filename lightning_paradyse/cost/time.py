@@ -101,7 +101,8 @@ class Machine:
     links: Links | None = None
     """A network description used for group sizes without measurements."""
     flash_tiles: bool = False
-    """Ring tiles run in a flash kernel that never holds a score tile (GPU); else the tile is materialised."""
+    """Ring tiles run in a flash kernel that never holds a score tile (CPU tiles without a document mask, GPU
+    clusters); else the tile is materialised."""
     op_overhead_s: float = 0.0
     """Fixed time per op and step when nothing is calibrated (kernel launches)."""
     curves: Mapping[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)

@@ -135,6 +135,7 @@ def ring_backward(
                 delta[:, :, q_sl],
                 diag,
                 allowed=allowed,
+                out=out[:, :, q_sl],
             )
             dq[:, :, q_sl] += dq_t
             dkv[0][:, :, k_sl] += dk_t
