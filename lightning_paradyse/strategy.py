@@ -637,7 +637,8 @@ class ParaDySeStrategy(ParallelStrategy):
         leaf: its backward leaves every gradient as it was (``None`` after the closure's ``zero_grad``) and
         :meth:`optimizer_step` then leaves the weights alone. Manual optimization gets ``None``.
         """
-        if self.lightning_module.automatic_optimization:
+        module = self.lightning_module
+        if module is not None and module.automatic_optimization:
             return torch.zeros((), device=self.root_device, requires_grad=True)
         return None
 

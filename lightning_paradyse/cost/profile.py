@@ -338,7 +338,7 @@ def _merge_rows(per_rank: Sequence[list[dict[str, Any]]]) -> list[dict[str, Any]
 def merge_ranks(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One measurement set from every rank's (max over ranks of times and bytes)."""
     first = per_rank[0]
-    merged = {k: first[k] for k in ("collectives", "overlap", "flash_tiles") if k in first}
+    merged: dict[str, Any] = {k: first[k] for k in ("collectives", "overlap", "flash_tiles") if k in first}
     merged["kernels"] = {}
     for kernel in first["kernels"]:
         per_size = zip(*(r["kernels"][kernel] for r in per_rank))  # the slowest rank's rate at each size

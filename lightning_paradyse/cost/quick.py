@@ -40,7 +40,7 @@ QUICK_OVERLAP = 0.5
 """Overlap efficiency assumed for asynchronous transfers (a profile measures it)."""
 
 
-def _agree(values: list[float], op: dist.ReduceOp, group: Any, device: torch.device) -> list[float]:
+def _agree(values: list[float], op: Any, group: Any, device: torch.device) -> list[float]:
     """``values`` reduced over the group with ``op`` (every rank gets the same list)."""
     if not values or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return values
