@@ -1,0 +1,254 @@
+"""Heterogeneous sequence-parallel groups: which group size trains which sequence of a step (FlexSP-style).
+
+ParaDySe shares every sequence among all ``P`` ranks, so a short sequence pays a ``P``-way split and its
+collectives. Viewing the world as groups of different power-of-two sizes that run at the same time (e.g.
+8 = 4 + 2 + 1 + 1), each group trains its own share of the step's sequences; the step takes as long as its
+slowest group. This module chooses the split and the assignment; running it is a later part of the work.
+
+The problem: ``n`` sequences, ``P`` ranks, and a cost ``cost(lengths, g)``: the seconds a group of ``g``
+ranks needs for the sequences ``lengths`` (``None`` when they do not fit its memory). Find group sizes
+``g_1 + ... + g_m = P`` (powers of two) and a partition of the sequences into the groups minimising
+``max_j cost(S_j, g_j)``; an empty group idles (cost 0). The cost must be monotone: adding a sequence to a
+group never makes it faster or free up memory, which holds for any real step.
+
+* :func:`layouts` enumerates the splits of ``P`` into powers of two (10 for ``P = 8``, 1,828 for ``P = 64``).
+* :func:`assign_exact`: branch and bound, per layout, over the sequences longest first: a sequence goes to
+  each group in turn (among empty groups of one size only the first, as they are interchangeable); a branch
+  is cut when its slowest group is already no faster than the best complete assignment (by monotonicity its
+  completions cannot do better) or a group overflows. Exact for the cost; exponential in ``n`` in the worst
+  case, used up to :data:`EXACT_UP_TO` sequences.
+* :func:`assign_greedy`: the documented approximation beyond: per layout, longest sequence first to the group
+  that finishes it earliest (LPT), then moves and swaps of single sequences while the slowest group gets faster.
+* :func:`brute_force`: every layout and every map of sequences to groups; the reference of the tests.
+
+Ties are broken deterministically (time, then layouts in :func:`layouts` order, then the first assignment
+found), so every rank reaches the same answer.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+GroupCost = Callable[[tuple[int, ...], int], "float | None"]
+"""``cost(lengths, g)``: seconds for a group of ``g`` ranks to train ``lengths``; ``None`` if they do not fit."""
+
+EXACT_UP_TO = 10
+"""Sequences per step up to which :func:`assign` solves exactly."""
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """Group sizes, the sequences (indices into the step's lengths) of each group, and each group's time."""
+
+    sizes: tuple[int, ...]
+    """Ranks per group, largest first; they sum to the world size."""
+    groups: tuple[tuple[int, ...], ...]
+    """Sequence indices per group (ascending); every sequence in exactly one group."""
+    times: tuple[float, ...]
+    """Predicted seconds per group (0 for an idle group)."""
+
+    @property
+    def time(self) -> float:
+        """The step's predicted time: its slowest group's."""
+        return max(self.times)
+
+
+@functools.lru_cache(maxsize=64)
+def layouts(world: int) -> tuple[tuple[int, ...], ...]:
+    """Every split of ``world`` ranks into power-of-two group sizes, each non-increasing, largest groups first."""
+    if world < 1:
+        raise ValueError(f"world must be positive, got {world}")
+    powers = [1 << k for k in range(world.bit_length()) if 1 << k <= world][::-1]
+    out: list[tuple[int, ...]] = []
+
+    def extend(rest: int, start: int, prefix: tuple[int, ...]) -> None:
+        if rest == 0:
+            out.append(prefix)
+            return
+        for i in range(start, len(powers)):
+            if powers[i] <= rest:
+                extend(rest - powers[i], i, (*prefix, powers[i]))
+
+    extend(world, 0, ())
+    return tuple(out)
+
+
+def _group_time(cost: GroupCost, lengths: Sequence[int], members: Sequence[int], g: int) -> float | None:
+    if not members:
+        return 0.0
+    return cost(tuple(lengths[i] for i in members), g)
+
+
+def _finish(sizes: tuple[int, ...], members: list[list[int]], times: list[float]) -> Assignment:
+    return Assignment(sizes, tuple(tuple(sorted(m)) for m in members), tuple(times))
+
+
+def brute_force(lengths: Sequence[int], world: int, cost: GroupCost) -> Assignment | None:
+    """The optimum by enumerating every layout and every map of sequences to its groups (small instances)."""
+    best: Assignment | None = None
+    for sizes in layouts(world):
+        for owner in itertools.product(range(len(sizes)), repeat=len(lengths)):
+            members: list[list[int]] = [[] for _ in sizes]
+            for i, j in enumerate(owner):
+                members[j].append(i)
+            times = [_group_time(cost, lengths, m, g) for m, g in zip(members, sizes)]
+            if any(t is None for t in times):
+                continue
+            found = _finish(sizes, members, times)  # type: ignore[arg-type]
+            if best is None or found.time < best.time:
+                best = found
+    return best
+
+
+def _exact_layout(lengths: Sequence[int], sizes: tuple[int, ...], cost: GroupCost, bound: float) -> Assignment | None:
+    """The best assignment to the groups ``sizes`` faster than ``bound`` (branch and bound), or ``None``."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    members: list[list[int]] = [[] for _ in sizes]
+    times = [0.0] * len(sizes)
+    best: list[Assignment | None] = [None]
+    limit = [bound]
+
+    def place(k: int) -> None:
+        if k == len(order):
+            found = _finish(sizes, members, times)
+            if found.time < limit[0]:
+                best[0], limit[0] = found, found.time
+            return
+        i = order[k]
+        tried_empty: set[int] = set()
+        for j, g in enumerate(sizes):
+            if not members[j]:
+                if g in tried_empty:  # empty groups of one size are interchangeable
+                    continue
+                tried_empty.add(g)
+            members[j].append(i)
+            t = _group_time(cost, lengths, members[j], g)
+            if t is not None and t < limit[0]:  # monotone cost: completions only add time
+                old, times[j] = times[j], t
+                place(k + 1)
+                times[j] = old
+            members[j].pop()
+
+    place(0)
+    return best[0]
+
+
+def assign_exact(lengths: Sequence[int], world: int, cost: GroupCost) -> Assignment | None:
+    """The optimal layout and assignment for the cost (``None`` if no assignment fits); see the module docstring."""
+    best: Assignment | None = None
+    for sizes in layouts(world):
+        found = _exact_layout(lengths, sizes, cost, math.inf if best is None else best.time)
+        if found is not None:
+            best = found
+    return best
+
+
+def _improve(lengths: Sequence[int], sizes: tuple[int, ...], members: list[list[int]], cost: GroupCost) -> None:
+    """Moves and swaps of single sequences out of the slowest group while it gets faster (in place)."""
+
+    def time_of(j: int, m: list[int]) -> float:
+        t = _group_time(cost, lengths, m, sizes[j])
+        return math.inf if t is None else t
+
+    times = [time_of(j, m) for j, m in enumerate(members)]
+    improved = True
+    while improved:
+        improved = False
+        slow = max(range(len(sizes)), key=lambda j: (times[j], -j))
+        for i in list(members[slow]):
+            for j in range(len(sizes)):
+                if j == slow:
+                    continue
+                swaps = [([*members[j][:x], i, *members[j][x + 1 :]], y) for x, y in enumerate(members[j])]
+                candidates: list[tuple[list[int], int | None]] = [([*members[j], i], None), *swaps]
+                for new_j, back in candidates:
+                    new_slow = [x for x in members[slow] if x != i] + ([] if back is None else [back])
+                    t_slow, t_j = time_of(slow, new_slow), time_of(j, new_j)
+                    if max(t_slow, t_j) < times[slow]:
+                        members[slow], members[j] = new_slow, new_j
+                        times[slow], times[j] = t_slow, t_j
+                        improved = True
+                        break
+                if improved:
+                    break
+            if improved:
+                break
+
+
+def assign_greedy(lengths: Sequence[int], world: int, cost: GroupCost) -> Assignment | None:
+    """LPT per layout, then single moves and swaps; the best layout (an approximation, not always optimal)."""
+    best: Assignment | None = None
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    for sizes in layouts(world):
+        members: list[list[int]] = [[] for _ in sizes]
+        times = [0.0] * len(sizes)
+        feasible = True
+        for i in order:
+            options = []
+            for j, g in enumerate(sizes):
+                t = _group_time(cost, lengths, [*members[j], i], g)
+                if t is not None:
+                    options.append((t, j))
+            if not options:
+                feasible = False
+                break
+            t, j = min(options)
+            members[j].append(i)
+            times[j] = t
+        if not feasible:
+            continue
+        _improve(lengths, sizes, members, cost)
+        final = [_group_time(cost, lengths, m, g) for m, g in zip(members, sizes)]
+        if any(t is None for t in final):
+            continue
+        found = _finish(sizes, members, final)  # type: ignore[arg-type]
+        if best is None or found.time < best.time:
+            best = found
+    return best
+
+
+def assign(lengths: Sequence[int], world: int, cost: GroupCost, exact_up_to: int = EXACT_UP_TO) -> Assignment | None:
+    """:func:`assign_exact` for up to ``exact_up_to`` sequences, else :func:`assign_greedy`."""
+    if len(lengths) <= exact_up_to:
+        return assign_exact(lengths, world, cost)
+    return assign_greedy(lengths, world, cost)
+
+
+def sequential_cost(seq_cost: Callable[[int, int], float | None]) -> GroupCost:
+    """A group cost that trains its sequences one after another: ``sum_i seq_cost(s_i, g)``, ``None`` if any is.
+
+    ``seq_cost(s, g)`` is, e.g., the planner's predicted step time for one sequence of ``s`` tokens on a group
+    of ``g`` ranks (``None`` when no plan fits the budget); memory is then per sequence.
+    """
+
+    @functools.lru_cache(maxsize=65536)
+    def one(s: int, g: int) -> float | None:
+        return seq_cost(s, g)
+
+    def cost(lengths: tuple[int, ...], g: int) -> float | None:
+        total = 0.0
+        for s in lengths:
+            t = one(s, g)
+            if t is None:
+                return None
+            total += t
+        return total
+
+    return cost
+
+
+__all__ = [
+    "EXACT_UP_TO",
+    "Assignment",
+    "GroupCost",
+    "assign",
+    "assign_exact",
+    "assign_greedy",
+    "brute_force",
+    "layouts",
+    "sequential_cost",
+]

@@ -1,0 +1,119 @@
+"""Heterogeneous group sizes per step (FlexSP-style): the solver against brute force, and on the cost model."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from lightning_paradyse.cost.groups import (
+    Assignment,
+    assign,
+    assign_exact,
+    assign_greedy,
+    brute_force,
+    layouts,
+    sequential_cost,
+)
+from lightning_paradyse.cost.planner import PlanInfeasible, make_planner
+from lightning_paradyse.models import CONFIGS
+
+CLUSTER = Path(__file__).resolve().parents[1] / "configs" / "clusters" / "a100-80gb-nvlink-8.yaml"
+
+
+def packed_cost(a: float, b: float, comm: float, latency: float, cap: int) -> Callable[..., float | None]:
+    """A monotone packed-group cost: quadratic attention and linear work split over ``g`` ranks, communication
+    growing with ``g``, memory ``sum(s)/g <= cap``."""
+
+    def cost(lengths: tuple[int, ...], g: int) -> float | None:
+        tokens = sum(lengths)
+        if tokens / g > cap:
+            return None
+        work = (a * sum(s * s for s in lengths) + b * tokens) / g
+        return work + comm * tokens * (g - 1) / g + latency * (g > 1)
+
+    return cost
+
+
+def check(found: Assignment | None, lengths: list[int], world: int) -> None:
+    assert found is not None
+    assert sum(found.sizes) == world and all(g & (g - 1) == 0 for g in found.sizes)
+    assert sorted(i for group in found.groups for i in group) == list(range(len(lengths)))
+
+
+def test_layouts_are_every_split_into_powers_of_two() -> None:
+    assert layouts(1) == ((1,),)
+    assert layouts(2) == ((2,), (1, 1))
+    assert layouts(4) == ((4,), (2, 2), (2, 1, 1), (1, 1, 1, 1))
+    assert len(layouts(8)) == 10 and len(set(layouts(8))) == 10
+    assert all(sum(s) == 8 and list(s) == sorted(s, reverse=True) for s in layouts(8))
+    assert len(layouts(3)) == 2  # 2 + 1, 1 + 1 + 1: any world size works
+    with pytest.raises(ValueError, match="world must be positive"):
+        layouts(0)
+
+
+def test_exact_solver_matches_brute_force_on_random_instances() -> None:
+    rng = random.Random(0)
+    gaps = []
+    for trial in range(300):
+        world = rng.choice([2, 4, 8])
+        n = rng.randint(1, 6 if world < 8 else 4)
+        lengths = [rng.choice([rng.randint(16, 256), rng.randint(256, 4096)]) for _ in range(n)]
+        cost = packed_cost(
+            a=rng.uniform(0.1, 2.0) * 1e-6,
+            b=rng.uniform(0.5, 2.0) * 1e-4,
+            comm=rng.uniform(0, 2) * 1e-4,
+            latency=rng.uniform(0, 0.05),
+            cap=rng.choice([512, 2048, 10**9]),
+        )
+        reference = brute_force(lengths, world, cost)
+        exact = assign_exact(lengths, world, cost)
+        greedy = assign_greedy(lengths, world, cost)
+        if reference is None:
+            assert exact is None and greedy is None, f"trial {trial}: no assignment fits, but one was returned"
+            continue
+        check(exact, lengths, world)
+        check(greedy, lengths, world)
+        assert exact is not None and greedy is not None
+        assert exact.time == pytest.approx(reference.time, rel=1e-12), f"trial {trial}: {exact} vs {reference}"
+        for members, g, t in zip(exact.groups, exact.sizes, exact.times):  # the reported times are the cost's
+            assert t == (cost(tuple(lengths[i] for i in members), g) if members else 0.0)
+        assert greedy.time >= exact.time * (1 - 1e-12)
+        gaps.append(greedy.time / exact.time - 1)
+    assert len(gaps) > 200
+    print(f"greedy vs exact: mean gap {sum(gaps) / len(gaps):.2%}, worst {max(gaps):.2%}")
+
+
+def test_assign_is_deterministic_and_switches_to_the_approximation() -> None:
+    cost = packed_cost(1e-6, 1e-4, 1e-4, 0.01, 10**9)
+    lengths = [100, 3000, 50, 800, 800, 20]
+    assert assign(lengths, 4, cost) == assign(lengths, 4, cost) == assign_exact(lengths, 4, cost)
+    many = [random.Random(1).randint(16, 4096) for _ in range(14)]
+    assert assign(many, 8, cost, exact_up_to=10) == assign_greedy(many, 8, cost)
+
+
+def test_on_the_cost_model_short_sequences_get_groups_of_their_own() -> None:
+    """llama-7b on 8x A100 (cluster file): a step of one very long sequence, and a step of shorter ones."""
+    config = CONFIGS["llama-7b"]
+    planners = {g: make_planner(config, g, 74 * 2**30, CLUSTER) for g in (1, 2, 4, 8)}
+
+    def seq_cost(s: int, g: int) -> float | None:
+        try:
+            return planners[g].step(s, 1).time_s
+        except PlanInfeasible:
+            return None
+
+    cost = sequential_cost(seq_cost)
+    long = [65536, 2048, 4096, 1024]  # 64K tokens fit only the memory of all 8 GPUs: one group, everything in it
+    found = assign(long, 8, cost)
+    check(found, long, 8)
+    assert found is not None and found.sizes == (8,)
+    mixed = [4096, 4096, 1024, 1024, 1024, 1024, 1024, 1024]  # shorter: groups side by side beat one 8-way split
+    found = assign(mixed, 8, cost)
+    check(found, mixed, 8)
+    one_group = cost(tuple(mixed), 8)
+    assert found is not None and one_group is not None and found.time < 0.8 * one_group, (found, one_group)
+    assert len(found.sizes) > 1 and max(found.sizes) < 8, found
+    print(found, f"one group of 8: {one_group:.3f} s")
