@@ -130,3 +130,22 @@ def test_lengths_parse_with_suffixes() -> None:
     assert parse_lengths("4096, 32k,1M") == (4096, 32768, 1048576)
     with pytest.raises(Exception, match="not a length"):
         parse_lengths("lots")
+
+
+def test_plan_cli_groups(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--groups``: one step's sequences split over groups of power-of-two sizes, text and JSON."""
+    cluster = str(CLUSTERS[0])
+    args = ["--config", "llama-7b", "--cluster", cluster, "--lengths", "4k,4k,1k,1k,1k,1k,1k,1k", "--groups"]
+    assert plan_main(args) == 0
+    text = capsys.readouterr().out
+    assert "one step of 8 sequences on 8 ranks" in text and "group of" in text
+    assert plan_main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["feasible"] and sum(g["size"] for g in out["groups"]) == 8
+    assert sorted(s for g in out["groups"] for s in g["lengths"]) == sorted([4096] * 2 + [1024] * 6)
+    assert out["time_s"] == max(g["time_s"] for g in out["groups"]) < out["one_group_time_s"]
+    huge = ["--config", "llama-7b", "--cluster", cluster, "--lengths", "1M", "--groups", "--json"]
+    assert plan_main(huge) == 0
+    assert json.loads(capsys.readouterr().out)["feasible"] is False
+    assert plan_main(["--config", "llama-tiny", "--profile", "x.json", "--lengths", "1k", "--groups"]) == 2
+    assert "--groups needs --cluster" in capsys.readouterr().err

@@ -14,6 +14,7 @@ mode (without and with recomputation) and for the adaptive planner; ``--json`` p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
@@ -150,6 +151,12 @@ def plan_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-recompute", action="store_true", help="never recompute activations")
     parser.add_argument("--dtype", default=None, help="training dtype (default: the cluster's / the profile's)")
     parser.add_argument("--optimizer-bytes", type=float, default=None, help="optimizer bytes per parameter element")
+    parser.add_argument(
+        "--groups",
+        action="store_true",
+        help="treat --lengths as the sequences of one step and split the ranks into groups of power-of-two sizes "
+        "running side by side (which group trains which sequence); needs --cluster",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON")
     return parser
 
@@ -239,9 +246,55 @@ def _print_text(header: dict[str, Any], entries: list[dict[str, Any]], longest: 
         print(f"  {mode:<10} {longest['no_recompute'][mode]:>14} {longest['recompute'][mode]:>16}")
 
 
+def group_step(model: CostModel, budget: int, args: argparse.Namespace) -> dict[str, Any]:
+    """The group sizes and the sequences of each group for one step of ``args.lengths`` (see ``cost/groups.py``)."""
+    from lightning_paradyse.cost.groups import assign, layouts, sequential_cost
+
+    rc = (False,) if args.no_recompute else (False, True)
+    world = model.p
+    sizes = sorted({g for layout in layouts(world) for g in layout})
+    planners = {g: CostPlanner(dataclasses.replace(model, p=g), budget, args.modes, rc) for g in sizes}
+
+    def seq_cost(s: int, g: int) -> float | None:
+        try:
+            return planners[g].step(s, args.batch).time_s
+        except PlanInfeasible:
+            return None
+
+    cost = sequential_cost(seq_cost)
+    found = assign(args.lengths, world, cost)
+    one = cost(tuple(args.lengths), world)
+    out: dict[str, Any] = {"world": world, "lengths": list(args.lengths), "one_group_time_s": one}
+    if found is None:
+        out.update(feasible=False, error="no split of the ranks fits every sequence of the step in the budget")
+        return out
+    groups = [
+        {"size": g, "lengths": [args.lengths[i] for i in members], "time_s": t}
+        for g, members, t in zip(found.sizes, found.groups, found.times)
+    ]
+    out.update(feasible=True, time_s=found.time, groups=groups)
+    return out
+
+
+def _print_groups(result: dict[str, Any], machine: str) -> None:
+    print(f"one step of {len(result['lengths'])} sequences on {result['world']} ranks ({machine})")
+    one = result["one_group_time_s"]
+    one_text = "does not fit" if one is None else f"{one:.4g} s"
+    if not result["feasible"]:
+        print(f"  {result['error']} (one group of {result['world']}: {one_text})")
+        return
+    print(f"  predicted {result['time_s']:.4g} s (one group of {result['world']}: {one_text})")
+    for group in result["groups"]:
+        lengths = ", ".join(str(s) for s in group["lengths"]) or "idle"
+        print(f"  group of {group['size']:>3}: {group['time_s']:.4g} s   sequences {lengths}")
+
+
 def plan_main(argv: Sequence[str]) -> int:
     """``cli.py plan``: plans, predicted time and memory, and the largest trainable lengths."""
     args = plan_parser().parse_args(list(argv))
+    if args.groups and not args.cluster:
+        print("error: --groups needs --cluster (a profile holds one group size only)", file=sys.stderr)
+        return 2
     try:
         model, budget, machine = _cost_model(args)
         rc = (False,) if args.no_recompute else (False, True)
@@ -249,6 +302,13 @@ def plan_main(argv: Sequence[str]) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if args.groups:
+        result = group_step(model, budget, args)
+        if args.json:
+            print(json.dumps(result, indent=1))
+        else:
+            _print_groups(result, machine)
+        return 0
     entries = [_length_entry(planner, s, args.batch) for s in args.lengths]
     longest = max_lengths(planner, args.batch)
     header = {"model": args.model, "p": model.p, "machine": machine, "budget_bytes": budget}
