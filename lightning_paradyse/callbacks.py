@@ -121,7 +121,7 @@ class ParaDySeSwitcher(pl.Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        """Log the measured step time (and, on CUDA, the measured peak memory) next to the predictions."""
+        """Log the measured step time and peak memory (CUDA; CPU with ``track_memory``) next to the predictions."""
         tracker, self._tracker = self._tracker, None
         if tracker is not None:
             tracker.__exit__(None, None, None)

@@ -82,3 +82,18 @@ def test_backward_and_recomputation_are_seen() -> None:
         mem.reset_peak()
         z.sum().backward()  # recomputes (t @ w).relu() inside backward
         assert mem.peak > start + 2048 + 16384
+
+
+def test_resident_storages_count_until_freed() -> None:
+    """Gradients alive at a step's start count until the loop frees them; then new ones take their place."""
+    param = torch.zeros(1000)  # 4,000 bytes, stays alive
+    grad = torch.zeros(1000)  # 4,000 bytes, freed during the span
+    view = grad[:10]  # a view shares the storage: counted once
+    with MemoryTracker(resident=[param, grad, view]) as mem:
+        assert mem.live == mem.peak == 8000
+        del grad, view  # the training loop's zero_grad(set_to_none=True)
+        assert mem.live == 4000
+        new = torch.ones(1000)
+        assert mem.live == 8000 and mem.peak == 8000  # not 12,000: the old gradient is gone
+        del new
+    assert param.sum() == 0

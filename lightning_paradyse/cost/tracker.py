@@ -12,7 +12,7 @@ given buffer) is not new memory and is not counted.
 
 What is counted is what ``max_memory_allocated`` counts on CUDA: bytes of live tensor storages.
 Allocator rounding, fragmentation and buffers that communication libraries allocate outside
-PyTorch (gloo, NCCL) are not included; the planner's reserve covers them.
+PyTorch (gloo, NCCL) are not included, nor are they in the cost model: leave headroom in a memory budget.
 
 Only storages created while the tracker is active are counted, so ``live`` and ``peak`` are relative
 to the moment the tracker was entered, unless ``resident`` tensors are given: their storages count from
