@@ -149,3 +149,33 @@ def test_plan_cli_groups(capsys: pytest.CaptureFixture[str]) -> None:
     assert json.loads(capsys.readouterr().out)["feasible"] is False
     assert plan_main(["--config", "llama-tiny", "--profile", "x.json", "--lengths", "1k", "--groups"]) == 2
     assert "--groups needs --cluster" in capsys.readouterr().err
+
+
+def test_model_config_files_for_profile_and_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--config`` takes a YAML/JSON file describing a model that is not among the named configs."""
+    from lightning_paradyse.cost.profile import ProfileSettings
+    from lightning_paradyse.models import LlamaConfig, resolve_config
+
+    yaml_file = tmp_path / "llama-3b.yaml"
+    yaml_file.write_text(
+        "family: llama\nvocab_size: 32000\nn_layers: 26\nhidden: 3200\nn_heads: 32\nn_kv_heads: 32\n"
+        "ffn: 8640\nmax_seq_len: 1048576\n"
+    )
+    config = resolve_config(str(yaml_file))
+    assert isinstance(config, LlamaConfig) and config.n_layers == 26 and config.hidden == 3200
+    args = ["--config", str(yaml_file), "--cluster", str(CLUSTERS[0]), "--lengths", "8k", "--json"]
+    assert plan_main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["lengths"][0]["feasible"] and len(out["lengths"][0]["plan"]) == 26
+    assert ProfileSettings(model=str(yaml_file)).model == str(yaml_file)  # profiled by the same path on every rank
+
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"family": "llama", "hidden": 64, "layers": 2}))
+    assert plan_main(["--config", str(bad), "--cluster", str(CLUSTERS[0]), "--lengths", "1k"]) == 2
+    assert "unknown field(s) ['layers']" in capsys.readouterr().err
+    assert plan_main(["--config", "llama-9000", "--cluster", str(CLUSTERS[0]), "--lengths", "1k"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown model config 'llama-9000'" in err and "'family: llama'" in err
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(ValueError, match="expected a mapping with 'family: llama'"):
+        resolve_config(str(tmp_path / "list.yaml"))

@@ -26,12 +26,18 @@ from lightning_paradyse.cost.dims import dims_from_config, dtype_size
 from lightning_paradyse.cost.model import CostModel
 from lightning_paradyse.cost.planner import CostPlanner, PlanInfeasible, format_bytes
 from lightning_paradyse.cost.profile import ProfileSettings, format_validation, load_profile, run_profile
-from lightning_paradyse.models import CONFIGS
+from lightning_paradyse.models import CONFIGS, resolve_config
 from lightning_paradyse.modes import MODES
 from lightning_paradyse.plan import Plan
 from lightning_paradyse.policy import parse_memory_budget
 
 _SUFFIX = {"k": 2**10, "m": 2**20}
+
+
+_CONFIG_HELP = (
+    f"model: one of {', '.join(sorted(CONFIGS))}, or a YAML/JSON file with 'family: llama' or 'family: gpt' "
+    "and the config's fields (vocab_size, n_layers, hidden, n_heads, ...)"
+)
 
 
 def parse_lengths(text: str) -> tuple[int, ...]:
@@ -70,7 +76,7 @@ def _modes(text: str) -> tuple[str, ...]:
 
 def profile_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cli.py profile", description="Calibrate the cost model on this machine.")
-    parser.add_argument("--config", "--model", dest="model", default="llama-tiny", choices=sorted(CONFIGS))
+    parser.add_argument("--config", "--model", dest="model", default="llama-tiny", help=_CONFIG_HELP)
     parser.add_argument("--world-size", "-p", type=int, default=2, help="local gloo processes (default 2)")
     parser.add_argument("--lengths", type=parse_lengths, default=None, help="profiled lengths (default 128,256,512)")
     parser.add_argument(
@@ -135,7 +141,7 @@ def profile_main(argv: Sequence[str]) -> int:
 
 def plan_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cli.py plan", description="Plan per layer and op with the cost model.")
-    parser.add_argument("--config", "--model", dest="model", required=True, choices=sorted(CONFIGS))
+    parser.add_argument("--config", "--model", dest="model", required=True, help=_CONFIG_HELP)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--cluster", help="cluster description file (YAML/JSON), e.g. configs/clusters/*.yaml")
     source.add_argument(
@@ -163,7 +169,7 @@ def plan_parser() -> argparse.ArgumentParser:
 
 def _cost_model(args: argparse.Namespace) -> tuple[CostModel, int, str]:
     """The cost model, the budget and a description of the machine."""
-    config = CONFIGS[args.model]
+    config = resolve_config(args.model)
     if args.cluster:
         cluster = load_cluster(args.cluster)
         dims = dims_from_config(config, dtype_size(args.dtype or cluster.dtype))

@@ -56,7 +56,7 @@ from lightning_paradyse.cost.measure import (
 from lightning_paradyse.cost.model import CostModel, OpCalibration, calibration_key
 from lightning_paradyse.cost.time import Machine
 from lightning_paradyse.layout import SeqLayout
-from lightning_paradyse.models import CONFIGS, build_model
+from lightning_paradyse.models import build_model, resolve_config
 from lightning_paradyse.modes import MODES
 from lightning_paradyse.parallel import is_causal, parallelize
 from lightning_paradyse.plan import OPS, uniform_plan
@@ -71,7 +71,8 @@ class ProfileSettings:
     """What a calibration run measures."""
 
     model: str = "llama-tiny"
-    """Model config name (``lightning_paradyse.models.CONFIGS``)."""
+    """Model config: a name in ``lightning_paradyse.models.CONFIGS`` or a YAML/JSON config file
+    (:func:`~lightning_paradyse.models.resolve_config`)."""
     lengths: tuple[int, ...] = (128, 256, 512)
     """Sequence lengths the constants are fitted on."""
     heldout: tuple[int, ...] = (192, 384, 1024, 2048)
@@ -111,8 +112,7 @@ class ProfileSettings:
     def __post_init__(self) -> None:
         if not self.lengths or not self.heldout:
             raise ValueError("give at least one profiled and one held-out length")
-        if self.model not in CONFIGS:
-            raise ValueError(f"unknown model config {self.model!r}; known: {', '.join(sorted(CONFIGS))}")
+        resolve_config(self.model)  # a known name or a readable config file, else a clear error
         if self.reps < 1 or self.batch < 1 or self.rounds < 1:
             raise ValueError(f"reps, batch and rounds must be positive, got {self.reps}, {self.batch}, {self.rounds}")
 
@@ -224,7 +224,7 @@ class _Progress:
 
 def _build(settings: ProfileSettings) -> tuple[torch.nn.Module, Any]:
     longest = max((*settings.lengths, *settings.heldout))
-    config = CONFIGS[settings.model]
+    config = resolve_config(settings.model)
     config = dataclasses.replace(config, max_seq_len=max(config.max_seq_len, longest))
     torch.manual_seed(settings.seed)
     model = build_model(config).to(getattr(torch, settings.dtype))
@@ -254,7 +254,7 @@ def _steps(
     model: torch.nn.Module, settings: ProfileSettings, lengths: Sequence[int], p: int, bar: _Progress
 ) -> list[dict[str, Any]]:
     """Whole steps under every uniform plan (each mode, with and without recomputation) at ``lengths``."""
-    n_layers = CONFIGS[settings.model].n_layers
+    n_layers = resolve_config(settings.model).n_layers
     out = []
     for s in lengths:
         for mode in settings.modes:
@@ -360,7 +360,7 @@ def _validate(model: CostModel, steps: list[dict[str, Any]], n_layers: int, batc
 
 def fit_profile(raw: dict[str, Any], settings: ProfileSettings, p: int) -> Profile:
     """Fit the machine and the per-op constants, and predict the held-out steps."""
-    config = CONFIGS[settings.model]
+    config = resolve_config(settings.model)
     dims = dims_from_config(config, dtype_size(settings.dtype))
     machine = fit_machine(raw, dims, p)
     seg_dims = dataclasses.replace(dims, n_layers=1)

@@ -1,10 +1,16 @@
 """Reference transformer models (plain ``nn.Module`` code, no parallelism) and named configs.
 
 ``CONFIGS`` maps a name to a config instance: tiny ones for tests, realistic ones for planning only (never
-instantiate those on a laptop). ``build_model`` turns a name or config into the matching module.
+instantiate those on a laptop). :func:`resolve_config` accepts such a name or the path of a YAML/JSON file
+describing another model; ``build_model`` turns a name, a file or a config into the matching module.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
 
 from lightning_paradyse.models.gpt import GPT, GPTBlock, GPTConfig
 from lightning_paradyse.models.llama import (
@@ -33,6 +39,7 @@ __all__ = [
     "RotaryEmbedding",
     "build_model",
     "init_weights",
+    "resolve_config",
 ]
 
 ModelConfig = LlamaConfig | GPTConfig
@@ -74,13 +81,52 @@ CONFIGS: dict[str, LlamaConfig | GPTConfig] = {
 }
 
 
+_FAMILIES: dict[str, type[LlamaConfig] | type[GPTConfig]] = {"llama": LlamaConfig, "gpt": GPTConfig}
+
+
+def resolve_config(name_or_path: str) -> ModelConfig:
+    """The config named ``name_or_path`` in :data:`CONFIGS`, or the one a YAML/JSON file describes.
+
+    The file is a mapping with ``family: llama`` (:class:`LlamaConfig`) or ``family: gpt`` (:class:`GPTConfig`)
+    and that config's fields, e.g. ``{family: llama, vocab_size: 32000, n_layers: 16, hidden: 2048, n_heads: 16,
+    n_kv_heads: 4, ffn: 5632, max_seq_len: 65536}``.
+    """
+    if name_or_path in CONFIGS:
+        return CONFIGS[name_or_path]
+    path = Path(name_or_path)
+    if not path.is_file():
+        known = ", ".join(sorted(CONFIGS))
+        raise ValueError(
+            f"unknown model config {name_or_path!r}: give one of {known}, or the path of a YAML/JSON file with "
+            f"'family: llama' or 'family: gpt' and the config's fields"
+        )
+    text = path.read_text()
+    try:
+        if path.suffix == ".json":
+            data: Any = json.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text)
+    except Exception as err:  # a parse error of either format
+        raise ValueError(f"cannot read the model config {path}: {err}") from None
+    if not isinstance(data, dict) or data.get("family") not in _FAMILIES:
+        raise ValueError(f"{path}: expected a mapping with 'family: llama' or 'family: gpt' and the config's fields")
+    cls = _FAMILIES[data["family"]]
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - fields - {"family"})
+    if unknown:
+        raise ValueError(f"{path}: unknown field(s) {unknown} for family {data['family']}; fields: {sorted(fields)}")
+    try:
+        return cls(**{k: v for k, v in data.items() if k != "family"})
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{path}: {err}") from None
+
+
 def build_model(name_or_config: str | LlamaConfig | GPTConfig) -> Llama | GPT:
-    """Build the model for a config, or for the name of one in :data:`CONFIGS`."""
+    """Build the model for a config, for the name of one in :data:`CONFIGS`, or for a config file."""
     if isinstance(name_or_config, str):
-        if name_or_config not in CONFIGS:
-            known = ", ".join(sorted(CONFIGS))
-            raise ValueError(f"unknown model config {name_or_config!r}; known names: {known}")
-        config = CONFIGS[name_or_config]
+        config = resolve_config(name_or_config)
     else:
         config = name_or_config
     if isinstance(config, LlamaConfig):
