@@ -87,6 +87,23 @@ def _finish(sizes: tuple[int, ...], members: list[list[int]], times: list[float]
     return Assignment(sizes, tuple(tuple(sorted(m)) for m in members), tuple(times))
 
 
+def _evaluated(
+    lengths: Sequence[int], sizes: tuple[int, ...], members: list[list[int]], cost: GroupCost
+) -> Assignment | None:
+    """The assignment ``members`` with every group's time, ``None`` if some group does not fit."""
+    times = [_group_time(cost, lengths, m, g) for m, g in zip(members, sizes)]
+    if any(t is None for t in times):
+        return None
+    return _finish(sizes, members, times)  # type: ignore[arg-type]
+
+
+def _faster(best: Assignment | None, found: Assignment | None) -> Assignment | None:
+    """``found`` if it is strictly faster than ``best`` (ties keep the first), else ``best``."""
+    if found is not None and (best is None or found.time < best.time):
+        return found
+    return best
+
+
 def brute_force(lengths: Sequence[int], world: int, cost: GroupCost) -> Assignment | None:
     """The optimum by enumerating every layout and every map of sequences to its groups (small instances)."""
     best: Assignment | None = None
@@ -95,12 +112,7 @@ def brute_force(lengths: Sequence[int], world: int, cost: GroupCost) -> Assignme
             members: list[list[int]] = [[] for _ in sizes]
             for i, j in enumerate(owner):
                 members[j].append(i)
-            times = [_group_time(cost, lengths, m, g) for m, g in zip(members, sizes)]
-            if any(t is None for t in times):
-                continue
-            found = _finish(sizes, members, times)  # type: ignore[arg-type]
-            if best is None or found.time < best.time:
-                best = found
+            best = _faster(best, _evaluated(lengths, sizes, members, cost))
     return best
 
 
@@ -202,12 +214,7 @@ def assign_greedy(lengths: Sequence[int], world: int, cost: GroupCost) -> Assign
         if not feasible:
             continue
         _improve(lengths, sizes, members, cost)
-        final = [_group_time(cost, lengths, m, g) for m, g in zip(members, sizes)]
-        if any(t is None for t in final):
-            continue
-        found = _finish(sizes, members, final)  # type: ignore[arg-type]
-        if best is None or found.time < best.time:
-            best = found
+        best = _faster(best, _evaluated(lengths, sizes, members, cost))
     return best
 
 
