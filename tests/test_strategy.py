@@ -45,8 +45,9 @@ from lightning_paradyse.layout import SeqLayout
 from lightning_paradyse.models import build_model
 from lightning_paradyse.plan import uniform_plan
 from lightning_paradyse.policy import ThresholdPolicy, parse_memory_budget
+from lightning_paradyse.slicing import BatchInfo, find_targets, find_tokens, shard_batch
 from lightning_paradyse.spawn import run_distributed
-from lightning_paradyse.strategy import BatchInfo, compile_blocks, find_targets, find_tokens, shard_batch
+from lightning_paradyse.strategy import compile_blocks
 from tests.support.families import EncoderLM, hf_llama
 
 ROOT = Path(__file__).resolve().parents[1]
