@@ -74,8 +74,8 @@ class ParaDySeSwitcher(pl.Callback):
     """Applies a plan before every batch; all ranks are checked to hold the same one.
 
     Args:
-        planner: Where plans come from; ``None`` uses the strategy's (its fixed plan, or the threshold
-            policy for ``plan="auto"``).
+        planner: Where plans come from; ``None`` uses the strategy's (its fixed plan, or for ``plan="auto"``
+            the cost-model planner, or the threshold policy when ``thresholds`` were given).
         log_plan: Log the plan's mode counts per step through ``pl_module.log_dict``.
         verify: All-gather a hash of plan and batch every batch and raise if the ranks differ.
         track_memory: Also measure every training step's peak memory on CPU (live tensor storage, through a

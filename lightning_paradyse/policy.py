@@ -3,10 +3,11 @@
 The switcher callback asks a :class:`Planner` for the plan of every batch. Two planners live here:
 
 * :class:`FixedPlanner`: the same plan for every batch (a user-written plan or a single mode).
-* :class:`ThresholdPolicy`: a simple, deterministic length-threshold policy that stands in for the
-  cost-model planner of a later issue: short batches run the fastest communication-light mode
-  (``tp_sp``), middle ones ``ulysses``, long ones ring attention with a METP MLP and recomputation.
-  Only the modes it is allowed and that are feasible for the model on the group are chosen.
+* :class:`ThresholdPolicy`: a simple, deterministic length-threshold policy, used when
+  ``ParaDySeStrategy(thresholds=...)`` is given without a profile (``plan="auto"`` otherwise plans with the
+  exact cost-model planner of :mod:`lightning_paradyse.cost.planner`): short batches run the fastest
+  communication-light mode (``tp_sp``), middle ones ``ulysses``, long ones ring attention with a METP MLP and
+  recomputation. Only the modes it is allowed and that are feasible for the model on the group are chosen.
 
 A planner must be deterministic: every rank asks it for the same lengths and must get the same plan
 (the switcher verifies this with an all-gather of a hash of the plan).
