@@ -52,16 +52,6 @@ def plan_digest(plan: Plan, *extra: int) -> int:
     return int.from_bytes(hashlib.sha256(text).digest()[:8], "little", signed=True)
 
 
-def _state_tensors(module: torch.nn.Module, optimizers: Any) -> list[torch.Tensor]:
-    """What lives across steps: parameters, buffers, gradients and optimizer state."""
-    out: list[torch.Tensor] = [*module.parameters(), *module.buffers()]
-    out += [p.grad for p in module.parameters() if p.grad is not None]
-    for opt in optimizers:
-        for state in getattr(opt, "optimizer", opt).state.values():
-            out += [v for v in state.values() if isinstance(v, torch.Tensor)]
-    return out
-
-
 def describe(plan: Plan) -> str:
     """``"ring+rc,metp+rc x4"`` for a uniform plan, else the per-layer list."""
     first = plan.layers[0]
@@ -111,9 +101,9 @@ class ParaDySeSwitcher(pl.Callback):
         if torch.cuda.is_available() and trainer.strategy.root_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
         elif self.track_memory:
-            from lightning_paradyse.cost.tracker import MemoryTracker
+            from lightning_paradyse.cost.tracker import MemoryTracker, state_tensors
 
-            self._tracker = MemoryTracker(resident=_state_tensors(pl_module, trainer.optimizers))
+            self._tracker = MemoryTracker(resident=state_tensors(pl_module, trainer.optimizers))
             self._tracker.__enter__()
         self._started = time.perf_counter()
 

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
 from lightning_paradyse import ParaDySeStrategy, ParaDySeSwitcher
-from lightning_paradyse.cost.tracker import MemoryTracker
+from lightning_paradyse.cost.tracker import MemoryTracker, state_tensors
 from lightning_paradyse.models import CONFIGS, build_model
 from lightning_paradyse.spawn import run_distributed
 
@@ -65,16 +65,6 @@ class LM(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
-def _resident(module: torch.nn.Module, optimizers: list[Any]) -> list[Tensor]:
-    """What is alive across steps: parameters, buffers, gradients, optimizer state."""
-    tensors: list[Tensor] = [*module.parameters(), *module.buffers()]
-    tensors += [p.grad for p in module.parameters() if p.grad is not None]
-    for opt in optimizers:
-        for state in getattr(opt, "_optimizer", opt).state.values():
-            tensors += [v for v in state.values() if isinstance(v, Tensor)]
-    return tensors
-
-
 class PeakPerStep(pl.Callback):
     """Each training step's peak bytes on this process."""
 
@@ -84,7 +74,7 @@ class PeakPerStep(pl.Callback):
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
-        self._tracker = MemoryTracker(resident=_resident(pl_module, trainer.optimizers))
+        self._tracker = MemoryTracker(resident=state_tensors(pl_module, trainer.optimizers))
         self._tracker.__enter__()
 
     @override

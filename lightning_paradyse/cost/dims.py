@@ -130,37 +130,24 @@ class ModelDims:
 
 def dims_from_config(config: LlamaConfig | GPTConfig, dtype_bytes: int = 4) -> ModelDims:
     """The dimensions of a model config of :mod:`lightning_paradyse.models` (nothing is built)."""
+    family: dict[str, Any]
     if isinstance(config, LlamaConfig):
-        return ModelDims(
-            config.hidden,
-            config.n_heads,
-            config.n_kv_heads,
-            config.head_dim,
-            config.ffn,
-            config.n_layers,
-            config.vocab_size,
-            gated=True,
-            biases=False,
-            causal=True,
-            rotary=True,
-            norm="rms",
-            dtype_bytes=dtype_bytes,
-        )
+        n_kv_heads = config.n_kv_heads
+        family = {"gated": True, "biases": False, "causal": True, "rotary": True, "norm": "rms"}
+    else:  # GPT/BERT: multi-head, biases, LayerNorm, a learned position table
+        n_kv_heads = config.n_heads
+        family = {"gated": False, "biases": True, "causal": config.causal, "rotary": False, "norm": "layer"}
+        family["extra_params"] = config.max_seq_len * config.hidden
     return ModelDims(
         config.hidden,
         config.n_heads,
-        config.n_heads,
+        n_kv_heads,
         config.head_dim,
         config.ffn,
         config.n_layers,
         config.vocab_size,
-        gated=False,
-        biases=True,
-        causal=config.causal,
-        rotary=False,
-        norm="layer",
         dtype_bytes=dtype_bytes,
-        extra_params=config.max_seq_len * config.hidden,
+        **family,
     )
 
 

@@ -34,7 +34,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -286,18 +286,23 @@ def _fastest_rows(rounds: Sequence[list[dict[str, Any]]]) -> list[dict[str, Any]
     return [{**parts[0], "time_s": min(r["time_s"] for r in parts)} for parts in zip(*rounds)]
 
 
+def combine_curves(
+    sets: Sequence[Mapping[str, Sequence[tuple[float, float]]]], pick: Callable[[Iterable[float]], float]
+) -> dict[str, list[tuple[float, float]]]:
+    """``{name: [(size, value), ...]}`` curves measured several times (same names and sizes) combined pointwise
+    by ``pick`` (``min`` or ``max``)."""
+    return {
+        name: [(points[0][0], pick(pt[1] for pt in points)) for points in zip(*(c[name] for c in sets))]
+        for name in sets[0]
+    }
+
+
 def merge_rounds(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One measurement set from several rounds: the best rate and the fastest time of every measurement."""
     first = rounds[0]
     merged = dict(first)
-    merged["kernels"] = {
-        kernel: [(points[0][0], max(pt[1] for pt in points)) for points in zip(*(r["kernels"][kernel] for r in rounds))]
-        for kernel in first["kernels"]
-    }
-    merged["collectives"] = {
-        kind: [(points[0][0], min(pt[1] for pt in points)) for points in zip(*(r["collectives"][kind] for r in rounds))]
-        for kind in first["collectives"]
-    }
+    merged["kernels"] = combine_curves([r["kernels"] for r in rounds], max)
+    merged["collectives"] = combine_curves([r["collectives"] for r in rounds], min)
     merged["overlap"] = max(r["overlap"] for r in rounds)
     for key in ("segments", "fit_steps", "steps"):
         merged[key] = _fastest_rows([r[key] for r in rounds])
@@ -339,10 +344,7 @@ def merge_ranks(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One measurement set from every rank's (max over ranks of times and bytes)."""
     first = per_rank[0]
     merged: dict[str, Any] = {k: first[k] for k in ("collectives", "overlap", "flash_tiles") if k in first}
-    merged["kernels"] = {}
-    for kernel in first["kernels"]:
-        per_size = zip(*(r["kernels"][kernel] for r in per_rank))  # the slowest rank's rate at each size
-        merged["kernels"][kernel] = [(points[0][0], min(pt[1] for pt in points)) for points in per_size]
+    merged["kernels"] = combine_curves([r["kernels"] for r in per_rank], min)  # the slowest rank's rate
     merged["segments"] = _merge_rows([r["segments"] for r in per_rank])
     merged["steps"] = _merge_rows([r["steps"] for r in per_rank])
     merged["fit_steps"] = _merge_rows([r["fit_steps"] for r in per_rank])
@@ -481,6 +483,7 @@ __all__ = [
     "TIME_TARGET",
     "Profile",
     "ProfileSettings",
+    "combine_curves",
     "fit_profile",
     "format_validation",
     "load_profile",

@@ -40,13 +40,18 @@ QUICK_OVERLAP = 0.5
 """Overlap efficiency assumed for asynchronous transfers (a profile measures it)."""
 
 
-def _agree(values: list[float], op: Any, group: Any, device: torch.device) -> list[float]:
-    """``values`` reduced over the group with ``op`` (every rank gets the same list)."""
-    if not values or not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return values
-    t = torch.tensor(values, dtype=torch.float64, device=device)
+def _agree(
+    curves: dict[str, list[tuple[float, float]]], op: Any, group: Any, device: torch.device
+) -> dict[str, list[tuple[float, float]]]:
+    """``{name: [(size, value), ...]}`` with every value reduced over the group by ``op`` (one all-reduce), so
+    that every rank holds the same curves."""
+    if not curves or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return curves
+    names = sorted(curves)
+    t = torch.tensor([v for name in names for _, v in curves[name]], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=op, group=group)
-    return [float(v) for v in t.tolist()]
+    values = iter(t.tolist())
+    return {name: [(size, float(next(values))) for size, _ in curves[name]] for name in names}
 
 
 def quick_machine(dims: ModelDims, p: int, group: Any, device: torch.device, dtype: torch.dtype) -> Machine:
@@ -58,20 +63,9 @@ def quick_machine(dims: ModelDims, p: int, group: Any, device: torch.device, dty
         kernel_lengths=QUICK_LENGTHS,
         kernel_seconds=0.0,
     )
-    kernels = bench_kernels(dims, settings, p)
-    names = sorted(kernels)
-    rates = _agree([r for k in names for _, r in kernels[k]], dist.ReduceOp.MIN, group, device)
-    at = 0
-    for k in names:  # the slowest rank's rate at every size
-        kernels[k] = [(size, rates[at + i]) for i, (size, _) in enumerate(kernels[k])]
-        at += len(kernels[k])
+    kernels = _agree(bench_kernels(dims, settings, p), dist.ReduceOp.MIN, group, device)  # the slowest rank's
     collectives = bench_collectives(p, 2, group, device, QUICK_COLLECTIVE_SIZES) if p > 1 else {}
-    kinds = sorted(collectives)
-    times = _agree([t for k in kinds for _, t in collectives[k]], dist.ReduceOp.MAX, group, device)
-    at = 0
-    for k in kinds:
-        collectives[k] = [(nbytes, times[at + i]) for i, (nbytes, _) in enumerate(collectives[k])]
-        at += len(collectives[k])
+    collectives = _agree(collectives, dist.ReduceOp.MAX, group, device)
     raw = {"kernels": kernels, "collectives": collectives, "overlap": QUICK_OVERLAP, "flash_tiles": fused_tiles(device)}
     machine = fit_machine(raw, dims, p)
     return dataclasses.replace(machine, name=f"measured at setup ({p} ranks, {device.type})")

@@ -92,6 +92,16 @@ class _StorageCounter(TorchDispatchMode):
             self.live -= nbytes
 
 
+def state_tensors(module: torch.nn.Module, optimizers: Iterable[Any] = ()) -> list[torch.Tensor]:
+    """What lives across training steps: parameters, buffers, gradients and optimizer state (``resident``)."""
+    out: list[torch.Tensor] = [*module.parameters(), *module.buffers()]
+    out += [p.grad for p in module.parameters() if p.grad is not None]
+    for opt in optimizers:
+        for state in getattr(opt, "_optimizer", opt).state.values():
+            out += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
 class MemoryTracker:
     """Live and peak tensor bytes while active, relative to entry; CPU by dispatch, CUDA by the allocator.
 
