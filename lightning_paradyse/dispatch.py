@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from lightning_paradyse.comm import Group, gather_seq, group_rank, group_size, scatter_seq
+from lightning_paradyse.comm import Group, all_reduce_sum, gather_seq, group_rank, group_size, scatter_seq
 from lightning_paradyse.graph.passes import AttentionRoles, MlpRoles
 from lightning_paradyse.modes import get_mode
 from lightning_paradyse.modes.zero3 import zero3_bias, zero3_linear, zero3_linear_t
@@ -56,6 +56,9 @@ class OpDispatch(nn.Module):
         self.replicated_sources: dict[str, str] = {}
         self.ctx: SeqContext | None = None
         self.op_plan: OpPlan | None = None
+        self.group_shards: dict[str, torch.Tensor] | None = None
+        """While a step runs on a group smaller than the shard group: this rank's shards for that group,
+        read instead of the parameters of the same name (see :mod:`lightning_paradyse.groups`)."""
 
     def add_shard(self, name: str, full: torch.Tensor | None, source: ShardSource, group: Group) -> None:
         """Register this rank's rows of ``full`` (already transposed if needed) as parameter ``name``."""
@@ -74,10 +77,12 @@ class OpDispatch(nn.Module):
         self.replicated_sources[name] = source
 
     def opt(self, name: str) -> torch.Tensor | None:
+        if self.group_shards and name in self.group_shards:
+            return self.group_shards[name]
         return self._parameters.get(name)
 
     def req(self, name: str) -> torch.Tensor:
-        value = self._parameters.get(name)
+        value = self.opt(name)
         assert value is not None, name
         return value
 
@@ -111,23 +116,33 @@ class _TokenTable:
     """
 
     def _are_layout_positions(self) -> bool:
+        """Whether the values are the layout's own positions on *every* rank of the group.
+
+        The answer decides whether a collective runs, so the ranks agree on it (one tiny all-reduce):
+        with packed documents the positions restart per document and may equal the layout's on one
+        rank's tokens but not on another's.
+        """
         if len(self.values) != 1 or self.values[0].is_floating_point():
             return False
         value, dim = self.values[0], self.dims[0]
         local = self.ctx.positions(value.device)
         shaped = local.view([-1 if i == dim else 1 for i in range(value.dim())]).expand_as(value)
-        return bool(torch.equal(value, shaped))
+        differs = torch.tensor([0.0 if torch.equal(value, shaped) else 1.0], device=value.device)
+        return float(all_reduce_sum(differs, self.ctx.group)) == 0.0  # [1] summed over the group
 
     def __init__(self, values: list[torch.Tensor], dims: tuple[int, ...], ctx: SeqContext) -> None:
         self.values, self.dims, self.ctx = values, dims, ctx
         self.full: list[torch.Tensor] | None = None
+        self.layout_positions: bool | None = None
 
     def lookup(self, positions: torch.Tensor) -> list[torch.Tensor]:
         """The values at ``positions``: this rank's own tokens, or every token in natural order."""
         layout = self.ctx.layout
         if positions.numel() == layout.local_len(self.ctx.rank):
             return self.values
-        if self._are_layout_positions():  # position ids are the layout's own: nothing to gather
+        if self.layout_positions is None:
+            self.layout_positions = self._are_layout_positions()
+        if self.layout_positions:  # position ids are the layout's own: nothing to gather
             value, dim = self.values[0], self.dims[0]
             shape = [positions.numel() if i == dim else n for i, n in enumerate(value.shape)]
             view = [-1 if i == dim else 1 for i in range(value.dim())]

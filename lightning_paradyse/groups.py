@@ -1,0 +1,205 @@
+"""Groups of different sizes in one step (FlexSP-style): run a step on several sequence-parallel groups.
+
+The world of ``P`` ranks that holds the weight shards is cut into aligned power-of-two blocks, largest
+first (``8 = 4 + 2 + 1 + 1``: ranks 0-3, 4-5, 6, 7). Each block is a group that trains its own share of
+the step's sequences (packed into one sequence) under its own plan; :mod:`lightning_paradyse.cost.groups`
+chooses the sizes and the assignment.
+
+Parameters keep the ``1/P`` row shards of the unified layout: no weight is stored twice at rest. A group
+of ``g`` ranks runs its modes on ``1/g`` shards (the layout a group of ``g`` would hold). In one documented
+order per step:
+
+1. :func:`enter_group`: every rank obtains the ``1/g`` shards of its group: the rows it lacks lie on the
+   other ranks, so each op's shards are gathered once over the world (one coalesced all-gather per op, in
+   model order on every rank, outside autograd) and this rank's ``1/g`` rows kept as leaf tensors the
+   dispatch modules read instead of their ``1/P`` parameters. A group of ``P`` uses the parameters
+   themselves; a group of 1 holds the whole weights.
+2. Forward and backward of the group's packed sequence, with :func:`~lightning_paradyse.parallel.configure`
+   given the group's process group and layout. Only the group's own collectives run, so groups of
+   different sizes and plans never wait on each other. The loss is normalised by the step's global
+   number of real tokens.
+3. :func:`exit_group`: the gradients of the ``1/g`` shards are reduce-scattered over the world back onto
+   the ``1/P`` shards (one coalesced call per op, in model order; the sum over ranks is the sum over
+   groups, which is exactly the gradient of the whole step), replicated gradients are summed over the
+   world, and the ``1/g`` shards are dropped.
+
+Every world collective happens outside autograd at fixed points, so groups whose plans differ (modes,
+recomputation) cannot interleave them differently. An idle group (no sequence) still takes part in
+both steps and contributes zero gradients.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from lightning_paradyse.comm import Group, all_gather_rows, all_reduce_sum, group_rank, group_size, reduce_scatter_rows
+from lightning_paradyse.dispatch import OpDispatch
+from lightning_paradyse.parallel import dispatchers, replicated_parameters
+from lightning_paradyse.spec import row_sizes
+
+
+def check_sizes(sizes: Sequence[int], world: int) -> None:
+    """Raise a ``ValueError`` unless ``sizes`` are powers of two, largest first, summing to ``world``."""
+    if not sizes or any(g < 1 or g & (g - 1) for g in sizes):
+        raise ValueError(f"group sizes {tuple(sizes)} must be powers of two (1, 2, 4, ...)")
+    if sum(sizes) != world:
+        raise ValueError(f"group sizes {tuple(sizes)} sum to {sum(sizes)}, not to the world size {world}")
+    if list(sizes) != sorted(sizes, reverse=True):
+        raise ValueError(f"group sizes {tuple(sizes)} must be given largest first (aligned blocks of ranks)")
+
+
+def blocks(sizes: Sequence[int]) -> list[range]:
+    """The ranks of each group: consecutive aligned blocks, ``(2, 1, 1) -> [0:2], [2:3], [3:4]``."""
+    out, start = [], 0
+    for g in sizes:
+        out.append(range(start, start + g))
+        start += g
+    return out
+
+
+@dataclass
+class GroupSet:
+    """The process groups of every aligned power-of-two block of the world, created once.
+
+    ``torch.distributed.new_group`` is collective over the whole job, so every rank creates every block,
+    in the same order (here: at construction). Groups of one rank are ``None`` (no collective).
+    """
+
+    world: Group
+    """The ranks that hold the weight shards (the group the model was parallelized with)."""
+    _groups: dict[tuple[int, int], Group] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        p = group_size(self.world)
+        ranks = list(range(p)) if self.world is None else dist.get_process_group_ranks(self.world)
+        g = 2
+        while g <= p:
+            for start in range(0, p - g + 1, g):
+                members = ranks[start : start + g]
+                self._groups[(start, g)] = self.world if g == p else dist.new_group(members)
+            g *= 2
+
+    @property
+    def p(self) -> int:
+        return group_size(self.world)
+
+    @property
+    def rank(self) -> int:
+        return group_rank(self.world)
+
+    def mine(self, sizes: Sequence[int]) -> tuple[int, Group]:
+        """``(index of this rank's group, its process group)`` for the split ``sizes``."""
+        check_sizes(sizes, self.p)
+        for index, members in enumerate(blocks(sizes)):
+            if self.rank in members:
+                g = len(members)
+                return index, None if g == 1 else self._groups[(members.start, g)]
+        raise AssertionError("unreachable: the blocks cover every rank")
+
+
+def _op_pieces(op: OpDispatch) -> list[tuple[str, torch.Tensor, int]]:
+    """``(name, parameter, rows)`` of an op's shard parameters, in registration order."""
+    return [(name, op.get_parameter(name), src.rows) for name, src in op.sources.items()]
+
+
+def _flat_sizes(pieces: list[tuple[str, torch.Tensor, int]], p: int) -> list[int]:
+    """Elements every rank holds of these pieces (1/p row shards)."""
+    per_row = [math.prod(w.shape[1:]) for _, w, _ in pieces]
+    return [sum(row_sizes(rows, p)[r] * k for (_, _, rows), k in zip(pieces, per_row)) for r in range(p)]
+
+
+def enter_group(module: nn.Module, world: Group, group: Group) -> None:
+    """Step 1 of the module docstring: give every dispatch module this rank's ``1/g`` shards of ``group``."""
+    p, g, i = group_size(world), group_size(group), group_rank(group)
+    for _, op in dispatchers(module):
+        if op.group_shards is not None:
+            raise RuntimeError("enter_group called twice without exit_group")
+        if g == p:
+            op.group_shards = {}
+            continue
+        pieces = _op_pieces(op)
+        sizes = _flat_sizes(pieces, p)
+        with torch.no_grad():
+            mine = torch.cat([w.detach().reshape(-1) for _, w, _ in pieces])  # [sizes[rank]]
+            every = torch.split(all_gather_rows(mine, sizes, world), sizes)  # -> one flat piece per rank
+            chunks = [
+                torch.split(flat, [row_sizes(rows, p)[r] * math.prod(w.shape[1:]) for _, w, rows in pieces])
+                for r, flat in enumerate(every)
+            ]
+        shards: dict[str, torch.Tensor] = {}
+        for j, (name, w, rows) in enumerate(pieces):
+            k = w.shape[1:]
+            full = torch.cat([chunks[r][j].view(-1, *k) for r in range(p)])  # [rows/p, k] x p -> [rows, k]
+            start, n = sum(row_sizes(rows, g)[:i]), row_sizes(rows, g)[i]
+            shards[name] = full[start : start + n].clone().requires_grad_(w.requires_grad)  # -> [rows/g, k]
+        op.group_shards = shards
+
+
+def exit_group(module: nn.Module, world: Group, group: Group, replicated: bool = True) -> None:
+    """Step 3 of the module docstring: the ``1/g`` gradients onto the ``1/P`` shards, replicated ones summed.
+
+    Shard gradients are added to what the parameters hold (gradient accumulation works). With
+    ``replicated=False`` the replicated gradients are left for one :func:`reduce_replicated` call before
+    the optimizer step (needed when several micro-batches accumulate).
+    """
+    p, g, i = group_size(world), group_size(group), group_rank(group)
+    for _, op in dispatchers(module):
+        shards = op.group_shards
+        if shards is None:
+            raise RuntimeError("exit_group called without enter_group")
+        op.group_shards = None
+        if g == p:
+            continue
+        pieces = _op_pieces(op)
+        per_rank: list[list[torch.Tensor]] = [[] for _ in range(p)]
+        with torch.no_grad():
+            for name, w, rows in pieces:
+                full = w.new_zeros((rows, *w.shape[1:]))  # [rows, k], zero outside this rank's 1/g rows
+                grad = shards[name].grad
+                if grad is not None:
+                    start, n = sum(row_sizes(rows, g)[:i]), row_sizes(rows, g)[i]
+                    full[start : start + n] = grad
+                for r, part in enumerate(torch.split(full, row_sizes(rows, p))):
+                    per_rank[r].append(part.reshape(-1))
+            flat = torch.cat([torch.cat(parts) for parts in per_rank])  # destination-rank order
+            sizes = _flat_sizes(pieces, p)
+            mine = reduce_scatter_rows(flat, sizes, world)  # summed over the world: [sizes[rank]]
+            at = 0
+            for _, w, _ in pieces:
+                n = w.numel()
+                piece = mine[at : at + n].view_as(w)
+                at += n
+                if not w.requires_grad:
+                    continue
+                if w.grad is None:
+                    w.grad = piece.clone()
+                else:
+                    w.grad.add_(piece)
+    if replicated:
+        reduce_replicated(module, world)
+
+
+def reduce_replicated(module: nn.Module, world: Group) -> None:
+    """Sum replicated gradients over the world in one all-reduce, also where a rank has none (an idle group).
+
+    A gradient missing on a rank counts as zero; one missing on every rank stays ``None``.
+    """
+    params = [w for w in replicated_parameters(module) if w.requires_grad]
+    if group_size(world) == 1 or not params:
+        return
+    with torch.no_grad():
+        present = torch.tensor([w.grad is not None for w in params], dtype=params[0].dtype)
+        grads = [w.grad.reshape(-1) if w.grad is not None else w.new_zeros(w.numel()) for w in params]
+        total = all_reduce_sum(torch.cat([*grads, present]), world)  # one call: gradients, then presence flags
+    at = 0
+    for w, seen in zip(params, total[-len(params) :].tolist()):
+        n = w.numel()
+        if seen:
+            w.grad = total[at : at + n].view_as(w).clone()
+        at += n
