@@ -91,6 +91,7 @@ class ParaDySeSwitcher(pl.Callback):
         self._tracker: Any = None
         self.history: list[PlanRecord] = []
         self._last: Plan | None = None
+        self._last_groups: Any = None
         self._started: float | None = None
 
     @override
@@ -115,9 +116,19 @@ class ParaDySeSwitcher(pl.Callback):
         tracker, self._tracker = self._tracker, None
         if tracker is not None:
             tracker.__exit__(None, None, None)
+        strategy = trainer.strategy
+        grouped = getattr(strategy, "_group_step", None) is not None
+        if grouped:  # no backward ran (the module returned no loss): hand the shards back on every rank
+            strategy.finish_group_step()  # type: ignore[attr-defined]
         if self._started is None or not self.log_plan:
             return
         measured = {"plan/measured_time_s": time.perf_counter() - self._started}
+        times = getattr(strategy, "group_times", ())
+        if times:
+            from lightning_paradyse.groups import imbalance
+
+            measured["groups/measured_imbalance"] = imbalance(times)
+            strategy.group_times = ()  # type: ignore[attr-defined]
         device = trainer.strategy.root_device
         if device.type == "cuda":
             measured["plan/measured_peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
@@ -147,6 +158,8 @@ class ParaDySeSwitcher(pl.Callback):
         if not isinstance(strategy, ParaDySeStrategy):
             raise TypeError(f"ParaDySeSwitcher needs Trainer(strategy=ParaDySeStrategy(...)), got {type(strategy)}")
         info = strategy.inspect_batch(batch)
+        if strategy.uses_groups(info, stage):
+            return self._switch_groups(strategy, pl_module, batch, info, stage)
         planner = self.planner or strategy.planner
         assert planner is not None, "the strategy creates its planner in setup"
         try:
@@ -165,6 +178,31 @@ class ParaDySeSwitcher(pl.Callback):
         if plan != self._last:
             rank_zero_info(f"[paradyse] {stage} length {info.seq_len}: plan {describe(plan)}")
             self._last = plan
+        return plan
+
+    def _switch_groups(self, strategy: Any, pl_module: pl.LightningModule, batch: Any, info: Any, stage: str) -> Plan:
+        """A packed training batch on groups of different sizes (``ParaDySeStrategy(groups=True)``)."""
+        step, mine, plan = strategy.group_step(batch, info)
+        if self.verify:
+            self._verify(strategy, step.digest(info.checksum))
+        strategy.activate_group(step, mine, plan)
+        self.history.append(PlanRecord(stage, mine.seq_len, mine.batch, plan))
+        found = step.assignment
+        if self.log_plan:
+            from lightning_paradyse.groups import imbalance
+
+            metrics = self.metrics(plan, strategy.modes, stage) | {
+                "groups/count": float(len(found.sizes)),
+                "groups/own_size": float(step.size),
+                "groups/predicted_time_s": float(found.time),
+                "groups/predicted_imbalance": imbalance(found.times),
+            }
+            pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+        key = (found.sizes, plan)
+        if key != self._last_groups:
+            sizes = "+".join(map(str, found.sizes))
+            rank_zero_info(f"[paradyse] {stage} length {info.seq_len}: groups {sizes}, rank 0's plan {describe(plan)}")
+            self._last_groups = key
         return plan
 
     @staticmethod

@@ -30,15 +30,21 @@ both steps and contributes zero gradients.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from lightning_paradyse.comm import Group, all_gather_rows, all_reduce_sum, group_rank, group_size, reduce_scatter_rows
+from lightning_paradyse.cost.dims import ModelDims
+from lightning_paradyse.cost.groups import Assignment, GroupCost
+from lightning_paradyse.cost.time import Machine
 from lightning_paradyse.dispatch import OpDispatch
 from lightning_paradyse.parallel import dispatchers, replicated_parameters
 from lightning_paradyse.spec import row_sizes
@@ -203,3 +209,110 @@ def reduce_replicated(module: nn.Module, world: Group) -> None:
         if seen:
             w.grad = total[at : at + n].view_as(w).clone()
         at += n
+
+
+# --------------------------------------------------------------------------------------------------
+# A packed batch split among the groups (what the strategy does with ``groups=True``)
+# --------------------------------------------------------------------------------------------------
+
+
+def select_documents(batch: Mapping[str, Any], spans: Sequence[tuple[int, int]], docs: Sequence[int]) -> dict[str, Any]:
+    """The packed batch of the documents ``docs`` (in that order): every ``[1, s, ...]`` and ``[s]`` tensor cut.
+
+    ``spans`` are the ``(start, stop)`` of every document of the packed ``batch`` (documents contiguous).
+    """
+    s = spans[-1][1]
+    index = torch.cat([torch.arange(*spans[d]) for d in docs])  # [s_group] token indices of the documents
+
+    def cut(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        if value.dim() >= 2 and tuple(value.shape[:2]) == (1, s):
+            return value.index_select(1, index.to(value.device))  # [1, s, ...] -> [1, s_group, ...]
+        if tuple(value.shape) == (s,):
+            return value.index_select(0, index.to(value.device))  # [s] -> [s_group]
+        return value
+
+    return {key: cut(value) for key, value in batch.items()}
+
+
+def flop_weights(dims: ModelDims) -> tuple[float, float]:
+    """``(per token, per attended pair)`` training FLOPs of the blocks: the linear and the quadratic term."""
+    q, kv, f = dims.n_heads * dims.head_dim, dims.n_kv_heads * dims.head_dim, dims.ffn
+    linear = 2 * dims.hidden * (2 * q + 2 * kv + (3 if dims.gated else 2) * f)  # q, o, k, v, MLP projections
+    pair = 4 * dims.n_heads * dims.head_dim * (0.5 if dims.causal else 1.0)  # scores and weighted values
+    return 3 * dims.n_layers * linear, 3 * dims.n_layers * pair  # forward + backward = 3x forward
+
+
+def packed_cost(dims: ModelDims, step_time: Callable[[int, int], float | None] | None = None) -> GroupCost:
+    """The cost of a group training documents packed into one sequence (Hydraulis-style: tokens and attention).
+
+    With ``step_time(s, g)`` (a planner's predicted seconds for one sequence of ``s`` tokens on ``g`` ranks,
+    ``None`` if no plan fits) the packed step costs ``step_time(L, g)`` with its attention share rescaled
+    from ``L^2`` to ``sum(l_i^2)``: documents never attend to each other, so short documents packed together
+    cost their tokens, not the square of their total. Memory is that of one sequence of ``L`` tokens (an upper
+    bound). Without it the cost is the FLOPs per rank, ``(a L + c sum(l_i^2)) / g``. Both are monotone.
+    """
+    a, c = flop_weights(dims)
+
+    def cost(lengths: tuple[int, ...], g: int) -> float | None:
+        total, squares = sum(lengths), sum(n * n for n in lengths)
+        if step_time is None:
+            return (a * total + c * squares) / g
+        whole = step_time(total, g)
+        if whole is None:
+            return None
+        return whole * (a * total + c * squares) / (a * total + c * total * total)
+
+    return cost
+
+
+def machine_for_groups(machine: Machine, world: int) -> Machine:
+    """``machine`` with a collective model for every power-of-two group size up to ``world``.
+
+    Sizes that were not measured take the nearest measured size's alpha-beta (an approximation: on one
+    host or one fast network the per-byte cost changes little with the group size); a described network
+    (:attr:`Machine.links`) needs nothing.
+    """
+    if machine.links is not None:
+        return machine
+    sizes = [1 << k for k in range(world.bit_length()) if 1 << k <= world]
+    table: dict[str, dict[int, Any]] = {}
+    for kind, measured in machine.collectives.items():
+        if not measured:
+            continue
+        table[kind] = {g: measured.get(g) or measured[min(measured, key=lambda q: (abs(q - g), q))] for g in sizes}
+    return dataclasses.replace(machine, collectives=table)
+
+
+@dataclass(frozen=True)
+class GroupStep:
+    """One training step of this rank on its group: what the strategy configures and runs."""
+
+    assignment: Assignment
+    """Group sizes and the documents of each group (the same on every rank)."""
+    index: int
+    """This rank's group."""
+    group: Group
+    """Its process group (``None`` for a group of one)."""
+    rank: int
+    """This rank's rank inside the group."""
+    batch: dict[str, Any]
+    """The group's packed batch (its documents)."""
+    spans: tuple[tuple[int, int], ...] = field(default=())
+    """The documents of the whole batch."""
+
+    @property
+    def size(self) -> int:
+        return self.assignment.sizes[self.index]
+
+    def digest(self, checksum: int) -> int:
+        """A signed 64-bit hash of the assignment and the batch, equal across ranks that agree."""
+        text = repr((self.assignment.sizes, self.assignment.groups, checksum)).encode()
+        return int.from_bytes(hashlib.sha256(text).digest()[:8], "little", signed=True)
+
+
+def imbalance(times: Sequence[float]) -> float:
+    """Slowest over mean of the groups' times (1.0: perfectly balanced)."""
+    busy = [t for t in times if t > 0]
+    return max(busy) / (sum(busy) / len(busy)) if busy else 1.0

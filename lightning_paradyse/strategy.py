@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from datetime import timedelta
@@ -151,6 +152,11 @@ class ParaDySeStrategy(ParallelStrategy):
             warning (counted in ``skipped_batches``).
         loss_reduction: ``"mean"`` if the module's loss is a mean over its local real tokens (rescaled by
             ``n_r / N``), ``"sum"`` if it is already a sum over them.
+        groups: Train each packed batch (``doc_ids``) on groups of different power-of-two sizes at once
+            (FlexSP-style, :mod:`lightning_paradyse.groups`): per step the ranks are split into groups and the
+            documents assigned to them so that the slowest group is fastest on the cost model, attention cost
+            counted per document; each group runs its own plan. Other batches, validation and test use one
+            group of every rank.
 
     Raises:
         ValueError: For a bad option, naming the option, the value and the fix.
@@ -185,6 +191,7 @@ class ParaDySeStrategy(ParallelStrategy):
         loss_reduction: Literal["mean", "sum"] = "mean",
         on_infeasible: Literal["error", "skip"] = "error",
         plan_bucket: int = 512,
+        groups: bool = False,
     ) -> None:
         super().__init__()
         self.modes = validate_modes(modes)
@@ -202,7 +209,14 @@ class ParaDySeStrategy(ParallelStrategy):
         self.start_method = _validate_choice("start_method", start_method, START_METHODS)
         self.timeout = _validate_timeout(timeout)
         self.loss_reduction = _validate_choice("loss_reduction", loss_reduction, ("mean", "sum"))
+        self.groups = _validate_flag("groups", groups)
         self.num_nodes = 1
+        self._group_set: Any = None
+        self._group_planners: dict[int, Planner] = {}
+        self._group_step: Any = None
+        self._group_started = 0.0
+        self.group_times: tuple[float, ...] = ()
+        """Measured seconds of every group's forward and backward (its slowest rank) in the last grouped step."""
         self.planner: Planner | None = None
         self.final_state_dict: dict[str, Tensor] | None = None
         self._group: Group = None
@@ -296,6 +310,10 @@ class ParaDySeStrategy(ParallelStrategy):
         self.model_to_device()
         self._parallelize()
         self.planner = self._make_planner()
+        if self.groups and group_size(self._group) > 1:
+            from lightning_paradyse.groups import GroupSet
+
+            self._group_set = GroupSet(self._group)  # new_group is collective: every rank, once, here
         _ensure_switcher(trainer)
         _keep_user_samplers(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -425,6 +443,110 @@ class ParaDySeStrategy(ParallelStrategy):
         parallel.set_step_targets(module, info.shift_labels, info.n_shift_labels)
         self._pending = info
 
+    # ------------------------------------------------------------------ groups of different sizes
+
+    def uses_groups(self, info: BatchInfo, stage: str) -> bool:
+        """Whether this batch runs on groups of different sizes (``groups=True``, a packed training batch)."""
+        return self._group_set is not None and stage == "train" and info.doc_ids is not None
+
+    def _planner_for(self, g: int) -> Planner:
+        """The planner of a group of ``g`` ranks (the cost model's machine, collectives for every size)."""
+        if g not in self._group_planners:
+            from lightning_paradyse.cost.planner import CostPlanner, make_planner
+            from lightning_paradyse.groups import machine_for_groups
+
+            planner = self.planner
+            if isinstance(planner, CostPlanner):
+                machine = machine_for_groups(planner.model.machine, group_size(self._group))
+                self._group_planners[g] = make_planner(
+                    self._module, g, planner.budget, machine, planner.modes, bucket_tokens=self.plan_bucket
+                )
+            else:  # a fixed plan (or thresholds): the same plan on every group
+                assert planner is not None
+                self._group_planners[g] = planner
+        return self._group_planners[g]
+
+    def group_step(self, batch: Any, info: BatchInfo) -> tuple[Any, BatchInfo, Plan]:
+        """Split a packed batch among groups: ``(GroupStep, this rank's batch info, its plan)``.
+
+        Everything is decided from the batch alone, alike on every rank, and every group's batch and plan are
+        checked here, before any collective.
+        """
+        from lightning_paradyse.cost.groups import assign
+        from lightning_paradyse.cost.planner import CostPlanner, PlanInfeasible
+        from lightning_paradyse.groups import GroupStep, blocks, packed_cost, select_documents
+        from lightning_paradyse.slicing import shifted_labels
+        from lightning_paradyse.spec import document_bounds
+
+        assert self._group_set is not None
+        p = group_size(self._group)
+        spans = document_bounds(info.doc_ids, info.seq_len)
+        lengths = [b - a for a, b in spans]
+
+        def step_time(s: int, g: int) -> float | None:
+            planner = self._planner_for(g)
+            if not isinstance(planner, CostPlanner):
+                return None
+            try:
+                return planner.step(s, 1).time_s
+            except PlanInfeasible:
+                return None
+
+        from lightning_paradyse.cost.dims import dims_from_module
+
+        use_model = isinstance(self.planner, CostPlanner)
+        cost = packed_cost(dims_from_module(self._module), step_time if use_model else None)
+        found = assign(lengths, p, cost, all_busy=True)
+        if found is None:
+            raise ValueError(
+                f"no split of the {p} ranks into groups fits the packed batch of {len(lengths)} documents "
+                f"({info.seq_len} tokens) in the memory budget; use groups=False, a larger memory_budget or shorter "
+                f"batches"
+            )
+        causal, mean = parallel.is_causal(self._module), self.loss_reduction == "mean"
+        steps = []
+        for g, members in zip(found.sizes, found.groups):  # every group's batch and plan checked on every rank
+            sub = select_documents(batch, spans, members)
+            sub_info = describe_batch(sub, g, 0, causal=causal, mean_loss=mean)
+            plan = self._planner_for(g).plan(sub_info.seq_len, 1)
+            parallel.check_plan(self._module, plan, g)
+            steps.append((sub, plan))
+        index, pg = self._group_set.mine(found.sizes)
+        rank = self.global_rank - blocks(found.sizes)[index].start
+        sub, plan = steps[index]
+        mine = describe_batch(sub, found.sizes[index], rank, causal=causal, mean_loss=mean)
+        mine = replace(mine, n_global=info.n_global, n_shift_labels=info.n_shift_labels)
+        if info.shift_labels is not None:  # the whole batch's shifted labels, cut like the tokens
+            labels = select_documents({"labels": shifted_labels(batch["labels"])}, spans, found.groups[index])
+            mine = replace(mine, shift_labels=mine.layout.shard(labels["labels"], rank))
+        return GroupStep(found, index, pg, rank, sub, tuple(spans)), mine, plan
+
+    def activate_group(self, step: Any, info: BatchInfo, plan: Plan) -> None:
+        """This rank's 1/g shards (a collective over every rank), then its group's layout and plan."""
+        from lightning_paradyse.groups import enter_group
+
+        module = self._module
+        enter_group(module, self._group, step.group)
+        parallel.configure(module, SeqContext(info.layout, step.group, info.doc_ids), plan)
+        parallel.set_step_targets(module, info.shift_labels, info.n_shift_labels)
+        self._pending, self._group_step = info, step
+        self._group_started = time.perf_counter()
+
+    def finish_group_step(self) -> None:
+        """The 1/g gradients back onto the 1/P shards (a collective over every rank); the replicated gradients
+        summed over every rank when no micro-batch is left to accumulate."""
+        from lightning_paradyse.groups import blocks, exit_group, reduce_replicated
+
+        step, self._group_step = self._group_step, None
+        if step is None:
+            return
+        elapsed = torch.tensor([time.perf_counter() - self._group_started], dtype=torch.float64)
+        per_rank = all_gather_rows(elapsed, [1] * group_size(self._group), self._group).tolist()  # [1] -> [P]
+        self.group_times = tuple(max(per_rank[r] for r in block) for block in blocks(step.assignment.sizes))
+        exit_group(self._module, self._group, step.group, replicated=False)
+        if not self._accumulating():
+            reduce_replicated(self._module, self._group)
+
     def _take_pending(self, hook: str) -> BatchInfo:
         info, self._pending = self._pending, None
         if info is None:
@@ -440,10 +562,14 @@ class ParaDySeStrategy(ParallelStrategy):
         info = self._take_pending(hook)
         if info.skip:
             return info, args, kwargs
+        step = self._group_step
+        rank = self.global_rank if step is None else step.rank
         if args:
-            args = (shard_batch(args[0], info, self.global_rank), *args[1:])
+            batch = args[0] if step is None else step.batch
+            args = (shard_batch(batch, info, rank), *args[1:])
         elif "batch" in kwargs:
-            kwargs = {**kwargs, "batch": shard_batch(kwargs["batch"], info, self.global_rank)}
+            batch = kwargs["batch"] if step is None else step.batch
+            kwargs = {**kwargs, "batch": shard_batch(batch, info, rank)}
         return info, args, kwargs
 
     def _global(self, output: Any, info: BatchInfo) -> Any:
@@ -458,7 +584,7 @@ class ParaDySeStrategy(ParallelStrategy):
         """``GlobalLoss(local * w_r)``: the exact single-process loss on every rank."""
         consumed = bool(parallel.step_state(self._module).labels_consumed)
         weight = 1.0 if consumed or self.loss_reduction == "sum" else info.n_local / info.n_global
-        return GlobalLoss.apply(local * weight, self._group)  # type: ignore[no-any-return]
+        return GlobalLoss.apply(local * weight, self._group)  # type: ignore[no-any-return]  # over every rank
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -522,7 +648,9 @@ class ParaDySeStrategy(ParallelStrategy):
         With gradient accumulation (automatic optimization) the sum waits for the micro-batch that steps, as
         DDP's ``no_sync`` does; with manual optimization it follows every backward.
         """
-        if not self._accumulating():
+        if self._group_step is not None:
+            self.finish_group_step()
+        elif not self._accumulating():
             parallel.reduce_replicated_grads(self._module, self._group)
 
     def _accumulating(self) -> bool:

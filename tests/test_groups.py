@@ -82,6 +82,14 @@ def test_exact_solver_matches_brute_force_on_random_instances() -> None:
             assert t == (cost(tuple(lengths[i] for i in members), g) if members else 0.0)
         assert greedy.time >= exact.time * (1 - 1e-12)
         gaps.append(greedy.time / exact.time - 1)
+        busy_reference = brute_force(lengths, world, cost, all_busy=True)  # no idle group (the strategy's setting)
+        busy, busy_greedy = assign_exact(lengths, world, cost, all_busy=True), assign_greedy(lengths, world, cost, True)
+        if busy_reference is None:
+            assert busy is None, f"trial {trial}: no busy assignment fits, but one was returned"
+            continue
+        assert busy is not None and all(busy.groups), f"trial {trial}: {busy}"
+        assert busy.time == pytest.approx(busy_reference.time, rel=1e-12), f"trial {trial}: {busy} vs {busy_reference}"
+        assert busy_greedy is None or (all(busy_greedy.groups) and busy_greedy.time >= busy.time * (1 - 1e-12))
     assert len(gaps) > 200
     print(f"greedy vs exact: mean gap {sum(gaps) / len(gaps):.2%}, worst {max(gaps):.2%}")
 

@@ -3,7 +3,7 @@
 ParaDySe shares every sequence among all ``P`` ranks, so a short sequence pays a ``P``-way split and its
 collectives. Viewing the world as groups of different power-of-two sizes that run at the same time (e.g.
 8 = 4 + 2 + 1 + 1), each group trains its own share of the step's sequences; the step takes as long as its
-slowest group. This module chooses the split and the assignment; running it is a later part of the work.
+slowest group. This module chooses the split and the assignment; :mod:`lightning_paradyse.groups` runs it.
 
 The problem: ``n`` sequences, ``P`` ranks, and a cost ``cost(lengths, g)``: the seconds a group of ``g``
 ranks needs for the sequences ``lengths`` (``None`` when they do not fit its memory). Find group sizes
@@ -104,7 +104,7 @@ def _faster(best: Assignment | None, found: Assignment | None) -> Assignment | N
     return best
 
 
-def brute_force(lengths: Sequence[int], world: int, cost: GroupCost) -> Assignment | None:
+def brute_force(lengths: Sequence[int], world: int, cost: GroupCost, all_busy: bool = False) -> Assignment | None:
     """The optimum by enumerating every layout and every map of sequences to its groups (small instances)."""
     best: Assignment | None = None
     for sizes in layouts(world):
@@ -112,12 +112,18 @@ def brute_force(lengths: Sequence[int], world: int, cost: GroupCost) -> Assignme
             members: list[list[int]] = [[] for _ in sizes]
             for i, j in enumerate(owner):
                 members[j].append(i)
+            if all_busy and not all(members):
+                continue
             best = _faster(best, _evaluated(lengths, sizes, members, cost))
     return best
 
 
-def _exact_layout(lengths: Sequence[int], sizes: tuple[int, ...], cost: GroupCost, bound: float) -> Assignment | None:
+def _exact_layout(
+    lengths: Sequence[int], sizes: tuple[int, ...], cost: GroupCost, bound: float, all_busy: bool = False
+) -> Assignment | None:
     """The best assignment to the groups ``sizes`` faster than ``bound`` (branch and bound), or ``None``."""
+    if all_busy and len(sizes) > len(lengths):
+        return None
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     members: list[list[int]] = [[] for _ in sizes]
     times = [0.0] * len(sizes)
@@ -125,6 +131,8 @@ def _exact_layout(lengths: Sequence[int], sizes: tuple[int, ...], cost: GroupCos
     limit = [bound]
 
     def place(k: int) -> None:
+        if all_busy and sum(not m for m in members) > len(order) - k:  # too few sequences left for the empty groups
+            return
         if k == len(order):
             found = _finish(sizes, members, times)
             if found.time < limit[0]:
@@ -149,11 +157,14 @@ def _exact_layout(lengths: Sequence[int], sizes: tuple[int, ...], cost: GroupCos
     return best[0]
 
 
-def assign_exact(lengths: Sequence[int], world: int, cost: GroupCost) -> Assignment | None:
-    """The optimal layout and assignment for the cost (``None`` if no assignment fits); see the module docstring."""
+def assign_exact(lengths: Sequence[int], world: int, cost: GroupCost, all_busy: bool = False) -> Assignment | None:
+    """The optimal layout and assignment for the cost (``None`` if no assignment fits); see the module docstring.
+
+    ``all_busy``: only assignments that give every group at least one sequence (no idle ranks).
+    """
     best: Assignment | None = None
     for sizes in layouts(world):
-        found = _exact_layout(lengths, sizes, cost, math.inf if best is None else best.time)
+        found = _exact_layout(lengths, sizes, cost, math.inf if best is None else best.time, all_busy)
         if found is not None:
             best = found
     return best
@@ -191,11 +202,16 @@ def _improve(lengths: Sequence[int], sizes: tuple[int, ...], members: list[list[
                 break
 
 
-def assign_greedy(lengths: Sequence[int], world: int, cost: GroupCost) -> Assignment | None:
-    """LPT per layout, then single moves and swaps; the best layout (an approximation, not always optimal)."""
+def assign_greedy(lengths: Sequence[int], world: int, cost: GroupCost, all_busy: bool = False) -> Assignment | None:
+    """LPT per layout, then single moves and swaps; the best layout (an approximation, not always optimal).
+
+    ``all_busy``: layouts whose result leaves a group without a sequence are dropped.
+    """
     best: Assignment | None = None
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     for sizes in layouts(world):
+        if all_busy and len(sizes) > len(lengths):
+            continue
         members: list[list[int]] = [[] for _ in sizes]
         times = [0.0] * len(sizes)
         feasible = True
@@ -214,15 +230,19 @@ def assign_greedy(lengths: Sequence[int], world: int, cost: GroupCost) -> Assign
         if not feasible:
             continue
         _improve(lengths, sizes, members, cost)
+        if all_busy and not all(members):
+            continue
         best = _faster(best, _evaluated(lengths, sizes, members, cost))
     return best
 
 
-def assign(lengths: Sequence[int], world: int, cost: GroupCost, exact_up_to: int = EXACT_UP_TO) -> Assignment | None:
+def assign(
+    lengths: Sequence[int], world: int, cost: GroupCost, exact_up_to: int = EXACT_UP_TO, all_busy: bool = False
+) -> Assignment | None:
     """:func:`assign_exact` for up to ``exact_up_to`` sequences, else :func:`assign_greedy`."""
     if len(lengths) <= exact_up_to:
-        return assign_exact(lengths, world, cost)
-    return assign_greedy(lengths, world, cost)
+        return assign_exact(lengths, world, cost, all_busy)
+    return assign_greedy(lengths, world, cost, all_busy)
 
 
 def sequential_cost(seq_cost: Callable[[int, int], float | None]) -> GroupCost:

@@ -1,0 +1,159 @@
+"""``ParaDySeStrategy(groups=True)``: packed batches trained on groups of different sizes equal one process.
+
+Four processes train an unmodified LightningModule on packed batches (documents of 6-150 tokens, positions
+restarting per document). Each step splits the ranks into groups (sizes 1, 2 and 4 at once) and the
+documents among them. One run forces a different split every step (the splits are dealt by the test: the
+equivalence must hold whatever the solver picks); one run lets the solver choose on the measured cost model.
+Both must match a single-process run of the same strategy (document-aware attention, no groups) step by
+step in loss and in every final weight, with AdamW and gradient accumulation.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from lightning_paradyse import ParaDySeStrategy
+from lightning_paradyse.batching import pack_documents
+from lightning_paradyse.cost.groups import Assignment
+from lightning_paradyse.models import build_model
+from lightning_paradyse.spawn import run_distributed
+from tests.test_strategy import assert_same_training, free_port
+
+SPLITS = [(2, 1, 1), (4,), (1, 1, 1, 1), (2, 2), (2, 1, 1), (2, 2)]
+"""The forced split of each step (largest group first)."""
+
+
+class PackedLM(pl.LightningModule):
+    """An ordinary LightningModule for packed batches: positions from the batch, mean token cross-entropy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = build_model("llama-tiny")
+
+    @override
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        logits = self.model(batch["input_ids"], batch["positions"])  # [1, s_r, vocab] on this rank's tokens
+        return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten())
+
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+
+def packed_batches(steps: int = 6) -> list[dict[str, Tensor]]:
+    gen = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(steps):
+        n = int(torch.randint(4, 8, (1,), generator=gen))
+        lengths = [int(x) for x in torch.randint(6, 150, (n,), generator=gen)]
+        out.append(pack_documents([torch.randint(0, 128, (k,), generator=gen) for k in lengths]))
+    return out
+
+
+class Record(pl.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.splits: list[tuple[int, ...]] = []
+        self.imbalance: list[tuple[float, float]] = []
+        self.state: dict[str, Tensor] = {}
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *args: Any) -> None:
+        self.losses.append(float(outputs["loss"]))
+        metrics = trainer.callback_metrics
+        if "groups/count" in metrics:
+            self.splits.append((int(metrics["groups/count"]), int(metrics["groups/own_size"])))
+            self.imbalance.append(
+                (float(metrics["groups/predicted_imbalance"]), float(metrics["groups/measured_imbalance"]))
+            )
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = trainer.strategy
+        self.state = {k: v.detach().clone() for k, v in strategy.lightning_module_state_dict().items()}
+
+
+def dealt(lengths: Any, world: int, cost: Any, **kwargs: Any) -> Assignment:
+    """The test's split for the next step: ``SPLITS`` in turn, documents dealt round robin."""
+    sizes = SPLITS[dealt.calls % len(SPLITS)]  # type: ignore[attr-defined]
+    dealt.calls += 1  # type: ignore[attr-defined]
+    members: list[list[int]] = [[] for _ in sizes]
+    for i in range(len(lengths)):
+        members[i % len(sizes)].append(i)
+    times = tuple(float(cost(tuple(lengths[i] for i in m), g)) for m, g in zip(members, sizes))
+    return Assignment(sizes, tuple(tuple(m) for m in members), times)
+
+
+dealt.calls = 0  # type: ignore[attr-defined]
+
+
+def fit(devices: int, groups: bool, accumulate: int = 1) -> dict[str, Any]:
+    pl.seed_everything(0, verbose=False)
+    record = Record()
+    strategy = ParaDySeStrategy(groups=groups, timeout=60)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[record],
+        max_steps=6 // accumulate,
+        accumulate_grad_batches=accumulate,
+    )
+    trainer.fit(PackedLM(), train_dataloaders=DataLoader(packed_batches(), batch_size=None))
+    return {"losses": record.losses, "state": record.state, "imbalance": record.imbalance, "splits": record.splits}
+
+
+def worker(rank: int, world: int, port: int) -> bytes:
+    import lightning_paradyse.cost.groups as solver
+
+    dist.destroy_process_group()  # the harness's group: the strategy makes its own
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+    out = {}
+    os.environ["MASTER_PORT"] = str(port)
+    out["solver"] = fit(world, True)
+    real = solver.assign
+    solver.assign = dealt  # type: ignore[assignment]
+    try:
+        os.environ["MASTER_PORT"] = str(port + 1)
+        out["dealt"] = fit(world, True)
+        os.environ["MASTER_PORT"] = str(port + 2)
+        out["dealt-accumulate"] = fit(world, True, accumulate=2)
+    finally:
+        solver.assign = real
+    buffer = io.BytesIO()
+    torch.save(out, buffer)
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, dict[str, Any]]:
+    return {"plain": fit(1, False), "accumulate": fit(1, False, accumulate=2)}
+
+
+def test_groups_of_different_sizes_train_like_one_process(reference: dict[str, dict[str, Any]]) -> None:
+    raw = run_distributed(worker, 4, free_port(), timeout=420)
+    runs = [torch.load(io.BytesIO(r), weights_only=False) for r in raw]
+    for name, run in runs[0].items():
+        ref = reference["accumulate" if "accumulate" in name else "plain"]
+        assert_same_training(run, ref, f"groups/{name}")
+        assert all(other[name]["losses"] == run["losses"] for other in runs), f"{name}: ranks report other losses"
+    print("solver's splits (groups, rank 0's group size):", runs[0]["solver"]["splits"])
+    dealt_run = runs[0]["dealt"]
+    assert [count for count, _ in dealt_run["splits"]] == [len(s) for s in SPLITS]
+    assert len(dealt_run["imbalance"]) == 6  # logged every grouped step: predicted and measured
+    assert all(pred >= 1.0 and meas >= 1.0 for pred, meas in dealt_run["imbalance"])
