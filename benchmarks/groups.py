@@ -2,8 +2,8 @@
 
 Usage::
 
-    python benchmarks/groups.py                # 4 gloo processes, about 5 minutes on 2 CPU cores
-    python benchmarks/groups.py --steps 4      # a smoke run
+    python benchmarks/groups.py                # 4 gloo processes, about 2 minutes on 2 CPU cores
+    python benchmarks/groups.py --steps 4 --warmup 1   # a smoke run (under a minute)
 
 Every run trains the same LightningModule (``llama-tiny`` widened, see ``MODEL``) with
 ``ParaDySeStrategy`` on the same packed batches: documents with GitHubCode-like lengths (the paper's bucket
@@ -75,7 +75,7 @@ class PackedLM(pl.LightningModule):
 
 def batches(steps: int, max_len: int, max_tokens: int, seed: int) -> list[dict[str, Tensor]]:
     """Packed batches of GitHubCode-like documents, ``steps`` of them, shuffled."""
-    lengths = length_trace("github", 40 * steps, max_len, seed=seed, min_len=16)
+    lengths = length_trace("github", 40 * steps, max_len, seed=seed, min_len=8)
     plan = plan_batches(lengths, BatchingConfig(max_tokens=max_tokens, max_len=max_len, pack=True, order="shuffled"))
     gen = torch.Generator().manual_seed(seed)
     return [
@@ -183,9 +183,9 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace) -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--devices", type=int, default=4)
-    p.add_argument("--steps", type=int, default=12, help="packed steps per run")
+    p.add_argument("--steps", type=int, default=16, help="packed steps per run")
     p.add_argument("--warmup", type=int, default=2, help="untimed first steps")
-    p.add_argument("--max-len", type=int, default=1024, help="longest document")
+    p.add_argument("--max-len", type=int, default=2048, help="longest document")
     p.add_argument("--max-tokens", type=int, default=2048, help="tokens per packed step")
     p.add_argument("--runs", type=str, default=",".join(("groups", "adaptive", *STATIC)))
     p.add_argument("--out", type=Path, default=RESULTS / "groups.json")

@@ -244,7 +244,11 @@ def flop_weights(dims: ModelDims) -> tuple[float, float]:
     return 3 * dims.n_layers * linear, 3 * dims.n_layers * pair  # forward + backward = 3x forward
 
 
-def packed_cost(dims: ModelDims, step_time: Callable[[int, int], float | None] | None = None) -> GroupCost:
+def packed_cost(
+    dims: ModelDims,
+    step_time: Callable[[int, int], float | None] | None = None,
+    fixed: Callable[[int], float] | None = None,
+) -> GroupCost:
     """The cost of a group training documents packed into one sequence (Hydraulis-style: tokens and attention).
 
     With ``step_time(s, g)`` (a planner's predicted seconds for one sequence of ``s`` tokens on ``g`` ranks,
@@ -252,6 +256,7 @@ def packed_cost(dims: ModelDims, step_time: Callable[[int, int], float | None] |
     from ``L^2`` to ``sum(l_i^2)``: documents never attend to each other, so short documents packed together
     cost their tokens, not the square of their total. Memory is that of one sequence of ``L`` tokens (an upper
     bound). Without it the cost is the FLOPs per rank, ``(a L + c sum(l_i^2)) / g``. Both are monotone.
+    ``fixed(g)`` adds seconds per step that do not depend on the documents (e.g. :func:`regroup_seconds`).
     """
     a, c = flop_weights(dims)
 
@@ -262,9 +267,45 @@ def packed_cost(dims: ModelDims, step_time: Callable[[int, int], float | None] |
         whole = step_time(total, g)
         if whole is None:
             return None
-        return whole * (a * total + c * squares) / (a * total + c * total * total)
+        extra = fixed(g) if fixed is not None else 0.0
+        return whole * (a * total + c * squares) / (a * total + c * total * total) + extra
 
     return cost
+
+
+def planner_cost(dims: ModelDims, world: int, planner_for: Callable[[int], Any]) -> GroupCost:
+    """The strategy's group cost: :func:`packed_cost` on the planner of each group size plus
+    :func:`regroup_seconds`; the FLOP cost when the planners have no cost model (fixed plans)."""
+    from lightning_paradyse.cost.planner import CostPlanner, PlanInfeasible
+
+    if not isinstance(planner_for(world), CostPlanner):
+        return packed_cost(dims)
+
+    def step_time(s: int, g: int) -> float | None:
+        try:
+            return float(planner_for(g).step(s, 1).time_s)
+        except PlanInfeasible:
+            return None
+
+    def regroup(g: int) -> float:
+        model = planner_for(g).model
+        return regroup_seconds(model.dims, model.machine, world, g)
+
+    return packed_cost(dims, step_time, regroup)
+
+
+def regroup_seconds(dims: ModelDims, machine: Machine, world: int, g: int) -> float:
+    """Predicted seconds of :func:`enter_group` and :func:`exit_group` for a group of ``g`` out of ``world`` ranks.
+
+    One all-gather and one reduce-scatter over the world per op of the blocks' weights (each rank sends its
+    ``(world - 1) / world`` share of the ring volume); nothing when the group is the world.
+    """
+    if g >= world:
+        return 0.0
+    weights = dims.n_layers * (dims.attn_params() + dims.mlp_params()) * dims.dtype_bytes
+    volume, calls = weights * (world - 1) / world, 2 * dims.n_layers
+    gather, scatter = machine.collective("all_gather", world), machine.collective("reduce_scatter", world)
+    return gather.time(calls, volume) + scatter.time(calls, volume)
 
 
 def machine_for_groups(machine: Machine, world: int) -> Machine:

@@ -472,9 +472,9 @@ class ParaDySeStrategy(ParallelStrategy):
         Everything is decided from the batch alone, alike on every rank, and every group's batch and plan are
         checked here, before any collective.
         """
+        from lightning_paradyse.cost.dims import dims_from_module
         from lightning_paradyse.cost.groups import assign
-        from lightning_paradyse.cost.planner import CostPlanner, PlanInfeasible
-        from lightning_paradyse.groups import GroupStep, blocks, packed_cost, select_documents
+        from lightning_paradyse.groups import GroupStep, blocks, planner_cost, select_documents
         from lightning_paradyse.slicing import shifted_labels
         from lightning_paradyse.spec import document_bounds
 
@@ -483,19 +483,7 @@ class ParaDySeStrategy(ParallelStrategy):
         spans = document_bounds(info.doc_ids, info.seq_len)
         lengths = [b - a for a, b in spans]
 
-        def step_time(s: int, g: int) -> float | None:
-            planner = self._planner_for(g)
-            if not isinstance(planner, CostPlanner):
-                return None
-            try:
-                return planner.step(s, 1).time_s
-            except PlanInfeasible:
-                return None
-
-        from lightning_paradyse.cost.dims import dims_from_module
-
-        use_model = isinstance(self.planner, CostPlanner)
-        cost = packed_cost(dims_from_module(self._module), step_time if use_model else None)
+        cost = planner_cost(dims_from_module(self._module), p, self._planner_for)
         found = assign(lengths, p, cost, all_busy=True)
         if found is None:
             raise ValueError(

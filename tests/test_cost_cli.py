@@ -135,14 +135,15 @@ def test_lengths_parse_with_suffixes() -> None:
 def test_plan_cli_groups(capsys: pytest.CaptureFixture[str]) -> None:
     """``--groups``: one step's sequences split over groups of power-of-two sizes, text and JSON."""
     cluster = str(CLUSTERS[0])
-    args = ["--config", "llama-7b", "--cluster", cluster, "--lengths", "4k,4k,1k,1k,1k,1k,1k,1k", "--groups"]
+    args = ["--config", "llama-7b", "--cluster", cluster, "--lengths", "8k,8k,8k,8k", "--groups"]
     assert plan_main(args) == 0
     text = capsys.readouterr().out
-    assert "one step of 8 sequences on 8 ranks" in text and "group of" in text
+    assert "one step of 4 sequences on 8 ranks" in text and "group of" in text
     assert plan_main([*args, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["feasible"] and sum(g["size"] for g in out["groups"]) == 8
-    assert sorted(s for g in out["groups"] for s in g["lengths"]) == sorted([4096] * 2 + [1024] * 6)
+    assert sorted(s for g in out["groups"] for s in g["lengths"]) == [8192] * 4
+    assert all(g["lengths"] for g in out["groups"])  # no idle group
     assert out["time_s"] == max(g["time_s"] for g in out["groups"]) < out["one_group_time_s"]
     huge = ["--config", "llama-7b", "--cluster", cluster, "--lengths", "1M", "--groups", "--json"]
     assert plan_main(huge) == 0

@@ -253,8 +253,14 @@ def _print_text(header: dict[str, Any], entries: list[dict[str, Any]], longest: 
 
 
 def group_step(model: CostModel, budget: int, args: argparse.Namespace) -> dict[str, Any]:
-    """The group sizes and the sequences of each group for one step of ``args.lengths`` (see ``cost/groups.py``)."""
-    from lightning_paradyse.cost.groups import assign, layouts, sequential_cost
+    """The group sizes and the sequences of each group for one packed step of ``args.lengths``.
+
+    As ``ParaDySeStrategy(groups=True)`` runs it (see ``lightning_paradyse/groups.py``): each group packs its
+    sequences into one, attention counted per sequence, plus the weight gather and gradient scatter over the
+    world that a group smaller than the world pays; every group gets at least one sequence.
+    """
+    from lightning_paradyse.cost.groups import assign, layouts
+    from lightning_paradyse.groups import packed_cost, regroup_seconds
 
     rc = (False,) if args.no_recompute else (False, True)
     world = model.p
@@ -263,16 +269,16 @@ def group_step(model: CostModel, budget: int, args: argparse.Namespace) -> dict[
 
     def seq_cost(s: int, g: int) -> float | None:
         try:
-            return planners[g].step(s, args.batch).time_s
+            return planners[g].step(s, 1).time_s
         except PlanInfeasible:
             return None
 
-    cost = sequential_cost(seq_cost)
-    found = assign(args.lengths, world, cost)
+    cost = packed_cost(model.dims, seq_cost, lambda g: regroup_seconds(model.dims, model.machine, world, g))
+    found = assign(args.lengths, world, cost, all_busy=True)
     one = cost(tuple(args.lengths), world)
     out: dict[str, Any] = {"world": world, "lengths": list(args.lengths), "one_group_time_s": one}
     if found is None:
-        out.update(feasible=False, error="no split of the ranks fits every sequence of the step in the budget")
+        out.update(feasible=False, error="no split of the ranks fits the packed step in the budget")
         return out
     groups = [
         {"size": g, "lengths": [args.lengths[i] for i in members], "time_s": t}
