@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from lightning_paradyse.layout import SeqLayout
+from lightning_paradyse.layout import SeqLayout, split_sizes
 
 Group = dist.ProcessGroup | None
 
@@ -351,6 +351,50 @@ def heads_to_seq(x: torch.Tensor, layout: SeqLayout, group: Group) -> torch.Tens
     if group_size(group) == 1:
         return x
     return _HeadsToSeq.apply(x, layout, group)
+
+
+def _move_shard(x: torch.Tensor, src: int, dst: int, src_sizes: Sequence[int], group: Group) -> torch.Tensor:
+    p, rank = group_size(group), group_rank(group)
+    dst_sizes = split_sizes(x.shape[dst], p)
+    pieces = torch.split(x, dst_sizes, dim=dst)  # rank j's slice of the destination axis
+    send = torch.cat([piece.reshape(-1) for piece in pieces])  # [numel], destination-rank order
+    shape = list(x.shape)
+    out_shapes = []
+    for i in range(p):  # what rank i sends here: its source slice, this rank's destination slice
+        shape[src], shape[dst] = src_sizes[i], dst_sizes[rank]
+        out_shapes.append(tuple(shape))
+    recv = all_to_all_rows(
+        send, [piece.numel() for piece in pieces], [math.prod(sh) for sh in out_shapes], group
+    )  # [numel] -> [numel'] (1-D: every pair may move a different amount)
+    parts = torch.split(recv, [math.prod(sh) for sh in out_shapes])
+    return torch.cat([part.view(sh) for part, sh in zip(parts, out_shapes)], dim=src)
+
+
+class _MoveShard(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, src: int, dst: int, src_sizes: tuple[int, ...], group: Group
+    ) -> torch.Tensor:
+        ctx.src, ctx.dst, ctx.group = src, dst, group
+        ctx.dst_sizes = tuple(split_sizes(x.shape[dst], group_size(group)))
+        return _move_shard(x, src, dst, src_sizes, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+        return _move_shard(grad, ctx.dst, ctx.src, ctx.dst_sizes, ctx.group), None, None, None, None
+
+
+def move_shard(x: torch.Tensor, src: int, dst: int, src_sizes: Sequence[int], group: Group) -> torch.Tensor:
+    """One all-to-all that moves the sharded axis: sharded along ``src``, whole along ``dst`` -> the reverse.
+
+    ``[.., n_src/p (this rank's), .., n_dst, ..] -> [.., n_src, .., n_dst/p, ..]`` for dimensions ``src`` and
+    ``dst``, contiguous chunks (:func:`~lightning_paradyse.layout.split_sizes`) on both; ``src_sizes`` are every
+    rank's chunk of ``src``. Dimension switching (DSP) between blocks that attend along different axes of a
+    multi-dimensional sequence. Backward moves the gradient's shard back the same way.
+    """
+    if group_size(group) == 1:
+        return x
+    return _MoveShard.apply(x, src, dst, tuple(src_sizes), group)  # type: ignore[no-any-return]
 
 
 def gqa_kv_index(n_heads: int, n_kv_heads: int, p: int) -> list[int]:

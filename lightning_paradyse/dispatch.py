@@ -13,7 +13,7 @@ call, which is a table look-up: no weight moves.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -23,10 +23,27 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_paradyse.comm import Group, all_reduce_sum, gather_seq, group_rank, group_size, scatter_seq
 from lightning_paradyse.graph.passes import AttentionRoles, MlpRoles
-from lightning_paradyse.modes import get_mode
+from lightning_paradyse.layout import SeqLayout
+from lightning_paradyse.modes import GRID_MODES, get_mode
 from lightning_paradyse.modes.zero3 import zero3_bias, zero3_linear, zero3_linear_t
 from lightning_paradyse.plan import OpPlan
 from lightning_paradyse.spec import AttnSpec, AttnWeights, MlpSpec, MlpWeights, SeqContext, shard_rows
+
+
+@dataclass
+class GridState:
+    """The sharding of grid-shaped hidden states ``[b, T, S, h]`` (models with ``axes=2``) during one step.
+
+    ``sharded`` is the grid dimension (1: frames, 2: patches) split over the group right now; ``lengths`` the
+    whole length of each. :mod:`lightning_paradyse.parallel` moves the shard between blocks (dimension
+    switching) and resets it at every :func:`~lightning_paradyse.parallel.configure`.
+    """
+
+    sharded: int = 1
+    lengths: dict[int, int] = field(default_factory=dict)
+
+    def other(self) -> int:
+        return 3 - self.sharded
 
 
 @dataclass(frozen=True)
@@ -56,6 +73,8 @@ class OpDispatch(nn.Module):
         self.replicated_sources: dict[str, str] = {}
         self.ctx: SeqContext | None = None
         self.op_plan: OpPlan | None = None
+        self.grid: GridState | None = None
+        """Set for models whose hidden states are a grid (``axes=2``): the step's grid sharding."""
         self.group_shards: dict[str, torch.Tensor] | None = None
         """While a step runs on a group smaller than the shard group: this rank's shards for that group,
         read instead of the parameters of the same name (see :mod:`lightning_paradyse.groups`)."""
@@ -180,6 +199,8 @@ class AttentionDispatch(OpDispatch):
             self.rotary = core.get_submodule(rel)
         h = self.req("o_t").shape[1]
         self.spec = AttnSpec(h, roles.n_heads, roles.n_kv_heads, roles.head_dim, bool(roles.causal))
+        self.attend_axis: int | None = None
+        """Grid models: the grid dimension this attention attends along (1: frames, 2: patches)."""
 
     def _add_weights(self, core: nn.Module, roles: AttentionRoles, group: Group) -> None:
         pre = roles.core + "."
@@ -214,7 +235,24 @@ class AttentionDispatch(OpDispatch):
         )
 
     def infeasible(self, mode: str, p: int) -> str | None:
+        if mode in GRID_MODES and self.attend_axis is None:
+            return f"{mode} needs a model whose hidden states are a grid of sequence axes (parallelize with axes=2)"
         return get_mode(mode).attention_infeasible(self.spec, p)
+
+    def _grid_call(self, x: torch.Tensor) -> tuple[SeqContext, Any]:
+        """Grid models: the context and the mode of this call. The attended sequences are whole here unless
+        the attended axis is the sharded one; then a sequence mode runs with a layout along that axis."""
+        grid, ctx, op = self.grid, self.ctx, self.op_plan
+        if ctx is None or op is None or grid is None:
+            raise RuntimeError(f"{self.core_path} (layer {self.layer}) ran before the strategy configured a plan")
+        if self.attend_axis != grid.sharded or ctx.p == 1:
+            return ctx, GRID_MODES["dsp"]
+        if op.mode in GRID_MODES:
+            raise RuntimeError(f"layer {self.layer}: the grid was not switched before a {op.mode} attention")
+        layout = SeqLayout(grid.lengths[grid.sharded], ctx.p)
+        if x.shape[1] != layout.local_len(ctx.rank):
+            raise ValueError(f"layer {self.layer}: the input has {x.shape[1]} tokens, the layout gives {layout}")
+        return replace(ctx, layout=layout, doc_ids=None), get_mode(op.mode)
 
     def _causal(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         if self.roles.kind != "mha":
@@ -263,7 +301,11 @@ class AttentionDispatch(OpDispatch):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         x = self.roles.hidden.get(args, kwargs)
-        ctx, op = self._state(x)
+        if self.grid is not None:
+            ctx, mode = self._grid_call(x)
+        else:
+            ctx, op = self._state(x)
+            mode = get_mode(op.mode)
         spec = AttnSpec(
             self.spec.hidden,
             self.spec.n_heads,
@@ -272,7 +314,6 @@ class AttentionDispatch(OpDispatch):
             self._causal(args, kwargs),
             self._rotary(args, kwargs, ctx),
         )
-        mode = get_mode(op.mode)
         y = self._run(lambda inp: mode.attention(inp, self.weights(), spec, ctx), x)
         if self.roles.output_item is None:
             return y
@@ -317,15 +358,26 @@ class MlpDispatch(OpDispatch):
         return MlpWeights(self.req("up"), self.req("down_t"), o("gate"), o("b_up"), o("b_gate"), o("b_down"))
 
     def infeasible(self, mode: str, p: int) -> str | None:
+        if mode in GRID_MODES and self.grid is None:
+            return f"{mode} needs a model whose hidden states are a grid of sequence axes (parallelize with axes=2)"
+        if self.grid is not None and mode in _SEQUENCE_MLP_MODES:
+            return f"{mode} runs its MLP on a one-dimensional sequence layout; use dsp, ulysses or ring for this model"
         return get_mode(mode).mlp_infeasible(self.spec, p)
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        ctx, op = self._state(x)
+        if self.grid is not None:  # token-wise on the local grid, whichever axis is sharded
+            if self.ctx is None or self.op_plan is None:
+                raise RuntimeError(f"{self.core_path} (layer {self.layer}) ran before the strategy configured a plan")
+            ctx, op = self.ctx, self.op_plan
+        else:
+            ctx, op = self._state(x)
         mode = get_mode(op.mode)
         return self._run(lambda inp: mode.mlp(inp, self.weights(), self.spec, ctx), x)
 
 
 _SPLIT_MODES = ("tp_sp", "ulysses", "ring")
+_SEQUENCE_MLP_MODES = ("tp_sp", "metp")
+"""Modes whose MLP needs the one-dimensional sequence layout (they gather or scatter along dim 1)."""
 
 
 class ColumnDispatch(OpDispatch):

@@ -26,10 +26,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from lightning_paradyse.comm import Group, all_gather_rows, all_reduce_sum, group_rank, group_size
-from lightning_paradyse.dispatch import AttentionDispatch, OpDispatch, ShardSource
+from lightning_paradyse.comm import Group, all_gather_rows, all_reduce_sum, group_rank, group_size, move_shard
+from lightning_paradyse.dispatch import AttentionDispatch, GridState, OpDispatch, ShardSource
 from lightning_paradyse.graph.passes import RoleError
 from lightning_paradyse.graph.rewrite import rewrite_block
+from lightning_paradyse.layout import split_sizes
 from lightning_paradyse.plan import Plan
 from lightning_paradyse.spec import SeqContext, row_sizes, shard_rows
 
@@ -48,6 +49,8 @@ class StepState:
     labels_consumed: bool = False
     """Whether a model consumed ``labels`` through the hook this step (its loss is then a global sum share)."""
     blocks: list[str] = field(default_factory=list)
+    grid: GridState | None = None
+    """Grid models (``axes=2``): which grid dimension is sharded now (see :mod:`lightning_paradyse.modes.dsp`)."""
 
 
 def step_state(module: nn.Module) -> StepState:
@@ -103,24 +106,76 @@ def find_blocks(module: nn.Module, blocks: str | None = None) -> list[tuple[str,
     return [(f"{name}.{i}", b) for i, b in enumerate(found)]
 
 
-def parallelize(module: nn.Module, group: Group, blocks: str | None = None) -> list[str]:
+def parallelize(module: nn.Module, group: Group, blocks: str | None = None, axes: int = 1) -> list[str]:
     """Rewrite every transformer block of ``module`` in place (see the module docstring).
+
+    ``axes``: sequence axes of the hidden states between blocks: 1 for ``[b, s, h]`` (language models), 2 for a
+    grid ``[b, T, S, h]`` whose blocks attend along one axis each (frames x patches); the batch is then split
+    along ``T`` and the ``dsp`` mode can move the shard between the axes (:func:`_install_grid_hooks`).
 
     Returns the block names. Raises ``ValueError`` naming the block and the missing role when a block
     cannot be understood; nothing is ever run unparallelized silently.
     """
     if getattr(module, _STATE_ATTR, None) is not None:
         raise RuntimeError("the module is already parallelized")
+    if axes not in (1, 2):
+        raise ValueError(f"axes={axes!r}: 1 (a sequence, [b, s, h]) or 2 (a grid, [b, T, S, h]) are supported")
     found = find_blocks(module, blocks)
+    state = StepState(blocks=[n for n, _ in found], grid=GridState() if axes == 2 else None)
     for layer, (name, block) in enumerate(found):
         try:
-            rewrite_block(block, name, layer, group)
+            ops = rewrite_block(block, name, layer, group, axes)
         except RoleError as err:
             raise ValueError(str(err)) from None
-    state = StepState(blocks=[n for n, _ in found])
+        for op in ops:
+            op.grid = state.grid
     object.__setattr__(module, _STATE_ATTR, state)
     _install_hooks(module, [n for n, _ in found], state)
+    if state.grid is not None:
+        _install_grid_hooks([b for _, b in found], state)
     return state.blocks
+
+
+def _install_grid_hooks(found: list[nn.Module], state: StepState) -> None:
+    """Dimension switching: before a block whose attention runs ``dsp`` along the sharded grid axis, one
+    all-to-all moves the shard to the other axis; after the last block the shard returns to the frames
+    (dim 1), the layout the batch was split in.
+
+    The hooks read the step state from the block they are called on (deep copies stay independent), so
+    every rank switches at the same blocks.
+    """
+    for block in found:
+        object.__setattr__(block, _STATE_ATTR, state)
+        block.register_forward_pre_hook(_grid_before)
+    object.__setattr__(found[0], "_paradyse_first_block", True)
+    found[-1].register_forward_hook(_grid_after)
+
+
+def _grid_before(block: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    state = step_state(block)
+    grid, ctx = state.grid, state.ctx
+    assert grid is not None and ctx is not None, "the grid model ran before configure()"
+    attn = next(m for m in block.modules() if isinstance(m, AttentionDispatch))
+    x = args[0]
+    if getattr(block, "_paradyse_first_block", False):
+        grid.lengths[2] = int(x.shape[2])  # [b, T/p, S, h]: the patches are whole at the first block
+    if attn.op_plan is not None and attn.op_plan.mode == "dsp" and attn.attend_axis == grid.sharded:
+        src, dst = grid.sharded, grid.other()
+        x = move_shard(x, src, dst, split_sizes(grid.lengths[src], ctx.p), ctx.group)  # [.., n/p, .., m, ..]
+        grid.sharded = dst  # -> [.., n, .., m/p, ..]
+    return (x, *args[1:])
+
+
+def _grid_after(block: nn.Module, args: tuple[Any, ...], out: Any) -> Any:
+    state = step_state(block)
+    grid, ctx = state.grid, state.ctx
+    assert grid is not None and ctx is not None
+    if grid.sharded == 1:
+        return out
+    src = grid.sharded
+    out = move_shard(out, src, 1, split_sizes(grid.lengths[src], ctx.p), ctx.group)  # back to [b, T/p, S, h]
+    grid.sharded = 1
+    return out
 
 
 def feasible_modes(module: nn.Module, p: int, modes: list[str]) -> list[tuple[list[str], list[str]]]:
@@ -235,6 +290,10 @@ def configure(module: nn.Module, ctx: SeqContext, plan: Plan) -> None:
     check_plan(module, plan, ctx.p)
     state = step_state(module)
     state.ctx, state.shift_labels, state.num_items, state.labels_consumed = ctx, None, None, False
+    if state.grid is not None:
+        if ctx.layout.balanced or ctx.doc_ids is not None:
+            raise ValueError("a grid model needs the contiguous layout and no packed documents")
+        state.grid.sharded, state.grid.lengths = 1, {1: ctx.layout.seq_len}
     for _, op in dispatchers(module):
         layer = plan.layers[op.layer]
         op.configure(ctx, layer.attention if isinstance(op, AttentionDispatch) else layer.mlp)

@@ -24,16 +24,25 @@ import torch
 import torch.nn as nn
 
 from lightning_paradyse.comm import Group
-from lightning_paradyse.dispatch import AttentionDispatch, ColumnDispatch, MlpDispatch, OpDispatch, RowDispatch
+from lightning_paradyse.dispatch import (
+    AttentionDispatch,
+    ColumnDispatch,
+    GridState,
+    MlpDispatch,
+    OpDispatch,
+    RowDispatch,
+)
 from lightning_paradyse.graph.passes import AttentionRoles, MlpRoles, RoleError, find_attention, find_mlp
 from lightning_paradyse.graph.trace import trace_block
 from lightning_paradyse.layout import SeqLayout
-from lightning_paradyse.modes import MODES
+from lightning_paradyse.modes import GRID_MODES, MODES
 from lightning_paradyse.plan import OpPlan
 from lightning_paradyse.spec import SeqContext
 
 EXAMPLE_LEN = 7
 """Tokens in the example input: a size no other dimension of the tiny example has."""
+EXAMPLE_GRID = (7, 5)
+"""Frames and patches of the example input of a grid model (``axes=2``): ``[1, 7, 5, h]``."""
 
 
 def _hidden_size(block: nn.Module) -> int:
@@ -63,13 +72,14 @@ def _cos_sin(t: int, d: int, dtype: torch.dtype, device: torch.device) -> tuple[
     return emb.cos().to(dtype=dtype, device=device), emb.sin().to(dtype=dtype, device=device)
 
 
-def example_inputs(block: nn.Module, name: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Example ``(args, kwargs)`` for ``block``'s forward (see the module docstring)."""
+def example_inputs(block: nn.Module, name: str, axes: int = 1) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Example ``(args, kwargs)`` for ``block``'s forward (see the module docstring); ``axes=2``: a grid."""
     param = next(block.parameters())
     dtype, device = param.dtype, param.device
     hidden, t = _hidden_size(block), EXAMPLE_LEN
     params = list(inspect.signature(block.forward).parameters.values())
-    args: tuple[Any, ...] = (torch.randn(1, t, hidden, dtype=dtype, device=device),)
+    shape = (1, *EXAMPLE_GRID, hidden) if axes == 2 else (1, t, hidden)
+    args: tuple[Any, ...] = (torch.randn(*shape, dtype=dtype, device=device),)
     kwargs: dict[str, Any] = {}
     for p in params[1:]:
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
@@ -85,9 +95,9 @@ def example_inputs(block: nn.Module, name: str) -> tuple[tuple[Any, ...], dict[s
     return args, kwargs
 
 
-def find_roles(block: nn.Module, name: str) -> tuple[AttentionRoles, MlpRoles, Any]:
+def find_roles(block: nn.Module, name: str, axes: int = 1) -> tuple[AttentionRoles, MlpRoles, Any]:
     """Trace ``block`` on example inputs and find its attention and MLP roles."""
-    args, kwargs = example_inputs(block, name)
+    args, kwargs = example_inputs(block, name, axes)
     trace = trace_block(block, args, kwargs)
     attention = find_attention(trace)
     return attention, find_mlp(trace, attention), (args, kwargs)
@@ -119,7 +129,26 @@ def _cast(value: Any) -> Any:
     return value
 
 
-def verify(block: nn.Module, name: str, attention: AttentionRoles, mlp: MlpRoles, example: Any) -> None:
+def attend_axis(block: nn.Module, attention: AttentionRoles, example: Any) -> int:
+    """The grid dimension (1: frames, 2: patches) ``block``'s attention attends along, read off one run."""
+    seen: list[int] = []
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        seen.append(int(attention.hidden.get(args, kwargs).shape[1]))
+
+    handle = block.get_submodule(attention.core).register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            block(*example[0], **example[1])
+    finally:
+        handle.remove()
+    lengths = {EXAMPLE_GRID[0]: 1, EXAMPLE_GRID[1]: 2}
+    if len(seen) != 1 or seen[0] not in lengths:
+        raise RoleError(f"its attention does not attend along one axis of the grid (sequence lengths {seen})")
+    return lengths[seen[0]]
+
+
+def verify(block: nn.Module, name: str, attention: AttentionRoles, mlp: MlpRoles, example: Any, axes: int = 1) -> None:
     """Check on a float64 copy that every feasible mode reproduces the block (group of one)."""
     args, kwargs = example
     reference = copy.deepcopy(block).double()
@@ -127,8 +156,12 @@ def verify(block: nn.Module, name: str, attention: AttentionRoles, mlp: MlpRoles
     with torch.no_grad():
         expected = reference(*args64, **kwargs64)
     ops = install(reference, attention, mlp, 0, None)
-    ctx = SeqContext(SeqLayout(EXAMPLE_LEN, 1), None)
-    for mode in MODES:
+    ctx = SeqContext(SeqLayout(EXAMPLE_GRID[0] if axes == 2 else EXAMPLE_LEN, 1), None)
+    if axes == 2:
+        grid = GridState(1, {1: EXAMPLE_GRID[0], 2: EXAMPLE_GRID[1]})
+        for op in ops:
+            op.grid = grid
+    for mode in GRID_MODES if axes == 2 else MODES:
         for op in ops:
             op.configure(ctx, OpPlan(mode) if op.infeasible(mode, 1) is None else OpPlan("tp_sp"))
         with torch.no_grad():
@@ -142,11 +175,20 @@ def verify(block: nn.Module, name: str, attention: AttentionRoles, mlp: MlpRoles
             )
 
 
-def rewrite_block(block: nn.Module, name: str, layer: int, group: Group) -> list[OpDispatch]:
-    """Trace, find roles, verify and install the dispatch modules into ``block`` (in place)."""
+def rewrite_block(block: nn.Module, name: str, layer: int, group: Group, axes: int = 1) -> list[OpDispatch]:
+    """Trace, find roles, verify and install the dispatch modules into ``block`` (in place).
+
+    ``axes=2``: the block takes grid hidden states ``[b, T, S, h]``; its attention's axis is recorded on the
+    attention dispatch (``attend_axis``) and the grid mode is verified.
+    """
     try:
-        attention, mlp, example = find_roles(block, name)
-        verify(block, name, attention, mlp, example)
-        return install(block, attention, mlp, layer, group)
+        attention, mlp, example = find_roles(block, name, axes)
+        axis = attend_axis(block, attention, example) if axes == 2 else None
+        verify(block, name, attention, mlp, example, axes)
+        ops = install(block, attention, mlp, layer, group)
+        for op in ops:
+            if isinstance(op, AttentionDispatch):
+                op.attend_axis = axis
+        return ops
     except RoleError as err:
         raise RoleError(f"cannot parallelize block {name} ({type(block).__name__}): {err}") from None

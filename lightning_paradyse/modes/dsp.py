@@ -1,0 +1,43 @@
+"""``dsp``: dimension switching for multi-dimensional sequences (DSP), with ZeRO-3 weights.
+
+For models whose hidden states are a grid (``[b, T, S, h]``: frames x patches) and whose blocks attend along
+one axis at a time. The grid is sharded along one axis; a block that attends along the *other* axis runs its
+attention entirely on this rank's tokens: every sequence it attends over is whole here. A block that attends
+along the sharded axis first moves the shard to the other axis with one all-to-all
+(:func:`~lightning_paradyse.comm.move_shard`, done by :mod:`lightning_paradyse.parallel` before the block),
+instead of the two all-to-alls (q/k/v in, output back) per attention that Ulysses pays to keep the sharding.
+
+This module is the op side: attention on the local sequences ``[n, L, h]`` with gathered (ZeRO-3) q/k/v/o,
+and the token-wise ZeRO-3 MLP. The activation traffic of a switch is ``(T*S/p)*h*(p-1)/p`` per rank; the
+weight gathers are the same as ``ulysses``'s.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_paradyse.attention import full_attention
+from lightning_paradyse.modes.base import Mode, merge_heads, split_heads
+from lightning_paradyse.modes.ulysses import zero3_project
+from lightning_paradyse.modes.zero3 import zero3_linear_t, zero3_mlp
+from lightning_paradyse.spec import AttnSpec, AttnWeights, MlpSpec, MlpWeights, SeqContext
+
+
+class DimensionSwitch(Mode):
+    """Attention over sequences that are whole on this rank; ZeRO-3 weights."""
+
+    name = "dsp"
+
+    def attention(self, x: torch.Tensor, w: AttnWeights, spec: AttnSpec, ctx: SeqContext) -> torch.Tensor:
+        d = spec.head_dim
+        q = split_heads(zero3_project(x, w.q, w.bq, spec.q_rows, ctx), d)  # [n, L, h] -> [n, heads, L, d]
+        k = split_heads(zero3_project(x, w.k, w.bk, spec.kv_rows, ctx), d)
+        v = split_heads(zero3_project(x, w.v, w.bv, spec.kv_rows, ctx), d)
+        if spec.rotary is not None:
+            q, k = spec.rotary(q, k, torch.arange(x.shape[1], device=x.device))
+        o = merge_heads(full_attention(q, k, v, spec.causal))  # [n, heads, L, d] -> [n, L, heads*d]
+        y = zero3_linear_t(o, w.o_t, spec.q_rows, ctx.group)  # [n, L, heads*d] -> [n, L, h]
+        return y if w.bo is None else y + w.bo
+
+    def mlp(self, x: torch.Tensor, w: MlpWeights, spec: MlpSpec, ctx: SeqContext) -> torch.Tensor:
+        return zero3_mlp(x, w, spec, ctx.group)  # token-wise: any local grid [.., h]
