@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from lightning_paradyse.comm import Group, all_reduce_sum, gather_seq, group_rank, group_size, scatter_seq
+from lightning_paradyse.comm import Group, all_reduce_sum, gather_seq, group_rank, group_size, no_counting, scatter_seq
 from lightning_paradyse.graph.passes import AttentionRoles, MlpRoles
 from lightning_paradyse.layout import SeqLayout
 from lightning_paradyse.modes import GRID_MODES, get_mode
@@ -147,7 +147,8 @@ class _TokenTable:
         local = self.ctx.positions(value.device)
         shaped = local.view([-1 if i == dim else 1 for i in range(value.dim())]).expand_as(value)
         differs = torch.tensor([0.0 if torch.equal(value, shaped) else 1.0], device=value.device)
-        return float(all_reduce_sum(differs, self.ctx.group)) == 0.0  # [1] summed over the group
+        with no_counting():  # a 4-byte control message, not part of any mode's traffic
+            return float(all_reduce_sum(differs, self.ctx.group)) == 0.0  # [1] summed over the group
 
     def __init__(self, values: list[torch.Tensor], dims: tuple[int, ...], ctx: SeqContext) -> None:
         self.values, self.dims, self.ctx = values, dims, ctx

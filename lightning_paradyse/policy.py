@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from itertools import product
 from typing import Any, Protocol, runtime_checkable
 
-from lightning_paradyse.modes import MODES
+from lightning_paradyse.modes import GRID_MODES, MODES
 from lightning_paradyse.plan import LayerPlan, OpPlan, Plan, parse_plan, uniform_plan
 
 PlanSpec = str | Sequence[str | Mapping[str, Any]] | Plan
@@ -101,7 +101,7 @@ class ThresholdPolicy:
     ) -> None:
         if n_layers < 1:
             raise ValueError(f"ThresholdPolicy: n_layers must be at least 1, got {n_layers}")
-        unknown = [m for m in modes if m not in MODES]
+        unknown = [m for m in modes if m not in MODES and m not in GRID_MODES]
         if unknown or not modes:
             raise ValueError(f"ThresholdPolicy: modes must be a non-empty subset of {list(MODES)}, got {list(modes)}")
         if len(thresholds) != 2 or not 0 < thresholds[0] <= thresholds[1]:
@@ -227,7 +227,7 @@ def validate_modes(modes: Sequence[str] | None) -> tuple[str, ...]:
         return tuple(MODES)
     if isinstance(modes, str) or not isinstance(modes, Sequence):
         raise ValueError(f"modes={modes!r} must be a list of mode names such as {list(MODES)}")
-    unknown = [m for m in modes if m not in MODES]
+    unknown = [m for m in modes if m not in MODES and m not in GRID_MODES]
     if unknown or not modes:
         raise ValueError(
             f"modes={list(modes)!r}: {'unknown mode(s) ' + str(unknown) if unknown else 'empty'}; "

@@ -157,6 +157,12 @@ class ParaDySeStrategy(ParallelStrategy):
             documents assigned to them so that the slowest group is fastest on the cost model, attention cost
             counted per document; each group runs its own plan. Other batches, validation and test use one
             group of every rank.
+        axes: Sequence axes of the hidden states between blocks: 1 for language models (``[b, s, h]``), 2 for
+            models over a grid of frames x patches (``[b, T, S, h]``, blocks attending along one axis each, such
+            as :class:`~lightning_paradyse.models.st.SpatialTemporalTransformer`). With 2, batches ``[b, T, S]``
+            are split along the frames, the ``dsp`` mode (dimension switching) is added to ``modes``, and
+            ``plan="auto"`` picks per block between switching and the sequence modes
+            (:class:`~lightning_paradyse.cost.grid.GridPlanner`).
 
     Raises:
         ValueError: For a bad option, naming the option, the value and the fix.
@@ -192,9 +198,17 @@ class ParaDySeStrategy(ParallelStrategy):
         on_infeasible: Literal["error", "skip"] = "error",
         plan_bucket: int = 512,
         groups: bool = False,
+        axes: int = 1,
     ) -> None:
         super().__init__()
+        if axes not in (1, 2):
+            raise ValueError(f"axes={axes!r}: use 1 (language models, [b, s, h]) or 2 (a grid, [b, T, S, h])")
+        if axes == 2 and groups:
+            raise ValueError("groups=True works on packed language-model batches; use it with axes=1")
+        self.axes = axes
         self.modes = validate_modes(modes)
+        if axes == 2 and "dsp" not in self.modes:
+            self.modes = (*self.modes, "dsp")
         self.plan_spec: PlanSpec = validate_plan_spec(plan, self.modes)
         self.thresholds = None if thresholds is None else _validate_thresholds(thresholds)
         self.memory_budget = parse_memory_budget(memory_budget)
@@ -341,7 +355,7 @@ class ParaDySeStrategy(ParallelStrategy):
             if self.plan_spec != "auto":  # a plan of the wrong length fails before any collective
                 self._fixed_plan(len(parallel.find_blocks(module, self.blocks)))
             self._broadcast_weights(module)
-            names = parallel.parallelize(module, self._group, blocks=self.blocks)
+            names = parallel.parallelize(module, self._group, blocks=self.blocks, axes=self.axes)
             if self.compile:
                 compile_blocks(module, names)
         self._block_names = list(names)
@@ -372,6 +386,8 @@ class ParaDySeStrategy(ParallelStrategy):
         n = parallel.n_layers(self._module)
         if self.plan_spec != "auto":
             return FixedPlanner(self._fixed_plan(n))
+        if self.axes == 2:
+            return self._grid_planner()
         if self.profile is None and self.thresholds is not None:
             return ThresholdPolicy(n, self.modes, self.thresholds, check=self.check_plan)
         from lightning_paradyse.cost.planner import make_planner
@@ -394,6 +410,20 @@ class ParaDySeStrategy(ParallelStrategy):
             on_infeasible="skip" if self.on_infeasible == "skip" else "raise",
             bucket_tokens=self.plan_bucket,
         )
+
+    def _grid_planner(self) -> Planner:
+        """Grid models: per block, dimension switching or a sequence mode, whichever moves fewer bytes."""
+        from lightning_paradyse.cost.grid import GridPlanner
+        from lightning_paradyse.dispatch import AttentionDispatch
+
+        p = group_size(self._group)
+        ops = [op for _, op in parallel.dispatchers(self._module) if isinstance(op, AttentionDispatch)]
+        axes = [int(op.attend_axis or 1) for op in ops]
+        kv_ratio = ops[0].spec.n_kv_heads / ops[0].spec.n_heads
+        feasible = [m for m in self.modes if all(op.infeasible(m, p) is None for op in ops)]
+        planner = GridPlanner(axes, p, kv_ratio, feasible)
+        self.check_plan(planner.plan(1, 1))
+        return planner
 
     def _budget_bytes(self) -> int:
         """``memory_budget``, else 90% of the GPU's memory on CUDA, else no limit."""

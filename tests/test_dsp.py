@@ -11,13 +11,20 @@ and 4. The communication test counts the all-to-all bytes of ``dsp`` against ``u
 from __future__ import annotations
 
 import copy
+import io
+import os
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.data import DataLoader
+from typing_extensions import override
 
+from lightning_paradyse import ParaDySeStrategy
 from lightning_paradyse.check import grad_errors, tolerance_failures
 from lightning_paradyse.comm import CommCounter, all_reduce_sum, move_shard
 from lightning_paradyse.layout import SeqLayout, split_sizes
@@ -26,6 +33,7 @@ from lightning_paradyse.parallel import configure, consolidated, dispatchers, pa
 from lightning_paradyse.plan import LayerPlan, OpPlan, Plan
 from lightning_paradyse.spec import SeqContext
 from tests.support.dist import run_distributed
+from tests.test_strategy import assert_same_training, free_port
 
 CONFIG = STConfig(vocab_size=64, n_layers=4, hidden=48, n_heads=12, ffn=96, max_frames=32, max_patches=32)
 
@@ -41,7 +49,9 @@ PLANS = {
     "ring": _plan(*[("ring", "ring", False)] * 4),
     "tp_sp-attention": _plan(*[("tp_sp", "dsp", False)] * 4),
     "mixed": _plan(("dsp", "ulysses", False), ("ring", "dsp", True), ("dsp", "ring", False), ("dsp", "dsp", True)),
-    "mixed-2": _plan(("ulysses", "dsp", False), ("dsp", "ring", False), ("ring", "dsp", True), ("ulysses", "dsp", False)),
+    "mixed-2": _plan(
+        ("ulysses", "dsp", False), ("dsp", "ring", False), ("ring", "dsp", True), ("ulysses", "dsp", False)
+    ),
 }
 
 
@@ -116,3 +126,86 @@ def test_dimension_switching_matches_single_process(world: int, frames: int, pat
         dsp, uly = out["traffic"]["dsp"], out["traffic"]["ulysses"]
         assert 0 < dsp["all_to_all"] <= 0.5 * uly["all_to_all"], (dsp, uly)
         assert dsp.get("all_gather", 0) == uly.get("all_gather", 0)
+
+
+# ---------------------------------------------------------------------------------------------- through Lightning
+
+
+class GridLM(pl.LightningModule):
+    """An ordinary LightningModule around the spatial-temporal model: mean cross-entropy per grid token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = SpatialTemporalTransformer(CONFIG)
+
+    @override
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        logits = self.model(batch["tokens"])  # [b, T/p, S, vocab] on this rank's frames
+        return F.cross_entropy(logits.flatten(0, 2), batch["targets"].flatten())
+
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)  # key biases: Adam would amplify noise
+
+
+def grid_batches() -> list[dict[str, Tensor]]:
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(2, 6, 6), (1, 10, 6), (2, 8, 6), (1, 7, 6)]  # frames vary; 7 frames split unevenly
+    return [
+        {"tokens": torch.randint(0, 64, s, generator=gen), "targets": torch.randint(0, 64, s, generator=gen)}
+        for s in shapes
+    ]
+
+
+def fit_grid(devices: int, strategy: Any) -> dict[str, Any]:
+    pl.seed_everything(0, verbose=False)
+    out: dict[str, Any] = {"losses": [], "plans": []}
+
+    class Record(pl.Callback):
+        @override
+        def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, *a: Any) -> None:
+            out["losses"].append(float(outputs["loss"]))
+
+        @override
+        def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+            state = trainer.strategy.lightning_module_state_dict()
+            out["state"] = {k: v.detach().clone() for k, v in state.items()}
+            switcher = [cb for cb in trainer.callbacks if hasattr(cb, "history")]  # type: ignore[attr-defined]
+            out["plans"] = [str(r.plan) for r in switcher[0].history] if switcher else []
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[Record()],
+        max_steps=4,
+    )
+    trainer.fit(GridLM(), train_dataloaders=DataLoader(grid_batches(), batch_size=None))
+    return out
+
+
+def grid_worker(rank: int, world: int, port: int) -> bytes:
+    dist.destroy_process_group()  # the strategy makes its own
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+    out = {}
+    for k, plan in enumerate(["auto", "ulysses"]):
+        os.environ["MASTER_PORT"] = str(port + k)
+        out[plan] = fit_grid(world, ParaDySeStrategy(axes=2, plan=plan, timeout=60))
+    buffer = io.BytesIO()
+    torch.save(out, buffer)
+    return buffer.getvalue()
+
+
+def test_strategy_trains_the_grid_model_like_one_process() -> None:
+    reference = fit_grid(1, "auto")
+    raw = run_distributed(grid_worker, 2, free_port(), timeout=240)
+    runs = torch.load(io.BytesIO(raw[0]), weights_only=False)
+    for name, run in runs.items():
+        assert_same_training(run, reference, f"axes=2 plan={name}")
+    assert "dsp" in runs["auto"]["plans"][0]  # the planner switches dimensions on this model
+    with pytest.raises(ValueError, match="axes=3"):
+        ParaDySeStrategy(axes=3)
