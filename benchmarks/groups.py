@@ -174,7 +174,7 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace) -> str:
         g = rows["groups"]
         lines += [
             "",
-            f"Groups per step: {g['splits']}. Imbalance (slowest group / mean), mean over the timed steps: "
+            f"Number of groups per step: {g['splits']}. Imbalance (slowest group / mean), mean over the timed steps: "
             f"predicted {g['predicted_imbalance']:.2f}, measured {g['measured_imbalance']:.2f}.",
         ]
     return "\n".join(lines) + "\n"

@@ -87,6 +87,12 @@ class BatchingConfig:
     """Chunks shorter than this are dropped (a 1-token chunk has no target)."""
     pad_id: int = 0
     """Token id written into the padding of padded batches (its targets are ``-100``)."""
+    attention_len: int | None = None
+    """Packed batches, Hydraulis-style: count a chunk of ``n`` tokens as ``n + n*n/attention_len`` against
+    ``max_tokens``, so that batches cost the same compute (projections and MLP linear in ``n``, attention
+    quadratic) instead of holding the same number of tokens. ``attention_len`` is the length at which a
+    sequence's attention costs as much as the rest of its block
+    (:func:`lightning_paradyse.groups.attention_crossover`). ``None``: tokens only."""
 
     def __post_init__(self) -> None:
         _require(
@@ -129,6 +135,26 @@ class BatchingConfig:
             "use the default min_len=2 (a chunk needs 2 tokens to have a target)",
         )
         _require(_is_int(self.pad_id) and self.pad_id >= 0, "pad_id", self.pad_id, "a token id >= 0", "use 0")
+        if self.attention_len is not None:
+            _require(
+                _is_int(self.attention_len) and self.attention_len >= 1 and self.pack,
+                "attention_len",
+                self.attention_len,
+                "None, or an integer >= 1 with pack=True",
+                "set pack=True, or leave attention_len=None",
+            )
+            _require(
+                self.weight(self.chunk_len) <= self.max_tokens,
+                "attention_len",
+                self.attention_len,
+                f"a longest chunk ({self.chunk_len} tokens, weighing {self.weight(self.chunk_len):.0f}) within "
+                f"max_tokens={self.max_tokens}",
+                "raise max_tokens or attention_len, or lower max_len",
+            )
+
+    def weight(self, n: int) -> float:
+        """What a packed chunk of ``n`` tokens counts against ``max_tokens`` (see :attr:`attention_len`)."""
+        return n if self.attention_len is None else n + n * n / self.attention_len
 
     @property
     def chunk_len(self) -> int:
@@ -235,14 +261,14 @@ def _fill(sizes: np.ndarray, order: np.ndarray, config: BatchingConfig) -> list[
     cap = config.max_docs if config.max_docs is not None else len(sizes) + 1
     batches: list[list[int]] = []
     current: list[int] = []
-    longest = total = 0
+    longest, total = 0, 0.0
     for i, n in zip(order.tolist(), sizes[order].tolist()):
-        cost = total + n if config.pack else (len(current) + 1) * max(longest, n)
+        cost = total + config.weight(n) if config.pack else (len(current) + 1) * max(longest, n)
         if current and (cost > config.max_tokens or len(current) >= cap):
             batches.append(current)
-            current, longest, total = [], 0, 0
+            current, longest, total = [], 0, 0.0
         current.append(i)
-        longest, total = max(longest, n), total + n
+        longest, total = max(longest, n), total + (config.weight(n) if config.pack else n)
     if current:
         batches.append(current)
     return batches
@@ -280,6 +306,8 @@ def plan_id(lengths: np.ndarray, config: BatchingConfig, seed: int, num_groups: 
         "seed": int(seed),
         "num_groups": int(num_groups),
     }
+    if config.attention_len is not None:  # only when set: plans saved before the option keep their digest
+        settings["attention_len"] = config.attention_len
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
     digest.update(np.ascontiguousarray(lengths, dtype="<i8").tobytes())
     return digest.hexdigest()[:16]

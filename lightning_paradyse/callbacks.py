@@ -180,9 +180,15 @@ class ParaDySeSwitcher(pl.Callback):
             self._last = plan
         return plan
 
-    def _switch_groups(self, strategy: Any, pl_module: pl.LightningModule, batch: Any, info: Any, stage: str) -> Plan:
+    def _switch_groups(
+        self, strategy: Any, pl_module: pl.LightningModule, batch: Any, info: Any, stage: str
+    ) -> Plan | None:
         """A packed training batch on groups of different sizes (``ParaDySeStrategy(groups=True)``)."""
-        step, mine, plan = strategy.group_step(batch, info)
+        split = strategy.group_step(batch, info)
+        if split is None:  # decided alike on every rank: no collective needed
+            strategy.skip(info, "no split of the ranks into groups fits the memory budget")
+            return None
+        step, mine, plan = split
         if self.verify:
             self._verify(strategy, step.digest(info.checksum))
         strategy.activate_group(step, mine, plan)

@@ -26,6 +26,11 @@ order per step:
 Every world collective happens outside autograd at fixed points, so groups whose plans differ (modes,
 recomputation) cannot interleave them differently. An idle group (no sequence) still takes part in
 both steps and contributes zero gradients.
+
+For the strategy (``ParaDySeStrategy(groups=True)``): :func:`select_documents` cuts a group's documents out of
+a packed batch, :func:`planner_cost` is the group cost the solver minimises (:func:`packed_cost`: attention
+per document, Hydraulis-style, plus :func:`regroup_seconds`), :class:`GroupStep` is one rank's share of a
+step and :func:`imbalance` the slowest group over the mean.
 """
 
 from __future__ import annotations
@@ -242,6 +247,13 @@ def flop_weights(dims: ModelDims) -> tuple[float, float]:
     linear = 2 * dims.hidden * (2 * q + 2 * kv + (3 if dims.gated else 2) * f)  # q, o, k, v, MLP projections
     pair = 4 * dims.n_heads * dims.head_dim * (0.5 if dims.causal else 1.0)  # scores and weighted values
     return 3 * dims.n_layers * linear, 3 * dims.n_layers * pair  # forward + backward = 3x forward
+
+
+def attention_crossover(dims: ModelDims) -> int:
+    """The sequence length at which attention costs as many FLOPs as the rest of the blocks (for
+    :attr:`~lightning_paradyse.batching.BatchingConfig.attention_len`)."""
+    per_token, per_pair = flop_weights(dims)
+    return max(1, round(per_token / per_pair))
 
 
 def packed_cost(

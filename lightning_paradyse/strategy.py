@@ -496,8 +496,9 @@ class ParaDySeStrategy(ParallelStrategy):
                 self._group_planners[g] = planner
         return self._group_planners[g]
 
-    def group_step(self, batch: Any, info: BatchInfo) -> tuple[Any, BatchInfo, Plan]:
-        """Split a packed batch among groups: ``(GroupStep, this rank's batch info, its plan)``.
+    def group_step(self, batch: Any, info: BatchInfo) -> tuple[Any, BatchInfo, Plan] | None:
+        """Split a packed batch among groups: ``(GroupStep, this rank's batch info, its plan)``; ``None`` when no
+        split fits the memory budget and ``on_infeasible="skip"``.
 
         Everything is decided from the batch alone, alike on every rank, and every group's batch and plan are
         checked here, before any collective.
@@ -515,6 +516,8 @@ class ParaDySeStrategy(ParallelStrategy):
 
         cost = planner_cost(dims_from_module(self._module), p, self._planner_for)
         found = assign(lengths, p, cost, all_busy=True)
+        if found is None and self.on_infeasible == "skip":
+            return None
         if found is None:
             raise ValueError(
                 f"no split of the {p} ranks into groups fits the packed batch of {len(lengths)} documents "

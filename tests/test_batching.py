@@ -171,3 +171,31 @@ def test_sampler_epochs_groups_and_errors() -> None:
         sampler.load_state_dict({"epoch": 0, "next_batch": 10**6})
     with pytest.raises(ValueError, match="group_index < num_groups"):
         TokenBudgetSampler(LENGTHS, config, num_groups=2, group_index=2)
+
+
+def test_attention_aware_budget_balances_compute() -> None:
+    """``attention_len``: packed batches are filled by tokens plus quadratic attention (Hydraulis-style)."""
+    from lightning_paradyse.cost.dims import dims_from_config
+    from lightning_paradyse.groups import attention_crossover
+    from lightning_paradyse.models import CONFIGS
+    from lightning_paradyse.traces import length_trace
+
+    crossover = attention_crossover(dims_from_config(CONFIGS["llama-tiny"], 1))
+    assert 64 <= crossover <= 4096  # attention overtakes the projections at a few hundred tokens for h = 96
+    lengths = np.array(length_trace("github", 600, 2048, seed=1, min_len=8))
+    plain = BatchingConfig(max_tokens=4096, max_len=2048, pack=True, order="shuffled")
+    aware = BatchingConfig(max_tokens=4096 * 3, max_len=2048, pack=True, order="shuffled", attention_len=crossover)
+    for config in (plain, aware):
+        batches = plan_batches(lengths, config, seed=3)
+        assert sorted(i for b in batches for i in b) == list(range(len(lengths)))  # every chunk once
+        assert all(sum(config.weight(int(lengths[i])) for i in b) <= config.max_tokens or len(b) == 1 for b in batches)
+
+    def spread(config: BatchingConfig) -> float:  # max / mean of the batches' compute (tokens + attention)
+        work = [sum(aware.weight(int(lengths[i])) for i in b) for b in plan_batches(lengths, config, seed=3)[:-1]]
+        return max(work) / (sum(work) / len(work))
+
+    assert spread(aware) < spread(plain)
+    with pytest.raises(ValueError, match="attention_len"):
+        BatchingConfig(max_tokens=4096, max_len=2048, pack=False, attention_len=crossover)
+    with pytest.raises(ValueError, match="raise max_tokens or attention_len"):
+        BatchingConfig(max_tokens=2100, max_len=2048, pack=True, attention_len=64)
