@@ -8,9 +8,9 @@ One training step (forward and backward) of :class:`~lightning_paradyse.models.s
 (``MODEL``: 8 blocks alternating spatial and temporal attention) on a ``[1, frames, patches]`` grid split along
 the frames, under four plans: ``dsp`` on every block (the shard moves between the axes), ``ulysses`` and
 ``ring`` on the blocks that attend along the frames (the spatial blocks are local in every plan), and the grid
-planner's choice (``auto``). Reported per plan: the bytes each rank sends, split into activations (all-to-alls
-and ring passes) and weights (ZeRO-3 gathers, the same in every plan), the median step time over ``--reps`` steps, and the
-activation bytes relative to ``ulysses``. Writes ``benchmarks/results/dsp.{json,md}``.
+planner's choice (``auto``). Reported per plan: the bytes each rank sends, split into activations
+(all-to-alls and ring passes) and weights (ZeRO-3 gathers, the same in every plan), the median step time
+over ``--reps`` steps, and the activation bytes relative to ``ulysses``. Writes ``benchmarks/results/dsp.{json,md}``.
 """
 
 from __future__ import annotations
