@@ -9,4 +9,8 @@ Run ``python benchmarks/run.py`` (``--quick`` for a smoke run, ``--help`` for th
 * :mod:`benchmarks.worker`: what every spawned process does (Trainers for each run, the length search);
 * :mod:`benchmarks.report`: the numbers per run, the JSON file and the Markdown table;
 * :mod:`benchmarks.plots`: the PNG plots (needs the optional ``bench`` extra, matplotlib).
+
+Separate scripts: ``benchmarks/cost_model.py`` (cost-model accuracy and planner time), ``benchmarks/groups.py``
+(groups of different sizes vs one group, 4 processes) and ``benchmarks/dsp.py`` (dimension switching vs the
+sequence modes on the spatial-temporal model).
 """
