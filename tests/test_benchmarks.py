@@ -111,3 +111,34 @@ def test_runs_settings_and_helpers() -> None:
     ]
     assert best(runs, "static") is runs[1]
     assert best(runs, "lightning") is None
+
+
+def test_groups_and_dsp_reports_from_fake_runs() -> None:
+    """The two scripts' data and reports (their runs are measured by hand: see the README)."""
+    import argparse
+
+    from benchmarks import dsp, groups
+
+    data = groups.batches(3, max_len=2048, max_tokens=2048, seed=0)
+    assert len(data) == 3 and all(b["input_ids"].shape[1] <= 2048 and "doc_ids" in b for b in data)
+    fake = {
+        "groups": {
+            "times": [1.0, 0.5, 0.5],
+            "groups": [{"count": 4, "predicted_imbalance": 1.1, "measured_imbalance": 1.2}] * 3,
+        },
+        "tp_sp": {"times": [1.0, 1.0, 1.0], "groups": []},
+    }
+    summary = groups.summarise(fake, data, warmup=1)
+    assert summary["runs"]["groups"]["tokens_per_s"] == 2 * summary["runs"]["tp_sp"]["tokens_per_s"]
+    args = argparse.Namespace(devices=4, steps=3, warmup=1, max_len=2048, max_tokens=2048)
+    report = groups.markdown(summary, args)
+    assert "| groups | 1.00 |" in report and "2.00x" in report and "predicted 1.10, measured 1.20" in report
+    runs = {
+        name: {"seconds": t, "bytes": b}
+        for name, t, b in [
+            ("dsp", 1.0, {"all_to_all": 1e6, "all_gather": 5e6}),
+            ("ulysses", 1.0, {"all_to_all": 2e6, "all_gather": 5e6}),
+        ]
+    }
+    table = dsp.markdown({2: runs}, argparse.Namespace(frames=8, patches=8, reps=1))
+    assert "| 2 | dsp | 1.00 | 5.00 | 0.50 |" in table
