@@ -9,19 +9,19 @@ Parameters keep the ``1/P`` row shards of the unified layout: no weight is store
 of ``g`` ranks runs its modes on ``1/g`` shards (the layout a group of ``g`` would hold). In one documented
 order per step:
 
-1. :func:`enter_group`: every rank obtains the ``1/g`` shards of its group: the rows it lacks lie on the
-   other ranks, so each op's shards are gathered once over the world (one coalesced all-gather per op, in
-   model order on every rank, outside autograd) and this rank's ``1/g`` rows kept as leaf tensors the
-   dispatch modules read instead of their ``1/P`` parameters. A group of ``P`` uses the parameters
-   themselves; a group of 1 holds the whole weights.
+1. :func:`enter_group`: every rank obtains the ``1/g`` shards of its group. The rows it lacks lie on the
+   ranks that own them (for equal group sizes: the complementary ranks, one per group); one all-to-all per
+   op over the world, in model order on every rank and outside autograd, moves exactly those rows, and this
+   rank's ``1/g`` rows are kept as leaf tensors the dispatch modules read instead of their ``1/P``
+   parameters. A split into one group of ``P`` uses the parameters themselves; a group of 1 holds the
+   whole weights for the step.
 2. Forward and backward of the group's packed sequence, with :func:`~lightning_paradyse.parallel.configure`
    given the group's process group and layout. Only the group's own collectives run, so groups of
    different sizes and plans never wait on each other. The loss is normalised by the step's global
    number of real tokens.
-3. :func:`exit_group`: the gradients of the ``1/g`` shards are reduce-scattered over the world back onto
-   the ``1/P`` shards (one coalesced call per op, in model order; the sum over ranks is the sum over
-   groups, which is exactly the gradient of the whole step), replicated gradients are summed over the
-   world, and the ``1/g`` shards are dropped.
+3. :func:`exit_group`: the reverse all-to-all returns the gradients of the ``1/g`` shards to the owners of
+   the rows, which add one contribution per group (the sum over groups is exactly the gradient of the
+   whole step); replicated gradients are summed over the world, and the ``1/g`` shards are dropped.
 
 Every world collective happens outside autograd at fixed points, so groups whose plans differ (modes,
 recomputation) cannot interleave them differently. An idle group (no sequence) still takes part in
@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,13 +47,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from lightning_paradyse.comm import Group, all_gather_rows, all_reduce_sum, group_rank, group_size, reduce_scatter_rows
+from lightning_paradyse.comm import Group, all_gather_rows, all_reduce_sum, all_to_all_rows, group_rank, group_size
 from lightning_paradyse.cost.dims import ModelDims
 from lightning_paradyse.cost.groups import Assignment, GroupCost
 from lightning_paradyse.cost.time import Machine
 from lightning_paradyse.dispatch import OpDispatch
-from lightning_paradyse.parallel import dispatchers, replicated_parameters
-from lightning_paradyse.spec import row_sizes
+from lightning_paradyse.layout import split_offsets
+from lightning_paradyse.parallel import dispatchers, replicated_parameters, shard_sources
 
 
 def check_sizes(sizes: Sequence[int], world: int) -> None:
@@ -119,81 +120,142 @@ def _op_pieces(op: OpDispatch) -> list[tuple[str, torch.Tensor, int]]:
     return [(name, op.get_parameter(name), src.rows) for name, src in op.sources.items()]
 
 
-def _flat_sizes(pieces: list[tuple[str, torch.Tensor, int]], p: int) -> list[int]:
-    """Elements every rank holds of these pieces (1/p row shards)."""
-    per_row = [math.prod(w.shape[1:]) for _, w, _ in pieces]
-    return [sum(row_sizes(rows, p)[r] * k for (_, _, rows), k in zip(pieces, per_row)) for r in range(p)]
+def _wanted(rows: int, sizes: Sequence[int], rank: int) -> tuple[int, int]:
+    """``[start, stop)``: the rows of a weight with ``rows`` rows that ``rank`` reads in the split ``sizes``."""
+    for members in blocks(sizes):
+        if rank in members:
+            offsets = split_offsets(rows, len(members))
+            local = rank - members.start
+            return offsets[local], offsets[local + 1]
+    raise AssertionError("unreachable: the blocks cover every rank")
 
 
-def enter_group(module: nn.Module, world: Group, group: Group) -> None:
-    """Step 1 of the module docstring: give every dispatch module this rank's ``1/g`` shards of ``group``."""
-    p, g, i = group_size(world), group_size(group), group_rank(group)
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+    lo, hi = max(a[0], b[0]), min(a[1], b[1])
+    return (lo, max(lo, hi))
+
+
+@dataclass(frozen=True)
+class _Exchange:
+    """Which rows of an op's pieces (weights of ``rows_n`` rows) move between which ranks for one split."""
+
+    sends: tuple[tuple[tuple[int, int], ...], ...]
+    """Per piece, per rank ``j``: the local rows ``[lo, hi)`` of this rank's ``1/P`` shard that ``j`` reads."""
+    recvs: tuple[tuple[int, ...], ...]
+    """Per piece, per rank ``i``: rows of this rank's ``1/g`` shard that come from ``i`` (in row order)."""
+    widths: tuple[int, ...]
+    """Elements per row of each piece."""
+
+    @classmethod
+    def of(cls, pieces: list[tuple[str, torch.Tensor, int]], p: int, sizes: Sequence[int], rank: int) -> _Exchange:
+        sends, recvs = [], []
+        for _, _, rows in pieces:
+            owned = split_offsets(rows, p)
+            mine, want = (owned[rank], owned[rank + 1]), _wanted(rows, sizes, rank)
+            spans = [_overlap(mine, _wanted(rows, sizes, j)) for j in range(p)]
+            sends.append(tuple((lo - mine[0], hi - mine[0]) for lo, hi in spans))
+            recvs.append(tuple(hi - lo for lo, hi in (_overlap((owned[i], owned[i + 1]), want) for i in range(p))))
+        widths = tuple(math.prod(w.shape[1:]) for _, w, _ in pieces)
+        return cls(tuple(sends), tuple(recvs), widths)
+
+    def sent(self, j: int) -> list[int]:
+        """Elements of each piece this rank's shard sends to rank ``j``."""
+        return [(s[j][1] - s[j][0]) * k for s, k in zip(self.sends, self.widths)]
+
+    def received(self, i: int) -> list[int]:
+        """Elements of each piece this rank's ``1/g`` shard gets from rank ``i``."""
+        return [r[i] * k for r, k in zip(self.recvs, self.widths)]
+
+
+def enter_group(module: nn.Module, world: Group, sizes: Sequence[int]) -> None:
+    """Step 1 of the module docstring: give every dispatch module this rank's ``1/g`` shards for the split
+    ``sizes`` (every rank's group is known from it).
+
+    One all-to-all per op over the world moves exactly the rows each rank reads and lacks: rank ``j`` receives
+    from every owner the part of its ``1/P`` shard that lies in ``j``'s ``1/g`` rows (``(1/g - 1/P)`` of the
+    weights per rank; nothing when the split is the world).
+    """
+    p, rank = group_size(world), group_rank(world)
+    check_sizes(sizes, p)
     for _, op in dispatchers(module):
         if op.group_shards is not None:
             raise RuntimeError("enter_group called twice without exit_group")
-        if g == p:
-            op.group_shards = {}
+        op.group_shards = {}
+        if len(sizes) == 1:
             continue
         pieces = _op_pieces(op)
-        sizes = _flat_sizes(pieces, p)
+        ex = _Exchange.of(pieces, p, sizes, rank)
         with torch.no_grad():
-            mine = torch.cat([w.detach().reshape(-1) for _, w, _ in pieces])  # [sizes[rank]]
-            every = torch.split(all_gather_rows(mine, sizes, world), sizes)  # -> one flat piece per rank
-            chunks = [
-                torch.split(flat, [row_sizes(rows, p)[r] * math.prod(w.shape[1:]) for _, w, rows in pieces])
-                for r, flat in enumerate(every)
-            ]
-        shards: dict[str, torch.Tensor] = {}
-        for j, (name, w, rows) in enumerate(pieces):
-            k = w.shape[1:]
-            full = torch.cat([chunks[r][j].view(-1, *k) for r in range(p)])  # [rows/p, k] x p -> [rows, k]
-            start, n = sum(row_sizes(rows, g)[:i]), row_sizes(rows, g)[i]
-            shards[name] = full[start : start + n].clone().requires_grad_(w.requires_grad)  # -> [rows/g, k]
-        op.group_shards = shards
+            send = [
+                w.detach()[spans[j][0] : spans[j][1]].reshape(-1)
+                for j in range(p)
+                for (_, w, _), spans in zip(pieces, ex.sends)
+            ]  # destination-rank order, then the op's pieces
+            in_sizes, out_sizes = [sum(ex.sent(j)) for j in range(p)], [sum(ex.received(i)) for i in range(p)]
+            recv = all_to_all_rows(torch.cat(send), in_sizes, out_sizes, world)  # [numel] -> [numel']
+            parts = [torch.split(chunk, ex.received(i)) for i, chunk in enumerate(torch.split(recv, out_sizes))]
+        for n, (name, w, _) in enumerate(pieces):
+            shard = torch.cat([parts[i][n].view(-1, *w.shape[1:]) for i in range(p)])  # [rows/g, k], row order
+            op.group_shards[name] = shard.requires_grad_(w.requires_grad)
 
 
-def exit_group(module: nn.Module, world: Group, group: Group, replicated: bool = True) -> None:
+def exit_group(module: nn.Module, world: Group, sizes: Sequence[int], replicated: bool = True) -> None:
     """Step 3 of the module docstring: the ``1/g`` gradients onto the ``1/P`` shards, replicated ones summed.
 
-    Shard gradients are added to what the parameters hold (gradient accumulation works). With
-    ``replicated=False`` the replicated gradients are left for one :func:`reduce_replicated` call before
-    the optimizer step (needed when several micro-batches accumulate).
+    The reverse all-to-all of :func:`enter_group`: every rank returns to each owner the gradient of the rows it
+    read, and the owner adds what every group sent (one contribution per group that read the row). Shard
+    gradients are added to what the parameters hold (gradient accumulation works). With ``replicated=False``
+    the replicated gradients are left for one :func:`reduce_replicated` call before the optimizer step
+    (needed when several micro-batches accumulate).
     """
-    p, g, i = group_size(world), group_size(group), group_rank(group)
+    p, rank = group_size(world), group_rank(world)
     for _, op in dispatchers(module):
         shards = op.group_shards
         if shards is None:
             raise RuntimeError("exit_group called without enter_group")
         op.group_shards = None
-        if g == p:
+        if len(sizes) == 1:
             continue
         pieces = _op_pieces(op)
-        per_rank: list[list[torch.Tensor]] = [[] for _ in range(p)]
+        ex = _Exchange.of(pieces, p, sizes, rank)
         with torch.no_grad():
-            for name, w, rows in pieces:
-                full = w.new_zeros((rows, *w.shape[1:]))  # [rows, k], zero outside this rank's 1/g rows
+            grads = []  # per piece: the gradient rows that came from each owner
+            for (name, _, _), recvs in zip(pieces, ex.recvs):
                 grad = shards[name].grad
-                if grad is not None:
-                    start, n = sum(row_sizes(rows, g)[:i]), row_sizes(rows, g)[i]
-                    full[start : start + n] = grad
-                for r, part in enumerate(torch.split(full, row_sizes(rows, p))):
-                    per_rank[r].append(part.reshape(-1))
-            flat = torch.cat([torch.cat(parts) for parts in per_rank])  # destination-rank order
-            sizes = _flat_sizes(pieces, p)
-            mine = reduce_scatter_rows(flat, sizes, world)  # summed over the world: [sizes[rank]]
-            at = 0
-            for _, w, _ in pieces:
-                n = w.numel()
-                piece = mine[at : at + n].view_as(w)
-                at += n
-                if not w.requires_grad:
-                    continue
-                if w.grad is None:
-                    w.grad = piece.clone()
-                else:
-                    w.grad.add_(piece)
+                grads.append(torch.split(grad if grad is not None else torch.zeros_like(shards[name]), list(recvs)))
+            send = [grads[n][i].reshape(-1) for i in range(p) for n in range(len(pieces))]  # owner order
+            in_sizes, out_sizes = [sum(ex.received(i)) for i in range(p)], [sum(ex.sent(j)) for j in range(p)]
+            recv = all_to_all_rows(torch.cat(send), in_sizes, out_sizes, world)  # [numel'] -> [numel]
+            for j, chunk in enumerate(torch.split(recv, out_sizes)):  # rank j's gradient of the rows it read here
+                for (_, w, _), spans, piece in zip(pieces, ex.sends, torch.split(chunk, ex.sent(j))):
+                    lo, hi = spans[j]
+                    if hi == lo or not w.requires_grad:
+                        continue
+                    if w.grad is None:
+                        w.grad = torch.zeros_like(w)
+                    w.grad[lo:hi] += piece.view(hi - lo, *w.shape[1:])
     if replicated:
         reduce_replicated(module, world)
+
+
+def measure_regroup(module: nn.Module, world: Group, reps: int = 3) -> float:
+    """Seconds of :func:`enter_group` + :func:`exit_group` into groups of one rank (the largest exchange),
+    the median of ``reps`` on every rank and the slowest rank's (collective; gradients are left as they were)."""
+    p = group_size(world)
+    if p == 1:
+        return 0.0
+    shards = [w for name, w in module.named_parameters() if name in set(shard_sources(module))]
+    before = [w.grad for w in shards]
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        enter_group(module, world, (1,) * p)
+        exit_group(module, world, (1,) * p, replicated=False)
+        times.append(time.perf_counter() - start)
+    for w, grad in zip(shards, before):
+        w.grad = grad
+    mine = torch.tensor([sorted(times)[len(times) // 2]], dtype=torch.float64)
+    return float(all_gather_rows(mine, [1] * p, world).max())  # [1] -> [p]
 
 
 def reduce_replicated(module: nn.Module, world: Group) -> None:
@@ -285,9 +347,12 @@ def packed_cost(
     return cost
 
 
-def planner_cost(dims: ModelDims, world: int, planner_for: Callable[[int], Any]) -> GroupCost:
+def planner_cost(
+    dims: ModelDims, world: int, planner_for: Callable[[int], Any], regroup_scale: float = 1.0
+) -> GroupCost:
     """The strategy's group cost: :func:`packed_cost` on the planner of each group size plus
-    :func:`regroup_seconds`; the FLOP cost when the planners have no cost model (fixed plans)."""
+    :func:`regroup_seconds` times ``regroup_scale`` (measured over predicted, :func:`measure_regroup`); the FLOP
+    cost when the planners have no cost model (fixed plans)."""
     from lightning_paradyse.cost.planner import CostPlanner, PlanInfeasible
 
     if not isinstance(planner_for(world), CostPlanner):
@@ -301,23 +366,24 @@ def planner_cost(dims: ModelDims, world: int, planner_for: Callable[[int], Any])
 
     def regroup(g: int) -> float:
         model = planner_for(g).model
-        return regroup_seconds(model.dims, model.machine, world, g)
+        return regroup_scale * regroup_seconds(model.dims, model.machine, world, g)
 
     return packed_cost(dims, step_time, regroup)
 
 
 def regroup_seconds(dims: ModelDims, machine: Machine, world: int, g: int) -> float:
-    """Predicted seconds of :func:`enter_group` and :func:`exit_group` for a group of ``g`` out of ``world`` ranks.
+    """Predicted seconds of :func:`enter_group` and :func:`exit_group` for a rank in a group of ``g`` of ``world``.
 
-    One all-gather and one reduce-scatter over the world per op of the blocks' weights (each rank sends its
-    ``(world - 1) / world`` share of the ring volume); nothing when the group is the world.
+    Per op of the blocks one all-to-all forward and one backward, each rank receiving (and, on the way back,
+    sending) the ``1/g - 1/world`` of the weights it reads but does not own; nothing when the group is the world.
+    The all-to-all is over every rank, so a step waits for its smallest group's exchange (the solver charges
+    each group its own, a slight under-estimate for the larger groups of a mixed split).
     """
     if g >= world:
         return 0.0
     weights = dims.n_layers * (dims.attn_params() + dims.mlp_params()) * dims.dtype_bytes
-    volume, calls = weights * (world - 1) / world, 2 * dims.n_layers
-    gather, scatter = machine.collective("all_gather", world), machine.collective("reduce_scatter", world)
-    return gather.time(calls, volume) + scatter.time(calls, volume)
+    volume, calls = weights * (1 / g - 1 / world), 2 * dims.n_layers
+    return 2 * machine.collective("all_to_all", world).time(calls, volume)
 
 
 def machine_for_groups(machine: Machine, world: int) -> Machine:

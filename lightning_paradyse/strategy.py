@@ -226,6 +226,7 @@ class ParaDySeStrategy(ParallelStrategy):
         self.groups = _validate_flag("groups", groups)
         self.num_nodes = 1
         self._group_set: Any = None
+        self._regroup_scale = 1.0
         self._group_planners: dict[int, Planner] = {}
         self._group_step: Any = None
         self._group_started = 0.0
@@ -325,9 +326,7 @@ class ParaDySeStrategy(ParallelStrategy):
         self._parallelize()
         self.planner = self._make_planner()
         if self.groups and group_size(self._group) > 1:
-            from lightning_paradyse.groups import GroupSet
-
-            self._group_set = GroupSet(self._group)  # new_group is collective: every rank, once, here
+            self._setup_groups()
         _ensure_switcher(trainer)
         _keep_user_samplers(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -475,6 +474,25 @@ class ParaDySeStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ groups of different sizes
 
+    def _setup_groups(self) -> None:
+        """The aligned process groups (``new_group`` is collective: every rank, once, here) and the measured
+        cost of regrouping the weights, which corrects the cost model's prediction of it."""
+        from lightning_paradyse.cost.dims import dims_from_module
+        from lightning_paradyse.cost.planner import CostPlanner
+        from lightning_paradyse.groups import GroupSet, measure_regroup, regroup_seconds
+
+        p = group_size(self._group)
+        self._group_set = GroupSet(self._group)
+        planner = self.planner
+        if isinstance(planner, CostPlanner):
+            predicted = regroup_seconds(dims_from_module(self._module), planner.model.machine, p, 1)
+            measured = measure_regroup(self._module, self._group)
+            self._regroup_scale = measured / predicted if predicted > 0 else 1.0
+            rank_zero_info(
+                f"[paradyse] groups: regrouping the weights takes {measured * 1e3:.1f} ms (predicted "
+                f"{predicted * 1e3:.1f} ms); the group cost uses the measurement"
+            )
+
     def uses_groups(self, info: BatchInfo, stage: str) -> bool:
         """Whether this batch runs on groups of different sizes (``groups=True``, a packed training batch)."""
         return self._group_set is not None and stage == "train" and info.doc_ids is not None
@@ -514,7 +532,7 @@ class ParaDySeStrategy(ParallelStrategy):
         spans = document_bounds(info.doc_ids, info.seq_len)
         lengths = [b - a for a, b in spans]
 
-        cost = planner_cost(dims_from_module(self._module), p, self._planner_for)
+        cost = planner_cost(dims_from_module(self._module), p, self._planner_for, self._regroup_scale)
         found = assign(lengths, p, cost, all_busy=True)
         if found is None and self.on_infeasible == "skip":
             return None
@@ -547,7 +565,7 @@ class ParaDySeStrategy(ParallelStrategy):
         from lightning_paradyse.groups import enter_group
 
         module = self._module
-        enter_group(module, self._group, step.group)
+        enter_group(module, self._group, step.assignment.sizes)
         parallel.configure(module, SeqContext(info.layout, step.group, info.doc_ids), plan)
         parallel.set_step_targets(module, info.shift_labels, info.n_shift_labels)
         self._pending, self._group_step = info, step
@@ -564,7 +582,7 @@ class ParaDySeStrategy(ParallelStrategy):
         elapsed = torch.tensor([time.perf_counter() - self._group_started], dtype=torch.float64)
         per_rank = all_gather_rows(elapsed, [1] * group_size(self._group), self._group).tolist()  # [1] -> [P]
         self.group_times = tuple(max(per_rank[r] for r in block) for block in blocks(step.assignment.sizes))
-        exit_group(self._module, self._group, step.group, replicated=False)
+        exit_group(self._module, self._group, step.assignment.sizes, replicated=False)
         if not self._accumulating():
             reduce_replicated(self._module, self._group)
 

@@ -87,7 +87,7 @@ def _group_step(
     index, pg = groups.mine(sizes)
     g = sizes[index]
     rank = groups.rank - blocks(sizes)[index].start
-    enter_group(model, groups.world, pg)
+    enter_group(model, groups.world, sizes)
     loss = torch.zeros(())
     mine = [docs[j] for j in members[index]]
     if mine:
@@ -97,7 +97,7 @@ def _group_step(
         logits = model(layout.shard(tokens[None], rank), layout.shard(positions, rank, dim=0))
         loss = F.cross_entropy(logits[0], layout.shard(targets, rank, dim=0), reduction="sum") / count
         loss.backward()
-    exit_group(model, groups.world, pg, replicated)
+    exit_group(model, groups.world, sizes, replicated)
     return loss.detach()
 
 
