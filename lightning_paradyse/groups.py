@@ -348,27 +348,58 @@ def packed_cost(
 
 
 def planner_cost(
-    dims: ModelDims, world: int, planner_for: Callable[[int], Any], regroup_scale: float = 1.0
+    dims: ModelDims,
+    world: int,
+    planner_for: Callable[[int], Any],
+    regroup_scale: float = 1.0,
+    step_scale: Mapping[int, float] | None = None,
+    regroup: bool = True,
 ) -> GroupCost:
-    """The strategy's group cost: :func:`packed_cost` on the planner of each group size plus
-    :func:`regroup_seconds` times ``regroup_scale`` (measured over predicted, :func:`measure_regroup`); the FLOP
-    cost when the planners have no cost model (fixed plans)."""
+    """The strategy's group cost: :func:`packed_cost` on the planner of each group size, times the measured
+    correction ``step_scale[g]`` (:class:`StepScales`), plus :func:`regroup_seconds` times ``regroup_scale``
+    (measured over predicted, :func:`measure_regroup`; left out with ``regroup=False``); the FLOP cost when the
+    planners have no cost model (fixed plans)."""
     from lightning_paradyse.cost.planner import CostPlanner, PlanInfeasible
 
     if not isinstance(planner_for(world), CostPlanner):
         return packed_cost(dims)
+    scales = step_scale or {}
 
     def step_time(s: int, g: int) -> float | None:
         try:
-            return float(planner_for(g).step(s, 1).time_s)
+            return float(planner_for(g).step(s, 1).time_s) * scales.get(g, 1.0)
         except PlanInfeasible:
             return None
 
-    def regroup(g: int) -> float:
+    def regroup_time(g: int) -> float:
         model = planner_for(g).model
         return regroup_scale * regroup_seconds(model.dims, model.machine, world, g)
 
-    return packed_cost(dims, step_time, regroup)
+    return packed_cost(dims, step_time, regroup_time if regroup else None)
+
+
+@dataclass
+class StepScales:
+    """Measured over predicted step time per group size, learned from the steps run (online calibration).
+
+    After every grouped step each rank knows every group's measured forward and backward (all-gathered) and
+    its prediction, so every rank updates the same factors: an exponential average of ``measured /
+    predicted`` over the groups of each size, clamped to ``[0.1, 10]``. Group sizes never run keep 1.0.
+    """
+
+    weight: float = 0.3
+    """Weight of the newest step in the average."""
+    scales: dict[int, float] = field(default_factory=dict)
+
+    def update(self, sizes: Sequence[int], predicted: Sequence[float], measured: Sequence[float]) -> None:
+        ratios: dict[int, list[float]] = {}
+        for g, pred, meas in zip(sizes, predicted, measured):
+            if pred > 0 and meas > 0:
+                ratios.setdefault(g, []).append(min(10.0, max(0.1, meas / pred)))
+        for g, values in sorted(ratios.items()):
+            ratio = sum(values) / len(values)
+            old = self.scales.get(g)
+            self.scales[g] = ratio if old is None else (1 - self.weight) * old + self.weight * ratio
 
 
 def regroup_seconds(dims: ModelDims, machine: Machine, world: int, g: int) -> float:
@@ -418,8 +449,8 @@ class GroupStep:
     """This rank's rank inside the group."""
     batch: dict[str, Any]
     """The group's packed batch (its documents)."""
-    spans: tuple[tuple[int, int], ...] = field(default=())
-    """The documents of the whole batch."""
+    predicted: tuple[float, ...] = ()
+    """Every group's predicted forward and backward (without the regroup or the learned correction)."""
 
     @property
     def size(self) -> int:

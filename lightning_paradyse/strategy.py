@@ -65,6 +65,7 @@ from typing_extensions import override
 from lightning_paradyse import parallel
 from lightning_paradyse.checkpoint import consolidate_optimizer_state, load_optimizer_state
 from lightning_paradyse.comm import Group, all_gather_rows, all_reduce_sum, broadcast_from, group_size
+from lightning_paradyse.groups import StepScales
 from lightning_paradyse.plan import Plan, parse_plan
 from lightning_paradyse.policy import (
     FixedPlanner,
@@ -227,6 +228,7 @@ class ParaDySeStrategy(ParallelStrategy):
         self.num_nodes = 1
         self._group_set: Any = None
         self._regroup_scale = 1.0
+        self._step_scales = StepScales()
         self._group_planners: dict[int, Planner] = {}
         self._group_step: Any = None
         self._group_started = 0.0
@@ -532,7 +534,8 @@ class ParaDySeStrategy(ParallelStrategy):
         spans = document_bounds(info.doc_ids, info.seq_len)
         lengths = [b - a for a, b in spans]
 
-        cost = planner_cost(dims_from_module(self._module), p, self._planner_for, self._regroup_scale)
+        dims = dims_from_module(self._module)
+        cost = planner_cost(dims, p, self._planner_for, self._regroup_scale, self._step_scales.scales)
         found = assign(lengths, p, cost, all_busy=True)
         if found is None and self.on_infeasible == "skip":
             return None
@@ -558,7 +561,9 @@ class ParaDySeStrategy(ParallelStrategy):
         if info.shift_labels is not None:  # the whole batch's shifted labels, cut like the tokens
             labels = select_documents({"labels": shifted_labels(batch["labels"])}, spans, found.groups[index])
             mine = replace(mine, shift_labels=mine.layout.shard(labels["labels"], rank))
-        return GroupStep(found, index, pg, rank, sub, tuple(spans)), mine, plan
+        bare = planner_cost(dims, p, self._planner_for, regroup=False)  # what the learned correction corrects
+        predicted = tuple(bare(tuple(lengths[i] for i in m), g) or 0.0 for g, m in zip(found.sizes, found.groups))
+        return GroupStep(found, index, pg, rank, sub, predicted), mine, plan
 
     def activate_group(self, step: Any, info: BatchInfo, plan: Plan) -> None:
         """This rank's 1/g shards (a collective over every rank), then its group's layout and plan."""
@@ -582,6 +587,7 @@ class ParaDySeStrategy(ParallelStrategy):
         elapsed = torch.tensor([time.perf_counter() - self._group_started], dtype=torch.float64)
         per_rank = all_gather_rows(elapsed, [1] * group_size(self._group), self._group).tolist()  # [1] -> [P]
         self.group_times = tuple(max(per_rank[r] for r in block) for block in blocks(step.assignment.sizes))
+        self._step_scales.update(step.assignment.sizes, step.predicted, self.group_times)  # alike on every rank
         exit_group(self._module, self._group, step.assignment.sizes, replicated=False)
         if not self._accumulating():
             reduce_replicated(self._module, self._group)
