@@ -81,8 +81,8 @@ def markdown(profile: Profile, planner: dict[str, Any], command: str) -> str:
         f"{lengths}, held-out lengths {heldout} (every mode, with and without recomputation: whole training "
         "steps, forward + backward + gradient reduction).",
         "",
-        "| mode | time, inside | time, beyond | memory, inside | memory, beyond | time unnormalised, inside / beyond |",
-        "|---|---|---|---|---|---|",
+        "| mode | time, inside | time, beyond | memory, inside | memory, beyond |",
+        "|---|---|---|---|---|",
     ]
     table = mape_table(profile)
     inside, beyond = table.get("interpolation", {}), table.get("extrapolation", {})
@@ -93,26 +93,19 @@ def markdown(profile: Profile, planner: dict[str, Any], command: str) -> str:
         value = part[mode][key]
         return f"{value:.1f}%" + ("" if value <= target else " (over)")
 
-    def raw(part: dict[str, dict[str, float]], mode: str) -> str:
-        return f"{part[mode]['time_raw']:.1f}%" if "time_raw" in part.get(mode, {}) else "—"
-
     for mode in dict.fromkeys(r["mode"] for r in profile.validation):
         lines.append(
             f"| {mode} | {cell(inside, mode, 'time', TIME_TARGET['interpolation'])} "
             f"| {cell(beyond, mode, 'time', TIME_TARGET['extrapolation'])} "
             f"| {cell(inside, mode, 'memory', MEMORY_TARGET['interpolation'])} "
-            f"| {cell(beyond, mode, 'memory', MEMORY_TARGET['extrapolation'])} "
-            f"| {raw(inside, mode)} / {raw(beyond, mode)} |"
+            f"| {cell(beyond, mode, 'memory', MEMORY_TARGET['extrapolation'])} |"
         )
     lines += [
         "",
         f"Mean absolute percentage error; inside = held-out lengths <= {max(lengths)} (targets: time "
         f"{TIME_TARGET['interpolation']:.0f}%, memory {MEMORY_TARGET['interpolation']:.0f}%), beyond = longer, up to "
         f"{max(heldout) / max(lengths):.0f}x (targets: time {TIME_TARGET['extrapolation']:.0f}%, memory "
-        f"{MEMORY_TARGET['extrapolation']:.0f}%). Measured step times are taken at the calibration's median "
-        "machine speed: a fixed reference step is timed right before and after each step and the time scaled "
-        "by `median(ref) / ref` (`ProfileSettings.reference`); the last column is the error against the "
-        "measured times as they came.",
+        f"{MEMORY_TARGET['extrapolation']:.0f}%).",
         "",
         f"Planner decision time per batch ({planner['model']}, {planner['layers']} layers x 2 ops, four modes x "
         f"recompute, {planner['lengths']} lengths): uncached median {planner['uncached']['median_ms']:.2f} ms, "

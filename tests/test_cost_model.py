@@ -167,27 +167,3 @@ def test_diagonal_ring_tiles_are_timed_at_their_own_rate() -> None:
     assert attn_seconds(plain, work, backward=False) == pytest.approx(5e9 / 8e9)
     metp = Work(0.0, attn=5e9, kernel="gtile", attn_size=side, attn_diag=2e9)  # no group curve: the all-head ones
     assert attn_seconds(machine, metp, backward=False) == pytest.approx(3e9 / 8e9 + 2e9 / 2e9)
-
-
-def test_step_times_are_taken_at_the_median_machine_speed() -> None:
-    """``normalise_speed``: a step measured while the machine ran slow (its reference step slow too) is scaled
-    back; the fastest round keeps the reference timed next to it."""
-    from lightning_paradyse.cost.profile import merge_rounds, normalise_speed
-
-    rows = [
-        {"mode": "a", "time_s": 1.0, "ref_s": 0.10},
-        {"mode": "b", "time_s": 3.0, "ref_s": 0.15},  # measured while everything took 1.5x longer
-        {"mode": "c", "time_s": 2.0, "ref_s": 0.10},
-        {"mode": "d", "time_s": 5.0},  # no reference: unchanged
-    ]
-    out = normalise_speed(rows)
-    assert [r["time_s"] for r in out] == pytest.approx([1.0, 2.0, 2.0, 5.0])
-    assert out[1]["time_raw_s"] == 3.0 and "time_raw_s" not in out[3]
-    assert normalise_speed(rows[3:]) == rows[3:]
-    first = {"kernels": {}, "collectives": {}, "overlap": 0.5, "segments": [], "fit_steps": [], "steps": rows[:2]}
-    second = {
-        **first,
-        "steps": [{"mode": "a", "time_s": 0.9, "ref_s": 0.2}, {"mode": "b", "time_s": 4.0, "ref_s": 0.3}],
-    }
-    merged = merge_rounds([first, second])["steps"]
-    assert merged == [{"mode": "a", "time_s": 0.9, "ref_s": 0.2}, {"mode": "b", "time_s": 3.0, "ref_s": 0.15}]

@@ -343,8 +343,8 @@ def measure_head(model: nn.Module, ctx: SeqContext, settings: Any) -> dict[str, 
     return _time_and_memory(model, head, x0, settings.reps, settings.segment_seconds)
 
 
-def make_step(model: nn.Module, plan: Plan, seq_len: int, settings: Any, p: int) -> Callable[[], None]:
-    """One training step (forward, backward, replicated-gradient reduction) of ``plan`` on random tokens."""
+def measure_step(model: nn.Module, plan: Plan, seq_len: int, settings: Any, p: int) -> dict[str, Any]:
+    """Time and peak memory of one training step (forward, backward, replicated-gradient reduction)."""
     group = dist.group.WORLD if p > 1 else None
     ctx = SeqContext(SeqLayout.for_sequence(seq_len, p, is_causal(model)), group)
     lm: Any = model
@@ -361,21 +361,7 @@ def make_step(model: nn.Module, plan: Plan, seq_len: int, settings: Any, p: int)
         loss.backward()
         reduce_replicated_grads(model, group)
 
-    return step
-
-
-def measure_step(
-    model: nn.Module, plan: Plan, seq_len: int, settings: Any, p: int, reference: Callable[[], None] | None = None
-) -> dict[str, Any]:
-    """Time and peak memory of one training step (forward, backward, replicated-gradient reduction).
-
-    With ``reference`` (a fixed step, the same all calibration long), it is timed right before and right after
-    and the mean is kept as ``ref_s``: the machine's speed at the time of this measurement.
-    """
-    step = make_step(model, plan, seq_len, settings, p)
-    before = timed(reference, 3) if reference is not None else None
     seconds = timed(step, settings.reps, settings.step_seconds)
-    after = timed(reference, 3) if reference is not None else None
     peaks = []
     for _ in range(settings.step_memory_reps):
         model.zero_grad(set_to_none=True)
@@ -383,7 +369,4 @@ def measure_step(
             step()
         peaks.append(mem.peak)
     model.zero_grad(set_to_none=True)
-    row: dict[str, Any] = {"time_s": seconds, "peak": min(peaks)}
-    if before is not None and after is not None:
-        row["ref_s"] = (before + after) / 2
-    return row
+    return {"time_s": seconds, "peak": min(peaks)}

@@ -49,7 +49,6 @@ from lightning_paradyse.cost.measure import (
     bench_collectives,
     bench_kernels,
     bench_overlap,
-    make_step,
     measure_head,
     measure_segment,
     measure_step,
@@ -103,11 +102,6 @@ class ProfileSettings:
     rounds: int = 2
     """Every measurement is taken this many times, a whole calibration apart, and the fastest counts: a
     machine slowed for a while by other load (a shared host) then rarely slows the same measurement twice."""
-    reference: bool = True
-    """Time a fixed reference step (the first mode at the shortest profiled length) right before and after
-    every whole step, and express every step's time at the calibration's median machine speed
-    (``time * median(ref) / ref``): a shared host's speed drifts over minutes, which is not model error.
-    The raw times are kept (``time_raw_s``) and their accuracy reported too."""
 
     @property
     def kernel_lengths(self) -> tuple[int, ...]:
@@ -136,7 +130,6 @@ class ProfileSettings:
             segment_seconds=0.0,
             step_seconds=0.0,
             rounds=1,
-            reference=False,
         )
         return cls(**{**base, **overrides})
 
@@ -262,14 +255,11 @@ def _steps(
 ) -> list[dict[str, Any]]:
     """Whole steps under every uniform plan (each mode, with and without recomputation) at ``lengths``."""
     n_layers = resolve_config(settings.model).n_layers
-    reference = None
-    if settings.reference:
-        reference = make_step(model, uniform_plan(settings.modes[0], n_layers), min(settings.lengths), settings, p)
     out = []
     for s in lengths:
         for mode in settings.modes:
             for rc in (False, True):
-                row = measure_step(model, uniform_plan(mode, n_layers, rc), s, settings, p, reference)
+                row = measure_step(model, uniform_plan(mode, n_layers, rc), s, settings, p)
                 out.append({"mode": mode, "rc": rc, "seq_len": s, **row})
                 bar.step(f"step {mode}{'+rc' if rc else ''} s={s}")
     return out
@@ -292,27 +282,8 @@ def _measure_once(
 
 
 def _fastest_rows(rounds: Sequence[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Row-wise over rounds: the fastest time (with the reference timed next to it); memory as the first round
-    measured it (it does not vary)."""
-    out = []
-    for parts in zip(*rounds):
-        best = min(parts, key=lambda r: r["time_s"])
-        out.append({**parts[0], **{k: best[k] for k in ("time_s", "ref_s") if k in best}})
-    return out
-
-
-def normalise_speed(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Every step's time at the median machine speed of all ``rows`` (see :attr:`ProfileSettings.reference`):
-    ``time_s * median(ref_s) / ref_s``, the measured time kept as ``time_raw_s``. Rows without ``ref_s`` are
-    returned unchanged."""
-    refs = [r["ref_s"] for r in rows if r.get("ref_s")]
-    if not refs:
-        return list(rows)
-    middle = statistics.median(refs)
-    return [
-        {**r, "time_raw_s": r["time_s"], "time_s": r["time_s"] * middle / r["ref_s"]} if r.get("ref_s") else r
-        for r in rows
-    ]
+    """Row-wise over rounds: the fastest time; memory as the first round measured it (it does not vary)."""
+    return [{**parts[0], "time_s": min(r["time_s"] for r in parts)} for parts in zip(*rounds)]
 
 
 def combine_curves(
@@ -402,8 +373,6 @@ def fit_profile(raw: dict[str, Any], settings: ProfileSettings, p: int) -> Profi
         key = "head" if mode == "head" else calibration_key(mode, op, rc)
         calibration[key] = fit_op(mode, op, rc, rows, seg_dims, p, machine, settings.batch)
     model = CostModel(dims, p, machine, calibration, include_static=False, grads_resident=False)
-    steps = normalise_speed([*raw["fit_steps"], *raw["steps"]])  # one median speed for fitted and held-out
-    raw = {**raw, "fit_steps": steps[: len(raw["fit_steps"])], "steps": steps[len(raw["fit_steps"]) :]}
     fitted = _validate(model, raw["fit_steps"], config.n_layers, settings.batch)
     calibration["step"] = OpCalibration(time_scale=fit_step_scale(fitted))
     model = CostModel(dims, p, machine, calibration, include_static=False, grads_resident=False)
@@ -448,8 +417,7 @@ MEMORY_TARGET = {"interpolation": 5.0, "extrapolation": 15.0}
 
 
 def mape_per_mode(validation: list[dict[str, Any]], longest: int | None = None) -> dict[str, dict[str, float]]:
-    """``{mode: {"time": MAPE %, "memory": MAPE %}}`` over the held-out steps (both recompute flags), plus
-    ``"time_raw"`` against the measured times before the speed normalisation when the rows have them.
+    """``{mode: {"time": MAPE %, "memory": MAPE %}}`` over the held-out steps (both recompute flags).
 
     With ``longest`` (the longest profiled length), only the steps of at most that length
     (``longest > 0``) or longer than ``-longest`` (``longest < 0``) count; see :func:`mape_table`.
@@ -463,8 +431,6 @@ def mape_per_mode(validation: list[dict[str, Any]], longest: int | None = None) 
             "time": statistics.fmean(_ape(r["pred_time_s"], r["time_s"]) for r in rows),
             "memory": statistics.fmean(_ape(r["pred_peak"], r["peak"]) for r in rows),
         }
-        if all("time_raw_s" in r for r in rows):
-            out[mode]["time_raw"] = statistics.fmean(_ape(r["pred_time_s"], r["time_raw_s"]) for r in rows)
     return out
 
 
@@ -508,8 +474,7 @@ def format_validation(profile: Profile) -> str:
             target = f" (targets: time <= {TIME_TARGET[part]:.0f}%, memory <= {MEMORY_TARGET[part]:.0f}%)"
         lines.append(f"MAPE per mode, {titles[part]}, with and without recomputation{target}:")
         for mode, errs in table.items():
-            raw = f"   (time against unnormalised measurements {errs['time_raw']:.1f}%)" if "time_raw" in errs else ""
-            lines.append(f"  {mode:<10} time {errs['time']:6.1f}%   memory {errs['memory']:6.1f}%{raw}")
+            lines.append(f"  {mode:<10} time {errs['time']:6.1f}%   memory {errs['memory']:6.1f}%")
     return "\n".join(lines)
 
 
