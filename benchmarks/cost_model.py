@@ -18,6 +18,7 @@ A timing benchmark: run it on an otherwise idle machine; other load inflates the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -132,8 +133,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--quick", action="store_true", help="the short calibration (a smoke run, not the numbers)")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--rounds", type=int, default=None, help="times every measurement is taken, the fastest counting (default 2)"
+    )
     args = parser.parse_args(argv)
     settings = ProfileSettings.quick(args.config) if args.quick else ProfileSettings(model=args.config)
+    if args.rounds is not None:
+        settings = dataclasses.replace(settings, rounds=args.rounds)
     if args.no_progress:
         settings = type(settings)(**{**settings.__dict__, "progress": False})
     start = time.monotonic()
@@ -141,6 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     planner = planner_times(8 if args.quick else 40)
     command = "python benchmarks/cost_model.py" + (f" -p {args.world_size}" if args.world_size != 2 else "")
     command += " --quick" if args.quick else ""
+    command += f" --rounds {args.rounds}" if args.rounds is not None else ""
     report = markdown(profile, planner, command)
     args.out.mkdir(parents=True, exist_ok=True)
     data = {
