@@ -101,7 +101,7 @@ class Timer(pl.Callback):
         self.times.append(time.perf_counter() - self._start)
         metrics = trainer.callback_metrics
         if "groups/count" in metrics:
-            keys = ("groups/count", "groups/predicted_imbalance", "groups/measured_imbalance")
+            keys = ("groups/count", "groups/predicted_imbalance", "groups/measured_imbalance", "groups/solve_s")
             self.groups.append({k.split("/")[1]: float(metrics[k]) for k in keys if k in metrics})
 
 
@@ -151,6 +151,7 @@ def summarise(results: dict[str, Any], data: list[dict[str, Tensor]], warmup: in
             rows[name]["splits"] = [int(g["count"]) for g in run["groups"]]
             rows[name]["predicted_imbalance"] = sum(g["predicted_imbalance"] for g in timed) / len(timed)
             rows[name]["measured_imbalance"] = sum(g["measured_imbalance"] for g in timed) / len(timed)
+            rows[name]["solve_ms"] = 1e3 * max(g.get("solve_s", 0.0) for g in timed)
     return {"timed_tokens": tokens, "runs": rows}
 
 
@@ -175,7 +176,8 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace) -> str:
         lines += [
             "",
             f"Number of groups per step: {g['splits']}. Imbalance (slowest group / mean), mean over the timed steps: "
-            f"predicted {g['predicted_imbalance']:.2f}, measured {g['measured_imbalance']:.2f}.",
+            f"predicted {g['predicted_imbalance']:.2f}, measured {g['measured_imbalance']:.2f}. Longest split "
+            f"decision (solver, documents cut out, plans checked): {g.get('solve_ms', 0.0):.1f} ms.",
         ]
     return "\n".join(lines) + "\n"
 

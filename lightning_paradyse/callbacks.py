@@ -184,7 +184,9 @@ class ParaDySeSwitcher(pl.Callback):
         self, strategy: Any, pl_module: pl.LightningModule, batch: Any, info: Any, stage: str
     ) -> Plan | None:
         """A packed training batch on groups of different sizes (``ParaDySeStrategy(groups=True)``)."""
+        started = time.perf_counter()
         split = strategy.group_step(batch, info)
+        solve_s = time.perf_counter() - started
         if split is None:  # decided alike on every rank: no collective needed
             strategy.skip(info, "no split of the ranks into groups fits the memory budget")
             return None
@@ -202,6 +204,7 @@ class ParaDySeSwitcher(pl.Callback):
                 "groups/own_size": float(step.size),
                 "groups/predicted_time_s": float(found.time),
                 "groups/predicted_imbalance": imbalance(found.times),
+                "groups/solve_s": solve_s,
             }
             pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
         key = (found.sizes, plan)

@@ -9,9 +9,9 @@ Parameters keep the ``1/P`` row shards of the unified layout: no weight is store
 of ``g`` ranks runs its modes on ``1/g`` shards (the layout a group of ``g`` would hold). In one documented
 order per step:
 
-1. :func:`enter_group`: every rank obtains the ``1/g`` shards of its group. The rows it lacks lie on the
-   ranks that own them (for equal group sizes: the complementary ranks, one per group); one all-to-all per
-   op over the world, in model order on every rank and outside autograd, moves exactly those rows, and this
+1. :func:`enter_group`: every rank obtains the ``1/g`` shards of its group. The rows of a ``1/g`` shard are
+   owned by ``P/g`` ranks (in this rank's group or in others); one all-to-all per op over the world, in
+   model order on every rank and outside autograd, moves exactly the rows this rank lacks, and this
    rank's ``1/g`` rows are kept as leaf tensors the dispatch modules read instead of their ``1/P``
    parameters. A split into one group of ``P`` uses the parameters themselves; a group of 1 holds the
    whole weights for the step.

@@ -424,6 +424,11 @@ class ParaDySeStrategy(ParallelStrategy):
         feasible = [m for m in self.modes if all(op.infeasible(m, p) is None for op in ops)]
         planner = GridPlanner(axes, p, kv_ratio, feasible)
         self.check_plan(planner.plan(1, 1))
+        if self.memory_budget is not None:
+            rank_zero_warn(
+                "[paradyse] axes=2: the grid planner minimises communication and has no memory model; "
+                "memory_budget is not applied (give a fixed plan, e.g. with recompute, to save memory)"
+            )
         return planner
 
     def _budget_bytes(self) -> int:
