@@ -33,6 +33,7 @@ from lightning_paradyse.parallel import configure, consolidated, dispatchers, pa
 from lightning_paradyse.plan import LayerPlan, OpPlan, Plan
 from lightning_paradyse.spec import SeqContext
 from tests.support.dist import run_distributed
+from tests.support.lightning import quiet_trainer, strategy_environment
 from tests.test_strategy import assert_same_training, free_port
 
 CONFIG = STConfig(vocab_size=64, n_layers=4, hidden=48, n_heads=12, ffn=96, max_frames=32, max_patches=32)
@@ -173,24 +174,13 @@ def fit_grid(devices: int, strategy: Any) -> dict[str, Any]:
             switcher = [cb for cb in trainer.callbacks if hasattr(cb, "history")]  # type: ignore[attr-defined]
             out["plans"] = [str(r.plan) for r in switcher[0].history] if switcher else []
 
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        callbacks=[Record()],
-        max_steps=4,
-    )
+    trainer = quiet_trainer(devices, strategy, [Record()], max_steps=4)
     trainer.fit(GridLM(), train_dataloaders=DataLoader(grid_batches(), batch_size=None))
     return out
 
 
 def grid_worker(rank: int, world: int, port: int) -> bytes:
-    dist.destroy_process_group()  # the strategy makes its own
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+    strategy_environment(rank, world)
     out = {}
     for k, plan in enumerate(["auto", "ulysses"]):
         os.environ["MASTER_PORT"] = str(port + k)

@@ -32,7 +32,6 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor
@@ -49,6 +48,7 @@ from lightning_paradyse.slicing import BatchInfo, find_targets, find_tokens, sha
 from lightning_paradyse.spawn import run_distributed
 from lightning_paradyse.strategy import compile_blocks
 from tests.support.families import EncoderLM, hf_llama
+from tests.support.lightning import quiet_trainer, strategy_environment
 
 ROOT = Path(__file__).resolve().parents[1]
 THRESHOLDS = (64, 160)
@@ -246,15 +246,11 @@ def run_scenario(sc: Scenario, devices: int, parallel: bool = True) -> dict[str,
         kwargs = {"plan": sc.plan, "modes": sc.modes, "thresholds": THRESHOLDS, "max_seq_len": sc.max_seq_len}
         kwargs.update(sc.strategy_kwargs)
         strategy = ParaDySeStrategy(**kwargs, timeout=60, loss_reduction=sc.reduction)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+    trainer = quiet_trainer(
+        devices,
+        strategy,
+        callbacks,
         enable_checkpointing=bool(sc.ckpt_dir),
-        callbacks=callbacks,
         **{"max_steps": 6, **sc.trainer_kwargs},
     )
     try:
@@ -276,8 +272,7 @@ def scenario_worker(rank: int, world: int, scenarios: list[Scenario], base_port:
 
     Returns the results serialised (tensors in a queue would be shared memory the exiting worker takes along).
     """
-    dist.destroy_process_group()  # the harness's group: the strategy makes its own
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+    strategy_environment(rank, world)
     out = {}
     for k, sc in enumerate(scenarios):
         os.environ["MASTER_PORT"] = str(base_port + k)

@@ -17,7 +17,6 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.data import DataLoader
@@ -28,6 +27,7 @@ from lightning_paradyse.batching import pack_documents
 from lightning_paradyse.cost.groups import Assignment
 from lightning_paradyse.models import build_model
 from lightning_paradyse.spawn import run_distributed
+from tests.support.lightning import quiet_trainer, strategy_environment
 from tests.test_strategy import assert_same_training, free_port
 
 SPLITS = [(2, 1, 1), (4,), (1, 1, 1, 1), (2, 2), (2, 1, 1), (2, 2)]
@@ -102,18 +102,7 @@ def fit(devices: int, groups: bool, accumulate: int = 1) -> dict[str, Any]:
     pl.seed_everything(0, verbose=False)
     record = Record()
     strategy = ParaDySeStrategy(groups=groups, timeout=60)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        callbacks=[record],
-        max_steps=6 // accumulate,
-        accumulate_grad_batches=accumulate,
-    )
+    trainer = quiet_trainer(devices, strategy, [record], max_steps=6 // accumulate, accumulate_grad_batches=accumulate)
     trainer.fit(PackedLM(), train_dataloaders=DataLoader(packed_batches(), batch_size=None))
     return {"losses": record.losses, "state": record.state, "imbalance": record.imbalance, "splits": record.splits}
 
@@ -121,8 +110,7 @@ def fit(devices: int, groups: bool, accumulate: int = 1) -> dict[str, Any]:
 def worker(rank: int, world: int, port: int) -> bytes:
     import lightning_paradyse.cost.groups as solver
 
-    dist.destroy_process_group()  # the harness's group: the strategy makes its own
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+    strategy_environment(rank, world)
     out = {}
     os.environ["MASTER_PORT"] = str(port)
     out["solver"] = fit(world, True)
