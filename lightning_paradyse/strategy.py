@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from datetime import timedelta
@@ -65,7 +64,6 @@ from typing_extensions import override
 from lightning_paradyse import parallel
 from lightning_paradyse.checkpoint import consolidate_optimizer_state, load_optimizer_state
 from lightning_paradyse.comm import Group, all_gather_rows, all_reduce_sum, broadcast_from, group_size
-from lightning_paradyse.groups import StepScales
 from lightning_paradyse.plan import Plan, parse_plan
 from lightning_paradyse.policy import (
     FixedPlanner,
@@ -78,6 +76,7 @@ from lightning_paradyse.policy import (
 )
 from lightning_paradyse.slicing import BatchInfo, describe_batch, shard_batch
 from lightning_paradyse.spec import SeqContext
+from lightning_paradyse.strategy_groups import GroupSteps
 
 START_METHODS = ("spawn", "fork", "forkserver", "popen")
 UNLIMITED_BYTES = 2**62
@@ -120,7 +119,7 @@ class _SpawnLauncher(_MultiProcessingLauncher):
         return _WorkerOutput(best, weights_path, trainer.state, results, self.get_extra_results(trainer))
 
 
-class ParaDySeStrategy(ParallelStrategy):
+class ParaDySeStrategy(GroupSteps, ParallelStrategy):
     """Sequence-parallel training that switches the parallel mode per batch, per layer and per op.
 
     Every process of the run belongs to one group that shares each sequence; all of them see the same
@@ -224,16 +223,8 @@ class ParaDySeStrategy(ParallelStrategy):
         self.start_method = _validate_choice("start_method", start_method, START_METHODS)
         self.timeout = _validate_timeout(timeout)
         self.loss_reduction = _validate_choice("loss_reduction", loss_reduction, ("mean", "sum"))
-        self.groups = _validate_flag("groups", groups)
+        self._init_groups(_validate_flag("groups", groups))
         self.num_nodes = 1
-        self._group_set: Any = None
-        self._regroup_scale = 1.0
-        self._step_scales = StepScales()
-        self._group_planners: dict[int, Planner] = {}
-        self._group_step: Any = None
-        self._group_started = 0.0
-        self.group_times: tuple[float, ...] = ()
-        """Measured seconds of every group's forward and backward (its slowest rank) in the last grouped step."""
         self.planner: Planner | None = None
         self.final_state_dict: dict[str, Tensor] | None = None
         self._group: Group = None
@@ -478,124 +469,6 @@ class ParaDySeStrategy(ParallelStrategy):
         parallel.configure(module, SeqContext(info.layout, self._group, info.doc_ids), plan)
         parallel.set_step_targets(module, info.shift_labels, info.n_shift_labels)
         self._pending = info
-
-    # ------------------------------------------------------------------ groups of different sizes
-
-    def _setup_groups(self) -> None:
-        """The aligned process groups (``new_group`` is collective: every rank, once, here) and the measured
-        cost of regrouping the weights, which corrects the cost model's prediction of it."""
-        from lightning_paradyse.cost.dims import dims_from_module
-        from lightning_paradyse.cost.planner import CostPlanner
-        from lightning_paradyse.groups import GroupSet, measure_regroup, regroup_seconds
-
-        p = group_size(self._group)
-        self._group_set = GroupSet(self._group)
-        planner = self.planner
-        if isinstance(planner, CostPlanner):
-            predicted = regroup_seconds(dims_from_module(self._module), planner.model.machine, p, 1)
-            measured = measure_regroup(self._module, self._group)
-            self._regroup_scale = measured / predicted if predicted > 0 else 1.0
-            rank_zero_info(
-                f"[paradyse] groups: regrouping the weights takes {measured * 1e3:.1f} ms (predicted "
-                f"{predicted * 1e3:.1f} ms); the group cost uses the measurement"
-            )
-
-    def uses_groups(self, info: BatchInfo, stage: str) -> bool:
-        """Whether this batch runs on groups of different sizes (``groups=True``, a packed training batch)."""
-        return self._group_set is not None and stage == "train" and info.doc_ids is not None
-
-    def _planner_for(self, g: int) -> Planner:
-        """The planner of a group of ``g`` ranks (the cost model's machine, collectives for every size)."""
-        if g not in self._group_planners:
-            from lightning_paradyse.cost.planner import CostPlanner, make_planner
-            from lightning_paradyse.groups import machine_for_groups
-
-            planner = self.planner
-            if isinstance(planner, CostPlanner):
-                machine = machine_for_groups(planner.model.machine, group_size(self._group))
-                self._group_planners[g] = make_planner(
-                    self._module, g, planner.budget, machine, planner.modes, bucket_tokens=self.plan_bucket
-                )
-            else:  # a fixed plan (or thresholds): the same plan on every group
-                assert planner is not None
-                self._group_planners[g] = planner
-        return self._group_planners[g]
-
-    def group_step(self, batch: Any, info: BatchInfo) -> tuple[Any, BatchInfo, Plan] | None:
-        """Split a packed batch among groups: ``(GroupStep, this rank's batch info, its plan)``; ``None`` when no
-        split fits the memory budget and ``on_infeasible="skip"``.
-
-        Everything is decided from the batch alone, alike on every rank, and every group's batch and plan are
-        checked here, before any collective.
-        """
-        from lightning_paradyse.cost.dims import dims_from_module
-        from lightning_paradyse.cost.groups import assign
-        from lightning_paradyse.groups import GroupStep, blocks, planner_cost, select_documents
-        from lightning_paradyse.slicing import shifted_labels
-        from lightning_paradyse.spec import document_bounds
-
-        assert self._group_set is not None
-        p = group_size(self._group)
-        spans = document_bounds(info.doc_ids, info.seq_len)
-        lengths = [b - a for a, b in spans]
-
-        dims = dims_from_module(self._module)
-        cost = planner_cost(dims, p, self._planner_for, self._regroup_scale, self._step_scales.scales)
-        found = assign(lengths, p, cost, all_busy=True)
-        if found is None and self.on_infeasible == "skip":
-            return None
-        if found is None:
-            raise ValueError(
-                f"no split of the {p} ranks into groups fits the packed batch of {len(lengths)} documents "
-                f"({info.seq_len} tokens) in the memory budget; use groups=False, a larger memory_budget or shorter "
-                f"batches"
-            )
-        causal, mean = parallel.is_causal(self._module), self.loss_reduction == "mean"
-        steps = []
-        for g, members in zip(found.sizes, found.groups):  # every group's batch and plan checked on every rank
-            sub = select_documents(batch, spans, members)
-            sub_info = describe_batch(sub, g, 0, causal=causal, mean_loss=mean)
-            plan = self._planner_for(g).plan(sub_info.seq_len, 1)
-            parallel.check_plan(self._module, plan, g)
-            steps.append((sub, plan))
-        index, pg = self._group_set.mine(found.sizes)
-        rank = self.global_rank - blocks(found.sizes)[index].start
-        sub, plan = steps[index]
-        mine = describe_batch(sub, found.sizes[index], rank, causal=causal, mean_loss=mean)
-        mine = replace(mine, n_global=info.n_global, n_shift_labels=info.n_shift_labels)
-        if info.shift_labels is not None:  # the whole batch's shifted labels, cut like the tokens
-            labels = select_documents({"labels": shifted_labels(batch["labels"])}, spans, found.groups[index])
-            mine = replace(mine, shift_labels=mine.layout.shard(labels["labels"], rank))
-        bare = planner_cost(dims, p, self._planner_for, regroup=False)  # what the learned correction corrects
-        predicted = tuple(bare(tuple(lengths[i] for i in m), g) or 0.0 for g, m in zip(found.sizes, found.groups))
-        return GroupStep(found, index, pg, rank, sub, predicted), mine, plan
-
-    def activate_group(self, step: Any, info: BatchInfo, plan: Plan) -> None:
-        """This rank's 1/g shards (a collective over every rank), then its group's layout and plan."""
-        from lightning_paradyse.groups import enter_group
-
-        module = self._module
-        enter_group(module, self._group, step.assignment.sizes)
-        parallel.configure(module, SeqContext(info.layout, step.group, info.doc_ids), plan)
-        parallel.set_step_targets(module, info.shift_labels, info.n_shift_labels)
-        self._pending, self._group_step = info, step
-        self._group_started = time.perf_counter()
-
-    def finish_group_step(self) -> None:
-        """The 1/g gradients back onto the 1/P shards (a collective over every rank); the replicated gradients
-        summed over every rank when no micro-batch is left to accumulate."""
-        from lightning_paradyse.groups import blocks, exit_group, reduce_replicated
-
-        step, self._group_step = self._group_step, None
-        if step is None:
-            return
-        elapsed = torch.tensor([time.perf_counter() - self._group_started], dtype=torch.float64)
-        per_rank = all_gather_rows(elapsed, [1] * group_size(self._group), self._group).tolist()  # [1] -> [P]
-        self.group_times = tuple(max(per_rank[r] for r in block) for block in blocks(step.assignment.sizes))
-        self._step_scales.update(step.assignment.sizes, step.predicted, self.group_times)  # alike on every rank
-        exit_group(self._module, self._group, step.assignment.sizes, replicated=False)
-        if not self._accumulating():
-            reduce_replicated(self._module, self._group)
 
     def _take_pending(self, hook: str) -> BatchInfo:
         info, self._pending = self._pending, None

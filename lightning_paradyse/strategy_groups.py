@@ -1,0 +1,183 @@
+"""The strategy's steps on groups of different sizes (``ParaDySeStrategy(groups=True)``), as a mixin.
+
+Per packed training batch (the :class:`~lightning_paradyse.callbacks.ParaDySeSwitcher` calls these in order):
+
+1. :meth:`GroupSteps.group_step`: split the ranks and assign the documents
+   (:func:`lightning_paradyse.cost.groups.assign` on :func:`lightning_paradyse.groups.planner_cost`), cut
+   every group's packed batch out and check its plan, on every rank alike and before any collective;
+2. :meth:`GroupSteps.activate_group`: the ``1/g`` shards (:func:`lightning_paradyse.groups.enter_group`), then the
+   group's layout and plan;
+3. the module's training step on this rank's tokens of its group's batch (the strategy's ``_shard_step``);
+4. :meth:`GroupSteps.finish_group_step` after the backward: the measured group times (all-gathered, they teach
+   :class:`~lightning_paradyse.groups.StepScales`), the gradients back onto the ``1/P`` shards
+   (:func:`lightning_paradyse.groups.exit_group`) and the replicated gradients summed over every rank.
+
+The regroup's real cost is measured once at setup (:meth:`GroupSteps._setup_groups`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn as nn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_paradyse import parallel
+from lightning_paradyse.comm import Group, all_gather_rows, group_size
+from lightning_paradyse.groups import StepScales
+from lightning_paradyse.plan import Plan
+from lightning_paradyse.policy import Planner
+from lightning_paradyse.slicing import BatchInfo, describe_batch
+from lightning_paradyse.spec import SeqContext
+
+
+class GroupSteps:
+    """Grouped training steps for :class:`~lightning_paradyse.strategy.ParaDySeStrategy` (see the module docstring)."""
+
+    # provided by the strategy
+    _group: Group
+    _pending: BatchInfo | None
+    planner: Planner | None
+    plan_bucket: int
+    loss_reduction: str
+    on_infeasible: str
+
+    if TYPE_CHECKING:  # the strategy's own (declared here for the type checker only: no override at run time)
+
+        @property
+        def _module(self) -> nn.Module: ...
+
+        @property
+        def global_rank(self) -> int: ...
+
+        def _accumulating(self) -> bool: ...
+
+    def _init_groups(self, groups: bool) -> None:
+        self.groups = groups
+        self._group_set: Any = None
+        self._regroup_scale = 1.0
+        self._step_scales = StepScales()
+        self._group_planners: dict[int, Planner] = {}
+        self._group_step: Any = None
+        self._group_started = 0.0
+        self.group_times: tuple[float, ...] = ()
+        """Measured seconds of every group's forward and backward (its slowest rank) in the last grouped step."""
+
+    def _setup_groups(self) -> None:
+        """The aligned process groups (``new_group`` is collective: every rank, once, here) and the measured
+        cost of regrouping the weights, which corrects the cost model's prediction of it."""
+        from lightning_paradyse.cost.dims import dims_from_module
+        from lightning_paradyse.cost.planner import CostPlanner
+        from lightning_paradyse.groups import GroupSet, measure_regroup, regroup_seconds
+
+        p = group_size(self._group)
+        self._group_set = GroupSet(self._group)
+        planner = self.planner
+        if isinstance(planner, CostPlanner):
+            predicted = regroup_seconds(dims_from_module(self._module), planner.model.machine, p, 1)
+            measured = measure_regroup(self._module, self._group)
+            self._regroup_scale = measured / predicted if predicted > 0 else 1.0
+            rank_zero_info(
+                f"[paradyse] groups: regrouping the weights takes {measured * 1e3:.1f} ms (predicted "
+                f"{predicted * 1e3:.1f} ms); the group cost uses the measurement"
+            )
+
+    def uses_groups(self, info: BatchInfo, stage: str) -> bool:
+        """Whether this batch runs on groups of different sizes (``groups=True``, a packed training batch)."""
+        return self._group_set is not None and stage == "train" and info.doc_ids is not None
+
+    def _planner_for(self, g: int) -> Planner:
+        """The planner of a group of ``g`` ranks (the cost model's machine, collectives for every size)."""
+        if g not in self._group_planners:
+            from lightning_paradyse.cost.planner import CostPlanner, make_planner
+            from lightning_paradyse.groups import machine_for_groups
+
+            planner = self.planner
+            if isinstance(planner, CostPlanner):
+                machine = machine_for_groups(planner.model.machine, group_size(self._group))
+                self._group_planners[g] = make_planner(
+                    self._module, g, planner.budget, machine, planner.modes, bucket_tokens=self.plan_bucket
+                )
+            else:  # a fixed plan (or thresholds): the same plan on every group
+                assert planner is not None
+                self._group_planners[g] = planner
+        return self._group_planners[g]
+
+    def group_step(self, batch: Any, info: BatchInfo) -> tuple[Any, BatchInfo, Plan] | None:
+        """Split a packed batch among groups: ``(GroupStep, this rank's batch info, its plan)``; ``None`` when no
+        split fits the memory budget and ``on_infeasible="skip"``.
+
+        Everything is decided from the batch alone, alike on every rank, and every group's batch and plan are
+        checked here, before any collective.
+        """
+        from lightning_paradyse.cost.dims import dims_from_module
+        from lightning_paradyse.cost.groups import assign
+        from lightning_paradyse.groups import GroupStep, blocks, planner_cost, select_documents
+        from lightning_paradyse.slicing import shifted_labels
+        from lightning_paradyse.spec import document_bounds
+
+        assert self._group_set is not None
+        p = group_size(self._group)
+        spans = document_bounds(info.doc_ids, info.seq_len)
+        lengths = [b - a for a, b in spans]
+
+        dims = dims_from_module(self._module)
+        cost = planner_cost(dims, p, self._planner_for, self._regroup_scale, self._step_scales.scales)
+        found = assign(lengths, p, cost, all_busy=True)
+        if found is None and self.on_infeasible == "skip":
+            return None
+        if found is None:
+            raise ValueError(
+                f"no split of the {p} ranks into groups fits the packed batch of {len(lengths)} documents "
+                f"({info.seq_len} tokens) in the memory budget; use groups=False, a larger memory_budget or shorter "
+                f"batches"
+            )
+        causal, mean = parallel.is_causal(self._module), self.loss_reduction == "mean"
+        steps = []
+        for g, members in zip(found.sizes, found.groups):  # every group's batch and plan checked on every rank
+            sub = select_documents(batch, spans, members)
+            sub_info = describe_batch(sub, g, 0, causal=causal, mean_loss=mean)
+            plan = self._planner_for(g).plan(sub_info.seq_len, 1)
+            parallel.check_plan(self._module, plan, g)
+            steps.append((sub, plan))
+        index, pg = self._group_set.mine(found.sizes)
+        rank = self.global_rank - blocks(found.sizes)[index].start
+        sub, plan = steps[index]
+        mine = describe_batch(sub, found.sizes[index], rank, causal=causal, mean_loss=mean)
+        mine = replace(mine, n_global=info.n_global, n_shift_labels=info.n_shift_labels)
+        if info.shift_labels is not None:  # the whole batch's shifted labels, cut like the tokens
+            labels = select_documents({"labels": shifted_labels(batch["labels"])}, spans, found.groups[index])
+            mine = replace(mine, shift_labels=mine.layout.shard(labels["labels"], rank))
+        bare = planner_cost(dims, p, self._planner_for, regroup=False)  # what the learned correction corrects
+        predicted = tuple(bare(tuple(lengths[i] for i in m), g) or 0.0 for g, m in zip(found.sizes, found.groups))
+        return GroupStep(found, index, pg, rank, sub, predicted), mine, plan
+
+    def activate_group(self, step: Any, info: BatchInfo, plan: Plan) -> None:
+        """This rank's 1/g shards (a collective over every rank), then its group's layout and plan."""
+        from lightning_paradyse.groups import enter_group
+
+        module = self._module
+        enter_group(module, self._group, step.assignment.sizes)
+        parallel.configure(module, SeqContext(info.layout, step.group, info.doc_ids), plan)
+        parallel.set_step_targets(module, info.shift_labels, info.n_shift_labels)
+        self._pending, self._group_step = info, step
+        self._group_started = time.perf_counter()
+
+    def finish_group_step(self) -> None:
+        """The 1/g gradients back onto the 1/P shards (a collective over every rank); the replicated gradients
+        summed over every rank when no micro-batch is left to accumulate."""
+        from lightning_paradyse.groups import blocks, exit_group, reduce_replicated
+
+        step, self._group_step = self._group_step, None
+        if step is None:
+            return
+        elapsed = torch.tensor([time.perf_counter() - self._group_started], dtype=torch.float64)
+        per_rank = all_gather_rows(elapsed, [1] * group_size(self._group), self._group).tolist()  # [1] -> [P]
+        self.group_times = tuple(max(per_rank[r] for r in block) for block in blocks(step.assignment.sizes))
+        self._step_scales.update(step.assignment.sizes, step.predicted, self.group_times)  # alike on every rank
+        exit_group(self._module, self._group, step.assignment.sizes, replicated=False)
+        if not self._accumulating():
+            reduce_replicated(self._module, self._group)
