@@ -154,7 +154,8 @@ def _install_grid_hooks(found: list[nn.Module], state: StepState) -> None:
 def _grid_before(block: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
     state = step_state(block)
     grid, ctx = state.grid, state.ctx
-    assert grid is not None and ctx is not None, "the grid model ran before configure()"
+    if grid is None or ctx is None:
+        raise RuntimeError("the grid model ran before lightning_paradyse.parallel.configure() set its layout and plan")
     attn = next(m for m in block.modules() if isinstance(m, AttentionDispatch))
     x = args[0]
     if getattr(block, "_paradyse_first_block", False):
@@ -292,7 +293,10 @@ def configure(module: nn.Module, ctx: SeqContext, plan: Plan) -> None:
     state.ctx, state.shift_labels, state.num_items, state.labels_consumed = ctx, None, None, False
     if state.grid is not None:
         if ctx.layout.balanced or ctx.doc_ids is not None:
-            raise ValueError("a grid model needs the contiguous layout and no packed documents")
+            raise ValueError(
+                "a grid model (axes=2) splits its frames in contiguous chunks and takes no packed documents: use "
+                "bidirectional attention (no causal mask) and one sequence of frames per batch row"
+            )
         state.grid.sharded, state.grid.lengths = 1, {1: ctx.layout.seq_len}
     for _, op in dispatchers(module):
         layer = plan.layers[op.layer]
