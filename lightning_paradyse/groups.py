@@ -47,13 +47,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from lightning_paradyse.comm import Group, all_gather_rows, all_reduce_sum, all_to_all_rows, group_rank, group_size
+from lightning_paradyse.comm import Group, all_gather_rows, all_to_all_rows, group_rank, group_size
 from lightning_paradyse.cost.dims import ModelDims
 from lightning_paradyse.cost.groups import Assignment, GroupCost
 from lightning_paradyse.cost.time import Machine
 from lightning_paradyse.dispatch import OpDispatch
 from lightning_paradyse.layout import split_offsets
-from lightning_paradyse.parallel import dispatchers, replicated_parameters, shard_sources
+from lightning_paradyse.parallel import dispatchers, reduce_replicated_grads, shard_sources
 
 
 def check_sizes(sizes: Sequence[int], world: int) -> None:
@@ -205,8 +205,8 @@ def exit_group(module: nn.Module, world: Group, sizes: Sequence[int], replicated
     The reverse all-to-all of :func:`enter_group`: every rank returns to each owner the gradient of the rows it
     read, and the owner adds what every group sent (one contribution per group that read the row). Shard
     gradients are added to what the parameters hold (gradient accumulation works). With ``replicated=False``
-    the replicated gradients are left for one :func:`reduce_replicated` call before the optimizer step
-    (needed when several micro-batches accumulate).
+    the replicated gradients are left for one :func:`~lightning_paradyse.parallel.reduce_replicated_grads`
+    call before the optimizer step (needed when several micro-batches accumulate).
     """
     p, rank = group_size(world), group_rank(world)
     for _, op in dispatchers(module):
@@ -235,7 +235,7 @@ def exit_group(module: nn.Module, world: Group, sizes: Sequence[int], replicated
                         w.grad = torch.zeros_like(w)
                     w.grad[lo:hi] += piece.view(hi - lo, *w.shape[1:])
     if replicated:
-        reduce_replicated(module, world)
+        reduce_replicated_grads(module, world)
 
 
 def measure_regroup(module: nn.Module, world: Group, reps: int = 3) -> float:
@@ -244,7 +244,8 @@ def measure_regroup(module: nn.Module, world: Group, reps: int = 3) -> float:
     p = group_size(world)
     if p == 1:
         return 0.0
-    shards = [w for name, w in module.named_parameters() if name in set(shard_sources(module))]
+    sharded = set(shard_sources(module))
+    shards = [w for name, w in module.named_parameters() if name in sharded]
     before = [w.grad for w in shards]
     times = []
     for _ in range(reps):
@@ -256,26 +257,6 @@ def measure_regroup(module: nn.Module, world: Group, reps: int = 3) -> float:
         w.grad = grad
     mine = torch.tensor([sorted(times)[len(times) // 2]], dtype=torch.float64)
     return float(all_gather_rows(mine, [1] * p, world).max())  # [1] -> [p]
-
-
-def reduce_replicated(module: nn.Module, world: Group) -> None:
-    """Sum replicated gradients over the world in one all-reduce, also where a rank has none (an idle group).
-
-    A gradient missing on a rank counts as zero; one missing on every rank stays ``None``.
-    """
-    params = [w for w in replicated_parameters(module) if w.requires_grad]
-    if group_size(world) == 1 or not params:
-        return
-    with torch.no_grad():
-        present = torch.tensor([w.grad is not None for w in params], dtype=params[0].dtype)
-        grads = [w.grad.reshape(-1) if w.grad is not None else w.new_zeros(w.numel()) for w in params]
-        total = all_reduce_sum(torch.cat([*grads, present]), world)  # one call: gradients, then presence flags
-    at = 0
-    for w, seen in zip(params, total[-len(params) :].tolist()):
-        n = w.numel()
-        if seen:
-            w.grad = total[at : at + n].view_as(w).clone()
-        at += n
 
 
 # --------------------------------------------------------------------------------------------------

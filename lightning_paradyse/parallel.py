@@ -350,16 +350,24 @@ def replicated_parameters(module: nn.Module) -> Iterator[nn.Parameter]:
 
 
 def reduce_replicated_grads(module: nn.Module, group: Group) -> None:
-    """Sum the gradients of replicated parameters over the group, in one coalesced all-reduce."""
-    params = [p for p in replicated_parameters(module) if p.grad is not None]
+    """Sum the gradients of replicated parameters over the group, in one coalesced all-reduce.
+
+    A gradient missing on some ranks (a rank that ran no forward, e.g. an idle group of
+    :mod:`lightning_paradyse.groups`) counts as zero there; one missing on every rank stays ``None``. Every
+    rank sends the same-sized message, whatever gradients it holds.
+    """
+    params = [w for w in replicated_parameters(module) if w.requires_grad]
     if group_size(group) == 1 or not params:
         return
-    flat = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
-    total = all_reduce_sum(flat, group)
+    with torch.no_grad():
+        present = torch.tensor([w.grad is not None for w in params], dtype=params[0].dtype)
+        grads = [w.grad.reshape(-1) if w.grad is not None else w.new_zeros(w.numel()) for w in params]
+        total = all_reduce_sum(torch.cat([*grads, present]), group)  # one call: gradients, then presence flags
     at = 0
-    for p in params:
-        n = p.numel()
-        p.grad.copy_(total[at : at + n].view_as(p))  # type: ignore[union-attr]
+    for w, seen in zip(params, total[-len(params) :].tolist()):
+        n = w.numel()
+        if seen:
+            w.grad = total[at : at + n].view_as(w).clone()
         at += n
 
 

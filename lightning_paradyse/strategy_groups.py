@@ -58,6 +58,7 @@ class GroupSteps:
     def _init_groups(self, groups: bool) -> None:
         self.groups = groups
         self._group_set: Any = None
+        self._group_dims: Any = None
         self._regroup_scale = 1.0
         self._step_scales = StepScales()
         self._group_planners: dict[int, Planner] = {}
@@ -75,9 +76,10 @@ class GroupSteps:
 
         p = group_size(self._group)
         self._group_set = GroupSet(self._group)
+        self._group_dims = dims_from_module(self._module)  # the group cost's model dimensions, once
         planner = self.planner
         if isinstance(planner, CostPlanner):
-            predicted = regroup_seconds(dims_from_module(self._module), planner.model.machine, p, 1)
+            predicted = regroup_seconds(self._group_dims, planner.model.machine, p, 1)
             measured = measure_regroup(self._module, self._group)
             self._regroup_scale = measured / predicted if predicted > 0 else 1.0
             rank_zero_info(
@@ -113,7 +115,6 @@ class GroupSteps:
         Everything is decided from the batch alone, alike on every rank, and every group's batch and plan are
         checked here, before any collective.
         """
-        from lightning_paradyse.cost.dims import dims_from_module
         from lightning_paradyse.cost.groups import assign
         from lightning_paradyse.groups import GroupStep, blocks, planner_cost, select_documents
         from lightning_paradyse.slicing import shifted_labels
@@ -124,7 +125,7 @@ class GroupSteps:
         spans = document_bounds(info.doc_ids, info.seq_len)
         lengths = [b - a for a, b in spans]
 
-        dims = dims_from_module(self._module)
+        dims = self._group_dims
         cost = planner_cost(dims, p, self._planner_for, self._regroup_scale, self._step_scales.scales)
         found = assign(lengths, p, cost, all_busy=True)
         if found is None and self.on_infeasible == "skip":
@@ -169,7 +170,7 @@ class GroupSteps:
     def finish_group_step(self) -> None:
         """The 1/g gradients back onto the 1/P shards (a collective over every rank); the replicated gradients
         summed over every rank when no micro-batch is left to accumulate."""
-        from lightning_paradyse.groups import blocks, exit_group, reduce_replicated
+        from lightning_paradyse.groups import blocks, exit_group
 
         step, self._group_step = self._group_step, None
         if step is None:
@@ -180,4 +181,4 @@ class GroupSteps:
         self._step_scales.update(step.assignment.sizes, step.predicted, self.group_times)  # alike on every rank
         exit_group(self._module, self._group, step.assignment.sizes, replicated=False)
         if not self._accumulating():
-            reduce_replicated(self._module, self._group)
+            parallel.reduce_replicated_grads(self._module, self._group)

@@ -21,11 +21,18 @@ import torch.nn.functional as F
 
 from lightning_paradyse.check import grad_errors, tolerance_failures
 from lightning_paradyse.comm import all_reduce_sum
-from lightning_paradyse.groups import GroupSet, blocks, check_sizes, enter_group, exit_group, reduce_replicated
+from lightning_paradyse.groups import GroupSet, blocks, check_sizes, enter_group, exit_group
 from lightning_paradyse.layout import SeqLayout
 from lightning_paradyse.models import build_model
 from lightning_paradyse.modes import MODES
-from lightning_paradyse.parallel import configure, consolidated, feasible_modes, is_causal, parallelize
+from lightning_paradyse.parallel import (
+    configure,
+    consolidated,
+    feasible_modes,
+    is_causal,
+    parallelize,
+    reduce_replicated_grads,
+)
 from lightning_paradyse.plan import LayerPlan, OpPlan, Plan, random_plan
 from lightning_paradyse.spec import SeqContext
 from tests.support.dist import run_distributed
@@ -127,7 +134,7 @@ def _worker(rank: int, world: int, name: str) -> list[tuple[str, Any]]:
             args = (docs, count, pick)
             loss2 = _group_step(model, groups, sizes, members, *args, replicated=False)
             loss2 = loss2 + _group_step(model, groups, (1, 1, 1, 1), STEPS[3][1], *args, replicated=False)
-            reduce_replicated(model, group)
+            reduce_replicated_grads(model, group)
             loss2 = all_reduce_sum(loss2, group)
             doubled = {n: 2 * r for n, r in ref_grads.items()}
             errors = grad_errors(consolidated(model, group, True), doubled)
