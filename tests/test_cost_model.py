@@ -167,3 +167,34 @@ def test_diagonal_ring_tiles_are_timed_at_their_own_rate() -> None:
     assert attn_seconds(plain, work, backward=False) == pytest.approx(5e9 / 8e9)
     metp = Work(0.0, attn=5e9, kernel="gtile", attn_size=side, attn_diag=2e9)  # no group curve: the all-head ones
     assert attn_seconds(machine, metp, backward=False) == pytest.approx(3e9 / 8e9 + 2e9 / 2e9)
+
+
+def test_timings_are_medians_over_repetitions_and_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One slow or one lucky run moves neither a measurement nor a merged round; the minimum would."""
+    from lightning_paradyse.cost import measure
+    from lightning_paradyse.cost.profile import merge_rounds
+
+    durations = iter([9.0, 0.010, 0.50, 0.012, 0.001, 0.011])  # a warm-up, then 5 timed runs
+    clock = {"now": 0.0, "next": 0.0}
+
+    def perf_counter() -> float:  # start, stop, start, stop, ...: each stop advances by the next duration
+        clock["now"], clock["next"] = clock["now"] + clock["next"], 0.0
+        return clock["now"]
+
+    def run() -> None:
+        clock["next"] = next(durations)
+
+    monkeypatch.setattr(measure.time, "perf_counter", perf_counter)
+    assert measure.timed(run, reps=1) == pytest.approx(0.011)  # at least MIN_REPS runs, the middle one
+
+    def one_round(t: float, rate: float) -> dict[str, object]:
+        rows = [{"mode": "tp_sp", "seq_len": 128, "time_s": t, "peak": 7}]
+        curves = {"gemm": [(64.0, rate)]}
+        return {"kernels": curves, "collectives": {"ring": [(8.0, t)]}, "overlap": rate / 10, **dict.fromkeys(
+            ("segments", "fit_steps", "steps"), rows
+        )}
+
+    merged = merge_rounds([one_round(t, r) for t, r in ((0.020, 3.0), (0.001, 9.0), (0.021, 2.0))])
+    assert merged["steps"][0]["time_s"] == 0.020 and merged["steps"][0]["peak"] == 7
+    assert merged["kernels"]["gemm"] == [(64.0, 3.0)] and merged["collectives"]["ring"] == [(8.0, 0.020)]
+    assert merged["overlap"] == pytest.approx(0.3)

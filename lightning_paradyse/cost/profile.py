@@ -20,8 +20,8 @@ alone) on the steps at profiled lengths; it then predicts the held-out steps wit
 and reports predicted against measured with the mean absolute percentage error per mode. Everything
 goes into a JSON profile that :func:`load_profile` reads back for the planner.
 
-Timings are the slowest rank's fastest repetition (short measurements are repeated more often), the
-fastest of ``rounds`` whole rounds of measurement; memory is the fullest rank's: saved bytes the minimum
+Timings are the slowest rank's median repetition (short measurements are repeated more often), the
+median of ``rounds`` whole rounds of measurement; memory is the fullest rank's: saved bytes the minimum
 over repetitions (gloo may release a communication buffer late, which only adds), peaks the median.
 """
 
@@ -98,10 +98,10 @@ class ProfileSettings:
     segment_seconds: float = 0.5
     """Short segments are timed with more repetitions, about this many seconds of them (at most 40)."""
     step_seconds: float = 2.0
-    """Short whole steps likewise: the fastest of many runs is the one least disturbed by other load."""
+    """Short whole steps likewise: their median over many runs is steadier."""
     rounds: int = 2
-    """Every measurement is taken this many times, a whole calibration apart, and the fastest counts: a
-    machine slowed for a while by other load (a shared host) then rarely slows the same measurement twice."""
+    """Every measurement is taken this many times, a whole calibration apart, and the median counts: a machine
+    slowed for a while by other load (a shared host) then rarely slows the same measurement in most rounds."""
 
     @property
     def kernel_lengths(self) -> tuple[int, ...]:
@@ -281,16 +281,16 @@ def _measure_once(
     return raw
 
 
-def _fastest_rows(rounds: Sequence[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Row-wise over rounds: the fastest time; memory as the first round measured it (it does not vary)."""
-    return [{**parts[0], "time_s": min(r["time_s"] for r in parts)} for parts in zip(*rounds)]
+def _median_rows(rounds: Sequence[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Row-wise over rounds: the median time; memory as the first round measured it (it does not vary)."""
+    return [{**parts[0], "time_s": statistics.median(r["time_s"] for r in parts)} for parts in zip(*rounds)]
 
 
 def combine_curves(
     sets: Sequence[Mapping[str, Sequence[tuple[float, float]]]], pick: Callable[[Iterable[float]], float]
 ) -> dict[str, list[tuple[float, float]]]:
     """``{name: [(size, value), ...]}`` curves measured several times (same names and sizes) combined pointwise
-    by ``pick`` (``min`` or ``max``)."""
+    by ``pick`` (``min``, ``max`` or ``statistics.median``)."""
     return {
         name: [(points[0][0], pick(pt[1] for pt in points)) for points in zip(*(c[name] for c in sets))]
         for name in sets[0]
@@ -298,14 +298,14 @@ def combine_curves(
 
 
 def merge_rounds(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """One measurement set from several rounds: the best rate and the fastest time of every measurement."""
+    """One measurement set from several rounds: the median over rounds of every rate and time."""
     first = rounds[0]
     merged = dict(first)
-    merged["kernels"] = combine_curves([r["kernels"] for r in rounds], max)
-    merged["collectives"] = combine_curves([r["collectives"] for r in rounds], min)
-    merged["overlap"] = max(r["overlap"] for r in rounds)
+    merged["kernels"] = combine_curves([r["kernels"] for r in rounds], statistics.median)
+    merged["collectives"] = combine_curves([r["collectives"] for r in rounds], statistics.median)
+    merged["overlap"] = statistics.median(r["overlap"] for r in rounds)
     for key in ("segments", "fit_steps", "steps"):
-        merged[key] = _fastest_rows([r[key] for r in rounds])
+        merged[key] = _median_rows([r[key] for r in rounds])
     return merged
 
 
