@@ -190,9 +190,12 @@ def test_timings_are_medians_over_repetitions_and_rounds(monkeypatch: pytest.Mon
     def one_round(t: float, rate: float) -> dict[str, object]:
         rows = [{"mode": "tp_sp", "seq_len": 128, "time_s": t, "peak": 7}]
         curves = {"gemm": [(64.0, rate)]}
-        return {"kernels": curves, "collectives": {"ring": [(8.0, t)]}, "overlap": rate / 10, **dict.fromkeys(
-            ("segments", "fit_steps", "steps"), rows
-        )}
+        return {
+            "kernels": curves,
+            "collectives": {"ring": [(8.0, t)]},
+            "overlap": rate / 10,
+            **dict.fromkeys(("segments", "fit_steps", "steps"), rows),
+        }
 
     merged = merge_rounds([one_round(t, r) for t, r in ((0.020, 3.0), (0.001, 9.0), (0.021, 2.0))])
     assert merged["steps"][0]["time_s"] == 0.020 and merged["steps"][0]["peak"] == 7
