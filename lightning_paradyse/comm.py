@@ -125,10 +125,10 @@ def reduce_scatter_rows(x: torch.Tensor, sizes: Sequence[int], group: Group) -> 
     width = max(sizes)
     if all(s == width for s in sizes):
         padded = x.contiguous()
-    else:
-        pieces = torch.split(x, list(sizes))
-        pad = [torch.cat([t, t.new_zeros((width - t.shape[0], *t.shape[1:]))]) for t in pieces]
-        padded = torch.cat(pad)  # [p * max_r, ...]
+    else:  # one padded copy (not a padded piece per rank and then their concatenation: half the transient)
+        padded = x.new_zeros((p * width, *x.shape[1:]))  # [p * max_r, ...]
+        for r, piece in enumerate(torch.split(x, list(sizes))):
+            padded[r * width : r * width + sizes[r]].copy_(piece)
     out = x.new_empty((width, *x.shape[1:]))
     dist.reduce_scatter_single(out, padded, group=group)
     _record("reduce_scatter", _nbytes(_row_numel(x) * (sum(sizes) - sizes[rank]), x.dtype))

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from lightning_paradyse.cost.dims import ModelDims
+from lightning_paradyse.layout import SeqLayout
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,15 @@ class _Shape:
         """The float32 cos/sin tables a rotary op saves (two per q and k) for ``tokens`` positions."""
         return 4 * tokens * self.d.head_dim * 4 if self.d.rotary else 0.0
 
+    @property
+    def pad(self) -> float:
+        """The padded buffers of a sequence gather or reduce-scatter when the ranks hold different token counts
+        (see :func:`~lightning_paradyse.comm.all_gather_rows`): the ``[p * max_r]`` output and the ``[max_r]``
+        padded input, which gloo may release only after the call has returned; nothing when the counts are equal
+        (the collective then reads the input and writes the result in place)."""
+        lens = SeqLayout.for_sequence(self.s, self.p, self.d.causal).local_lens
+        return self.b * (self.p + 1) * max(lens) * self.d.hidden * self.e if len(set(lens)) > 1 else 0.0
+
     def index(self) -> float:
         """The two int64 permutations of a balanced gather (natural order and back)."""
         return 2 * 8 * self.s if self.balanced else 0.0
@@ -187,9 +197,9 @@ def _tp_sp_attention(c: _Shape) -> _Core:
     XG = c.XG
     saved = XG + _full_attention_saved(c, "own") + c.rot(c.s) + c.index()
     after = XG if c.balanced else c.X  # the output re-ordered (balanced) or the reduce-scatter result
-    fwd = Mem(0.0, saved + XG + after)
-    bwd = Mem(0.0, XG * (3 if c.balanced else 2))
-    fwd_rc = Mem(0.0, 2 * XG + after + c.T * (2 * c.qr + c.kvr) * c.e)
+    fwd = Mem(0.0, saved + XG + after + c.pad)
+    bwd = Mem(0.0, XG * (3 if c.balanced else 2) + c.pad)
+    fwd_rc = Mem(0.0, 2 * XG + after + c.T * (2 * c.qr + c.kvr) * c.e + c.pad)
     return _Core(Mem(0.0, saved), False, fwd, bwd, fwd_rc)
 
 
@@ -239,9 +249,9 @@ def _tp_sp_mlp(c: _Shape) -> _Core:
     d, T, e = c.d, c.T, c.e
     f_r = d.ffn // c.p
     saved = c.XG + _mlp_saved_factor(d) * T * f_r * e
-    fwd = Mem(0.0, saved + c.XG + c.X)
-    bwd = Mem(f_r * d.hidden * e, c.XG + T * f_r * e)
-    return _Core(Mem(0.0, saved), False, fwd, bwd, Mem(0.0, saved))
+    fwd = Mem(0.0, saved + c.XG + c.X + c.pad)
+    bwd = Mem(f_r * d.hidden * e, c.XG + T * f_r * e + c.pad)
+    return _Core(Mem(0.0, saved), False, fwd, bwd, Mem(0.0, saved + c.pad))
 
 
 def _zero3_mlp(c: _Shape) -> _Core:
