@@ -107,23 +107,29 @@ def _fit(plan: str, port: int, world: int) -> dict[str, Any]:
     return {"peaks": peaks.peaks, "skipped": strategy.skipped_batches, "logged": logged}
 
 
-def _worker(rank: int, world: int, port: int) -> dict[str, Any]:
+def _worker(rank: int, world: int, ports: tuple[int, ...]) -> dict[str, Any]:
     dist.destroy_process_group()  # the harness's group: each Trainer makes its own
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
-    return {plan: _fit(plan, port + k, world) for k, plan in enumerate(("auto", "tp_sp"))}
+    return {plan: _fit(plan, port, world) for port, plan in zip(ports, ("auto", "tp_sp"))}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _free_ports(n: int) -> tuple[int, ...]:
+    """``n`` distinct ports free at the time of asking (held open together, so they cannot repeat)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return tuple(int(sock.getsockname()[1]) for sock in sockets)
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 @pytest.mark.dist
 def test_adaptive_run_stays_within_the_budget_where_static_tp_sp_exceeds_it(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("MASTER_PORT", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK"):
         monkeypatch.delenv(var, raising=False)
-    per_rank = run_distributed(_worker, 2, _free_port(), timeout=240)
+    per_rank = run_distributed(_worker, 2, _free_ports(2), timeout=240)  # one port per Trainer
     for rank, out in enumerate(per_rank):
         adaptive, static = out["auto"]["peaks"], out["tp_sp"]["peaks"]
         print(f"rank {rank}: adaptive peaks {adaptive}, static tp_sp peaks {static} (budget {BUDGET})")
