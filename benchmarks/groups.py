@@ -203,9 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     results = torch.load(io.BytesIO(raw[0]), weights_only=False)
     summary = summarise(results, data, args.warmup)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    root = RESULTS.parents[1]  # the repository: the report names no machine path
-    shown = args.out.resolve().relative_to(root) if args.out.resolve().is_relative_to(root) else args.out.name
-    args.out.write_text(json.dumps({"settings": vars(args) | {"out": str(shown)}, **summary}, indent=2))
+    args.out.write_text(json.dumps({"settings": vars(args) | {"out": args.out.name}, **summary}, indent=2))
     report = markdown(summary, args)
     args.out.with_suffix(".md").write_text(report)
     print(report)

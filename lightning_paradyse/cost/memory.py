@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 from lightning_paradyse.cost.dims import ModelDims
 from lightning_paradyse.layout import SeqLayout
@@ -144,7 +145,7 @@ class _Shape:
         """The float32 cos/sin tables a rotary op saves (two per q and k) for ``tokens`` positions."""
         return 4 * tokens * self.d.head_dim * 4 if self.d.rotary else 0.0
 
-    @property
+    @cached_property
     def pad(self) -> float:
         """The padded buffers of a sequence gather or reduce-scatter when the ranks hold different token counts
         (see :func:`~lightning_paradyse.comm.all_gather_rows`): the ``[p * max_r]`` output and the ``[max_r]``
