@@ -7,7 +7,8 @@ Before each training, validation and test batch the switcher
 2. asks the planner for the plan of the batch's global length (the strategy's planner unless one is
    given here) and checks it against the model;
 3. verifies that every rank holds the same plan *and* the same batch: an all-gather of a hash of the
-   plan, the batch shape and a token checksum; a mismatch raises instead of hanging in a collective;
+   plan, the batch shape and a digest of every tensor of the batch; a mismatch raises instead of hanging in a
+   collective;
 4. configures the model (layout, plan: a table look-up), records the plan in :attr:`history`, logs
    the number of layers per op and mode through the Trainer's logger and, on rank 0, prints each
    plan change.
@@ -50,6 +51,18 @@ def plan_digest(plan: Plan, *extra: int) -> int:
     """A stable signed 64-bit hash of a plan (and extra integers), equal across processes."""
     text = repr((plan.to_list(), extra)).encode()
     return int.from_bytes(hashlib.sha256(text).digest()[:8], "little", signed=True)
+
+
+def announce(trainer: pl.Trainer, line: str) -> None:
+    """Print ``line`` on rank 0 on a console line of its own: through the progress bar when one is shown (so it
+    is not glued onto the bar's line), else through Lightning's logging."""
+    if trainer.global_rank != 0:
+        return
+    bar = trainer.progress_bar_callback
+    if bar is not None and getattr(bar, "is_enabled", False):
+        bar.print(line)
+    else:
+        rank_zero_info(line)
 
 
 def describe(plan: Plan) -> str:
@@ -159,7 +172,7 @@ class ParaDySeSwitcher(pl.Callback):
             raise TypeError(f"ParaDySeSwitcher needs Trainer(strategy=ParaDySeStrategy(...)), got {type(strategy)}")
         info = strategy.inspect_batch(batch)
         if strategy.uses_groups(info, stage):
-            return self._switch_groups(strategy, pl_module, batch, info, stage)
+            return self._switch_groups(trainer, strategy, pl_module, batch, info, stage)
         planner = self.planner or strategy.planner
         assert planner is not None, "the strategy creates its planner in setup"
         try:
@@ -176,12 +189,12 @@ class ParaDySeSwitcher(pl.Callback):
             metrics = self.metrics(plan, strategy.modes, stage) | self.predictions(planner, info.seq_len, info.batch)
             pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=info.batch)
         if plan != self._last:
-            rank_zero_info(f"[paradyse] {stage} length {info.seq_len}: plan {describe(plan)}")
+            announce(trainer, f"[paradyse] {stage} length {info.seq_len}: plan {describe(plan)}")
             self._last = plan
         return plan
 
     def _switch_groups(
-        self, strategy: Any, pl_module: pl.LightningModule, batch: Any, info: Any, stage: str
+        self, trainer: pl.Trainer, strategy: Any, pl_module: pl.LightningModule, batch: Any, info: Any, stage: str
     ) -> Plan | None:
         """A packed training batch on groups of different sizes (``ParaDySeStrategy(groups=True)``)."""
         started = time.perf_counter()
@@ -210,7 +223,8 @@ class ParaDySeSwitcher(pl.Callback):
         key = (found.sizes, plan)
         if key != self._last_groups:
             sizes = "+".join(map(str, found.sizes))
-            rank_zero_info(f"[paradyse] {stage} length {info.seq_len}: groups {sizes}, rank 0's plan {describe(plan)}")
+            line = f"[paradyse] {stage} length {info.seq_len}: groups {sizes}, rank 0's plan {describe(plan)}"
+            announce(trainer, line)
             self._last_groups = key
         return plan
 
@@ -251,4 +265,4 @@ class ParaDySeSwitcher(pl.Callback):
         return out
 
 
-__all__ = ["ParaDySeSwitcher", "PlanRecord", "describe", "plan_digest"]
+__all__ = ["ParaDySeSwitcher", "PlanRecord", "announce", "describe", "plan_digest"]

@@ -55,7 +55,7 @@ class LanguageModel(pl.LightningModule):
     def loss(self, batch: dict[str, Tensor]) -> Tensor:
         """Mean cross-entropy over the real targets of the tokens in ``batch`` (packed batches carry positions)."""
         logits = self(batch["input_ids"], batch.get("positions"))  # [b, s, vocab]
-        logits = logits.float()
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16/fp16 up to float32, float64 kept
         return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(), ignore_index=-100)
 
     @override

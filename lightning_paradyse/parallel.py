@@ -19,6 +19,7 @@ state dict, so checkpoints load into the unparallelized model.
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,26 +27,33 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from lightning_paradyse.comm import Group, all_gather_rows, all_reduce_sum, group_rank, group_size, move_shard
+from lightning_paradyse.comm import (
+    Group,
+    all_gather_rows,
+    all_reduce_sum,
+    group_rank,
+    group_size,
+    move_shard,
+    no_counting,
+)
 from lightning_paradyse.dispatch import AttentionDispatch, GridState, OpDispatch, ShardSource
 from lightning_paradyse.graph.passes import RoleError
 from lightning_paradyse.graph.rewrite import rewrite_block
 from lightning_paradyse.layout import split_sizes
 from lightning_paradyse.plan import Plan
+from lightning_paradyse.slicing import IGNORE_INDEX, BatchSource, check_padding_targets
 from lightning_paradyse.spec import SeqContext, row_sizes, shard_rows
-
-_STATE_ATTR = "_paradyse_state"
 
 
 @dataclass
 class StepState:
-    """What the forward pre-hooks read during one step."""
+    """What the forward pre-hooks read during one step: owned by the registry, never by the user's modules."""
 
     ctx: SeqContext | None = None
-    shift_labels: torch.Tensor | None = None
-    """This rank's slice of the globally shifted labels (label-shifting models), or ``None``."""
-    num_items: int | None = None
-    """Global number of real (non-ignored) shifted labels."""
+    sources: tuple[BatchSource, ...] = ()
+    """Every tensor of the batch that was sliced along the sequence, with its slice (for tracing labels back)."""
+    padding: torch.Tensor | None = None
+    """Right padding of the batch, ``[b, s]`` (see :func:`lightning_paradyse.slicing.find_padding`)."""
     labels_consumed: bool = False
     """Whether a model consumed ``labels`` through the hook this step (its loss is then a global sum share)."""
     blocks: list[str] = field(default_factory=list)
@@ -53,12 +61,46 @@ class StepState:
     """Grid models (``axes=2``): which grid dimension is sharded now (see :mod:`lightning_paradyse.modes.dsp`)."""
 
 
+class _StepHook:
+    """A hook of ours: ``fn(state, *hook_args)`` with the step state it was made with.
+
+    The user's modules carry no attribute of ours; the hooks (registered through the public hook API) hold the
+    state, so a deep copy of a parallelized module copies the hooks with one new state of its own.
+    """
+
+    def __init__(self, state: StepState, fn: Any) -> None:
+        self.state, self.fn = state, fn
+
+    def __call__(self, *args: Any) -> Any:
+        return self.fn(self.state, *args)
+
+
+_REGISTRY: weakref.WeakKeyDictionary[nn.Module, StepState] = weakref.WeakKeyDictionary()
+"""Parallelized modules -> their step state (found once through their hooks, then looked up here)."""
+
+
+def _find_state(module: nn.Module) -> StepState | None:
+    state = _REGISTRY.get(module)
+    if state is not None:
+        return state
+    hooks = (h for m in module.modules() for d in (m._forward_pre_hooks, m._forward_hooks) for h in d.values())
+    state = next((h.state for h in hooks if isinstance(h, _StepHook)), None)
+    if state is not None:
+        _REGISTRY[module] = state
+    return state
+
+
 def step_state(module: nn.Module) -> StepState:
     """The :class:`StepState` of a parallelized module."""
-    state = getattr(module, _STATE_ATTR, None)
-    if not isinstance(state, StepState):
+    state = _find_state(module)
+    if state is None:
         raise RuntimeError("the module has not been parallelized (call lightning_paradyse.parallel.parallelize)")
     return state
+
+
+def is_parallelized(module: nn.Module) -> bool:
+    """Whether :func:`parallelize` rewrote ``module`` (or the module it was deep-copied from)."""
+    return _find_state(module) is not None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -116,7 +158,7 @@ def parallelize(module: nn.Module, group: Group, blocks: str | None = None, axes
     Returns the block names. Raises ``ValueError`` naming the block and the missing role when a block
     cannot be understood; nothing is ever run unparallelized silently.
     """
-    if getattr(module, _STATE_ATTR, None) is not None:
+    if is_parallelized(module):
         raise RuntimeError("the module is already parallelized")
     if axes not in (1, 2):
         raise ValueError(f"axes={axes!r}: 1 (a sequence, [b, s, h]) or 2 (a grid, [b, T, S, h]) are supported")
@@ -129,8 +171,9 @@ def parallelize(module: nn.Module, group: Group, blocks: str | None = None, axes
             raise ValueError(str(err)) from None
         for op in ops:
             op.grid = state.grid
-    object.__setattr__(module, _STATE_ATTR, state)
+    module.register_forward_pre_hook(_StepHook(state, _anchor))
     _install_hooks(module, [n for n, _ in found], state)
+    _REGISTRY[module] = state
     if state.grid is not None:
         _install_grid_hooks([b for _, b in found], state)
     return state.blocks
@@ -139,36 +182,37 @@ def parallelize(module: nn.Module, group: Group, blocks: str | None = None, axes
 def _install_grid_hooks(found: list[nn.Module], state: StepState) -> None:
     """Dimension switching: before a block whose attention runs ``dsp`` along the sharded grid axis, one
     all-to-all moves the shard to the other axis; after the last block the shard returns to the frames
-    (dim 1), the layout the batch was split in.
-
-    The hooks read the step state from the block they are called on (deep copies stay independent), so
-    every rank switches at the same blocks.
+    (dim 1), the layout the batch was split in. The hooks close over the step state, so every rank switches at
+    the same blocks.
     """
-    for block in found:
-        object.__setattr__(block, _STATE_ATTR, state)
-        block.register_forward_pre_hook(_grid_before)
-    object.__setattr__(found[0], "_paradyse_first_block", True)
-    found[-1].register_forward_hook(_grid_after)
+    for i, block in enumerate(found):
+        block.register_forward_pre_hook(_StepHook(state, _grid_before(first=i == 0)))
+    found[-1].register_forward_hook(_StepHook(state, _grid_after))
 
 
-def _grid_before(block: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-    state = step_state(block)
-    grid, ctx = state.grid, state.ctx
-    if grid is None or ctx is None:
-        raise RuntimeError("the grid model ran before lightning_paradyse.parallel.configure() set its layout and plan")
-    attn = next(m for m in block.modules() if isinstance(m, AttentionDispatch))
-    x = args[0]
-    if getattr(block, "_paradyse_first_block", False):
-        grid.lengths[2] = int(x.shape[2])  # [b, T/p, S, h]: the patches are whole at the first block
-    if attn.op_plan is not None and attn.op_plan.mode == "dsp" and attn.attend_axis == grid.sharded:
-        src, dst = grid.sharded, grid.other()
-        x = move_shard(x, src, dst, split_sizes(grid.lengths[src], ctx.p), ctx.group)  # [.., n/p, .., m, ..]
-        grid.sharded = dst  # -> [.., n, .., m/p, ..]
-    return (x, *args[1:])
+def _anchor(state: StepState, mod: nn.Module, args: tuple[Any, ...]) -> None:
+    """The hook that marks the parallelized module itself (it changes nothing)."""
 
 
-def _grid_after(block: nn.Module, args: tuple[Any, ...], out: Any) -> Any:
-    state = step_state(block)
+def _grid_before(first: bool) -> Any:
+    def hook(state: StepState, block: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        grid, ctx = state.grid, state.ctx
+        if grid is None or ctx is None:
+            raise RuntimeError("the grid model ran before lightning_paradyse.parallel.configure() set its layout")
+        attn = next(m for m in block.modules() if isinstance(m, AttentionDispatch))
+        x = args[0]
+        if first:
+            grid.lengths[2] = int(x.shape[2])  # [b, T/p, S, h]: the patches are whole at the first block
+        if attn.op_plan is not None and attn.op_plan.mode == "dsp" and attn.attend_axis == grid.sharded:
+            src, dst = grid.sharded, grid.other()
+            x = move_shard(x, src, dst, split_sizes(grid.lengths[src], ctx.p), ctx.group)  # [.., n/p, .., m, ..]
+            grid.sharded = dst  # -> [.., n, .., m/p, ..]
+        return (x, *args[1:])
+
+    return hook
+
+
+def _grid_after(state: StepState, block: nn.Module, args: tuple[Any, ...], out: Any) -> Any:
     grid, ctx = state.grid, state.ctx
     assert grid is not None and ctx is not None
     if grid.sharded == 1:
@@ -199,7 +243,7 @@ def _accepts(fn: Any, name: str) -> bool:
 def _install_hooks(module: nn.Module, block_names: list[str], state: StepState) -> None:
     """Positions for the module that owns the blocks (or its nearest ancestor accepting them); labels for HF.
 
-    The hooks read the step state from the module they are called on, so deep copies stay independent.
+    The hooks close over the step state (nothing is stored on the user's modules).
     """
     owner_path = block_names[0].rsplit(".", 2)[0] if block_names[0].count(".") >= 2 else ""
     chain = [owner_path]
@@ -209,40 +253,151 @@ def _install_hooks(module: nn.Module, block_names: list[str], state: StepState) 
         owner = module.get_submodule(path) if path else module
         arg = next((a for a in ("positions", "position_ids") if _accepts(owner.forward, a)), None)
         if arg is not None:
-            object.__setattr__(owner, _STATE_ATTR, state)
-            owner.register_forward_pre_hook(_position_hook(arg), with_kwargs=True)
+            owner.register_forward_pre_hook(_StepHook(state, _position_hook(arg)), with_kwargs=True)
             break
     for path in chain:
         owner = module.get_submodule(path) if path else module
         if _accepts(owner.forward, "labels") and _accepts(owner.forward, "shift_labels"):
-            object.__setattr__(owner, _STATE_ATTR, state)
-            owner.register_forward_pre_hook(_labels_hook, with_kwargs=True)
+            owner.register_forward_pre_hook(_StepHook(state, _labels_hook), with_kwargs=True)
+
+
+class _Call:
+    """A module call's arguments bound to its ``forward`` signature: read and replace them by name."""
+
+    def __init__(self, mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.args, self.kwargs = list(args), dict(kwargs)
+        try:
+            params = list(inspect.signature(mod.forward).parameters.values())
+        except (TypeError, ValueError):
+            params = []
+        positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        self.index = {name: i for i, name in enumerate(positional) if i < len(args)}
+
+    def get(self, name: str) -> Any:
+        """The argument ``name`` (``None`` when absent or passed as ``None``: the same to the model)."""
+        if name in self.index:
+            return self.args[self.index[name]]
+        return self.kwargs.get(name)
+
+    def set(self, name: str, value: Any) -> None:
+        if name in self.index:
+            self.args[self.index[name]] = value
+        else:
+            self.kwargs[name] = value
+
+    def result(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return tuple(self.args), self.kwargs
+
+
+def _agree(ok: bool, ctx: SeqContext, device: torch.device | None) -> bool:
+    """Whether ``ok`` holds on every rank of the group (one 4-byte all-reduce, not counted as mode traffic)."""
+    if ctx.p == 1:
+        return ok
+    flag = torch.tensor([0.0 if ok else 1.0], device=device)
+    with no_counting():
+        return float(all_reduce_sum(flag, ctx.group)) == 0.0  # [1] summed over the group
 
 
 def _position_hook(arg: str) -> Any:
-    def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        ctx = step_state(mod).ctx
-        params = list(inspect.signature(mod.forward).parameters)
-        given = kwargs.get(arg) is not None or (arg in params and params.index(arg) < len(args))
-        if ctx is None or given:
+    """Give the model the global positions of its local tokens when the call gives none (``None`` = absent).
+
+    Positions the call does give must be the layout's own or a slice of the batch (packed positions); anything
+    else (e.g. ``arange`` of the local length) would train another model, so it is refused on every rank.
+    """
+
+    def hook(
+        state: StepState, mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        ctx = state.ctx
+        if ctx is None:
             return args, kwargs
-        positions = ctx.positions(_device_of(args, kwargs))  # [s_r] global positions of the local tokens
-        kwargs[arg] = positions if arg == "positions" else positions[None]  # position_ids: [1, s_r]
+        call = _Call(mod, args, kwargs)
+        given = call.get(arg)
+        device = _device_of(args, kwargs)
+        if given is None:
+            positions = ctx.positions(device)  # [s_r] global positions of the local tokens
+            call.set(arg, positions if arg == "positions" else positions[None])  # position_ids: [1, s_r]
+            return call.result()
+        ok = isinstance(given, torch.Tensor) and (
+            _same_values(given, ctx.positions(given.device)) or _trace(given, state.sources) is not None
+        )
+        if not _agree(ok, ctx, device):
+            raise ValueError(
+                f"the model was called with {arg}= that are neither the global positions of this rank's tokens nor "
+                f"a tensor of the batch; leave {arg} out (or None) and ParaDySeStrategy gives the model the global "
+                f"positions, or put per-token positions in the batch (e.g. batch['{arg}'])"
+            )
         return args, kwargs
 
     return hook
 
 
+def _same_values(value: torch.Tensor, positions: torch.Tensor) -> bool:
+    """Whether ``value`` (``[s_r]``, ``[1, s_r]`` or ``[b, s_r]``) holds ``positions`` in every row."""
+    if value.dim() == 0 or value.shape[-1] != positions.numel() or value.is_floating_point():
+        return False
+    rows = value.reshape(-1, positions.numel())  # [..., s_r] -> [rows, s_r]
+    return bool(torch.equal(rows, positions.expand(rows.shape[0], -1)))
+
+
+def _is_slice(value: torch.Tensor, src: BatchSource) -> bool:
+    """Whether ``value`` is this rank's slice of the batch tensor ``src`` (the same object, or equal values)."""
+    return value is src.local or (value.shape == src.local.shape and torch.equal(value, src.local.to(value.dtype)))
+
+
+def _trace(value: torch.Tensor, sources: tuple[BatchSource, ...]) -> BatchSource | None:
+    """The batch tensor whose slice ``value`` is, else ``None``."""
+    return next((src for src in sources if _is_slice(value, src)), None)
+
+
 def _labels_hook(
-    mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    state: StepState, mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    state = step_state(mod)
-    if kwargs.get("labels") is None or state.shift_labels is None or "shift_labels" in kwargs:
+    """Hugging Face models: labels shifted over the whole sequence, and the global count of real labels.
+
+    ``labels=`` (any tensor of the batch, e.g. the batch's ``labels`` or ``input_ids``) becomes
+    ``shift_labels=`` this rank's slice of the globally shifted labels; ``shift_labels=`` a tensor of the batch is
+    kept. Either way ``num_items_in_batch`` is the global count, so the model's loss is this rank's share of the
+    single-process loss. Labels that cannot be traced back to the batch are refused on every rank.
+    """
+    ctx = state.ctx
+    call = _Call(mod, args, kwargs)
+    labels, shift = call.get("labels"), call.get("shift_labels")
+    if ctx is None or (labels is None and shift is None):
         return args, kwargs
-    kwargs["shift_labels"] = state.shift_labels
-    kwargs["num_items_in_batch"] = torch.tensor(max(int(state.num_items or 0), 1))
+    given = shift if shift is not None else labels
+    name = "shift_labels" if shift is not None else "labels"
+    candidates = [s for s in state.sources if s.whole.dim() >= 2]
+    found = [1.0 if isinstance(given, torch.Tensor) and _is_slice(given, s) else 0.0 for s in candidates]
+    agreed = _agreed_source(found, candidates, ctx, given.device if isinstance(given, torch.Tensor) else None)
+    if agreed is None:
+        raise ValueError(
+            f"the model was called with {name}= that is not a tensor of the batch (ParaDySeStrategy hands each "
+            f"rank a slice of the sequence and must shift labels over the whole sequence): pass {name}=batch[...] "
+            f"(e.g. labels=batch['input_ids'] or batch['labels']), or put the labels in the batch"
+        )
+    whole = agreed.whole if shift is not None else agreed.shifted_whole()  # [b, s] shifted globally
+    if state.padding is not None:
+        check_padding_targets(state.padding, whole, name)
+    items = agreed.items(whole) if shift is None else int((whole != IGNORE_INDEX).sum())
+    local = ctx.layout.shard(whole, ctx.rank).to(given.device)  # [b, s] -> [b, s_r]
+    call.set("shift_labels", local)
+    call.set("num_items_in_batch", torch.tensor(max(items, 1), device=local.device))
     state.labels_consumed = True
-    return args, kwargs
+    return call.result()
+
+
+def _agreed_source(
+    found: list[float], candidates: list[BatchSource], ctx: SeqContext, device: torch.device | None
+) -> BatchSource | None:
+    """The candidate every rank traced its labels to (one small all-reduce), or ``None``."""
+    if not candidates:
+        return None
+    votes = torch.tensor(found, device=device)
+    if ctx.p > 1:
+        with no_counting():
+            votes = all_reduce_sum(votes, ctx.group)  # [n] ranks that matched each candidate
+    return next((c for c, v in zip(candidates, votes.tolist()) if v == ctx.p), None)
 
 
 def _device_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device | None:
@@ -290,7 +445,7 @@ def configure(module: nn.Module, ctx: SeqContext, plan: Plan) -> None:
     """Set the batch's layout and plan on every dispatch module (after :func:`check_plan`)."""
     check_plan(module, plan, ctx.p)
     state = step_state(module)
-    state.ctx, state.shift_labels, state.num_items, state.labels_consumed = ctx, None, None, False
+    state.ctx, state.sources, state.padding, state.labels_consumed = ctx, (), None, False
     if state.grid is not None:
         if ctx.layout.balanced or ctx.doc_ids is not None:
             raise ValueError(
@@ -303,10 +458,13 @@ def configure(module: nn.Module, ctx: SeqContext, plan: Plan) -> None:
         op.configure(ctx, layer.attention if isinstance(op, AttentionDispatch) else layer.mlp)
 
 
-def set_step_targets(module: nn.Module, shift_labels: torch.Tensor | None, num_items: int | None) -> None:
-    """For label-shifting models: this rank's slice of the globally shifted labels and their global count."""
+def set_step_sources(
+    module: nn.Module, sources: tuple[BatchSource, ...], padding: torch.Tensor | None = None
+) -> None:
+    """The batch tensors the step was handed and their global originals (labels are traced back to them), and
+    the batch's right padding."""
     state = step_state(module)
-    state.shift_labels, state.num_items, state.labels_consumed = shift_labels, num_items, False
+    state.sources, state.padding, state.labels_consumed = sources, padding, False
 
 
 # --------------------------------------------------------------------------------------------------
@@ -387,11 +545,28 @@ def _value(param: torch.Tensor, grads: bool) -> torch.Tensor | None:
     return param.grad if grads else param.detach()
 
 
+def tied_aliases(module: nn.Module) -> dict[str, str]:
+    """Every second (third, ...) name of a shared parameter -> the name ``named_parameters`` keeps (the first).
+
+    Tied weights (an LM head sharing the token embedding) are one parameter under two names: ``state_dict``
+    lists both, ``named_parameters`` only the first.
+    """
+    first: dict[int, str] = {}
+    out: dict[str, str] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            out[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return out
+
+
 def consolidated(module: nn.Module, group: Group, grads: bool = False) -> dict[str, torch.Tensor]:
     """The plain model's state dict (or gradients) from a parallelized module, on every rank.
 
     Names are relative to ``module``; the result loads into the unparallelized module with
-    ``load_state_dict`` (buffers included when ``grads`` is false).
+    ``load_state_dict``: buffers and every name of a tied parameter are included when ``grads`` is false
+    (gradients are keyed like ``named_parameters``, tied parameters once).
     """
     out: dict[str, torch.Tensor] = {}
     shards, replicated = shard_sources(module), replicated_sources(module)
@@ -408,34 +583,43 @@ def consolidated(module: nn.Module, group: Group, grads: bool = False) -> dict[s
     for plain, parts in pieces.items():
         out[plain] = torch.cat([t for _, t in sorted(parts, key=lambda item: item[0])])
     if not grads:
+        for alias, name in tied_aliases(module).items():
+            key = shards[name].plain if name in shards else replicated.get(name, name)
+            if key in out:
+                out[replicated.get(alias, alias)] = out[key]
         persistent = set(module.state_dict(keep_vars=True))
         out.update({n: b.detach() for n, b in module.named_buffers() if n in persistent})
     return out
 
 
 def load_consolidated(module: nn.Module, state: dict[str, torch.Tensor], group: Group, strict: bool = True) -> None:
-    """Load a plain state dict (as :func:`consolidated` returns) into the shards of a parallelized module."""
+    """Load a plain state dict (as :func:`consolidated` returns) into the shards of a parallelized module.
+
+    A tied parameter is read under its first name, or under another of its names when the first is absent;
+    its other names count as used (a plain checkpoint lists every name, an older one of ours only the first).
+    """
     shards, replicated = shard_sources(module), replicated_sources(module)
+    names: dict[str, list[str]] = {}  # first name -> every name of the parameter, plain
+    for alias, name in tied_aliases(module).items():
+        names.setdefault(name, [name]).append(replicated.get(alias, alias))
     used: set[str] = set()
     missing: list[str] = []
     with torch.no_grad():
         for name, param in module.named_parameters():
-            if name in shards:
-                ref = shards[name]
-                key = ref.plain
-                if key not in state:
-                    missing.append(key)
-                    continue
+            ref = shards.get(name)
+            wanted = ref.plain if ref is not None else replicated.get(name, name)
+            keys = [wanted, *names.get(name, [name])[1:]]
+            key = next((k for k in keys if k in state), None)
+            if key is None:
+                missing.append(wanted)
+                continue
+            if ref is not None:
                 src = ref.source
                 piece = state[key] if src.transposed else state[key].narrow(0, src.offset, src.rows)
                 param.copy_(shard_param_like(piece, ref, group))
             else:
-                key = replicated.get(name, name)
-                if key not in state:
-                    missing.append(key)
-                    continue
                 param.copy_(state[key])
-            used.add(key)
+            used.update(keys)
         for name, buf in module.named_buffers():
             if name in state:
                 buf.copy_(state[name])
@@ -443,3 +627,91 @@ def load_consolidated(module: nn.Module, state: dict[str, torch.Tensor], group: 
     unexpected = sorted(set(state) - used)
     if strict and (missing or unexpected):
         raise KeyError(f"state dict does not match the model: missing {sorted(set(missing))}, unexpected {unexpected}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Whole-model quantities over the shards
+# --------------------------------------------------------------------------------------------------
+
+
+def sharded_parameter_ids(module: nn.Module) -> set[int]:
+    """``id`` of every parameter held as a 1/p shard (the others are replicated)."""
+    shards = shard_sources(module)
+    return {id(p) for n, p in module.named_parameters() if n in shards}
+
+
+def grad_norm(
+    parameters: Iterator[torch.Tensor] | list[torch.Tensor], sharded: set[int], group: Group, norm_type: float = 2.0
+) -> torch.Tensor:
+    """The norm of the *whole* model's gradients, the same on every rank (a collective over the group).
+
+    Shards contribute their part (summed over the group); replicated parameters, whose gradients every rank holds
+    whole after :func:`reduce_replicated_grads`, count once.
+    """
+    params = [p for p in parameters if p.grad is not None]
+    if not params:
+        return torch.tensor(0.0)
+    grads = [p.grad for p in params if p.grad is not None]
+    mine = [float(id(p) in sharded) for p in params]
+    if norm_type == float("inf"):
+        per = torch.stack([g.detach().abs().max().to(grads[0].dtype) for g in grads])  # [n]
+        shard_max = torch.stack([v for v, s in zip(per, mine) if s]).max() if any(mine) else per.new_zeros(())
+        rest = torch.stack([v for v, s in zip(per, mine) if not s]).max() if not all(mine) else per.new_zeros(())
+        if group_size(group) > 1:
+            every = all_gather_rows(shard_max.reshape(1), [1] * group_size(group), group)  # [1] -> [p]
+            shard_max = every.max()
+        return torch.maximum(shard_max, rest)
+    powers = torch.stack([torch.linalg.vector_norm(g.detach(), norm_type) ** norm_type for g in grads])  # [n]
+    flags = torch.tensor(mine, dtype=powers.dtype, device=powers.device)
+    shard_part = (powers * flags).sum()
+    if group_size(group) > 1:
+        shard_part = all_reduce_sum(shard_part.reshape(1), group)[0]  # [1] summed over the group
+    return (shard_part + (powers * (1 - flags)).sum()) ** (1.0 / norm_type)
+
+
+def clip_grad_norm(
+    parameters: Iterator[torch.Tensor] | list[torch.Tensor],
+    max_norm: float,
+    sharded: set[int],
+    group: Group,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` over the whole model: the global norm, the same coefficient everywhere."""
+    params = [p for p in parameters if p.grad is not None]
+    total = grad_norm(params, sharded, group, float(norm_type))
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite: it cannot be clipped")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in params:
+        assert p.grad is not None
+        p.grad.detach().mul_(coef.to(p.grad.device, p.grad.dtype))
+    return total
+
+
+def replica_digest(module: nn.Module) -> torch.Tensor:
+    """``[n, 2]`` float64: sum and sum of squares of every replicated parameter (equal on every rank when they
+    received the same updates)."""
+    params = [p.detach() for p in replicated_parameters(module)]
+    if not params:
+        return torch.zeros(0, 2, dtype=torch.float64)
+    rows = [torch.stack([p.double().sum(), p.double().pow(2).sum()]) for p in params]
+    return torch.stack(rows).cpu()  # [n, 2]
+
+
+def replicas_differ(module: nn.Module, group: Group) -> list[str]:
+    """Names of replicated parameters that differ between ranks (a collective: one small all-gather)."""
+    p = group_size(group)
+    if p == 1:
+        return []
+    digest = replica_digest(module)
+    device = next(module.parameters()).device
+    every = all_gather_rows(digest.to(device)[None], [1] * p, group).cpu()  # [n, 2] -> [p, n, 2]
+    names = [n for n, _ in _replicated_named(module)]
+    differ = (every != every[:1]).any(dim=2).any(dim=0)  # [n]
+    return [name for name, bad in zip(names, differ.tolist()) if bad]
+
+
+def _replicated_named(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    sharded = set(shard_sources(module))
+    return [(n, p) for n, p in module.named_parameters() if n not in sharded]

@@ -10,8 +10,9 @@ gives a rank its tokens of every ``[b, s, ...]`` tensor along the unified layout
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -45,15 +46,40 @@ class BatchInfo:
     n_global: int
     """Real target tokens in the whole batch."""
     checksum: int
-    """A cheap fingerprint of the token ids (ranks compare it to catch diverging data)."""
-    shift_labels: Tensor | None = None
-    """HF-style batches: this rank's slice of ``labels[:, 1:]`` padded with -100 at the end."""
-    n_shift_labels: int | None = None
-    """HF-style batches: real shifted labels in the whole batch."""
+    """A digest of every tensor of the batch (ranks compare it to catch diverging data)."""
     doc_ids: Tensor | None = None
     """Packed batches: the document id of every token ``[s]`` (attention stays inside each document)."""
     skip: bool = False
     """No plan fits the memory budget and the strategy was told to skip such batches."""
+    padding: Tensor | None = None
+    """Right padding of a causal batch (``attention_mask`` 0), ``[b, s]`` True at padding tokens: their targets
+    must be ignored (checked here, and in the labels the model is handed)."""
+    fill_target: bool = False
+    """This rank's slice holds no real target and the loss is a mean: one target of the slice is made real so the
+    module's mean stays finite; the strategy weighs this rank's loss by ``n_local / n_global = 0``."""
+
+
+@dataclass(frozen=True)
+class BatchSource:
+    """One tensor of the global batch and this rank's slice of it (what the step was handed)."""
+
+    key: str
+    """Where it sits in the batch (a dict key, or ``#i`` for the i-th tensor of a tuple/list)."""
+    local: Tensor
+    """This rank's slice, ``[b, s_r, ...]`` (or ``[s_r]`` for per-token entries)."""
+    whole: Tensor
+    """The global tensor, ``[b, s, ...]`` (or ``[s]``), in the step's coordinates."""
+    shifted: Tensor | None = None
+    """``whole`` shifted left by one over the *whole* batch (for a sub-batch of documents, cut out of the whole
+    batch's shift); ``None``: :func:`shifted_labels` of ``whole``."""
+    n_items: int | None = None
+    """Real (non-ignored) entries of the shifted labels in the whole batch; ``None``: counted in ``shifted``."""
+
+    def shifted_whole(self) -> Tensor:
+        return self.shifted if self.shifted is not None else shifted_labels(self.whole)
+
+    def items(self, shifted: Tensor) -> int:
+        return self.n_items if self.n_items is not None else int((shifted != IGNORE_INDEX).sum())
 
 
 def find_tokens(batch: Any) -> Tensor:
@@ -89,23 +115,57 @@ def find_targets(batch: Any) -> tuple[str | None, Tensor | None]:
     return None, None
 
 
-def shard_batch(batch: Any, info: BatchInfo, rank: int) -> Any:
+def shard_batch(batch: Any, info: BatchInfo, rank: int) -> tuple[Any, tuple[BatchSource, ...]]:
     """This rank's tokens of every tensor of ``batch`` whose dims 0, 1 are ``[b, s]``, and of the per-token
-    ``[s]`` entries of a dict batch (:data:`TOKEN_1D_KEYS`); other values unchanged."""
+    ``[s]`` entries of a dict batch (:data:`TOKEN_1D_KEYS`); other values unchanged. Also returns every sliced
+    tensor with its slice (:class:`BatchSource`), in the order labels are traced back: targets first."""
+    sources: list[BatchSource] = []
 
-    def cut(t: Tensor) -> Tensor:
+    def cut(t: Tensor, key: str) -> Tensor:
         if t.dim() >= 2 and tuple(t.shape[:2]) == (info.batch, info.seq_len):
-            return info.layout.shard(t, rank)  # [b, s, ...] -> [b, s_r, ...]
+            local = info.layout.shard(t, rank)  # [b, s, ...] -> [b, s_r, ...]
+            sources.append(BatchSource(key, local, t))
+            return local
         return t
 
     if isinstance(batch, Mapping):
-        per_token = {
-            k: info.layout.shard(v, rank, dim=0)  # [s] -> [s_r]
-            for k, v in batch.items()
-            if k in TOKEN_1D_KEYS and isinstance(v, Tensor) and tuple(v.shape) == (info.seq_len,)
-        }
-        return {k: per_token[k] if k in per_token else apply_to_collection(v, Tensor, cut) for k, v in batch.items()}
-    return apply_to_collection(batch, Tensor, cut)
+        out = {}
+        for k, v in batch.items():
+            if k in TOKEN_1D_KEYS and isinstance(v, Tensor) and tuple(v.shape) == (info.seq_len,):
+                out[k] = info.layout.shard(v, rank, dim=0)  # [s] -> [s_r]
+                sources.append(BatchSource(str(k), out[k], v))
+            elif isinstance(v, Tensor):
+                out[k] = cut(v, str(k))
+            else:
+                out[k] = apply_to_collection(v, Tensor, lambda t, k=k: cut(t, f"{k}.*"))
+        local: Any = out
+    elif isinstance(batch, Tensor):
+        local = cut(batch, "#0")
+    elif isinstance(batch, Sequence) and not isinstance(batch, str):
+        items = [cut(v, f"#{i}") if isinstance(v, Tensor) else v for i, v in enumerate(batch)]
+        local = type(batch)(items) if isinstance(batch, (tuple, list)) and type(batch) in (tuple, list) else items
+    else:
+        local = apply_to_collection(batch, Tensor, lambda t: cut(t, "?"))
+    if info.fill_target:
+        local, sources = _fill_one_target(local, sources)
+    order = {key: i for i, key in enumerate(TARGET_KEYS)}
+    sources.sort(key=lambda src: order.get(src.key, len(order)))
+    return local, tuple(sources)
+
+
+def _fill_one_target(local: Any, sources: list[BatchSource]) -> tuple[Any, list[BatchSource]]:
+    """Make the first target of this rank's slice real (class 0): its mean loss is then finite (weighted by 0)."""
+    key, targets = find_targets(local)
+    if targets is None:
+        return local, sources
+    filled = targets.clone()
+    filled.view(-1)[0] = 0
+    if isinstance(local, Mapping):
+        local = {**local, key: filled}
+    else:
+        at = max(i for i, v in enumerate(local) if v is targets)
+        local = type(local)(filled if i == at else v for i, v in enumerate(local))
+    return local, [replace(src, local=filled) if src.local is targets else src for src in sources]
 
 
 def find_doc_ids(batch: Any, b: int, s: int) -> Tensor | None:
@@ -121,11 +181,29 @@ def find_doc_ids(batch: Any, b: int, s: int) -> Tensor | None:
     return doc_ids
 
 
-def checksum(tokens: Tensor) -> int:
-    """A position-weighted sum of the token ids: equal on ranks that hold the same batch."""
-    t = tokens.long().reshape(tokens.shape[0], tokens.shape[1], -1)  # [b, s, ...] -> [b, s, rest]
-    weights = torch.arange(1, t.shape[1] + 1, device=t.device).view(1, -1, 1)
-    return int((t * weights).sum())
+def checksum(batch: Any) -> int:
+    """A digest (SHA-256, 64 bits) of the batch's structure and of every byte of every tensor in it: equal on
+    ranks that hold the same batch, different when any value, row order or target differs."""
+    digest = hashlib.sha256()
+
+    def visit(value: Any) -> None:
+        if isinstance(value, Tensor):
+            data = value.detach().contiguous().cpu()
+            digest.update(repr((str(data.dtype), tuple(data.shape))).encode())
+            digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(value, Mapping):
+            for k in value:
+                digest.update(repr(k).encode())
+                visit(value[k])
+        elif isinstance(value, (list, tuple)):
+            digest.update(f"[{len(value)}".encode())
+            for v in value:
+                visit(v)
+        else:
+            digest.update(repr(type(value).__name__).encode())
+
+    visit(batch)
+    return int.from_bytes(digest.digest()[:8], "little", signed=True)
 
 
 def target_counts(targets: Tensor | None, layout: SeqLayout, b: int, s: int) -> list[int]:
@@ -149,8 +227,8 @@ def describe_batch(
     """Validate a global batch for ``p`` ranks and describe it (no collective: raises alike on every rank).
 
     Raises:
-        ValueError: For a batch longer than ``max_seq_len``, shorter than ``p``, without real targets, or (for a
-            mean loss) with a rank holding no real target.
+        ValueError: For a batch longer than ``max_seq_len``, shorter than ``p``, without real targets, or with
+            padding the strategy cannot honour (:func:`find_padding`).
     """
     tokens = find_tokens(batch)
     b, s = int(tokens.shape[0]), int(tokens.shape[1])
@@ -164,35 +242,71 @@ def describe_batch(
     layout = SeqLayout.for_sequence(s, p, causal)
     key, targets = find_targets(batch)
     counts = target_counts(targets, layout, b, s)
-    _check_counts(counts, s, mean_loss and key != "labels")
-    doc_ids = find_doc_ids(batch, b, s)
-    if key == "labels" and targets is not None:
-        shifted = shifted_labels(targets)
-        local, n_shift = layout.shard(shifted, rank), int((shifted != IGNORE_INDEX).sum())
-        return BatchInfo(b, s, layout, counts[rank], sum(counts), checksum(tokens), local, n_shift, doc_ids)
-    return BatchInfo(b, s, layout, counts[rank], sum(counts), checksum(tokens), doc_ids=doc_ids)
-
-
-def _check_counts(counts: list[int], seq_len: int, every_rank: bool) -> None:
     if sum(counts) == 0:
-        raise ValueError(f"a batch of length {seq_len} has no real target token (all targets are -100)")
-    empty = [r for r, n in enumerate(counts) if n == 0]
-    if empty and every_rank:
+        raise ValueError(f"a batch of length {s} has no real target token (all targets are -100)")
+    padding = find_padding(batch, b, s, causal)
+    if padding is not None and targets is not None and tuple(targets.shape[:2]) == (b, s):
+        check_padding_targets(padding, shifted_labels(targets) if key == "labels" else targets, key or "targets")
+    doc_ids = find_doc_ids(batch, b, s)
+    fill = mean_loss and counts[rank] == 0
+    return BatchInfo(
+        b, s, layout, counts[rank], sum(counts), checksum(batch), doc_ids, padding=padding, fill_target=fill
+    )
+
+
+PAD_MASK_KEYS = ("attention_mask",)
+"""Keys of a ``[b, s]`` padding mask in a dict batch (1: a real token, 0: padding), the Hugging Face convention."""
+
+
+def find_padding(batch: Any, b: int, s: int, causal: bool) -> Tensor | None:
+    """The padding ``[b, s]`` (True: a padding token) of a batch whose ``attention_mask`` has zeros, else ``None``.
+
+    Padding is honoured exactly when it cannot change a real token's attention: a causal model padded on the
+    right (every real token sees only earlier tokens, all real). Other padding is refused (no collective yet).
+    """
+    named = [batch.get(k) for k in PAD_MASK_KEYS] if isinstance(batch, Mapping) else []
+    mask = next((m for m in named if isinstance(m, Tensor)), None)
+    if mask is None or mask.dim() != 2 or tuple(mask.shape) != (b, s) or bool(mask.bool().all()):
+        return None
+    real = mask.bool()
+    if not causal:
         raise ValueError(
-            f"rank(s) {empty} hold no real target token of this batch of length {seq_len}, so their mean loss "
-            f"is undefined; use ParaDySeStrategy(loss_reduction='sum') with a summed loss, or less padding"
+            "the batch's attention_mask marks padding, and the model attends in both directions: ParaDySeStrategy "
+            "cannot mask padding keys across ranks yet; batch sequences of equal length (no padding) or pack "
+            "them into one sequence with doc_ids"
+        )
+    if bool((real[:, 1:] & ~real[:, :-1]).any()):  # a real token after a padding token: left or inner padding
+        raise ValueError(
+            "the batch's attention_mask has padding before real tokens (left padding): ParaDySeStrategy honours "
+            "padding only on the right of causal sequences; pad on the right (tokenizer.padding_side='right') "
+            "or pack the sequences with doc_ids"
+        )
+    return ~real
+
+
+def check_padding_targets(padding: Tensor, shifted: Tensor, name: str) -> None:
+    """Right padding is exact only if no padding token predicts a target (its outputs differ from a masked run)."""
+    if bool((shifted[padding] != IGNORE_INDEX).any()):
+        raise ValueError(
+            f"padding tokens of the batch (attention_mask 0) have real targets in {name!r}: their outputs depend on "
+            f"the mask, which ParaDySeStrategy does not apply; set the targets of padding to -100 (as Hugging Face's "
+            f"data collators do)"
         )
 
 
 __all__ = [
     "IGNORE_INDEX",
+    "PAD_MASK_KEYS",
     "TARGET_KEYS",
     "TOKEN_1D_KEYS",
     "TOKEN_KEYS",
     "BatchInfo",
+    "BatchSource",
+    "check_padding_targets",
     "checksum",
     "describe_batch",
     "find_doc_ids",
+    "find_padding",
     "find_targets",
     "find_tokens",
     "shard_batch",

@@ -28,8 +28,10 @@ consolidated optimizer state, so a run can resume with another plan, mode set or
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from datetime import timedelta
@@ -61,9 +63,10 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_paradyse import parallel
-from lightning_paradyse.checkpoint import consolidate_optimizer_state, load_optimizer_state
+from lightning_paradyse import guards, parallel
+from lightning_paradyse.checkpoint import PlainModel, consolidate_optimizer_state, load_optimizer_state, recorded
 from lightning_paradyse.comm import Group, all_gather_rows, all_reduce_sum, broadcast_from, group_size
+from lightning_paradyse.guards import ClipInterception, check_optimizers, rank_rng
 from lightning_paradyse.plan import Plan, parse_plan
 from lightning_paradyse.policy import (
     FixedPlanner,
@@ -79,6 +82,8 @@ from lightning_paradyse.spec import SeqContext
 from lightning_paradyse.strategy_groups import GroupSteps
 
 START_METHODS = ("spawn", "fork", "forkserver", "popen")
+_PLAIN_MODELS: weakref.WeakKeyDictionary[torch.nn.Module, PlainModel] = weakref.WeakKeyDictionary()
+"""Parallelized LightningModules -> what their plain checkpoints hold (recorded once, before the rewrite)."""
 UNLIMITED_BYTES = 2**62
 """The memory budget when none is given: the planner then picks the fastest plan."""
 
@@ -157,6 +162,12 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
             documents assigned to them so that the slowest group is fastest on the cost model, attention cost
             counted per document; each group runs its own plan. Other batches, validation and test use one
             group of every rank.
+        elementwise_optimizers: Class names of optimizers the user vouches update every entry from that entry's
+            gradient and state alone (as AdamW does), beyond PyTorch's own element-wise ones; others are refused
+            (:func:`~lightning_paradyse.guards.check_optimizers`).
+        check_replicas_every: Compare the replicated parameters across ranks after the first three optimizer steps,
+            then every this many steps and at every checkpoint (0: never); a difference raises, naming the likely
+            cause (:func:`~lightning_paradyse.guards.check_replicas`).
         axes: Sequence axes of the hidden states between blocks: 1 for language models (``[b, s, h]``), 2 for
             models over a grid of frames x patches (``[b, T, S, h]``, blocks attending along one axis each, such
             as :class:`~lightning_paradyse.models.st.SpatialTemporalTransformer`). With 2, batches ``[b, T, S]``
@@ -173,7 +184,9 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
           the switcher checks every batch that all ranks hold the same one.
         * The process group is destroyed when the Trainer finishes: save checkpoints while it runs
           (``ModelCheckpoint``, or ``trainer.save_checkpoint`` in a hook).
-        * Not yet supported: ``gradient_clip_algorithm="norm"`` (use ``"value"``) and ``trainer.predict``.
+        * Norm clipping (``gradient_clip_algorithm="norm"``, or ``torch.nn.utils.clip_grad_norm_`` in a hook) uses the
+          whole model's gradient norm; optimizers that read whole tensors (Adafactor, Muon, LAMB) are refused.
+        * Not yet supported: ``trainer.predict``.
 
     Example::
 
@@ -199,6 +212,8 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
         plan_bucket: int = 512,
         groups: bool = False,
         axes: int = 1,
+        elementwise_optimizers: Sequence[str] = (),
+        check_replicas_every: int = 50,
     ) -> None:
         super().__init__()
         if axes not in (1, 2):
@@ -224,6 +239,14 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
         self.timeout = _validate_timeout(timeout)
         self.loss_reduction = _validate_choice("loss_reduction", loss_reduction, ("mean", "sum"))
         self._init_groups(_validate_flag("groups", groups))
+        self.elementwise_optimizers = _validate_names("elementwise_optimizers", elementwise_optimizers)
+        self.check_replicas_every = int(_validate_positive("check_replicas_every", check_replicas_every or None) or 0)
+        self._optimizer_steps = 0
+        self._sharded_ids: set[int] = set()
+        self._clip: ClipInterception | None = None
+        self._plain_model: PlainModel | None = None
+        """What the plain model's checkpoints hold (parameter order, state dict keys, tied names), recorded once
+        before the rewrite."""
         self.num_nodes = 1
         self.planner: Planner | None = None
         self.final_state_dict: dict[str, Tensor] | None = None
@@ -313,7 +336,6 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
         assert self.accelerator is not None
         self._trainer = trainer
         self.accelerator.setup(trainer)
-        _check_gradient_clipping(trainer)
         self.precision_plugin.convert_module(self._module)
         self.model_to_device()
         self._parallelize()
@@ -324,6 +346,10 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
         _keep_user_samplers(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            check_optimizers(self.optimizers, self.elementwise_optimizers)
+        self._sharded_ids = parallel.sharded_parameter_ids(self._module)
+        self._clip = self._clip or ClipInterception(self._sharded, self._process_group)
+        self._clip.start()  # clip_grad_norm_ on shards: the whole model's norm (Lightning's clipping and the user's)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -347,9 +373,11 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
             if self.plan_spec != "auto":  # a plan of the wrong length fails before any collective
                 self._fixed_plan(len(parallel.find_blocks(module, self.blocks)))
             self._broadcast_weights(module)
+            _PLAIN_MODELS[module] = PlainModel.record(module)  # parameter order, state dict keys, tied names
             names = parallel.parallelize(module, self._group, blocks=self.blocks, axes=self.axes)
             if self.compile:
                 compile_blocks(module, names)
+        self._plain_model = _PLAIN_MODELS.get(module)  # a module fitted before (e.g. then tested by a new Trainer)
         self._block_names = list(names)
         if self.plan_spec != "auto":
             self.check_plan(self._fixed_plan(parallel.n_layers(module)))
@@ -467,7 +495,6 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
         """Configure the blocks for the batch (layout, plan, HF labels); the next step consumes it."""
         module = self._module
         parallel.configure(module, SeqContext(info.layout, self._group, info.doc_ids), plan)
-        parallel.set_step_targets(module, info.shift_labels, info.n_shift_labels)
         self._pending = info
 
     def _take_pending(self, hook: str) -> BatchInfo:
@@ -487,12 +514,20 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
             return info, args, kwargs
         step = self._group_step
         rank = self.global_rank if step is None else step.rank
-        if args:
-            batch = args[0] if step is None else step.batch
-            args = (shard_batch(batch, info, rank), *args[1:])
-        elif "batch" in kwargs:
-            batch = kwargs["batch"] if step is None else step.batch
-            kwargs = {**kwargs, "batch": shard_batch(batch, info, rank)}
+        if args or "batch" in kwargs:
+            given = args[0] if args else kwargs["batch"]
+            local, sources = shard_batch(given if step is None else step.batch, info, rank)
+            if step is not None:  # labels are shifted over the whole batch, not the group's documents
+                shifts = self._group_shifts
+                sources = tuple(
+                    replace(src, shifted=shifts[src.key][0], n_items=shifts[src.key][1]) if src.key in shifts else src
+                    for src in sources
+                )
+            parallel.set_step_sources(self._module, sources, info.padding)
+            if args:
+                args = (local, *args[1:])
+            else:
+                kwargs = {**kwargs, "batch": local}
         return info, args, kwargs
 
     def _global(self, output: Any, info: BatchInfo) -> Any:
@@ -515,7 +550,28 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
         info, args, kwargs = self._shard_step("training_step", args, kwargs)
         if info.skip:
             return self._skipped_loss()
-        return self._global(super().training_step(*args, **kwargs), info)  # type: ignore[no-any-return]
+        with self._rank_rng():  # dropout masks independent across ranks
+            output = super().training_step(*args, **kwargs)
+        return self._global(output, info)  # type: ignore[no-any-return]
+
+    def _sharded(self) -> set[int]:
+        return self._sharded_ids
+
+    def _process_group(self) -> Group:
+        return self._group
+
+    def _rank_rng(self) -> Any:
+        trainer = self._trainer
+        if self.world_size == 1 or trainer is None:
+            return contextlib.nullcontext()
+        step = int(trainer.fit_loop.epoch_loop.batch_progress.total.ready)
+        return rank_rng(torch.initial_seed(), self.global_rank, step, self.root_device)
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` by the norm of the whole model's gradients (the shards' parts summed
+        over the group, replicated parameters once): what one process computes. Returns the total norm."""
+        params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+        return parallel.clip_grad_norm(params, float(max_norm), self._sharded_ids, self._group, norm_type)
 
     def _skipped_loss(self) -> Tensor | None:
         """The loss of a skipped batch: a zero that no parameter depends on.
@@ -542,7 +598,11 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
             if all(p.grad is None for group in optimizer.param_groups for p in group["params"]):
                 return loss
             return super().optimizer_step(optimizer, lambda: loss, model, **kwargs)  # earlier micro-batches' grads
-        return super().optimizer_step(optimizer, closure, model, **kwargs)
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._optimizer_steps += 1
+        if guards.replica_check_due(self._optimizer_steps, self.check_replicas_every):
+            guards.check_replicas(self._module, self._group, f"after optimizer step {self._optimizer_steps}")
+        return output
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -622,31 +682,39 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The plain model's state dict (consolidated on every rank; rank 0 writes it)."""
+        """The plain model's state dict, every key in its order (consolidated on every rank; rank 0 writes it)."""
         module = self._module
         if _parallelized_blocks(module) is None:  # e.g. the spawn launcher's parent process: a plain module
             return module.state_dict()
         self._require_group("save a checkpoint")
-        return parallel.consolidated(module, self._group)
+        if self.check_replicas_every:
+            guards.check_replicas(module, self._group, "at a checkpoint")
+        state = parallel.consolidated(module, self._group)
+        plain: PlainModel | None = self._plain_model
+        return state if plain is None else plain.state_dict(state)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Load a plain state dict (a single-process run's, or ours) into the shards."""
         parallel.load_consolidated(self._module, checkpoint["state_dict"], self._group, strict=strict)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """Full optimizer state keyed by plain parameter name (shards gathered), the same on every rank."""
+        """The state the plain model's optimizer would save (full tensors, plain order), the same on every rank."""
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         if _parallelized_blocks(self._module) is None:
             return optimizer.state_dict()
         self._require_group("save a checkpoint")
-        return consolidate_optimizer_state(optimizer, self._module, self._group)
+        plain = recorded(self._plain_model)
+        return consolidate_optimizer_state(optimizer, self._module, plain, self._group)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Load plain optimizer states (a single-process run's, or ours from any process count or plan)."""
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            load_optimizer_state(optimizer, self._module, state, self._group)
+            plain = recorded(self._plain_model)
+            load_optimizer_state(optimizer, self._module, plain, state, self._group)
             _optimizers_to_device([optimizer], self.root_device)
 
     def _require_group(self, action: str) -> None:
@@ -662,6 +730,8 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
     def teardown(self) -> None:
         """Keep the final weights for the spawn launcher, then destroy the process group."""
         self._keep_final_state()
+        if self._clip is not None:
+            self._clip.stop()
         super().teardown()
         if _distributed_is_initialized():
             dist.destroy_process_group()
@@ -720,18 +790,16 @@ def _keep_user_samplers(trainer: pl.Trainer) -> None:
     trainer._accelerator_connector.use_distributed_sampler = False
 
 
-def _check_gradient_clipping(trainer: pl.Trainer) -> None:
-    if trainer.gradient_clip_val and trainer.gradient_clip_algorithm in (None, "norm"):  # None means "norm"
-        raise ValueError(
-            "ParaDySeStrategy does not support gradient_clip_algorithm='norm' yet (the norm of sharded gradients "
-            "needs a sum over ranks); use Trainer(gradient_clip_algorithm='value') or no clipping"
-        )
-
-
 def _validate_choice(option: str, value: str, choices: Sequence[str]) -> str:
     if value not in choices:
         raise ValueError(f"ParaDySeStrategy({option}={value!r}): choose one of {list(choices)}")
     return value
+
+
+def _validate_names(option: str, value: Sequence[str]) -> tuple[str, ...]:
+    if isinstance(value, str) or not all(isinstance(v, str) and v for v in value):
+        raise ValueError(f"ParaDySeStrategy({option}={value!r}): expected a list of class names, e.g. ['Lion']")
+    return tuple(value)
 
 
 def _validate_flag(option: str, value: bool) -> bool:

@@ -63,6 +63,9 @@ class GroupSteps:
         self._step_scales = StepScales()
         self._group_planners: dict[int, Planner] = {}
         self._group_step: Any = None
+        self._group_shifts: dict[str, tuple[torch.Tensor, int]] = {}
+        """Per batch key of a grouped step: the whole batch's shifted labels cut to this group's documents, and
+        their real count in the whole batch (labels handed to a Hugging Face model are shifted over the batch)."""
         self._group_started = 0.0
         self.group_times: tuple[float, ...] = ()
         """Measured seconds of every group's forward and backward (its slowest rank) in the last grouped step."""
@@ -117,7 +120,7 @@ class GroupSteps:
         """
         from lightning_paradyse.cost.groups import assign
         from lightning_paradyse.groups import GroupStep, blocks, planner_cost, select_documents
-        from lightning_paradyse.slicing import shifted_labels
+        from lightning_paradyse.slicing import IGNORE_INDEX, shifted_labels
         from lightning_paradyse.spec import document_bounds
 
         assert self._group_set is not None
@@ -148,10 +151,11 @@ class GroupSteps:
         rank = self.global_rank - blocks(found.sizes)[index].start
         sub, plan = steps[index]
         mine = describe_batch(sub, found.sizes[index], rank, causal=causal, mean_loss=mean)
-        mine = replace(mine, n_global=info.n_global, n_shift_labels=info.n_shift_labels)
-        if info.shift_labels is not None:  # the whole batch's shifted labels, cut like the tokens
-            labels = select_documents({"labels": shifted_labels(batch["labels"])}, spans, found.groups[index])
-            mine = replace(mine, shift_labels=mine.layout.shard(labels["labels"], rank))
+        mine = replace(mine, n_global=info.n_global, checksum=info.checksum)
+        whole = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and tuple(v.shape) == (1, info.seq_len)}
+        shifted = {k: shifted_labels(v) for k, v in whole.items()}  # shifted over the whole batch, then cut
+        cut = select_documents(shifted, spans, found.groups[index])
+        self._group_shifts = {k: (cut[k], int((shifted[k] != IGNORE_INDEX).sum())) for k in shifted}
         bare = planner_cost(dims, p, self._planner_for, regroup=False)  # what the learned correction corrects
         predicted = tuple(bare(tuple(lengths[i] for i in m), g) or 0.0 for g, m in zip(found.sizes, found.groups))
         return GroupStep(found, index, pg, rank, sub, predicted), mine, plan
@@ -163,7 +167,6 @@ class GroupSteps:
         module = self._module
         enter_group(module, self._group, step.assignment.sizes)
         parallel.configure(module, SeqContext(info.layout, step.group, info.doc_ids), plan)
-        parallel.set_step_targets(module, info.shift_labels, info.n_shift_labels)
         self._pending, self._group_step = info, step
         self._group_started = time.perf_counter()
 

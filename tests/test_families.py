@@ -27,10 +27,11 @@ from lightning_paradyse.parallel import (
     feasible_modes,
     is_causal,
     parallelize,
-    set_step_targets,
+    set_step_sources,
     step_state,
 )
 from lightning_paradyse.plan import LayerPlan, OpPlan, Plan
+from lightning_paradyse.slicing import BatchSource
 from lightning_paradyse.spec import SeqContext
 from tests.support.dist import run_distributed
 from tests.support.families import EncoderLM, hf_llama
@@ -93,9 +94,8 @@ def _case(rank: int, world: int, kind: str, seq_len: int, seed: int) -> list[tup
         length = seq_len if kind == "hf" else seq_len - 1
         layout = SeqLayout.for_sequence(length, world, is_causal(model))
         configure(model, SeqContext(layout, group), plan)
-        if kind == "hf":  # labels shifted across the ranks' chunks, counted globally
-            shifted = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)
-            set_step_targets(model, layout.shard(shifted, rank), int((shifted != -100).sum()))
+        if kind == "hf":  # the batch the step slices: labels are traced back to it and shifted globally
+            set_step_sources(model, (BatchSource("input_ids", layout.shard(ids, rank), ids),))
         loss = _loss(kind, model, ids, layout, rank)
         assert kind != "hf" or step_state(model).labels_consumed
         results.append((f"{kind}/{label}", backward_and_compare(model, loss, group, ref_loss, ref_grads)))

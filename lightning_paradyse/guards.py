@@ -1,0 +1,172 @@
+"""What keeps a user's training exact under sharded parameters, or stops it with the reason and the fix.
+
+A parallelised model holds every projection weight as a 1/p shard and the other parameters whole on every rank.
+Whatever reads *whole* tensors across that boundary must be made exact or refused:
+
+* **Optimizers** (:func:`check_optimizers`): an element-wise optimizer (SGD, Adam, AdamW, RMSprop, ...) updates
+  each entry from that entry's own gradient and state, so it is exact on shards. Optimizers that look at whole
+  matrices (Adafactor's factored moments, Muon's orthogonalisation, LAMB's trust ratio, Shampoo's
+  preconditioners, L-BFGS's line search) are refused at setup by name; an unknown one is refused unless the user
+  vouches that it is element-wise.
+* **Gradient-norm clipping** (:class:`ClipInterception`): while the strategy runs, ``torch.nn.utils.clip_grad_norm_``
+  called on parameters that include shards (Lightning's ``gradient_clip_algorithm="norm"``, or the user's own call
+  in a hook) computes the norm of the *whole* model's gradients, exactly as one process would.
+* **Replicas** (:func:`check_replicas`): a cheap digest of the replicated parameters, compared across ranks after
+  the first optimizer steps, every ``N`` steps and at every checkpoint, turns any drift into an error naming the
+  parameters and the likely cause.
+* **Random numbers** (:func:`rank_rng`): dropout and other random ops in the step draw from a per-rank stream,
+  so ranks do not drop the same positions of their chunks; the global stream (data order) is untouched.
+
+Every check that can fail raises on every rank alike (its inputs are identical on every rank, or it is a
+collective whose result every rank sees).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.optim import Optimizer
+
+from lightning_paradyse import parallel
+from lightning_paradyse.comm import Group
+
+ELEMENTWISE_OPTIMIZERS: tuple[type[Optimizer], ...] = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+    torch.optim.ASGD,
+    torch.optim.Rprop,
+)
+"""PyTorch optimizers whose update of each entry reads only that entry's gradient and state: exact on shards."""
+
+WHOLE_TENSOR_OPTIMIZERS: dict[str, str] = {
+    "Adafactor": "its second moments are factored into row and column means of each whole matrix",
+    "Muon": "it orthogonalises each whole matrix update (Newton-Schulz over the full matrix)",
+    "LBFGS": "its line search and curvature pairs use dot products over every whole parameter",
+    "SparseAdam": "it needs sparse gradients, which sharded projections do not produce",
+    "Lamb": "its trust ratio is the norm of each whole parameter over the norm of its whole update",
+    "LAMB": "its trust ratio is the norm of each whole parameter over the norm of its whole update",
+    "Lars": "its trust ratio is the norm of each whole parameter over the norm of its whole gradient",
+    "LARS": "its trust ratio is the norm of each whole parameter over the norm of its whole gradient",
+    "Shampoo": "its preconditioners are built from whole gradient matrices",
+    "SOAP": "its preconditioners are built from whole gradient matrices",
+}
+"""Optimizers known to read whole tensors, with the reason (refused by name)."""
+
+
+def check_optimizers(optimizers: Sequence[Any], allowed: Sequence[str] = ()) -> None:
+    """Refuse optimizers that are not element-wise (before any step; the same on every rank).
+
+    Args:
+        optimizers: The strategy's optimizers (Lightning wrappers are unwrapped).
+        allowed: Class names the user vouches are element-wise (``ParaDySeStrategy(elementwise_optimizers=...)``).
+
+    Raises:
+        ValueError: Naming the optimizer, why it cannot run on shards, and the fix.
+    """
+    for optimizer in optimizers:
+        inner = getattr(optimizer, "_optimizer", optimizer)
+        cls = type(inner)
+        if cls in ELEMENTWISE_OPTIMIZERS or cls.__name__ in allowed:
+            continue
+        why = WHOLE_TENSOR_OPTIMIZERS.get(cls.__name__)
+        if why is not None:
+            raise ValueError(
+                f"ParaDySeStrategy cannot train with {cls.__name__}: {why}, and each rank holds only a 1/p shard of "
+                f"every projection, so the update would differ from one process's. Use an element-wise optimizer "
+                f"(AdamW, Adam, SGD, RMSprop, ...)"
+            )
+        raise ValueError(
+            f"ParaDySeStrategy does not know whether the optimizer {cls.__name__} updates every entry from that "
+            f"entry's gradient and state alone (as AdamW does), which sharded parameters need for an exact update. "
+            f"If it does, allow it with ParaDySeStrategy(elementwise_optimizers=[{cls.__name__!r}]); optimizers that "
+            f"read whole tensors (Adafactor, Muon, LAMB, Shampoo) are not supported"
+        )
+
+
+class ClipInterception:
+    """While active, ``torch.nn.utils.clip_grad_norm_`` on shards clips by the whole model's norm.
+
+    Lightning's norm clipping and a user's own call (``torch.nn.utils.clip_grad_norm_(self.parameters(), 1.0)`` in
+    a hook) both look the function up on ``torch.nn.utils`` at call time, so both get the exact global norm: the
+    shards' parts summed over the group, replicated parameters counted once. Calls on parameters without shards
+    run the original function. A reference taken before the strategy started
+    (``from torch.nn.utils import clip_grad_norm_`` at import time) is not intercepted: call
+    ``trainer.strategy.clip_grad_norm_`` or Lightning's ``self.clip_gradients`` instead.
+    """
+
+    _ORIGINAL = torch.nn.utils.clip_grad_norm_
+
+    def __init__(self, sharded: Callable[[], set[int]], group: Callable[[], Group]) -> None:
+        self._sharded, self._group = sharded, group
+        self._active = False
+
+    def clip(
+        self,
+        parameters: Any,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+    ) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` with the whole model's norm when ``parameters`` include shards."""
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        sharded = self._sharded()
+        if not any(id(p) in sharded for p in params):
+            return ClipInterception._ORIGINAL(params, max_norm, norm_type, error_if_nonfinite, foreach)
+        return parallel.clip_grad_norm(params, float(max_norm), sharded, self._group(), norm_type, error_if_nonfinite)
+
+    def start(self) -> None:
+        if self._active:
+            return
+        torch.nn.utils.clip_grad_norm_ = self.clip  # type: ignore[assignment]
+        torch.nn.utils.clip_grad.clip_grad_norm_ = self.clip  # type: ignore[assignment]
+        self._active = True
+
+    def stop(self) -> None:
+        if not self._active:
+            return
+        torch.nn.utils.clip_grad_norm_ = ClipInterception._ORIGINAL
+        torch.nn.utils.clip_grad.clip_grad_norm_ = ClipInterception._ORIGINAL
+        self._active = False
+
+
+def check_replicas(module: nn.Module, group: Group, when: str) -> None:
+    """Raise on every rank if replicated parameters differ between ranks (a collective)."""
+    differ = parallel.replicas_differ(module, group)
+    if differ:
+        shown = ", ".join(differ[:5]) + (" ..." if len(differ) > 5 else "")
+        raise RuntimeError(
+            f"replicated parameters differ between ranks {when} ({shown}): every rank must apply the same update to "
+            f"the parameters it holds whole. Likely causes: a gradient clip or an optimizer that reads only this "
+            f"rank's shards (e.g. a clip_grad_norm_ imported before training started; use Trainer(gradient_clip_val="
+            f"..., gradient_clip_algorithm='norm') or trainer.strategy.clip_grad_norm_), random numbers drawn in the "
+            f"update, or parameters changed by hand on one rank"
+        )
+
+
+def replica_check_due(step: int, every: int) -> bool:
+    """Whether optimizer step ``step`` (1-based) is checked: the first three, then every ``every`` (0: never)."""
+    return every > 0 and (step <= 3 or step % every == 0)
+
+
+@contextlib.contextmanager
+def rank_rng(seed: int, rank: int, step: int, device: torch.device) -> Iterator[None]:
+    """Random numbers of one step drawn from a stream of this rank's own, derived from the run's seed, the step
+    and the rank (reproducible on resume); the global stream is restored afterwards."""
+    devices = []
+    if device.type == "cuda":
+        devices = [device.index if device.index is not None else torch.cuda.current_device()]
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed((seed * 1_000_003 + step * 8_191 + rank + 1) % (2**63))
+        yield

@@ -1,0 +1,291 @@
+"""The user paths the differential layer walks: ordinary LightningModules, as users write them.
+
+Nothing here knows about parallelism. Each module is what a user would bring: the package's own
+:class:`~lightning_paradyse.lit.LanguageModel` (it calls its model with a positional ``positions=None``), Hugging
+Face models called the ways their documentation shows, Lightning's own features switched on by Trainer flags,
+and the optimizers and hooks of common recipes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+from typing_extensions import override
+
+from lightning_paradyse.lit import LanguageModel
+from lightning_paradyse.models import build_model
+from tests.exact.harness import Case
+from tests.support.families import hf_llama
+
+LENGTHS = (40, 57, 33, 64, 45, 50)
+"""Batch lengths: odd ones split unevenly over 2 and 3 ranks."""
+MIXED = ["tp_sp", {"attention": "ring", "mlp": "metp", "recompute": True}]
+"""A mixed plan for two layers (every rank count that divides the heads)."""
+MIXED_3 = [{"attention": "ring", "mlp": "metp"}, {"attention": "ring", "mlp": "tp_sp", "recompute": True}]
+"""Modes that run 2 or 4 kv heads on 3 ranks."""
+
+
+class Batches(Dataset[Any]):
+    """Item ``i`` is a whole batch of ``rows`` sequences of ``lengths[i]`` tokens, built by ``make``."""
+
+    def __init__(self, make: Callable[[Tensor], dict[str, Tensor]], lengths: tuple[int, ...] = LENGTHS, rows: int = 2):
+        self.make, self.lengths, self.rows = make, lengths, rows
+
+    @override
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @override
+    def __getitem__(self, i: int) -> dict[str, Tensor]:
+        gen = torch.Generator().manual_seed(1000 + i)
+        return self.make(torch.randint(0, 128, (self.rows, self.lengths[i] + 1), generator=gen))
+
+
+def loader(make: Callable[[Tensor], dict[str, Tensor]], lengths: tuple[int, ...] = LENGTHS) -> DataLoader[Any]:
+    return DataLoader(Batches(make, lengths), batch_size=None)
+
+
+def shifted_targets(window: Tensor) -> dict[str, Tensor]:
+    """Targets shifted in the data (the package's convention), a few without a target."""
+    targets = window[:, 1:].clone()
+    targets[0, -3:] = -100
+    return {"input_ids": window[:, :-1], "targets": targets}
+
+
+def hf_labels(window: Tensor) -> dict[str, Tensor]:
+    """Hugging Face convention: labels are the tokens (the model shifts them), some ignored."""
+    labels = window[:, :-1].clone()
+    labels[1, :4] = -100
+    return {"input_ids": window[:, :-1], "labels": labels}
+
+
+def tokens_only(window: Tensor) -> dict[str, Tensor]:
+    return {"input_ids": window[:, :-1]}
+
+
+def hf_shift_labels(window: Tensor) -> dict[str, Tensor]:
+    """Labels already shifted over the whole sequence, in the batch (``shift_labels``)."""
+    shift = window[:, 1:].clone()
+    shift[:, -1] = -100
+    return {"input_ids": window[:, :-1], "shift_labels": shift}
+
+
+def prompt_masked(window: Tensor) -> dict[str, Tensor]:
+    """Instruction tuning: the first three quarters are prompt (no target), so with 2 ranks and the causal
+    layout (rank 1 holds the 2nd and 3rd quarters) rank 1 holds no target at all."""
+    batch = shifted_targets(window)
+    s = batch["targets"].shape[1]
+    batch["targets"][:, : 3 * s // 4 + 1] = -100
+    return batch
+
+
+def padded(side: str) -> Callable[[Tensor], dict[str, Tensor]]:
+    """Two rows, the second padded (left or right) with an ``attention_mask``; labels of padding are -100."""
+
+    def make(window: Tensor) -> dict[str, Tensor]:
+        ids = window[:, :-1].clone()
+        s = ids.shape[1]
+        mask = torch.ones_like(ids)
+        pad = slice(s - s // 3, s) if side == "right" else slice(0, s // 3)
+        mask[1, pad] = 0
+        ids[1, pad] = 0
+        labels = ids.clone()
+        labels[mask == 0] = -100
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+    return make
+
+
+class TinyLM(pl.LightningModule):
+    """The reference Llama, mean token cross-entropy, the optimizer and hooks a recipe picks."""
+
+    def __init__(self, optimizer: str = "adamw", clip_in_hook: float | None = None, scheduler: bool = False):
+        super().__init__()
+        self.model = build_model("llama-tiny")
+        self.optimizer, self.clip_in_hook, self.scheduler = optimizer, clip_in_hook, scheduler
+
+    def loss(self, batch: dict[str, Tensor]) -> Tensor:
+        logits = self.model(batch["input_ids"])  # [b, s, vocab]
+        return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten())
+
+    @override
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        return self.loss(batch)
+
+    @override
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        return self.loss(batch)
+
+    @override
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        return self.loss(batch)
+
+    @override
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.clip_in_hook is not None:  # a recipe's own clipping, as plain PyTorch code
+            torch.nn.utils.clip_grad_norm_(self.parameters(), self.clip_in_hook)
+
+    @override
+    def configure_optimizers(self) -> Any:
+        optimizer = make_optimizer(self.optimizer, self.parameters())
+        if not self.scheduler:
+            return optimizer
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3, total_steps=8)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class Lamb(torch.optim.Optimizer):
+    """A LAMB-style optimizer: each update is scaled by the trust ratio ||w|| / ||update|| of the whole tensor."""
+
+    def __init__(self, params: Any, lr: float = 1e-3) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    ratio = p.norm() / (p.grad.norm() + 1e-12)
+                    p.add_(p.grad, alpha=-group["lr"] * float(ratio))
+        return loss
+
+
+def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
+    params = list(params)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.2, momentum=0.9, nesterov=True)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=3e-3)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=3e-3, weight_decay=0.1)
+    if name == "rmsprop":
+        return torch.optim.RMSprop(params, lr=1e-3, momentum=0.5)
+    if name == "adafactor":
+        return torch.optim.Adafactor(params, lr=1e-2)
+    if name == "muon":
+        return torch.optim.Muon([p for p in params if p.dim() == 2], lr=1e-2)
+    if name == "lamb":
+        return Lamb(params)
+    raise ValueError(name)
+
+
+def causal_lm_loss(
+    logits: Tensor,
+    labels: Tensor,
+    vocab_size: int,
+    num_items_in_batch: Tensor | None = None,
+    ignore_index: int = -100,
+    shift_labels: Tensor | None = None,
+    **kwargs: Any,
+) -> Tensor:
+    """Hugging Face's causal-LM loss (``transformers.loss.loss_utils.ForCausalLMLoss``: shift unless
+    ``shift_labels`` are given; a sum over ``num_items_in_batch`` when given, else a mean) in the logits' dtype:
+    HF upcasts to float32, whose rounding (1e-7) would hide a real error in a float64 comparison."""
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    flat, target = logits.reshape(-1, vocab_size), shift_labels.reshape(-1).to(logits.device)
+    if num_items_in_batch is None:
+        return F.cross_entropy(flat, target, ignore_index=ignore_index)
+    return F.cross_entropy(flat, target, ignore_index=ignore_index, reduction="sum") / num_items_in_batch
+
+
+class HFModule(pl.LightningModule):
+    """A Hugging Face causal LM, called the ways its documentation shows.
+
+    ``call``: ``labels-key`` (``labels=batch["labels"]``), ``labels-ids`` (``labels=input_ids``, no labels in the
+    batch), ``shift-labels`` (``shift_labels=batch["shift_labels"]``), ``masked`` (``attention_mask`` too).
+    """
+
+    def __init__(self, call: str, tied: bool = False, n_kv_heads: int = 4) -> None:
+        super().__init__()
+        self.model = hf_llama(n_kv_heads=n_kv_heads)
+        if tied:
+            self.model.config.tie_word_embeddings = True
+            self.model.lm_head.weight = self.model.model.embed_tokens.weight
+        self.call = call
+        self.model.loss_function = causal_lm_loss  # HF's own, without its float32 upcast: compared in float64
+
+    @override
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        ids = batch["input_ids"]
+        if self.call == "labels-key":
+            return self.model(input_ids=ids, labels=batch["labels"]).loss
+        if self.call == "labels-ids":
+            return self.model(input_ids=ids, labels=ids).loss
+        if self.call == "shift-labels":
+            return self.model(input_ids=ids, labels=ids, shift_labels=batch["shift_labels"]).loss
+        if self.call == "masked":
+            return self.model(input_ids=ids, attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
+        raise ValueError(self.call)
+
+    @override
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        return self.training_step(batch, batch_idx)
+
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.1)
+
+
+def lm_main() -> pl.LightningModule:
+    return LanguageModel("llama-tiny", lr=3e-3, weight_decay=0.1)
+
+
+def _lm_data() -> tuple[DataLoader[Any], DataLoader[Any]]:
+    return loader(shifted_targets), loader(shifted_targets, (35, 52))
+
+
+def cases_p2() -> dict[str, Case]:
+    """Every user path on 2 ranks."""
+    tiny = lambda **kw: lambda: TinyLM(**kw)  # noqa: E731
+    hf = lambda call, **kw: lambda: HFModule(call, **kw)  # noqa: E731
+    val = dict(val_check_interval=2, limit_val_batches=2)
+    return {
+        "lm-main-auto": Case(lm_main, _lm_data, trainer=val, test=True, strategy=dict(thresholds=(40, 56))),
+        "lm-main-mixed": Case(lm_main, _lm_data, trainer=val, strategy=dict(plan=MIXED)),
+        "hf-labels-key": Case(hf("labels-key"), lambda: loader(hf_labels), strategy=dict(plan="ulysses")),
+        "hf-labels-ids": Case(hf("labels-ids"), lambda: loader(tokens_only), strategy=dict(plan=MIXED)),
+        "hf-shift-labels": Case(hf("shift-labels"), lambda: loader(hf_shift_labels), strategy=dict(plan="ring")),
+        "hf-tied": Case(hf("labels-key", tied=True), lambda: loader(hf_labels), strategy=dict(plan="metp")),
+        "hf-pad-right": Case(hf("masked"), lambda: loader(padded("right")), strategy=dict(plan=MIXED)),
+        "hf-pad-left": Case(hf("masked"), lambda: loader(padded("left")), refused="left padding"),
+        "accumulate": Case(tiny(), lambda: loader(shifted_targets), trainer=dict(accumulate_grad_batches=2)),
+        "clip-norm": Case(tiny(), lambda: loader(shifted_targets), trainer=dict(gradient_clip_val=0.05)),
+        "clip-value": Case(
+            tiny(optimizer="sgd"),
+            lambda: loader(shifted_targets),
+            trainer=dict(gradient_clip_val=0.002, gradient_clip_algorithm="value"),
+        ),
+        "clip-in-hook": Case(tiny(clip_in_hook=0.05), lambda: loader(shifted_targets), strategy=dict(plan="metp")),
+        "sgd": Case(tiny(optimizer="sgd"), lambda: loader(shifted_targets), strategy=dict(plan="tp_sp")),
+        "adam": Case(tiny(optimizer="adam"), lambda: loader(shifted_targets), strategy=dict(plan="ring")),
+        "rmsprop": Case(tiny(optimizer="rmsprop"), lambda: loader(shifted_targets), strategy=dict(plan="ulysses")),
+        "scheduler": Case(tiny(scheduler=True), lambda: loader(shifted_targets), strategy=dict(plan=MIXED)),
+        "prompt-masked": Case(tiny(), lambda: loader(prompt_masked), strategy=dict(plan=MIXED)),
+        "adafactor": Case(tiny(optimizer="adafactor"), lambda: loader(shifted_targets), refused="Adafactor"),
+        "muon": Case(tiny(optimizer="muon"), lambda: loader(shifted_targets), refused="Muon"),
+        "lamb": Case(tiny(optimizer="lamb"), lambda: loader(shifted_targets), refused="Lamb"),
+    }
+
+
+def cases_p3() -> dict[str, Case]:
+    """Paths where 3 ranks differ: uneven chunks, heads not divisible by 3."""
+    return {
+        "lm-main": Case(
+            lm_main, _lm_data, trainer=dict(val_check_interval=2, limit_val_batches=2), strategy=dict(plan=MIXED_3)
+        ),
+        "hf-labels-ids": Case(lambda: HFModule("labels-ids"), lambda: loader(tokens_only), strategy=dict(plan="ring")),
+        "clip-norm": Case(
+            lambda: TinyLM(),
+            lambda: loader(shifted_targets),
+            trainer=dict(gradient_clip_val=0.05),
+            strategy=dict(plan=MIXED_3),
+        ),
+    }

@@ -1,0 +1,214 @@
+"""The differential harness: one LightningModule trained under ``ParaDySeStrategy`` and in plain Lightning.
+
+A *case* (:class:`Case`) names a module, its data and the Trainer settings a user would switch on. It is trained
+twice, in float64 (``precision="64-true"``, rounding ~1e-15):
+
+* under ``ParaDySeStrategy`` on ``p`` ranks, inside one spawned gloo job that runs many cases one after the
+  other (each Trainer makes and destroys its own process group, on a port of its own);
+* in one plain Lightning process (``devices=1``, no strategy), in the test's own process.
+
+Each run records what a user sees and what a resumed run continues from: every step's global loss, every
+validation and test loss, and the checkpoint written at the end (``trainer.save_checkpoint``: the model's state
+dict, the optimizer state, the schedulers). A case that must be refused records the error instead.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import tempfile
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_paradyse import ParaDySeStrategy
+from lightning_paradyse.spawn import run_distributed
+from tests.support.lightning import quiet_trainer, strategy_environment
+
+TOL = 1e-9
+"""Relative error allowed in float64 (rounding is ~1e-15; a real difference is far larger)."""
+
+
+@dataclass(frozen=True)
+class Case:
+    """One user path: how to build the module and the data, and the Trainer and strategy settings."""
+
+    module: Callable[[], pl.LightningModule]
+    data: Callable[[], Any]
+    """The training loader (or ``(train, val)`` loaders)."""
+    trainer: dict[str, Any] = field(default_factory=dict)
+    strategy: dict[str, Any] = field(default_factory=dict)
+    refused: str | None = None
+    """For a case that must be refused: a fragment of the error message (the run must raise it on every rank)."""
+    test: bool = False
+    """Also run ``trainer.test`` on the validation loader after the fit."""
+
+
+@dataclass
+class Result:
+    losses: list[float] = field(default_factory=list)
+    val_losses: list[float] = field(default_factory=list)
+    test_losses: list[float] = field(default_factory=list)
+    checkpoint: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+class _Record(pl.Callback):
+    def __init__(self, result: Result, path: str) -> None:
+        self.result, self.path = result, path
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *a: Any) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.result.losses.append(float(loss))
+
+    @override
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, *a: Any, **k: Any) -> None:
+        if not trainer.sanity_checking:
+            self.result.val_losses.append(float(outputs))
+
+    @override
+    def on_test_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, *a: Any, **k: Any) -> None:
+        self.result.test_losses.append(float(outputs))
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.save_checkpoint(self.path)  # collective under the strategy (shards consolidated), rank 0 writes
+
+
+def _loaders(data: Any) -> tuple[Any, Any]:
+    return data if isinstance(data, tuple) else (data, None)
+
+
+def run(case: Case, devices: int, strategy: Any) -> Result:
+    """Train ``case`` with ``strategy`` (``"auto"`` for plain Lightning); the result as rank 0 sees it."""
+    result = Result()
+    torch.set_default_dtype(torch.float64)
+    try:
+        pl.seed_everything(0, verbose=False)
+        module = case.module()
+        train, val = _loaders(case.data())
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "last.ckpt")
+            settings = dict(max_steps=4, precision="64-true", num_sanity_val_steps=0) | case.trainer
+            trainer = quiet_trainer(devices, strategy, [_Record(result, path)], **settings)
+            trainer.fit(module, train, val)
+            if case.test and val is not None:
+                os.environ["MASTER_PORT"] = str(free_port())
+                trainer.test(module, val, verbose=False)
+            if trainer.global_rank == 0 and os.path.exists(path):
+                result.checkpoint = torch.load(path, weights_only=False)
+    except Exception as err:  # a refused case: every rank must raise, before any collective hangs
+        result.error = f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=3)}"
+    finally:
+        torch.set_default_dtype(torch.float32)
+    return result
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(rank: int, world: int, make: Callable[[], dict[str, Case]], ports: dict[str, int]) -> dict[str, Result]:
+    strategy_environment(rank, world)
+    out = {}
+    for name, case in make().items():
+        os.environ["MASTER_PORT"] = str(ports[name])
+        result = run(case, world, ParaDySeStrategy(**({"timeout": 60.0} | case.strategy)))
+        out[name] = _portable(result) if rank == 0 else Result(error=result.error)
+    return out
+
+
+def _portable(result: Result) -> Result:
+    """Tensors as bytes: the queue back to the parent would pass them as shared memory of a process that exits."""
+    buffer = io.BytesIO()
+    torch.save(result.checkpoint, buffer)
+    result.checkpoint = {"bytes": buffer.getvalue()}
+    return result
+
+
+def _restored(result: Result) -> Result:
+    if "bytes" in result.checkpoint:
+        result.checkpoint = torch.load(io.BytesIO(result.checkpoint["bytes"]), weights_only=False)
+    return result
+
+
+def run_parallel(make: Callable[[], dict[str, Case]], world: int, timeout: float = 600.0) -> dict[str, Result]:
+    """Every case of ``make()`` (a module-level function: the spawned ranks call it) under the strategy on
+    ``world`` ranks, in one spawned job; rank 0's results (every rank's error, if only some raised: a refusal must
+    happen on every rank)."""
+    ports = {name: free_port() for name in make()}
+    per_rank = run_distributed(_worker, world, make, ports, timeout=timeout)
+    results = {name: _restored(r) for name, r in per_rank[0].items()}
+    for name in ports:
+        errors = [r[name].error for r in per_rank]
+        if any(errors) and not all(errors):
+            results[name].error = f"only ranks {[i for i, e in enumerate(errors) if e]} raised: {errors}"
+    return results
+
+
+def run_plain(case: Case) -> Result:
+    """The case in one plain Lightning process (``devices=1``, no strategy)."""
+    for var in ("MASTER_PORT", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK"):
+        os.environ.pop(var, None)
+    return run(case, 1, "auto")
+
+
+def rel(a: Tensor, b: Tensor) -> float:
+    """Relative error of ``a`` against ``b`` (exact zero when both are zero)."""
+    a, b = a.double(), b.double()
+    scale = float(b.norm())
+    return float((a - b).norm()) / scale if scale > 0 else float((a - b).norm())
+
+
+def differences(ours: Result, plain: Result, tol: float = TOL) -> list[str]:
+    """Every way ``ours`` differs from ``plain`` by more than ``tol`` (relative), as readable lines."""
+    bad: list[str] = []
+    for what, a, b in (
+        ("train losses", ours.losses, plain.losses),
+        ("val losses", ours.val_losses, plain.val_losses),
+        ("test losses", ours.test_losses, plain.test_losses),
+    ):
+        if len(a) != len(b):
+            bad.append(f"{what}: {len(a)} against {len(b)}")
+        elif a and rel(torch.tensor(a), torch.tensor(b)) > tol:
+            bad.append(f"{what}: {a} against {b}")
+    mine, ref = ours.checkpoint.get("state_dict", {}), plain.checkpoint.get("state_dict", {})
+    if list(mine) != list(ref):
+        missing, extra = sorted(set(ref) - set(mine)), sorted(set(mine) - set(ref))
+        bad.append(f"state_dict keys differ (or their order): missing {missing}, extra {extra}")
+    bad += [f"weight {k}: {rel(mine[k], v):.2e}" for k, v in ref.items() if k in mine and rel(mine[k], v) > tol]
+    pairs = zip(ours.checkpoint.get("optimizer_states", []), plain.checkpoint.get("optimizer_states", []))
+    for i, (o, r) in enumerate(pairs):
+        bad += _optimizer_differences(i, o, r, tol)
+    if ours.checkpoint.get("lr_schedulers") != plain.checkpoint.get("lr_schedulers"):
+        bad.append("lr scheduler states differ")
+    return bad
+
+
+def _optimizer_differences(i: int, ours: dict[str, Any], plain: dict[str, Any], tol: float) -> list[str]:
+    bad = []
+    if [g["params"] for g in ours["param_groups"]] != [g["params"] for g in plain["param_groups"]]:
+        bad.append(f"optimizer {i}: parameter groups differ")
+    strip = [{k: v for k, v in g.items() if k != "params"} for g in plain["param_groups"]]
+    if [{k: v for k, v in g.items() if k != "params"} for g in ours["param_groups"]] != strip:
+        bad.append(f"optimizer {i}: group options differ")
+    if sorted(ours["state"]) != sorted(plain["state"]):
+        bad.append(f"optimizer {i}: state entries {sorted(ours['state'])} against {sorted(plain['state'])}")
+        return bad
+    for index, entry in plain["state"].items():
+        for key, value in entry.items():
+            mine = ours["state"][index].get(key)
+            if isinstance(value, Tensor) and (mine is None or mine.shape != value.shape or rel(mine, value) > tol):
+                why = "missing" if mine is None else "shape" if mine.shape != value.shape else f"{rel(mine, value):.2e}"
+                bad.append(f"optimizer {i} state[{index}][{key}]: {why}")
+    return bad

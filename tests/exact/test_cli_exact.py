@@ -1,0 +1,63 @@
+"""The README's main job, ``python cli.py fit --config configs/cpu_2proc.yaml``, in float64 on 1, 2 and 3 processes.
+
+The shipped config and its module (:class:`~lightning_paradyse.lit.LanguageModel`, which calls its model with a
+positional ``positions=None``) on the bundled corpus: one plain Lightning process (``--trainer.strategy=auto``)
+and the strategy on 2 and 3 processes must end with the same weights and optimizer state (1e-9 relative). The
+memory budget is doubled: float64 tensors are twice the size the shipped budget was chosen for; on 3 processes the
+planner measures its rates at setup (the shipped profile is for 2).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.exact.harness import TOL, rel
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 6
+
+pytestmark = pytest.mark.dist
+
+
+def _fit(tmp: Path, *extra: str) -> dict[str, Any]:
+    cmd = [sys.executable, str(ROOT / "cli.py"), "fit", "--config", str(ROOT / "configs/cpu_2proc.yaml")]
+    cmd += ["--trainer.precision=64-true", f"--trainer.max_steps={STEPS}", "--trainer.limit_val_batches=1"]
+    cmd += [
+        "--trainer.val_check_interval=3",
+        f"--trainer.default_root_dir={tmp}",
+        "--trainer.enable_checkpointing=true",
+    ]
+    cmd += ["--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint", f"--trainer.callbacks.dirpath={tmp}"]
+    cmd += [f"--trainer.callbacks.every_n_train_steps={STEPS}", "--trainer.enable_progress_bar=false", *extra]
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK")}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    return {"ckpt": torch.load(next(tmp.glob("*.ckpt")), weights_only=False), "output": output}
+
+
+def test_main_job_trains_the_same_model_on_1_2_and_3_processes(tmp_path: Path) -> None:
+    plain = _fit(tmp_path / "p1", "--trainer.strategy=auto", "--trainer.devices=1")["ckpt"]
+    budget = "--trainer.strategy.init_args.memory_budget=20MiB"
+    runs = {
+        2: _fit(tmp_path / "p2", "--trainer.devices=2", budget),
+        3: _fit(tmp_path / "p3", "--trainer.devices=3", budget, "--trainer.strategy.init_args.profile=null"),
+    }
+    lines = [line for line in runs[2]["output"].splitlines() if "[paradyse] train length" in line]
+    assert lines and all(line.startswith("[paradyse]") for line in lines), "each plan change on a line of its own"
+    for p, run in runs.items():
+        ckpt = run["ckpt"]
+        assert list(ckpt["state_dict"]) == list(plain["state_dict"])
+        bad = [k for k, v in plain["state_dict"].items() if rel(ckpt["state_dict"][k], v) > TOL]
+        assert not bad, f"p={p}: weights differ from one process: {bad}"
+        ours, ref = ckpt["optimizer_states"][0]["state"], plain["optimizer_states"][0]["state"]
+        bad = [(i, k) for i, e in ref.items() for k, v in e.items() if v.dim() > 0 and rel(ours[i][k], v) > TOL]
+        assert not bad, f"p={p}: optimizer state differs from one process: {bad}"

@@ -1,0 +1,53 @@
+"""Every user path, under ParaDySeStrategy on 2 and 3 processes, against plain Lightning in float64.
+
+Each case of :mod:`tests.exact.cases` is trained under the strategy (one spawned job per process count runs them
+all) and in one plain Lightning process; per-step losses, validation and test losses, every weight of the final
+checkpoint and every optimizer state tensor must agree to 1e-9 relative, or the case must be refused with its
+named error on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.exact.cases import cases_p2, cases_p3
+from tests.exact.harness import Case, Result, differences, run_parallel, run_plain
+
+pytestmark = pytest.mark.dist
+
+
+def _check(name: str, case: Case, ours: Result) -> list[str]:
+    if case.refused is not None:
+        if ours.error is None or case.refused not in ours.error:
+            return [f"{name}: expected a refusal naming {case.refused!r}, got {ours.error or 'no error'}"]
+        return []
+    if ours.error is not None:
+        return [f"{name}: {ours.error}"]
+    plain = run_plain(case)
+    assert plain.error is None, f"{name}: the plain run failed: {plain.error}"
+    assert plain.losses, f"{name}: the plain run trained no step"
+    return [f"{name}: {line}" for line in differences(ours, plain)]
+
+
+@pytest.fixture(scope="module")
+def results_p2() -> dict[str, Any]:
+    return run_parallel(cases_p2, 2, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def results_p3() -> dict[str, Any]:
+    return run_parallel(cases_p3, 3, timeout=600)
+
+
+@pytest.mark.parametrize("name", list(cases_p2()))
+def test_two_processes_equal_plain_lightning(name: str, results_p2: dict[str, Result]) -> None:
+    bad = _check(name, cases_p2()[name], results_p2[name])
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("name", list(cases_p3()))
+def test_three_processes_equal_plain_lightning(name: str, results_p3: dict[str, Result]) -> None:
+    bad = _check(name, cases_p3()[name], results_p3[name])
+    assert not bad, "\n".join(bad)
