@@ -135,7 +135,10 @@ class ParaDySeSwitcher(pl.Callback):
             strategy.finish_group_step()  # type: ignore[attr-defined]
         if self._started is None or not self.log_plan:
             return
-        measured = {"plan/measured_time_s": time.perf_counter() - self._started}
+        measured = {
+            "plan/measured_time_s": time.perf_counter() - self._started,
+            "plan/skipped_batches": float(getattr(strategy, "skipped_batches", 0)),
+        }
         times = getattr(strategy, "group_times", ())
         if times:
             from lightning_paradyse.groups import imbalance

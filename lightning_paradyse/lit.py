@@ -72,6 +72,8 @@ class LanguageModel(pl.LightningModule):
 
     @override
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if isinstance(outputs, dict) and outputs.get("skipped"):  # no plan fit the budget: nothing was trained
+            return
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.last_loss = float(loss)
         self.log("train_loss", loss, prog_bar=True, batch_size=_batch_size(batch))

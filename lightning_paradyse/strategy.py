@@ -573,16 +573,17 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
         params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
         return parallel.clip_grad_norm(params, float(max_norm), self._sharded_ids, self._group, norm_type)
 
-    def _skipped_loss(self) -> Tensor | None:
-        """The loss of a skipped batch: a zero that no parameter depends on.
+    def _skipped_loss(self) -> dict[str, Any] | None:
+        """The output of a skipped batch: ``{"loss": zero, "skipped": True}``, the zero depending on no parameter.
 
         Lightning refuses a ``None`` loss with more than one process, so automatic optimization gets a zero
         leaf: its backward leaves every gradient as it was (``None`` after the closure's ``zero_grad``) and
-        :meth:`optimizer_step` then leaves the weights alone. Manual optimization gets ``None``.
+        :meth:`optimizer_step` then leaves the weights alone. ``skipped`` tells batch-end hooks not to log the
+        zero as a loss. Manual optimization gets ``None``.
         """
         module = self.lightning_module
         if module is not None and module.automatic_optimization:
-            return torch.zeros((), device=self.root_device, requires_grad=True)
+            return {"loss": torch.zeros((), device=self.root_device, requires_grad=True), "skipped": True}
         return None
 
     @override

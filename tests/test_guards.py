@@ -1,0 +1,81 @@
+"""The exactness guards on one process: optimizer refusal, clip interception, replica schedule, rank streams.
+
+The distributed behaviour (the global norm over shards, replicas compared across ranks, refusals on every rank)
+is proven against plain Lightning in ``tests/exact``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_paradyse import parallel
+from lightning_paradyse.guards import ClipInterception, check_optimizers, rank_rng, replica_check_due
+from tests.exact.cases import Lamb
+
+
+def _params() -> list[torch.nn.Parameter]:
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5))]
+    for p in params:
+        p.grad = torch.randn_like(p) * 3
+    return params
+
+
+def test_elementwise_optimizers_pass_and_whole_tensor_ones_are_refused_by_name() -> None:
+    params = _params()
+    check_optimizers([torch.optim.AdamW(params), torch.optim.SGD(params, lr=0.1), torch.optim.RMSprop(params)])
+    for optimizer, name in ((torch.optim.Adafactor(params), "Adafactor"), (Lamb(params), "Lamb")):
+        with pytest.raises(ValueError, match=f"cannot train with {name}: .*whole"):
+            check_optimizers([optimizer])
+
+    class Lion(torch.optim.SGD):
+        pass
+
+    with pytest.raises(ValueError, match=r"elementwise_optimizers=\['Lion'\]"):
+        check_optimizers([Lion(params, lr=0.1)])
+    check_optimizers([Lion(params, lr=0.1)], allowed=["Lion"])
+
+
+def test_clip_interception_is_torchs_own_without_shards_and_restores_it() -> None:
+    original = torch.nn.utils.clip_grad_norm_
+    params, reference = _params(), _params()
+    intercept = ClipInterception(lambda: set(), lambda: None)
+    intercept.start()
+    try:
+        assert torch.nn.utils.clip_grad_norm_ is not original
+        norm = torch.nn.utils.clip_grad_norm_(params, 0.5)
+    finally:
+        intercept.stop()
+    assert torch.nn.utils.clip_grad_norm_ is original and torch.nn.utils.clip_grad.clip_grad_norm_ is original
+    expected = original(reference, 0.5)
+    assert torch.equal(norm, expected) and all(torch.equal(a.grad, b.grad) for a, b in zip(params, reference))
+
+
+def test_whole_model_clip_on_one_process_equals_torchs() -> None:
+    params, reference = _params(), _params()
+    sharded = {id(params[0])}  # one "shard": on one process it is the whole tensor
+    for norm_type in (2.0, 1.0, float("inf")):
+        norm = parallel.clip_grad_norm(params, 0.5, sharded, None, norm_type)
+        expected = torch.nn.utils.clip_grad_norm_(reference, 0.5, norm_type)
+        torch.testing.assert_close(norm, expected)
+        for a, b in zip(params, reference):
+            torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_replicas_are_checked_on_the_first_steps_then_every_n() -> None:
+    assert [s for s in range(1, 200) if replica_check_due(s, 50)] == [1, 2, 3, 50, 100, 150]
+    assert not any(replica_check_due(s, 0) for s in range(1, 10))
+
+
+def test_rank_streams_differ_per_rank_and_leave_the_global_stream_alone() -> None:
+    torch.manual_seed(7)
+    state = torch.get_rng_state()
+    draws = []
+    for rank in (0, 1):
+        with rank_rng(7, rank, step=3, device=torch.device("cpu")):
+            draws.append(torch.rand(8))
+    assert not torch.equal(draws[0], draws[1])
+    assert torch.equal(torch.get_rng_state(), state)
+    with rank_rng(7, 0, step=3, device=torch.device("cpu")):
+        assert torch.equal(torch.rand(8), draws[0])  # reproducible (a resumed run draws the same)
