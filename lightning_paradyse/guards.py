@@ -24,6 +24,8 @@ collective whose result every rank sees).
 from __future__ import annotations
 
 import contextlib
+import copy
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -170,3 +172,75 @@ def rank_rng(seed: int, rank: int, step: int, device: torch.device) -> Iterator[
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed((seed * 1_000_003 + step * 8_191 + rank + 1) % (2**63))
         yield
+
+
+# --------------------------------------------------------------------------------------------------
+# The one-time check that the step is token-local
+# --------------------------------------------------------------------------------------------------
+
+STEP_CHECK_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
+"""Relative difference allowed between the sharded step's loss and the whole step's on the probe (other dtypes:
+:data:`LOW_PRECISION_TOLERANCE`)."""
+LOW_PRECISION_TOLERANCE = 3e-2
+"""bf16/fp16 round to ~1e-2: the check catches only large differences there (run it in float32 to be sure)."""
+
+
+def prefix_batch(batch: Any, b: int, s: int, m: int) -> Any:
+    """The first ``m`` tokens of every ``[b, s, ...]`` tensor (and ``[s]`` per-token entry) of ``batch``."""
+
+    def cut(t: Any) -> Any:
+        if isinstance(t, torch.Tensor):
+            if t.dim() >= 2 and tuple(t.shape[:2]) == (b, s):
+                return t[:, :m]  # [b, s, ...] -> [b, m, ...]
+            if t.dim() == 1 and t.shape[0] == s:
+                return t[:m]  # [s] -> [m]
+        return t
+
+    if isinstance(batch, dict):
+        return {k: cut(v) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(cut(v) for v in batch)
+    return cut(batch)
+
+
+@contextlib.contextmanager
+def side_effects_undone(trainer: Any, module: nn.Module) -> Iterator[None]:
+    """Run extra calls of the user's step without trace: logging off (Lightning's barebones switch), the random
+    stream and every torchmetrics state restored afterwards."""
+    metrics: list[Any] = [m for m in module.modules() if hasattr(m, "_defaults") and hasattr(m, "_update_count")]
+    saved = [
+        ({name: copy.deepcopy(getattr(m, name)) for name in m._defaults}, m._update_count, m._computed) for m in metrics
+    ]
+    barebones = trainer.barebones
+    trainer.barebones = True  # self.log() warns and returns
+    try:
+        with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        trainer.barebones = barebones
+        for m, (states, count, computed) in zip(metrics, saved):
+            for name, value in states.items():
+                setattr(m, name, value)
+            m._update_count, m._computed = count, computed
+
+
+def step_loss(output: Any) -> torch.Tensor | None:
+    """The loss of a step's output (a tensor, or a mapping with ``loss``)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    loss = output.get("loss") if isinstance(output, dict) else None
+    return loss if isinstance(loss, torch.Tensor) else None
+
+
+def check_step_losses(sharded: float, whole: float, dtype: torch.dtype) -> None:
+    """Raise when the sharded step's loss on the probe differs from the whole step's (the same on every rank)."""
+    tol = STEP_CHECK_TOLERANCE.get(dtype, LOW_PRECISION_TOLERANCE)
+    if abs(sharded - whole) > tol * max(abs(whole), 1e-12):
+        raise ValueError(
+            f"the training step computes something across the tokens of its slice: on the first batch's first "
+            f"tokens its loss is {sharded:.10g} when each rank runs its slice, but {whole:.10g} when one process "
+            f"runs them all. Common causes: shifting targets in the step (logits[:, :-1] against ids[:, 1:]; shift "
+            f"them in the data, or pass labels= to a Hugging Face model), or a loss reduced per sequence. "
+            f"ParaDySeStrategy(check_step=False) turns this check off"
+        )

@@ -318,6 +318,8 @@ def _position_hook(arg: str) -> Any:
             positions = ctx.positions(device)  # [s_r] global positions of the local tokens
             call.set(arg, positions if arg == "positions" else positions[None])  # position_ids: [1, s_r]
             return call.result()
+        if not state.sources:  # the library used directly (no batch registered): the caller owns its positions
+            return args, kwargs
         ok = isinstance(given, torch.Tensor) and (
             _same_values(given, ctx.positions(given.device)) or _trace(given, state.sources) is not None
         )

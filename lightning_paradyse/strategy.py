@@ -67,7 +67,7 @@ from lightning_paradyse import guards, parallel
 from lightning_paradyse.checkpoint import PlainModel, consolidate_optimizer_state, load_optimizer_state, recorded
 from lightning_paradyse.comm import Group, all_gather_rows, all_reduce_sum, broadcast_from, group_size
 from lightning_paradyse.guards import ClipInterception, check_optimizers, rank_rng
-from lightning_paradyse.plan import Plan, parse_plan
+from lightning_paradyse.plan import Plan, parse_plan, uniform_plan
 from lightning_paradyse.policy import (
     FixedPlanner,
     Planner,
@@ -168,6 +168,10 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
         check_replicas_every: Compare the replicated parameters across ranks after the first three optimizer steps,
             then every this many steps and at every checkpoint (0: never); a difference raises, naming the likely
             cause (:func:`~lightning_paradyse.guards.check_replicas`).
+        check_step: On the first training batch, compare the module's step on the first ``8p`` tokens sharded over
+            the ranks with the same step on the whole prefix, and stop if they differ: the step computes across the
+            tokens of its slice (e.g. shifts targets itself). Costs two forward passes on the prefix, once, with every
+            weight gathered on every rank for the second.
         axes: Sequence axes of the hidden states between blocks: 1 for language models (``[b, s, h]``), 2 for
             models over a grid of frames x patches (``[b, T, S, h]``, blocks attending along one axis each, such
             as :class:`~lightning_paradyse.models.st.SpatialTemporalTransformer`). With 2, batches ``[b, T, S]``
@@ -214,6 +218,7 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
         axes: int = 1,
         elementwise_optimizers: Sequence[str] = (),
         check_replicas_every: int = 50,
+        check_step: bool = True,
     ) -> None:
         super().__init__()
         if axes not in (1, 2):
@@ -241,6 +246,11 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
         self._init_groups(_validate_flag("groups", groups))
         self.elementwise_optimizers = _validate_names("elementwise_optimizers", elementwise_optimizers)
         self.check_replicas_every = int(_validate_positive("check_replicas_every", check_replicas_every or None) or 0)
+        self.check_step = _validate_flag("check_step", check_step)
+        self._step_checks_left = 8
+        """Batches on which the one-time step check may still run (it waits for a batch whose first tokens have a
+        real target)."""
+        self._plan: Plan | None = None
         self._optimizer_steps = 0
         self._sharded_ids: set[int] = set()
         self._clip: ClipInterception | None = None
@@ -495,7 +505,7 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
         """Configure the blocks for the batch (layout, plan, HF labels); the next step consumes it."""
         module = self._module
         parallel.configure(module, SeqContext(info.layout, self._group, info.doc_ids), plan)
-        self._pending = info
+        self._pending, self._plan = info, plan
 
     def _take_pending(self, hook: str) -> BatchInfo:
         info, self._pending = self._pending, None
@@ -547,12 +557,60 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         """The module's step on this rank's tokens, with the global loss."""
+        if self._step_unchecked():
+            self._check_step(args, kwargs)
         info, args, kwargs = self._shard_step("training_step", args, kwargs)
         if info.skip:
             return self._skipped_loss()
         with self._rank_rng():  # dropout masks independent across ranks
             output = super().training_step(*args, **kwargs)
         return self._global(output, info)  # type: ignore[no-any-return]
+
+    def _step_unchecked(self) -> bool:
+        pending, module = self._pending, self.lightning_module
+        if not self.check_step or self._step_checks_left <= 0 or self.world_size == 1 or pending is None:
+            return False
+        plain_batch = pending.doc_ids is None and self.axes == 1 and self._group_step is None
+        return plain_batch and not pending.skip and module is not None and module.automatic_optimization
+
+    def _check_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Once, on the first batch: the module's step on the batch's first tokens, sharded over the ranks and
+        whole on every rank (a group of one holding every weight), must give the same loss; otherwise the step
+        computes across the tokens of its slice and the run stops on every rank (:func:`guards.check_step_losses`).
+        The extra calls leave no trace (:func:`guards.side_effects_undone`)."""
+        from lightning_paradyse.groups import enter_group
+
+        info, plan, module, trainer = self._pending, self._plan, self._module, self._trainer
+        assert info is not None and plan is not None and trainer is not None
+        self._step_checks_left -= 1
+        batch = args[0] if args else kwargs.get("batch")
+        p = group_size(self._group)
+        prefix = guards.prefix_batch(batch, info.batch, info.seq_len, min(info.seq_len, 8 * p))
+        causal, mean = parallel.is_causal(module), self.loss_reduction == "mean"
+        rest = (args[1:], {k: v for k, v in kwargs.items() if k != "batch"})
+        try:
+            sharded_info = self.inspect_batch(prefix)
+            whole_info = describe_batch(prefix, 1, 0, causal=causal, mean_loss=mean)
+        except ValueError:  # e.g. no real target among the first tokens: try the next batch
+            return
+        with torch.no_grad(), guards.side_effects_undone(trainer, module):
+            self.activate(sharded_info, plan)
+            _, a, k = self._shard_step("training_step", (prefix, *rest[0]), rest[1])
+            local = guards.step_loss(super().training_step(*a, **k))
+            sharded = None if local is None else float(self.global_loss(local, sharded_info))
+            enter_group(module, self._group, [1] * p)  # every weight on every rank: the whole step, p times
+            try:
+                parallel.configure(module, SeqContext(whole_info.layout, None), uniform_plan("tp_sp", len(plan)))
+                piece, sources = shard_batch(prefix, whole_info, 0)
+                parallel.set_step_sources(module, sources, whole_info.padding)
+                whole = guards.step_loss(super().training_step(piece, *rest[0], **rest[1]))
+            finally:
+                for _, op in parallel.dispatchers(module):
+                    op.group_shards = None
+        self.activate(info, plan)
+        self._step_checks_left = 0
+        if sharded is not None and whole is not None:
+            guards.check_step_losses(sharded, float(whole), whole.dtype)
 
     def _sharded(self) -> set[int]:
         return self._sharded_ids

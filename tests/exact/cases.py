@@ -140,6 +140,16 @@ class TinyLM(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+class SelfShift(TinyLM):
+    """A step that shifts targets itself, as litgpt-style code does: wrong on a slice of the sequence."""
+
+    @override
+    def loss(self, batch: dict[str, Tensor]) -> Tensor:
+        ids = batch["input_ids"]
+        logits = self.model(ids)  # [b, s, vocab]
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
 class Lamb(torch.optim.Optimizer):
     """A LAMB-style optimizer: each update is scaled by the trust ratio ||w|| / ||update|| of the whole tensor."""
 
@@ -272,6 +282,7 @@ def cases_p2() -> dict[str, Case]:
         "adafactor": Case(tiny(optimizer="adafactor"), lambda: loader(shifted_targets), refused="Adafactor"),
         "muon": Case(tiny(optimizer="muon"), lambda: loader(shifted_targets), refused="Muon"),
         "lamb": Case(tiny(optimizer="lamb"), lambda: loader(shifted_targets), refused="Lamb"),
+        "self-shift": Case(SelfShift, lambda: loader(tokens_only), refused="computes something across the tokens"),
     }
 
 
