@@ -25,7 +25,8 @@ from lightning_paradyse.comm import Group, all_reduce_sum, gather_seq, group_ran
 from lightning_paradyse.graph.passes import AttentionRoles, MlpRoles
 from lightning_paradyse.layout import SeqLayout
 from lightning_paradyse.modes import GRID_MODES, get_mode
-from lightning_paradyse.modes.zero3 import zero3_bias, zero3_linear, zero3_linear_t
+from lightning_paradyse.modes.base import Autocast, add_bias
+from lightning_paradyse.modes.zero3 import zero3_linear, zero3_linear_t
 from lightning_paradyse.plan import OpPlan
 from lightning_paradyse.spec import AttnSpec, AttnWeights, MlpSpec, MlpWeights, SeqContext, shard_rows
 
@@ -406,12 +407,12 @@ class ColumnDispatch(OpDispatch):
         return self._run(lambda inp: self._compute(inp, ctx, op.mode), x)
 
     def _compute(self, x: torch.Tensor, ctx: SeqContext, mode: str) -> torch.Tensor:
+        weight = self.req("weight")
         if mode == "tp_sp":
-            xg = gather_seq(x, ctx.layout, ctx.group)  # [b, s_r, h] -> [b, s, h] (gathered order)
-            return F.linear(xg, self.req("weight"), self.opt("bias"))  # -> [b, s, f/p]
-        y = zero3_linear(x, self.req("weight"), self.rows, ctx.group)  # [b, s_r, h] -> [b, s_r, f]
-        b = zero3_bias(self.opt("bias"), self.rows, ctx.group)
-        return y if b is None else y + b
+            xc = x.to(Autocast.current(x).compute_dtype(x, weight))  # gathered in the matmul's dtype
+            xg = gather_seq(xc, ctx.layout, ctx.group)  # [b, s_r, h] -> [b, s, h] (gathered order)
+            return F.linear(xg, weight, self.opt("bias"))  # -> [b, s, f/p]
+        return zero3_linear(x, weight, self.rows, ctx.group, self.opt("bias"))  # [b, s_r, h] -> [b, s_r, f]
 
 
 class RowDispatch(OpDispatch):
@@ -438,5 +439,4 @@ class RowDispatch(OpDispatch):
             y = scatter_seq(partial, ctx.layout, ctx.group)  # -> [b, s_r, h]
         else:
             y = zero3_linear_t(x, self.req("weight_t"), self.rows, ctx.group)  # [b, s_r, f] -> [b, s_r, h]
-        bias = self.opt("bias")
-        return y if bias is None else y + bias
+        return add_bias(y, self.opt("bias"))

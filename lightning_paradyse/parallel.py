@@ -18,6 +18,7 @@ state dict, so checkpoints load into the unparallelized model.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import weakref
 from collections.abc import Iterator
@@ -460,9 +461,7 @@ def configure(module: nn.Module, ctx: SeqContext, plan: Plan) -> None:
         op.configure(ctx, layer.attention if isinstance(op, AttentionDispatch) else layer.mlp)
 
 
-def set_step_sources(
-    module: nn.Module, sources: tuple[BatchSource, ...], padding: torch.Tensor | None = None
-) -> None:
+def set_step_sources(module: nn.Module, sources: tuple[BatchSource, ...], padding: torch.Tensor | None = None) -> None:
     """The batch tensors the step was handed and their global originals (labels are traced back to them), and
     the batch's right padding."""
     state = step_state(module)
@@ -519,15 +518,18 @@ def reduce_replicated_grads(module: nn.Module, group: Group) -> None:
     params = [w for w in replicated_parameters(module) if w.requires_grad]
     if group_size(group) == 1 or not params:
         return
+    dtype = functools.reduce(torch.promote_types, [w.dtype for w in params], torch.float32)  # bf16 sums in fp32
     with torch.no_grad():
-        present = torch.tensor([w.grad is not None for w in params], dtype=params[0].dtype)
-        grads = [w.grad.reshape(-1) if w.grad is not None else w.new_zeros(w.numel()) for w in params]
+        present = torch.tensor([w.grad is not None for w in params], dtype=dtype, device=params[0].device)
+        grads = [
+            w.grad.reshape(-1).to(dtype) if w.grad is not None else w.new_zeros(w.numel(), dtype=dtype) for w in params
+        ]
         total = all_reduce_sum(torch.cat([*grads, present]), group)  # one call: gradients, then presence flags
     at = 0
     for w, seen in zip(params, total[-len(params) :].tolist()):
         n = w.numel()
         if seen:
-            w.grad = total[at : at + n].view_as(w).clone()
+            w.grad = total[at : at + n].view_as(w).to(w.dtype).clone()
         at += n
 
 

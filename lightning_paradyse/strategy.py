@@ -80,6 +80,7 @@ from lightning_paradyse.policy import (
 from lightning_paradyse.slicing import BatchInfo, describe_batch, shard_batch
 from lightning_paradyse.spec import SeqContext
 from lightning_paradyse.strategy_groups import GroupSteps
+from lightning_paradyse.summary import summarize_whole_model
 
 START_METHODS = ("spawn", "fork", "forkserver", "popen")
 _PLAIN_MODELS: weakref.WeakKeyDictionary[torch.nn.Module, PlainModel] = weakref.WeakKeyDictionary()
@@ -353,6 +354,7 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
         if self.groups and group_size(self._group) > 1:
             self._setup_groups()
         _ensure_switcher(trainer)
+        summarize_whole_model(trainer.callbacks)  # type: ignore[attr-defined]  # whole parameter counts, not shards
         _keep_user_samplers(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)

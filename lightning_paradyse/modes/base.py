@@ -7,16 +7,72 @@ and writes the same layout and a plan can change mode between any two ops for fr
 
 A mode that cannot run an op on a group (for example heads not divisible by ``p``) says so through
 ``attention_infeasible`` / ``mlp_infeasible`` with a reason, instead of failing inside a collective.
+
+Mixed precision (:class:`Autocast`): every mode computes what the plain op computes under the caller's
+autocast (``Trainer(precision="bf16-mixed")``) or in the parameters' dtype (``"bf16-true"``). Its
+matmuls run in the *compute dtype* (autocast's, else the operands'), its output is in that dtype like a
+plain ``nn.Linear``'s, weights travel in the compute dtype (the values autocast would cast them to,
+half the bytes), weight gradients leave in the parameter's dtype and are summed over ranks in it, and
+activation gradients leave in the activation's dtype. A custom autograd Function records autocast in
+its forward and replays it in its backward, as ``torch.amp.custom_fwd``/``custom_bwd`` do for a device
+type fixed at decoration, here for the device of the input.
 """
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from lightning_paradyse.spec import AttnSpec, AttnWeights, MlpSpec, MlpWeights, SeqContext
+
+_AUTOCAST_ELIGIBLE = (torch.float16, torch.bfloat16, torch.float32)
+"""Dtypes autocast casts to its own (float64 is left alone)."""
+
+
+@dataclass(frozen=True)
+class Autocast:
+    """Autocast on one device type as a custom autograd Function's forward saw it, to replay in its backward."""
+
+    device_type: str
+    enabled: bool
+    dtype: torch.dtype
+
+    @staticmethod
+    def current(x: torch.Tensor) -> Autocast:
+        """The autocast state in effect now for ``x``'s device."""
+        kind = x.device.type
+        return Autocast(kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+
+    def replay(self) -> torch.autocast:
+        """A context that runs code under this autocast state (enabled or not), whatever is in effect now."""
+        return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled)
+
+    def compute_dtype(self, *tensors: torch.Tensor) -> torch.dtype:
+        """The dtype a matmul of ``tensors`` runs in: autocast's when it is on (and would cast them all),
+        else their promoted dtype."""
+        dtypes = [t.dtype for t in tensors]
+        if self.enabled and all(d in _AUTOCAST_ELIGIBLE for d in dtypes):
+            return self.dtype
+        return functools.reduce(torch.promote_types, dtypes)
+
+
+def autocast_off(x: torch.Tensor) -> torch.autocast:
+    """A context with autocast disabled on ``x``'s device (for kernels that choose their own precision)."""
+    return torch.autocast(x.device.type, enabled=False)
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype sums of ``dtype`` terms are accumulated in: at least float32."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``y + bias`` in ``y``'s dtype, as ``F.linear`` adds its bias under autocast (a replicated output bias)."""
+    return y if bias is None else y + bias.to(y.dtype)
 
 
 class Mode:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from lightning_paradyse.attention import full_attention
-from lightning_paradyse.modes.base import Mode, merge_heads, split_heads
+from lightning_paradyse.modes.base import Mode, add_bias, merge_heads, split_heads
 from lightning_paradyse.modes.ulysses import zero3_project
 from lightning_paradyse.modes.zero3 import zero3_linear_t, zero3_mlp
 from lightning_paradyse.spec import AttnSpec, AttnWeights, MlpSpec, MlpWeights, SeqContext
@@ -37,7 +37,7 @@ class DimensionSwitch(Mode):
             q, k = spec.rotary(q, k, torch.arange(x.shape[1], device=x.device))
         o = merge_heads(full_attention(q, k, v, spec.causal))  # [n, heads, L, d] -> [n, L, heads*d]
         y = zero3_linear_t(o, w.o_t, spec.q_rows, ctx.group)  # [n, L, heads*d] -> [n, L, h]
-        return y if w.bo is None else y + w.bo
+        return add_bias(y, w.bo)
 
     def mlp(self, x: torch.Tensor, w: MlpWeights, spec: MlpSpec, ctx: SeqContext) -> torch.Tensor:
         return zero3_mlp(x, w, spec, ctx.group)  # token-wise: any local grid [.., h]

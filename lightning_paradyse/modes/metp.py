@@ -28,6 +28,12 @@ owner after ``p - 1`` hops. Weight traffic: ``3 (p-1)`` shard transfers per rank
 Every buffer that is sent or received is fresh (a ``torch.cat`` or a new receive buffer), so a
 collective never writes into a parameter's storage (pitfall 2 of the reference), and every
 transfer carries a whole shard (pitfall 3).
+
+Mixed precision (see :mod:`~lightning_paradyse.modes.base`): the input and the travelling weight shards
+are cast to the compute dtype once (the values autocast would give the matmuls; under bf16 half the
+weight bytes), the per-group outputs are summed in float32 and returned in the compute dtype, the weight
+gradients are packed, reduced and ring-carried in the parameters' dtype, and the backward replays the
+forward's autocast so that its recomputed q/k/v and MLP steps are the forward's, bit for bit.
 """
 
 from __future__ import annotations
@@ -47,7 +53,16 @@ from lightning_paradyse.comm import (
     reduce_to,
     ring_pass_start,
 )
-from lightning_paradyse.modes.base import Mode, heads_infeasible, merge_heads, mlp_hidden, split_heads
+from lightning_paradyse.modes.base import (
+    Autocast,
+    Mode,
+    accumulation_dtype,
+    add_bias,
+    heads_infeasible,
+    merge_heads,
+    mlp_hidden,
+    split_heads,
+)
 from lightning_paradyse.modes.ring import ring_backward, ring_forward
 from lightning_paradyse.spec import AttnSpec, AttnWeights, MlpSpec, MlpWeights, SeqContext, row_sizes
 
@@ -65,9 +80,9 @@ def _present(named: dict[str, torch.Tensor | None]) -> Parts:
     return {name: t for name, t in named.items() if t is not None}
 
 
-def _pack(parts: Parts) -> torch.Tensor:
-    """One fresh flat buffer (never a parameter's storage): ``{name: [..]} -> [sum of numels]``."""
-    return torch.cat([t.reshape(-1) for t in parts.values()])
+def _pack(parts: Parts, dtype: torch.dtype) -> torch.Tensor:
+    """One fresh flat buffer (never a parameter's storage) of ``dtype``: ``{name: [..]} -> [sum of numels]``."""
+    return torch.cat([t.reshape(-1).to(dtype) for t in parts.values()])
 
 
 def _unpack(flat: torch.Tensor, shapes: Shapes) -> Parts:
@@ -114,9 +129,9 @@ def _kv_columns(w: AttnWeights) -> Parts:
     )
 
 
-def _gather_kv(w: AttnWeights, spec: AttnSpec, ctx: SeqContext) -> torch.Tensor:
-    """All k/v weights of the op: ``[kv_rows/p, cols] -> [kv_rows, cols]`` (uneven rows allowed)."""
-    packed = torch.cat(list(_kv_columns(w).values()), dim=1)  # [kv_rows/p, cols], fresh
+def _gather_kv(w: AttnWeights, spec: AttnSpec, ctx: SeqContext, dtype: torch.dtype) -> torch.Tensor:
+    """All k/v weights of the op in ``dtype``: ``[kv_rows/p, cols] -> [kv_rows, cols]`` (uneven rows allowed)."""
+    packed = torch.cat([t.to(dtype) for t in _kv_columns(w).values()], dim=1)  # [kv_rows/p, cols], fresh
     return all_gather_rows(packed, row_sizes(spec.kv_rows, ctx.p), ctx.group)
 
 
@@ -146,13 +161,17 @@ def _project(
 class _Groups:
     """Per-call helper: the head groups' weights as each one is broadcast, in group order."""
 
-    def __init__(self, w: AttnWeights, spec: AttnSpec, ctx: SeqContext, device: torch.device) -> None:
+    def __init__(self, w: AttnWeights, spec: AttnSpec, ctx: SeqContext, x: torch.Tensor) -> None:
         self.spec, self.ctx = spec, ctx
-        self.positions = ctx.positions(device)  # [s_r] global positions of the local tokens
+        self.dtype = x.dtype
+        """The compute dtype (of the input, already cast): the broadcast shards travel in it."""
+        self.param_dtype = w.q.dtype
+        """The parameters' dtype: weight gradients are packed and reduced in it."""
+        self.positions = ctx.positions(x.device)  # [s_r] global positions of the local tokens
         self.own = _broadcast_parts(w, _kv_aligned(spec, ctx.p))
         self.shapes = _shapes(self.own)  # equal on every rank: n and the kv shards split evenly
-        self.flat = _pack(self.own)  # [numel], fresh
-        self.kv_full = None if _kv_aligned(spec, ctx.p) else _gather_kv(w, spec, ctx)  # [kv_rows, cols]
+        self.flat = _pack(self.own, self.dtype)  # [numel], fresh
+        self.kv_full = None if _kv_aligned(spec, ctx.p) else _gather_kv(w, spec, ctx, self.dtype)  # [kv_rows, cols]
         kv_cols = _kv_columns(w)
         self.kv_names, self.kv_widths = list(kv_cols), [t.shape[1] for t in kv_cols.values()]
 
@@ -182,16 +201,19 @@ def _group_backward(
     inputs = [xl, *leaves.values(), *([] if kv_full is None else [kv_full])]
     grads = torch.autograd.grad((q, k, v), inputs, (dq, dk, dv))
     named = dict(zip(leaves, grads[1 : 1 + len(leaves)]))
-    packed = _pack({n: d_o_t if n == "o_t" else named[n] for n in bc})  # same order as the shard
+    packed = _pack({n: d_o_t if n == "o_t" else named[n] for n in bc}, groups.param_dtype)  # shard order
     return grads[0], packed, None if kv_full is None else grads[-1]
 
 
 class _MetpAttention(torch.autograd.Function):
     @staticmethod
     def forward(fctx: Any, x: torch.Tensor, spec: AttnSpec, ctx: SeqContext, *weights: Any) -> torch.Tensor:
-        groups = _Groups(AttnWeights(*weights), spec, ctx, x.device)
+        amp = Autocast.current(x)
+        fctx.amp, fctx.x_dtype = amp, x.dtype
+        x = x.to(amp.compute_dtype(x, weights[0]))  # what every projection reads (and what is saved)
+        groups = _Groups(AttnWeights(*weights), spec, ctx, x)
         b, s_r, _ = x.shape
-        y = x.new_zeros((b, s_r, weights[3].shape[1]))  # [b, s_r, h]
+        y = x.new_zeros((b, s_r, weights[3].shape[1]), dtype=accumulation_dtype(x.dtype))  # [b, s_r, h]
         saved: list[torch.Tensor] = []
         for j in range(ctx.p):
             g = groups.receive(j)
@@ -203,33 +225,46 @@ class _MetpAttention(torch.autograd.Function):
             saved += [out, lse]
         fctx.save_for_backward(x, *weights, *saved)
         fctx.spec, fctx.ctx = spec, ctx
-        return y
+        return y.to(x.dtype)  # the summed head groups, in the compute dtype like a plain projection's output
 
     @staticmethod
     def backward(fctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
-        x, *rest = fctx.saved_tensors
+        x, *rest = fctx.saved_tensors  # read once (checkpointed recomputation allows no second read)
         weights, saved = rest[: len(_ATTN_ARGS)], rest[len(_ATTN_ARGS) :]
-        ctx: SeqContext = fctx.ctx
-        groups = _Groups(AttnWeights(*weights), fctx.spec, ctx, x.device)
-        dx = torch.zeros_like(x)
-        d_kv = None if groups.kv_full is None else torch.zeros_like(groups.kv_full)
-        mine: torch.Tensor | None = None  # the summed gradient of this rank's own shard
-        for j in range(ctx.p):
-            bc = groups.receive(j)
-            dx_j, packed, d_kv_j = _group_backward(x, dy, groups, j, bc, saved[2 * j], saved[2 * j + 1])
-            dx += dx_j
-            if d_kv is not None:
-                d_kv += d_kv_j
-            total = reduce_to(packed, j, ctx.group)  # [numel] summed over ranks onto owner j
-            if j == ctx.rank:
-                mine = total
-        assert mine is not None
-        grads = _unpack(mine, groups.shapes)
-        if d_kv is not None:  # [kv_rows, cols] -> [kv_rows/p, cols], this rank's rows
-            local = reduce_scatter_rows(d_kv, row_sizes(fctx.spec.kv_rows, ctx.p), ctx.group)
-            cols = local.split(groups.kv_widths, dim=1)
-            grads.update({n: c.squeeze(1) if n.startswith("b") else c for n, c in zip(groups.kv_names, cols)})
+        with fctx.amp.replay():  # the recomputed projections are the forward's
+            dx, grads = _attention_backward(fctx, dy, x, weights, saved)
         return (dx, None, None, *(grads.get(n) if w is not None else None for n, w in zip(_ATTN_ARGS, weights)))
+
+
+def _attention_backward(
+    fctx: Any, dy: torch.Tensor, x: torch.Tensor, weights: list[torch.Tensor], saved: list[torch.Tensor]
+) -> tuple[torch.Tensor, Parts]:
+    """``(dx in the input's dtype, {name: gradient of this rank's shard})`` of :class:`_MetpAttention`.
+
+    ``x`` is the saved input (compute dtype), ``saved`` every head group's ``out, lse``.
+    """
+    ctx: SeqContext = fctx.ctx
+    groups = _Groups(AttnWeights(*weights), fctx.spec, ctx, x)
+    dy = dy.to(x.dtype)
+    dx = torch.zeros_like(x, dtype=accumulation_dtype(x.dtype))
+    d_kv = None if groups.kv_full is None else torch.zeros_like(groups.kv_full, dtype=groups.param_dtype)
+    mine: torch.Tensor | None = None  # the summed gradient of this rank's own shard
+    for j in range(ctx.p):
+        bc = groups.receive(j)
+        dx_j, packed, d_kv_j = _group_backward(x, dy, groups, j, bc, saved[2 * j], saved[2 * j + 1])
+        dx += dx_j
+        if d_kv is not None:
+            d_kv += d_kv_j
+        total = reduce_to(packed, j, ctx.group)  # [numel] summed over ranks onto owner j, parameters' dtype
+        if j == ctx.rank:
+            mine = total
+    assert mine is not None
+    grads = _unpack(mine, groups.shapes)
+    if d_kv is not None:  # [kv_rows, cols] -> [kv_rows/p, cols], this rank's rows
+        local = reduce_scatter_rows(d_kv, row_sizes(fctx.spec.kv_rows, ctx.p), ctx.group)
+        cols = local.split(groups.kv_widths, dim=1)
+        grads.update({n: c.squeeze(1) if n.startswith("b") else c for n, c in zip(groups.kv_names, cols)})
+    return dx.to(fctx.x_dtype), grads
 
 
 # --------------------------------------------------------------------------------------------------
@@ -270,48 +305,66 @@ def _mlp_step(x: torch.Tensor, w: Parts, spec: MlpSpec) -> torch.Tensor:
     return mlp_hidden(up, gate, spec) @ w["down_t"]  # [b, s_r, f_j] -> [b, s_r, h]
 
 
-def _mlp_step_backward(x: torch.Tensor, dy: torch.Tensor, w: Parts, spec: MlpSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """Recompute one step locally: ``(dx_t, packed dW of the shard in hand)``."""
+def _mlp_step_backward(
+    x: torch.Tensor, dy: torch.Tensor, w: Parts, spec: MlpSpec, param_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Recompute one step locally: ``(dx_t, packed dW of the shard in hand, in param_dtype)``."""
     with torch.enable_grad():
         xl, leaves = x.detach().requires_grad_(), _leaves(w)
         y = _mlp_step(xl, leaves, spec)
     grads = torch.autograd.grad(y, [xl, *leaves.values()], dy)
-    return grads[0], _pack(dict(zip(leaves, grads[1:])))  # [numel of the shard], fresh
+    return grads[0], _pack(dict(zip(leaves, grads[1:])), param_dtype)  # [numel of the shard], fresh
 
 
 class _MetpMlp(torch.autograd.Function):
     @staticmethod
     def forward(fctx: Any, x: torch.Tensor, spec: MlpSpec, ctx: SeqContext, *weights: Any) -> torch.Tensor:
+        amp = Autocast.current(x)
+        fctx.amp, fctx.x_dtype = amp, x.dtype
         own = _present(dict(zip(_MLP_ARGS, weights)))
+        x = x.to(amp.compute_dtype(x, own["up"]))  # what every step reads (and what is saved)
         h = own["down_t"].shape[1]
-        y = x.new_zeros((*x.shape[:2], h))  # [b, s_r, h]
-        for _, _, shard in _weight_ring(_pack(own), list(own), h, spec, ctx):
+        y = x.new_zeros((*x.shape[:2], h), dtype=accumulation_dtype(x.dtype))  # [b, s_r, h]
+        for _, _, shard in _weight_ring(_pack(own, x.dtype), list(own), h, spec, ctx):  # shards in compute dtype
             y += _mlp_step(x, shard, spec)
         fctx.save_for_backward(x, *weights)
         fctx.spec, fctx.ctx = spec, ctx
-        return y
+        return y.to(x.dtype)
 
     @staticmethod
     def backward(fctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
-        x, *weights = fctx.saved_tensors
-        spec, ctx = fctx.spec, fctx.ctx
-        own = _present(dict(zip(_MLP_ARGS, weights)))
-        h, rows = own["down_t"].shape[1], row_sizes(spec.ffn, ctx.p)
-        dx = torch.zeros_like(x)
-        home = carried = None
-        for t, src, shard in _weight_ring(_pack(own), list(own), h, spec, ctx):
-            dx_t, dw = _mlp_step_backward(x, dy, shard, spec)
-            dx += dx_t
-            if t == 0:  # this rank's own shard: its contribution stays home
-                home = dw
-                continue
-            acc = dw if carried is None else carried + dw  # accumulator of shard src, fresh
-            numel = _mlp_numel(list(own), rows[(src - 1) % ctx.p], h)  # shard src-1 arrives from r-1
-            carried = ring_pass_start(acc, ctx.group, 1, (numel,)).wait()  # -> rank r+1 (home at t=p-1)
-        assert home is not None
-        total = home if carried is None else home + carried
-        grads = _unpack(total, _shapes(own))
+        x, *weights = fctx.saved_tensors  # read once (checkpointed recomputation allows no second read)
+        with fctx.amp.replay():  # the recomputed steps are the forward's
+            dx, grads = _mlp_backward(fctx, dy, x, weights)
         return (dx, None, None, *(grads.get(n) if w is not None else None for n, w in zip(_MLP_ARGS, weights)))
+
+
+def _mlp_backward(
+    fctx: Any, dy: torch.Tensor, x: torch.Tensor, weights: list[torch.Tensor]
+) -> tuple[torch.Tensor, Parts]:
+    """``(dx in the input's dtype, {name: gradient of this rank's shard})`` of :class:`_MetpMlp`.
+
+    ``x`` is the saved input (compute dtype). The weights circulate in the compute dtype, the gradient
+    accumulators in the parameters' dtype.
+    """
+    spec, ctx = fctx.spec, fctx.ctx
+    own = _present(dict(zip(_MLP_ARGS, weights)))
+    h, rows, param_dtype = own["down_t"].shape[1], row_sizes(spec.ffn, ctx.p), own["up"].dtype
+    dy = dy.to(x.dtype)
+    dx = torch.zeros_like(x, dtype=accumulation_dtype(x.dtype))
+    home = carried = None
+    for t, src, shard in _weight_ring(_pack(own, x.dtype), list(own), h, spec, ctx):
+        dx_t, dw = _mlp_step_backward(x, dy, shard, spec, param_dtype)
+        dx += dx_t
+        if t == 0:  # this rank's own shard: its contribution stays home
+            home = dw
+            continue
+        acc = dw if carried is None else carried + dw  # accumulator of shard src, fresh
+        numel = _mlp_numel(list(own), rows[(src - 1) % ctx.p], h)  # shard src-1 arrives from r-1
+        carried = ring_pass_start(acc, ctx.group, 1, (numel,)).wait()  # -> rank r+1 (home at t=p-1)
+    assert home is not None
+    total = home if carried is None else home + carried
+    return dx.to(fctx.x_dtype), _unpack(total, _shapes(own))
 
 
 class MemoryEfficientTensorParallel(Mode):
@@ -327,8 +380,8 @@ class MemoryEfficientTensorParallel(Mode):
         if reason is not None:
             raise ValueError(reason)
         y = _MetpAttention.apply(x, spec, ctx, w.q, w.k, w.v, w.o_t, w.bq, w.bk, w.bv)  # [b, s_r, h]
-        return y if w.bo is None else y + w.bo
+        return add_bias(y, w.bo)
 
     def mlp(self, x: torch.Tensor, w: MlpWeights, spec: MlpSpec, ctx: SeqContext) -> torch.Tensor:
         y = _MetpMlp.apply(x, spec, ctx, w.up, w.gate, w.down_t, w.b_up, w.b_gate)  # [b, s_r, h]
-        return y if w.b_down is None else y + w.b_down
+        return add_bias(y, w.b_down)

@@ -25,7 +25,7 @@ import torch
 from lightning_paradyse.attention import block_backward, block_forward, merge
 from lightning_paradyse.comm import ring_pass_start
 from lightning_paradyse.layout import SeqLayout
-from lightning_paradyse.modes.base import Mode, merge_heads, split_heads
+from lightning_paradyse.modes.base import Mode, add_bias, autocast_off, merge_heads, split_heads
 from lightning_paradyse.modes.ulysses import zero3_project
 from lightning_paradyse.modes.zero3 import zero3_linear_t, zero3_mlp
 from lightning_paradyse.spec import AttnSpec, AttnWeights, MlpSpec, MlpWeights, SeqContext
@@ -83,8 +83,17 @@ def ring_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring attention forward, no autograd: ``q [b, n, s_r, d], k/v [b, n_kv, s_r, d]``.
 
-    Returns ``out [b, n, s_r, d]`` (dtype of ``q``) and ``lse [b, n, s_r]`` (accumulation dtype).
+    Returns ``out [b, n, s_r, d]`` (dtype of ``q``) and ``lse [b, n, s_r]`` (accumulation dtype). The tiles
+    compute in float32 (float64 stays float64) with autocast off: under autocast their score matmuls would
+    otherwise drop to bfloat16. K/V travel in their own dtype.
     """
+    with autocast_off(q):
+        return _ring_forward(q, k, v, ctx, causal)
+
+
+def _ring_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: SeqContext, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     p, r, layout = ctx.p, ctx.rank, ctx.layout
     outs: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
     kv = torch.stack([k, v])  # [2, b, n_kv, s_r, d]
@@ -113,7 +122,24 @@ def ring_backward(
     ctx: SeqContext,
     causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Ring attention backward: ``(dq, dk, dv)`` for this rank's ``q, k, v`` (their dtypes)."""
+    """Ring attention backward: ``(dq, dk, dv)`` for this rank's ``q, k, v`` (their dtypes).
+
+    Autocast off, as :func:`ring_forward`; the dK/dV accumulators travel in the accumulation dtype.
+    """
+    with autocast_off(q):
+        return _ring_backward(dout, q, k, v, out, lse, ctx, causal)
+
+
+def _ring_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    ctx: SeqContext,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     p, r, layout = ctx.p, ctx.rank, ctx.layout
     acc = lse.dtype
     delta = (dout.to(acc) * out.to(acc)).sum(-1)  # [b, n, s_r]
@@ -191,7 +217,7 @@ class Ring(Mode):
             q, k = spec.rotary(q, k, ctx.positions(x.device))  # rotated with global positions
         o = merge_heads(ring_attention(q, k, v, ctx, spec.causal))  # [b, n, s_r, d] -> [b, s_r, n*d]
         y = zero3_linear_t(o, w.o_t, spec.q_rows, ctx.group)  # [b, s_r, n*d] -> [b, s_r, h]
-        return y if w.bo is None else y + w.bo
+        return add_bias(y, w.bo)
 
     def mlp(self, x: torch.Tensor, w: MlpWeights, spec: MlpSpec, ctx: SeqContext) -> torch.Tensor:
         return zero3_mlp(x, w, spec, ctx.group)

@@ -9,6 +9,8 @@ No weight moves (except the key/value weights when there are fewer kv heads than
 gathered, a small ``2*h*h_kv`` term). Activation traffic is ``4*s*h*(p-1)/p`` elements per op and
 step, forward and backward, independent of ``p``: fast on short sequences, and the ``[b, s, h]``
 gathered input and ``[b, s, f/p]`` intermediate make it the most memory-hungry mode on long ones.
+Under autocast the input is cast to the compute dtype before it is gathered (the values the projections
+read anyway); its gradient is reduce-scattered in that dtype, as the plain model sums it in that dtype.
 """
 
 from __future__ import annotations
@@ -18,7 +20,15 @@ import torch.nn.functional as F
 
 from lightning_paradyse.attention import full_attention
 from lightning_paradyse.comm import gather_seq, gather_weight, gqa_kv_index, scatter_seq
-from lightning_paradyse.modes.base import Mode, heads_infeasible, merge_heads, mlp_hidden, split_heads
+from lightning_paradyse.modes.base import (
+    Autocast,
+    Mode,
+    add_bias,
+    heads_infeasible,
+    merge_heads,
+    mlp_hidden,
+    split_heads,
+)
 from lightning_paradyse.spec import AttnSpec, AttnWeights, MlpSpec, MlpWeights, SeqContext, row_sizes
 
 
@@ -50,6 +60,7 @@ class TensorSequenceParallel(Mode):
 
     def attention(self, x: torch.Tensor, w: AttnWeights, spec: AttnSpec, ctx: SeqContext) -> torch.Tensor:
         layout = ctx.layout
+        x = x.to(Autocast.current(x).compute_dtype(x, w.q))  # what the projections read: gathered at that width
         xg = gather_seq(x, layout, ctx.group)  # [b, s_r, h] -> [b, s, h] (gathered order)
         if not layout.is_natural:
             xg = xg.index_select(1, layout.natural_index(x.device))  # -> natural order
@@ -63,12 +74,13 @@ class TensorSequenceParallel(Mode):
         if not layout.is_natural:
             partial = partial.index_select(1, layout.gathered_positions(x.device))  # -> gathered order
         y = scatter_seq(partial, layout, ctx.group)  # [b, s, h] -> [b, s_r, h], summed
-        return y if w.bo is None else y + w.bo
+        return add_bias(y, w.bo)
 
     def mlp(self, x: torch.Tensor, w: MlpWeights, spec: MlpSpec, ctx: SeqContext) -> torch.Tensor:
+        x = x.to(Autocast.current(x).compute_dtype(x, w.up))
         xg = gather_seq(x, ctx.layout, ctx.group)  # [b, s_r, h] -> [b, s, h] (gathered order)
         up = F.linear(xg, w.up, w.b_up)  # [b, s, h] -> [b, s, f/p]
         gate = F.linear(xg, w.gate, w.b_gate) if w.gate is not None else None
         partial = mlp_hidden(up, gate, spec) @ w.down_t  # [b, s, f/p] -> [b, s, h], partial sum
         y = scatter_seq(partial, ctx.layout, ctx.group)  # [b, s, h] -> [b, s_r, h]
-        return y if w.b_down is None else y + w.b_down
+        return add_bias(y, w.b_down)

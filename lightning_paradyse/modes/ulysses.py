@@ -16,8 +16,8 @@ import torch
 
 from lightning_paradyse.attention import full_attention
 from lightning_paradyse.comm import gqa_kv_index, heads_to_seq, seq_to_heads
-from lightning_paradyse.modes.base import Mode, heads_infeasible
-from lightning_paradyse.modes.zero3 import zero3_bias, zero3_linear, zero3_linear_t, zero3_mlp
+from lightning_paradyse.modes.base import Mode, add_bias, heads_infeasible
+from lightning_paradyse.modes.zero3 import zero3_linear, zero3_linear_t, zero3_mlp
 from lightning_paradyse.spec import AttnSpec, AttnWeights, MlpSpec, MlpWeights, SeqContext
 
 
@@ -25,9 +25,7 @@ def zero3_project(
     x: torch.Tensor, shard: torch.Tensor, bias: torch.Tensor | None, rows: int, ctx: SeqContext
 ) -> torch.Tensor:
     """``[b, t, h] -> [b, t, rows]`` with a ZeRO-3 gathered weight and bias."""
-    y = zero3_linear(x, shard, rows, ctx.group)
-    b = zero3_bias(bias, rows, ctx.group)
-    return y if b is None else y + b
+    return zero3_linear(x, shard, rows, ctx.group, bias)
 
 
 class Ulysses(Mode):
@@ -66,7 +64,7 @@ class Ulysses(Mode):
             o = o.index_select(1, layout.gathered_positions(x.device))  # -> gathered order
         o = heads_to_seq(o, layout, ctx.group).reshape(b, s_r, spec.q_rows)  # -> [b, s_r, n*d]
         y = zero3_linear_t(o, w.o_t, spec.q_rows, ctx.group)  # [b, s_r, n*d] -> [b, s_r, h]
-        return y if w.bo is None else y + w.bo
+        return add_bias(y, w.bo)
 
     def mlp(self, x: torch.Tensor, w: MlpWeights, spec: MlpSpec, ctx: SeqContext) -> torch.Tensor:
         return zero3_mlp(x, w, spec, ctx.group)

@@ -4,7 +4,9 @@
 compliant by pairing them with ZeRO-3 (DESIGN.md): the 1/p row shard is all-gathered just before the
 matmul, not saved for backward, gathered again in backward, and the weight gradient is
 reduce-scattered back onto the shard. Three weight collectives per linear per step, independent of
-the sequence length (the CPC term of the cost model).
+the sequence length (the CPC term of the cost model). Under autocast the weight is gathered in the
+compute dtype and its gradient reduce-scattered in the parameter's dtype (see
+:mod:`~lightning_paradyse.modes.base`).
 """
 
 from __future__ import annotations
@@ -14,26 +16,37 @@ from typing import Any
 import torch
 
 from lightning_paradyse.comm import Group, all_gather_rows, gather_weight, group_size, reduce_scatter_rows
-from lightning_paradyse.modes.base import mlp_hidden
+from lightning_paradyse.modes.base import Autocast, add_bias, mlp_hidden
 from lightning_paradyse.spec import MlpSpec, MlpWeights, row_sizes
 
 
 class _Zero3Linear(torch.autograd.Function):
+    """``x @ W.T`` (or ``x @ W_t``) with the row-sharded weight gathered in forward and again in backward.
+
+    Mixed precision as the plain matmul runs under autocast: the shard is cast to the compute dtype
+    *before* the all-gather (the values autocast would use, half the bytes under bf16), the input is
+    saved in that dtype, ``dx`` leaves in the input's dtype and the weight gradient is reduce-scattered
+    in the shard's dtype (float32 parameters: float32 sums over ranks).
+    """
+
     @staticmethod
     def forward(
         ctx: Any, x: torch.Tensor, shard: torch.Tensor, rows: int, transposed: bool, group: Group
     ) -> torch.Tensor:
+        dtype = Autocast.current(x).compute_dtype(x, shard)
         sizes = row_sizes(rows, group_size(group))
-        w = all_gather_rows(shard, sizes, group)  # [rows/p, k] -> [rows, k]
-        ctx.save_for_backward(x, shard)
-        ctx.sizes, ctx.transposed, ctx.group = sizes, transposed, group
-        return x @ w if transposed else x @ w.t()  # [.., rows] -> [.., k]  or  [.., k] -> [.., rows]
+        w = all_gather_rows(shard.to(dtype), sizes, group)  # [rows/p, k] -> [rows, k], compute dtype
+        xc = x.to(dtype)
+        ctx.save_for_backward(xc, shard)
+        ctx.sizes, ctx.transposed, ctx.group, ctx.x_dtype = sizes, transposed, group, x.dtype
+        return xc @ w if transposed else xc @ w.t()  # [.., rows] -> [.., k]  or  [.., k] -> [.., rows]
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None, None]:
-        x, shard = ctx.saved_tensors
-        w = all_gather_rows(shard, ctx.sizes, ctx.group)  # gathered again: [rows/p, k] -> [rows, k]
-        x2 = x.reshape(-1, x.shape[-1])  # [b, t, in] -> [b*t, in]
+        xc, shard = ctx.saved_tensors
+        w = all_gather_rows(shard.to(xc.dtype), ctx.sizes, ctx.group)  # gathered again: [rows/p, k] -> [rows, k]
+        dy = dy.to(xc.dtype)
+        x2 = xc.reshape(-1, xc.shape[-1])  # [b, t, in] -> [b*t, in]
         dy2 = dy.reshape(-1, dy.shape[-1])  # [b, t, out] -> [b*t, out]
         if ctx.transposed:  # y = x @ w, w [rows=in, k=out]
             dx = dy @ w.t()
@@ -41,15 +54,19 @@ class _Zero3Linear(torch.autograd.Function):
         else:  # y = x @ w.T, w [rows=out, k=in]
             dx = dy @ w
             dw = dy2.t() @ x2  # [out, in]
-        dshard = reduce_scatter_rows(dw, ctx.sizes, ctx.group)  # [rows, k] -> [rows/p, k]
-        return dx, dshard, None, None, None
+        dshard = reduce_scatter_rows(dw.to(shard.dtype), ctx.sizes, ctx.group)  # [rows, k] -> [rows/p, k]
+        return dx.to(ctx.x_dtype), dshard, None, None, None
 
 
-def zero3_linear(x: torch.Tensor, shard: torch.Tensor, rows: int, group: Group) -> torch.Tensor:
-    """``x @ W.T`` for an ``nn.Linear`` weight ``W [rows, in]`` held as row shards: ``[.., in] -> [.., rows]``."""
-    if group_size(group) == 1:
-        return x @ shard.t()
-    return _Zero3Linear.apply(x, shard, rows, False, group)
+def zero3_linear(
+    x: torch.Tensor, shard: torch.Tensor, rows: int, group: Group, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ W.T + b`` for an ``nn.Linear`` weight ``W [rows, in]`` held as row shards: ``[.., in] -> [.., rows]``.
+
+    ``bias`` (optional) is the bias's row shard, gathered whole and added in the output's dtype.
+    """
+    y = x @ shard.t() if group_size(group) == 1 else _Zero3Linear.apply(x, shard, rows, False, group)
+    return add_bias(y, zero3_bias(bias, rows, group))
 
 
 def zero3_linear_t(x: torch.Tensor, shard_t: torch.Tensor, rows: int, group: Group) -> torch.Tensor:
@@ -71,16 +88,8 @@ def zero3_mlp(x: torch.Tensor, w: MlpWeights, spec: MlpSpec, group: Group) -> to
 
     The intermediate is ``[b, s_r, f]``: full width for this rank's tokens (UlyssesZ / CP+ZeRO).
     """
-    up = zero3_linear(x, w.up, spec.ffn, group)  # [b, s_r, h] -> [b, s_r, f]
-    b_up = zero3_bias(w.b_up, spec.ffn, group)
-    if b_up is not None:
-        up = up + b_up
-    gate = None
-    if w.gate is not None:
-        gate = zero3_linear(x, w.gate, spec.ffn, group)
-        b_gate = zero3_bias(w.b_gate, spec.ffn, group)
-        if b_gate is not None:
-            gate = gate + b_gate
+    up = zero3_linear(x, w.up, spec.ffn, group, w.b_up)  # [b, s_r, h] -> [b, s_r, f]
+    gate = None if w.gate is None else zero3_linear(x, w.gate, spec.ffn, group, w.b_gate)
     hidden = mlp_hidden(up, gate, spec)  # [b, s_r, f]
     y = zero3_linear_t(hidden, w.down_t, spec.ffn, group)  # [b, s_r, f] -> [b, s_r, h]
-    return y if w.b_down is None else y + w.b_down
+    return add_bias(y, w.b_down)
