@@ -3,9 +3,11 @@
 All processes form one sequence-parallel group (gloo on CPU, NCCL on CUDA) and see the *same* global
 batch. For every batch the strategy
 
-1. (through the :class:`~lightning_paradyse.callbacks.ParaDySeSwitcher` callback, added when absent)
-   validates the batch, asks the planner for a plan, checks that every rank holds the same plan and
-   configures the rewritten blocks with the batch's layout and plan;
+1. in one call, :meth:`ParaDySeStrategy.begin_batch` (from its ``on_train_batch_start`` hook and its evaluation
+   steps), validates the batch, asks the planner for a plan, checks that every rank holds the same plan and
+   batch, and configures the rewritten blocks with the batch's layout and plan; it leaves a
+   :class:`~lightning_paradyse.step.StepRecord` that the :class:`~lightning_paradyse.callbacks.ParaDySeSwitcher`
+   callback (added when absent) logs;
 2. slices every tensor of the batch whose first two dims are ``[b, s]`` of the token tensor along the
    sequence with :meth:`SeqLayout.shard` — lengths need not be padded to a multiple of the group size:
    the layout's chunks differ by at most one token;
@@ -79,6 +81,7 @@ from lightning_paradyse.policy import (
 )
 from lightning_paradyse.slicing import BatchInfo, describe_batch, shard_batch
 from lightning_paradyse.spec import SeqContext
+from lightning_paradyse.step import PlanRecord, StepRecord, describe, plan_digest, plan_metrics
 from lightning_paradyse.strategy_groups import GroupSteps
 from lightning_paradyse.summary import summarize_whole_model
 
@@ -252,6 +255,11 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
         """Batches on which the one-time step check may still run (it waits for a batch whose first tokens have a
         real target)."""
         self._plan: Plan | None = None
+        self._last_plan: Plan | None = None
+        self.step_record: StepRecord | None = None
+        """What the last batch ran with (the callback logs it)."""
+        self.history: list[PlanRecord] = []
+        """Every plan executed (training, validation, test), in order."""
         self._optimizer_steps = 0
         self._sharded_ids: set[int] = set()
         self._clip: ClipInterception | None = None
@@ -503,6 +511,54 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
             mean_loss=self.loss_reduction == "mean",
         )
 
+    def begin_batch(self, batch: Any, stage: str) -> StepRecord:
+        """The one call per batch: validate it, plan it, verify that every rank holds the same plan and batch,
+        configure the model; returns (and keeps in :attr:`step_record`) what the callback logs.
+
+        Raises (identically on every rank, before any collective of the step): for a bad batch, a plan that
+        cannot run, or ranks that disagree.
+        """
+        self.group_times = ()
+        info = self.inspect_batch(batch)
+        if self.uses_groups(info, stage):
+            record = self._begin_groups(batch, info, stage)
+        else:
+            record = self._begin_plan(info, stage)
+        self.step_record = record
+        return record
+
+    def _begin_plan(self, info: BatchInfo, stage: str) -> StepRecord:
+        from lightning_paradyse.cost.planner import PlanSkipped
+
+        planner = self.planner
+        assert planner is not None, "the strategy creates its planner in setup"
+        try:
+            plan = planner.plan(info.seq_len, info.batch)
+        except PlanSkipped as skipped:  # decided alike on every rank: no collective needed
+            self.skip(info, str(skipped))
+            return StepRecord(stage, info.seq_len, info.batch, None)
+        self.check_plan(plan)
+        self.verify_ranks(plan_digest(plan, info.seq_len, info.batch, info.checksum))
+        self.activate(info, plan)
+        self.history.append(PlanRecord(stage, info.seq_len, info.batch, plan))
+        metrics = plan_metrics(plan, self.modes, stage) | _predictions(planner, info.seq_len, info.batch)
+        line = None
+        if plan != self._last_plan:
+            line, self._last_plan = f"[paradyse] {stage} length {info.seq_len}: plan {describe(plan)}", plan
+        return StepRecord(stage, info.seq_len, info.batch, plan, metrics, line)
+
+    def verify_ranks(self, digest: int) -> None:
+        """Raise on every rank unless every rank holds the same ``digest`` (of plan and batch): one all-gather."""
+        if self.world_size == 1:
+            return
+        mine = torch.tensor([digest], dtype=torch.int64, device=self.root_device)
+        every = self.all_gather(mine).reshape(-1).tolist()
+        if len(set(every)) != 1:
+            raise RuntimeError(
+                f"the ranks disagree on the plan or the batch (digest per rank: {every}); every rank must see the "
+                f"same batches (same data and seed, no per-rank sampler) and the planner must be deterministic"
+            )
+
     def activate(self, info: BatchInfo, plan: Plan) -> None:
         """Configure the blocks for the batch (layout, plan, HF labels); the next step consumes it."""
         module = self._module
@@ -513,8 +569,8 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
         info, self._pending = self._pending, None
         if info is None:
             raise RuntimeError(
-                f"ParaDySeStrategy.{hook}: the batch was not configured; the ParaDySeSwitcher callback does it "
-                f"before every batch (was it removed from trainer.callbacks?)"
+                f"ParaDySeStrategy.{hook}: the batch was not configured (ParaDySeStrategy.begin_batch runs before "
+                f"every batch, from the strategy's on_train_batch_start and its evaluation steps)"
             )
         return info
 
@@ -557,6 +613,11 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
         return GlobalLoss.apply(local * weight, self._group)  # type: ignore[no-any-return]  # over every rank
 
     @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Plan the training batch (after the callbacks' and the module's hooks, before its step)."""
+        self.begin_batch(batch, "train")
+
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         """The module's step on this rank's tokens, with the global loss."""
         if self._step_unchecked():
@@ -566,6 +627,8 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
             return self._skipped_loss()
         with self._rank_rng():  # dropout masks independent across ranks
             output = super().training_step(*args, **kwargs)
+        if self._group_step is not None and guards.step_loss(output) is None:  # no backward will hand shards back
+            self.finish_group_step()
         return self._global(output, info)  # type: ignore[no-any-return]
 
     def _step_unchecked(self) -> bool:
@@ -668,6 +731,7 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         """The module's validation step on this rank's tokens, with the global loss."""
+        self.begin_batch(args[0] if args else kwargs.get("batch"), "validate")
         info, args, kwargs = self._shard_step("validation_step", args, kwargs)
         if info.skip:
             return None  # type: ignore[return-value]  # Lightning skips the optimizer step of a None loss
@@ -676,6 +740,7 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         """The module's test step on this rank's tokens, with the global loss."""
+        self.begin_batch(args[0] if args else kwargs.get("batch"), "test")
         info, args, kwargs = self._shard_step("test_step", args, kwargs)
         if info.skip:
             return None  # type: ignore[return-value]  # Lightning skips the optimizer step of a None loss
@@ -830,6 +895,15 @@ def _parallelized_blocks(module: torch.nn.Module) -> list[str] | None:
         return parallel.step_state(module).blocks
     except RuntimeError:
         return None
+
+
+def _predictions(planner: Any, seq_len: int, batch: int) -> dict[str, float]:
+    """The cost model's predicted step time and peak memory of the plan, when the planner has them."""
+    step = getattr(planner, "step", None)
+    if step is None:
+        return {}
+    planned = step(seq_len, batch)  # cached: the plan just chosen
+    return {"plan/predicted_time_s": float(planned.time_s), "plan/predicted_peak_mib": planned.peak_bytes / 2**20}
 
 
 def _ensure_switcher(trainer: pl.Trainer) -> None:

@@ -1,6 +1,7 @@
 """The strategy's steps on groups of different sizes (``ParaDySeStrategy(groups=True)``), as a mixin.
 
-Per packed training batch (the :class:`~lightning_paradyse.callbacks.ParaDySeSwitcher` calls these in order):
+Per packed training batch (:meth:`GroupSteps._begin_groups`, from the strategy's ``begin_batch``, calls these in
+order):
 
 1. :meth:`GroupSteps.group_step`: split the ranks and assign the documents
    (:func:`lightning_paradyse.cost.groups.assign` on :func:`lightning_paradyse.groups.planner_cost`), cut
@@ -32,6 +33,7 @@ from lightning_paradyse.plan import Plan
 from lightning_paradyse.policy import Planner
 from lightning_paradyse.slicing import BatchInfo, describe_batch
 from lightning_paradyse.spec import SeqContext
+from lightning_paradyse.step import PlanRecord, StepRecord, describe, plan_metrics
 
 
 class GroupSteps:
@@ -45,7 +47,14 @@ class GroupSteps:
     loss_reduction: str
     on_infeasible: str
 
+    modes: tuple[str, ...]
+    history: list[PlanRecord]
+
     if TYPE_CHECKING:  # the strategy's own (declared here for the type checker only: no override at run time)
+
+        def skip(self, info: BatchInfo, reason: str) -> None: ...
+
+        def verify_ranks(self, digest: int) -> None: ...
 
         @property
         def _module(self) -> nn.Module: ...
@@ -63,6 +72,7 @@ class GroupSteps:
         self._step_scales = StepScales()
         self._group_planners: dict[int, Planner] = {}
         self._group_step: Any = None
+        self._last_groups: Any = None
         self._group_shifts: dict[str, tuple[torch.Tensor, int]] = {}
         """Per batch key of a grouped step: the whole batch's shifted labels cut to this group's documents, and
         their real count in the whole batch (labels handed to a Hugging Face model are shifted over the batch)."""
@@ -93,6 +103,35 @@ class GroupSteps:
     def uses_groups(self, info: BatchInfo, stage: str) -> bool:
         """Whether this batch runs on groups of different sizes (``groups=True``, a packed training batch)."""
         return self._group_set is not None and stage == "train" and info.doc_ids is not None
+
+    def _begin_groups(self, batch: Any, info: BatchInfo, stage: str) -> StepRecord:
+        """A packed training batch on groups of different sizes: split, verify, activate; the record to log."""
+        from lightning_paradyse.groups import imbalance
+
+        started = time.perf_counter()
+        split = self.group_step(batch, info)
+        solve_s = time.perf_counter() - started
+        if split is None:  # decided alike on every rank: no collective needed
+            self.skip(info, "no split of the ranks into groups fits the memory budget")
+            return StepRecord(stage, info.seq_len, info.batch, None)
+        step, mine, plan = split
+        self.verify_ranks(step.digest(info.checksum))
+        self.activate_group(step, mine, plan)
+        self.history.append(PlanRecord(stage, mine.seq_len, mine.batch, plan))
+        found = step.assignment
+        metrics = plan_metrics(plan, self.modes, stage) | {
+            "groups/count": float(len(found.sizes)),
+            "groups/own_size": float(step.size),
+            "groups/predicted_time_s": float(found.time),
+            "groups/predicted_imbalance": imbalance(found.times),
+            "groups/solve_s": solve_s,
+        }
+        line, key = None, (found.sizes, plan)
+        if key != self._last_groups:
+            sizes = "+".join(map(str, found.sizes))
+            line = f"[paradyse] {stage} length {info.seq_len}: groups {sizes}, rank 0's plan {describe(plan)}"
+            self._last_groups = key
+        return StepRecord(stage, mine.seq_len, mine.batch, plan, metrics, line)
 
     def _planner_for(self, g: int) -> Planner:
         """The planner of a group of ``g`` ranks (the cost model's machine, collectives for every size)."""
