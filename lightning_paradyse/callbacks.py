@@ -10,7 +10,8 @@ The strategy decides per batch (validate, plan, verify that every rank holds the
 * each plan change on a console line of its own (through the progress bar when one is shown);
 * the plans executed, in :attr:`history`.
 
-The strategy adds a switcher when the user did not. It does not import this module's callers, nor they it.
+The strategy adds a switcher when the user did not (the only import between the two modules: this one imports
+nothing of the strategy; both share :mod:`lightning_paradyse.step`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_paradyse.step import PlanRecord, StepRecord, describe, plan_digest, plan_metrics
+from lightning_paradyse.step import PlanRecord, StepRecord, plan_digest
 
 
 def announce(trainer: pl.Trainer, line: str) -> None:
@@ -140,4 +141,4 @@ class ParaDySeSwitcher(pl.Callback):
         return record
 
 
-__all__ = ["ParaDySeSwitcher", "PlanRecord", "StepRecord", "announce", "describe", "plan_digest", "plan_metrics"]
+__all__ = ["ParaDySeSwitcher", "announce", "plan_digest"]

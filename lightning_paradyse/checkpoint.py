@@ -28,6 +28,7 @@ over it (all ranks call it, in the same order).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -128,24 +129,41 @@ def parameter_names(optimizer: Optimizer, module: nn.Module) -> list[str]:
 
 
 def plain_order(
-    optimizer: Optimizer, names: list[str], targets: Mapping[str, Target], plain: PlainModel
+    optimizer: Optimizer, names: list[str], targets: Mapping[str, Target], plain: PlainModel, module: nn.Module
 ) -> list[list[str]]:
-    """Per param group, the plain parameters a plain optimizer would list, in the plain model's order."""
+    """Per param group, the plain parameters a plain optimizer would list, in the order it would list them.
+
+    The optimizer's own order is kept (a ``configure_optimizers`` may list parameters in any order), except inside
+    one rewritten op: its pieces (``q, k, v, o`` of a dispatch module) sit together in the parallel module and
+    are put in the plain module's order (an MLP's ``gate`` before ``up``), as iterating the plain module lists them.
+    """
+    ops = {path for path, _ in parallel.dispatchers(module)}
     order: list[list[str]] = []
     seen: set[str] = set()
     at = 0
     for group in optimizer.param_groups:
-        mine = list(dict.fromkeys(targets[n][0] for n in names[at : at + len(group["params"])]))  # pieces: once
+        mine = names[at : at + len(group["params"])]
         at += len(group["params"])
-        twice = seen.intersection(mine)
+        ordered: list[str] = []
+        for _, run in itertools.groupby(mine, key=lambda n: _op_of(n, ops)):
+            pieces = dict.fromkeys(targets[n][0] for n in run)  # pieces of one plain weight: once
+            ordered += sorted(pieces, key=plain.position) if len(pieces) > 1 else list(pieces)
+        ordered = list(dict.fromkeys(ordered))
+        twice = seen.intersection(ordered)
         if twice:
             raise ValueError(
                 f"pieces of the plain parameter(s) {sorted(twice)} are in different optimizer param groups; "
                 f"put every parameter of one plain weight in the same group"
             )
-        seen.update(mine)
-        order.append(sorted(mine, key=plain.position))
+        seen.update(ordered)
+        order.append(ordered)
     return order
+
+
+def _op_of(name: str, ops: set[str]) -> str:
+    """The rewritten op a parameter belongs to, or the parameter itself (its own run)."""
+    parent = name.rsplit(".", 1)[0] if "." in name else ""
+    return parent if parent in ops else name
 
 
 def _params(optimizer: Optimizer) -> list[Tensor]:
@@ -167,7 +185,7 @@ def consolidate_optimizer_state(
     saved = optimizer.state_dict()
     targets = plain_targets(module, plain)
     names = parameter_names(optimizer, module)
-    order = plain_order(optimizer, names, targets, plain)
+    order = plain_order(optimizer, names, targets, plain, module)
     index = {name: i for i, name in enumerate(n for names_ in order for n in names_)}
     entries: dict[str, dict[str, Any]] = {}  # plain name -> key -> value, or the gathered pieces
     for i, (name, param) in enumerate(zip(names, _params(optimizer))):  # the same order on every rank
@@ -219,7 +237,7 @@ def load_optimizer_state(
         saved = _from_legacy(saved, plain)
     targets = plain_targets(module, plain)
     names = parameter_names(optimizer, module)
-    order = plain_order(optimizer, names, targets, plain)
+    order = plain_order(optimizer, names, targets, plain, module)
     _check_groups(saved, order)
     index = {name: i for i, name in enumerate(n for names_ in order for n in names_)}
     state: dict[int, dict[str, Any]] = {}

@@ -112,6 +112,7 @@ class ClipInterception:
     def __init__(self, sharded: Callable[[], set[int]], group: Callable[[], Group]) -> None:
         self._sharded, self._group = sharded, group
         self._active = False
+        self._replaced: tuple[Any, Any] = (ClipInterception._ORIGINAL, ClipInterception._ORIGINAL)
 
     def clip(
         self,
@@ -131,15 +132,20 @@ class ClipInterception:
     def start(self) -> None:
         if self._active:
             return
+        self._replaced = (torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad.clip_grad_norm_)
         torch.nn.utils.clip_grad_norm_ = self.clip  # type: ignore[assignment]
         torch.nn.utils.clip_grad.clip_grad_norm_ = self.clip  # type: ignore[assignment]
         self._active = True
 
     def stop(self) -> None:
+        """Put back what :meth:`start` replaced, where ours is still installed (a later patch is left alone)."""
         if not self._active:
             return
-        torch.nn.utils.clip_grad_norm_ = ClipInterception._ORIGINAL
-        torch.nn.utils.clip_grad.clip_grad_norm_ = ClipInterception._ORIGINAL
+        utils_fn, module_fn = self._replaced
+        if torch.nn.utils.clip_grad_norm_ == self.clip:
+            torch.nn.utils.clip_grad_norm_ = utils_fn
+        if torch.nn.utils.clip_grad.clip_grad_norm_ == self.clip:
+            torch.nn.utils.clip_grad.clip_grad_norm_ = module_fn
         self._active = False
 
 
@@ -181,6 +187,8 @@ def rank_rng(seed: int, rank: int, step: int, device: torch.device) -> Iterator[
 STEP_CHECK_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
 """Relative difference allowed between the sharded step's loss and the whole step's on the probe (other dtypes:
 :data:`LOW_PRECISION_TOLERANCE`)."""
+TF32_TOLERANCE = 1e-3
+"""float32 with TF32 matmuls (``torch.set_float32_matmul_precision("high")``) rounds to ~1e-3."""
 LOW_PRECISION_TOLERANCE = 3e-2
 """bf16/fp16 round to ~1e-2: the check catches only large differences there (run it in float32 to be sure)."""
 
@@ -203,22 +211,39 @@ def prefix_batch(batch: Any, b: int, s: int, m: int) -> Any:
     return cut(batch)
 
 
+def step_check_tolerance(dtype: torch.dtype, precision: str | None) -> float:
+    """The check's relative tolerance: from the loss's dtype, loosened for bf16/fp16 compute (the loss of a
+    ``bf16-mixed`` step is float32, its matmuls were not) and for TF32 matmuls."""
+    text = str(precision or "")
+    if "16" in text:
+        return LOW_PRECISION_TOLERANCE
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
+        return TF32_TOLERANCE
+    return STEP_CHECK_TOLERANCE.get(dtype, LOW_PRECISION_TOLERANCE)
+
+
 @contextlib.contextmanager
-def side_effects_undone(trainer: Any, module: nn.Module) -> Iterator[None]:
-    """Run extra calls of the user's step without trace: logging off (Lightning's barebones switch), the random
-    stream and every torchmetrics state restored afterwards."""
+def side_effects_undone(trainer: Any, module: nn.Module, device: torch.device | None = None) -> Iterator[None]:
+    """Run extra calls of the user's step without trace: in eval mode (no dropout: both calls must compute the
+    same function), logging off (Lightning's barebones switch), the random streams (CPU and ``device``) and every
+    torchmetrics state restored afterwards. Attributes the step changes by hand are not restored."""
     metrics: list[Any] = [m for m in module.modules() if hasattr(m, "_defaults") and hasattr(m, "_update_count")]
     saved = [
         ({name: copy.deepcopy(getattr(m, name)) for name in m._defaults}, m._update_count, m._computed) for m in metrics
     ]
     barebones = trainer.barebones
     trainer.barebones = True  # self.log() warns and returns
+    modes = {m: m.training for m in module.modules()}
+    module.eval()
+    devices = [device.index or 0] if device is not None and device.type == "cuda" else []
     try:
-        with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
+        with warnings.catch_warnings(), torch.random.fork_rng(devices=devices):
             warnings.simplefilter("ignore")
             yield
     finally:
         trainer.barebones = barebones
+        for m, training in modes.items():
+            m.training = training
         for m, (states, count, computed) in zip(metrics, saved):
             for name, value in states.items():
                 setattr(m, name, value)
@@ -233,9 +258,8 @@ def step_loss(output: Any) -> torch.Tensor | None:
     return loss if isinstance(loss, torch.Tensor) else None
 
 
-def check_step_losses(sharded: float, whole: float, dtype: torch.dtype) -> None:
+def check_step_losses(sharded: float, whole: float, tol: float) -> None:
     """Raise when the sharded step's loss on the probe differs from the whole step's (the same on every rank)."""
-    tol = STEP_CHECK_TOLERANCE.get(dtype, LOW_PRECISION_TOLERANCE)
     if abs(sharded - whole) > tol * max(abs(whole), 1e-12):
         raise ValueError(
             f"the training step computes something across the tokens of its slice: on the first batch's first "

@@ -8,7 +8,7 @@ The model never knows it is parallel. In one documented order:
    the model the global positions of its local tokens (and, for Hugging Face models trained with
    ``labels``, the globally shifted labels and the global token count).
 2. :func:`configure` (every batch): the batch's layout and plan, a table look-up on every dispatch
-   module; :func:`set_step_targets` for label-shifting models.
+   module; :func:`set_step_sources`: the batch's tensors and their slices (labels are traced back to them).
 3. forward / backward on the local tokens, then :func:`reduce_replicated_grads` (norms, embeddings,
    head and the output biases are replicated; their gradients are summed over the group).
 

@@ -1,6 +1,7 @@
 """Planners: which :class:`~lightning_paradyse.plan.Plan` a batch of a given length runs.
 
-The switcher callback asks a :class:`Planner` for the plan of every batch. Two planners live here:
+The strategy asks a :class:`Planner` for the plan of every batch (``ParaDySeStrategy.begin_batch``). Two
+planners live here:
 
 * :class:`FixedPlanner`: the same plan for every batch (a user-written plan or a single mode).
 * :class:`ThresholdPolicy`: a simple, deterministic length-threshold policy, used when
@@ -10,7 +11,7 @@ The switcher callback asks a :class:`Planner` for the plan of every batch. Two p
   recomputation. Only the modes it is allowed and that are feasible for the model on the group are chosen.
 
 A planner must be deterministic: every rank asks it for the same lengths and must get the same plan
-(the switcher verifies this with an all-gather of a hash of the plan).
+(the strategy verifies this with an all-gather of a hash of the plan).
 """
 
 from __future__ import annotations

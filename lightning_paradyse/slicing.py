@@ -143,7 +143,10 @@ def shard_batch(batch: Any, info: BatchInfo, rank: int) -> tuple[Any, tuple[Batc
         local = cut(batch, "#0")
     elif isinstance(batch, Sequence) and not isinstance(batch, str):
         items = [cut(v, f"#{i}") if isinstance(v, Tensor) else v for i, v in enumerate(batch)]
-        local = type(batch)(items) if isinstance(batch, (tuple, list)) and type(batch) in (tuple, list) else items
+        if hasattr(batch, "_fields"):  # a namedtuple
+            local = batch._make(items)  # type: ignore[attr-defined]
+        else:
+            local = tuple(items) if isinstance(batch, tuple) else items
     else:
         local = apply_to_collection(batch, Tensor, lambda t: cut(t, "?"))
     if info.fill_target:
@@ -164,7 +167,8 @@ def _fill_one_target(local: Any, sources: list[BatchSource]) -> tuple[Any, list[
         local = {**local, key: filled}
     else:
         at = max(i for i, v in enumerate(local) if v is targets)
-        local = type(local)(filled if i == at else v for i, v in enumerate(local))
+        items = [filled if i == at else v for i, v in enumerate(local)]
+        local = local._make(items) if hasattr(local, "_fields") else type(local)(items)
     return local, [replace(src, local=filled) if src.local is targets else src for src in sources]
 
 
@@ -199,7 +203,9 @@ def checksum(batch: Any) -> int:
             digest.update(f"[{len(value)}".encode())
             for v in value:
                 visit(v)
-        else:
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            digest.update(repr(value).encode())
+        else:  # other objects: their type only (their repr may hold a per-process address)
             digest.update(repr(type(value).__name__).encode())
 
     visit(batch)

@@ -48,6 +48,11 @@ def plan_digest(plan: Plan, *extra: int) -> int:
     return int.from_bytes(hashlib.sha256(text).digest()[:8], "little", signed=True)
 
 
+def batch_digest(*values: int) -> int:
+    """A stable signed 64-bit hash of integers (a batch's shape and checksum), equal across processes."""
+    return int.from_bytes(hashlib.sha256(repr(values).encode()).digest()[:8], "little", signed=True)
+
+
 def describe(plan: Plan) -> str:
     """``"ring+rc,metp+rc x4"`` for a uniform plan, else the per-layer list."""
     first = plan.layers[0]
@@ -71,4 +76,4 @@ def plan_metrics(plan: Plan, modes: tuple[str, ...], stage: str = "train") -> di
     return out
 
 
-__all__ = ["PlanRecord", "StepRecord", "describe", "plan_digest", "plan_metrics"]
+__all__ = ["PlanRecord", "StepRecord", "batch_digest", "describe", "plan_digest", "plan_metrics"]

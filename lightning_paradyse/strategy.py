@@ -21,8 +21,9 @@ Batch conventions (those of common language-model data; :mod:`lightning_paradyse
 are the batch itself, the first tensor of a tuple/list, or a dict entry named in ``TOKEN_KEYS``; the
 targets a dict entry named in ``TARGET_KEYS`` or the last tensor of a tuple/list of two or more (``-100``
 marks no target).
-``labels`` means the Hugging Face convention (the model shifts them): the model is then handed the
-globally shifted labels (:func:`lightning_paradyse.parallel.set_step_targets`).
+``labels`` means the Hugging Face convention (the model shifts them). A Hugging Face model called with
+``labels=`` (or ``shift_labels=``) a tensor of the batch is handed this rank's slice of the labels shifted over
+the whole sequence and the global count (:func:`lightning_paradyse.parallel.set_step_sources`).
 
 Checkpoints hold the *plain* model's state dict (it loads into the unparallelised model) and full,
 consolidated optimizer state, so a run can resume with another plan, mode set or number of processes.
@@ -81,7 +82,7 @@ from lightning_paradyse.policy import (
 )
 from lightning_paradyse.slicing import BatchInfo, describe_batch, shard_batch
 from lightning_paradyse.spec import SeqContext
-from lightning_paradyse.step import PlanRecord, StepRecord, describe, plan_digest, plan_metrics
+from lightning_paradyse.step import PlanRecord, StepRecord, batch_digest, describe, plan_digest, plan_metrics
 from lightning_paradyse.strategy_groups import GroupSteps
 from lightning_paradyse.summary import summarize_whole_model
 
@@ -189,7 +190,7 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
     Notes:
         * Every rank of the group sees the same global batch: Lightning's distributed-sampler injection is
           turned off and the data's own order is used (seed it alike on every rank, e.g. ``seed_everything``);
-          the switcher checks every batch that all ranks hold the same one.
+          :meth:`begin_batch` checks every batch that all ranks hold the same one.
         * The process group is destroyed when the Trainer finishes: save checkpoints while it runs
           (``ModelCheckpoint``, or ``trainer.save_checkpoint`` in a hook).
         * Norm clipping (``gradient_clip_algorithm="norm"``, or ``torch.nn.utils.clip_grad_norm_`` in a hook) uses the
@@ -249,7 +250,7 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
         self.loss_reduction = _validate_choice("loss_reduction", loss_reduction, ("mean", "sum"))
         self._init_groups(_validate_flag("groups", groups))
         self.elementwise_optimizers = _validate_names("elementwise_optimizers", elementwise_optimizers)
-        self.check_replicas_every = int(_validate_positive("check_replicas_every", check_replicas_every or None) or 0)
+        self.check_replicas_every = _validate_every("check_replicas_every", check_replicas_every)
         self.check_step = _validate_flag("check_step", check_step)
         self._step_checks_left = 8
         """Batches on which the one-time step check may still run (it waits for a batch whose first tokens have a
@@ -534,7 +535,8 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
         assert planner is not None, "the strategy creates its planner in setup"
         try:
             plan = planner.plan(info.seq_len, info.batch)
-        except PlanSkipped as skipped:  # decided alike on every rank: no collective needed
+        except PlanSkipped as skipped:  # decided alike on every rank, which the digest checks
+            self.verify_ranks(batch_digest(info.seq_len, info.batch, info.checksum))
             self.skip(info, str(skipped))
             return StepRecord(stage, info.seq_len, info.batch, None)
         self.check_plan(plan)
@@ -613,6 +615,12 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
         return GlobalLoss.apply(local * weight, self._group)  # type: ignore[no-any-return]  # over every rank
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        if self._clip is not None:
+            self._clip.stop()
+        super().on_exception(exception)
+
+    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Plan the training batch (after the callbacks' and the module's hooks, before its step)."""
         self.begin_batch(batch, "train")
@@ -657,8 +665,13 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
             sharded_info = self.inspect_batch(prefix)
             whole_info = describe_batch(prefix, 1, 0, causal=causal, mean_loss=mean)
         except ValueError:  # e.g. no real target among the first tokens: try the next batch
+            if self._step_checks_left == 0:
+                rank_zero_warn("[paradyse] check_step: no batch had a real target among its first tokens; not checked")
             return
-        with torch.no_grad(), guards.side_effects_undone(trainer, module):
+        if not self._whole_weights_fit():
+            self._step_checks_left = 0
+            return
+        with torch.no_grad(), guards.side_effects_undone(trainer, module, self.root_device):
             self.activate(sharded_info, plan)
             _, a, k = self._shard_step("training_step", (prefix, *rest[0]), rest[1])
             local = guards.step_loss(super().training_step(*a, **k))
@@ -675,7 +688,23 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
         self.activate(info, plan)
         self._step_checks_left = 0
         if sharded is not None and whole is not None:
-            guards.check_step_losses(sharded, float(whole), whole.dtype)
+            guards.check_step_losses(sharded, float(whole), guards.step_check_tolerance(whole.dtype, trainer.precision))
+
+    def _whole_weights_fit(self) -> bool:
+        """Whether every rank can hold every weight for the check (CUDA: twice the whole weights free on every
+        rank, agreed by one all-reduce; CPU: yes). Warns and says no otherwise."""
+        if self.root_device.type != "cuda":
+            return True
+        from lightning_paradyse.summary import whole_sizes
+
+        module = self._module
+        item = next(module.parameters()).element_size()
+        need = 2 * item * sum(whole_sizes(module).values())
+        free = torch.tensor([float(torch.cuda.mem_get_info(self.root_device)[0] >= need)], device=self.root_device)
+        fits = float(all_reduce_sum(free, self._group)) == float(self.world_size)  # [1] summed over the group
+        if not fits:
+            rank_zero_warn("[paradyse] check_step: the whole weights do not fit on every rank; the step is not checked")
+        return fits
 
     def _sharded(self) -> set[int]:
         return self._sharded_ids
@@ -855,9 +884,9 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
     @override
     def teardown(self) -> None:
         """Keep the final weights for the spawn launcher, then destroy the process group."""
-        self._keep_final_state()
         if self._clip is not None:
-            self._clip.stop()
+            self._clip.stop()  # first: torch's own clip_grad_norm_ back whatever happens next
+        self._keep_final_state()
         super().teardown()
         if _distributed_is_initialized():
             dist.destroy_process_group()
@@ -920,7 +949,7 @@ def _keep_user_samplers(trainer: pl.Trainer) -> None:
 
     Lightning would replace the loaders' samplers (one replica: a reshuffled order, and an error for custom
     batch samplers such as the token-budget sampler); the data's own order, seeded alike on every rank, is
-    kept instead, and the switcher checks that every rank holds the same batch.
+    kept instead, and :meth:`ParaDySeStrategy.begin_batch` checks that every rank holds the same batch.
     """
     trainer._accelerator_connector.use_distributed_sampler = False
 
@@ -928,6 +957,12 @@ def _keep_user_samplers(trainer: pl.Trainer) -> None:
 def _validate_choice(option: str, value: str, choices: Sequence[str]) -> str:
     if value not in choices:
         raise ValueError(f"ParaDySeStrategy({option}={value!r}): choose one of {list(choices)}")
+    return value
+
+
+def _validate_every(option: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"ParaDySeStrategy({option}={value!r}): expected a number of steps >= 0 (0: never)")
     return value
 
 

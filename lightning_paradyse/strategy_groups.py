@@ -33,7 +33,7 @@ from lightning_paradyse.plan import Plan
 from lightning_paradyse.policy import Planner
 from lightning_paradyse.slicing import BatchInfo, describe_batch
 from lightning_paradyse.spec import SeqContext
-from lightning_paradyse.step import PlanRecord, StepRecord, describe, plan_metrics
+from lightning_paradyse.step import PlanRecord, StepRecord, batch_digest, describe, plan_metrics
 
 
 class GroupSteps:
@@ -111,7 +111,8 @@ class GroupSteps:
         started = time.perf_counter()
         split = self.group_step(batch, info)
         solve_s = time.perf_counter() - started
-        if split is None:  # decided alike on every rank: no collective needed
+        if split is None:  # decided alike on every rank, which the digest checks
+            self.verify_ranks(batch_digest(info.seq_len, info.batch, info.checksum))
             self.skip(info, "no split of the ranks into groups fits the memory budget")
             return StepRecord(stage, info.seq_len, info.batch, None)
         step, mine, plan = split

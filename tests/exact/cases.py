@@ -150,6 +150,19 @@ class SelfShift(TinyLM):
         return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
 
 
+class DropoutLM(TinyLM):
+    """Dropout on the hidden states before the head (a random op: the step check must not mistake it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = torch.nn.Dropout(0.1)
+
+    @override
+    def loss(self, batch: dict[str, Tensor]) -> Tensor:
+        logits = self.drop(self.model(batch["input_ids"]))  # [b, s, vocab]
+        return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten())
+
+
 class Lamb(torch.optim.Optimizer):
     """A LAMB-style optimizer: each update is scaled by the trust ratio ||w|| / ||update|| of the whole tensor."""
 
@@ -258,7 +271,7 @@ def cases_p2() -> dict[str, Case]:
     hf = lambda call, **kw: lambda: HFModule(call, **kw)  # noqa: E731
     val = dict(val_check_interval=2, limit_val_batches=2)
     return {
-        "lm-main-auto": Case(lm_main, _lm_data, trainer=val, test=True, strategy=dict(thresholds=(40, 56))),
+        "lm-main-auto": Case(lm_main, _lm_data, trainer=val, strategy=dict(thresholds=(40, 56))),
         "lm-main-mixed": Case(lm_main, _lm_data, trainer=val, strategy=dict(plan=MIXED)),
         "hf-labels-key": Case(hf("labels-key"), lambda: loader(hf_labels), strategy=dict(plan="ulysses")),
         "hf-labels-ids": Case(hf("labels-ids"), lambda: loader(tokens_only), strategy=dict(plan=MIXED)),
@@ -282,6 +295,7 @@ def cases_p2() -> dict[str, Case]:
         "adafactor": Case(tiny(optimizer="adafactor"), lambda: loader(shifted_targets), refused="Adafactor"),
         "muon": Case(tiny(optimizer="muon"), lambda: loader(shifted_targets), refused="Muon"),
         "lamb": Case(tiny(optimizer="lamb"), lambda: loader(shifted_targets), refused="Lamb"),
+        "dropout": Case(DropoutLM, lambda: loader(shifted_targets), strategy=dict(plan=MIXED), compare=False),
         "self-shift": Case(SelfShift, lambda: loader(tokens_only), refused="computes something across the tokens"),
     }
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from typing_extensions import override
 
@@ -49,6 +50,8 @@ class Case:
     """For a case that must be refused: a fragment of the error message (the run must raise it on every rank)."""
     test: bool = False
     """Also run ``trainer.test`` on the validation loader after the fit."""
+    compare: bool = True
+    """Compare with plain Lightning (``False``: random ops such as dropout; the case must only train)."""
 
 
 @dataclass
@@ -87,7 +90,7 @@ def _loaders(data: Any) -> tuple[Any, Any]:
     return data if isinstance(data, tuple) else (data, None)
 
 
-def run(case: Case, devices: int, strategy: Any) -> Result:
+def run(case: Case, devices: int, strategy: Any, port: Callable[[str], int] | None = None) -> Result:
     """Train ``case`` with ``strategy`` (``"auto"`` for plain Lightning); the result as rank 0 sees it."""
     result = Result()
     torch.set_default_dtype(torch.float64)
@@ -101,7 +104,8 @@ def run(case: Case, devices: int, strategy: Any) -> Result:
             trainer = quiet_trainer(devices, strategy, [_Record(result, path)], **settings)
             trainer.fit(module, train, val)
             if case.test and val is not None:
-                os.environ["MASTER_PORT"] = str(free_port())
+                assert port is not None, "a test after the fit under the strategy needs a port of its own"
+                os.environ["MASTER_PORT"] = str(port("test"))
                 trainer.test(module, val, verbose=False)
             if trainer.global_rank == 0 and os.path.exists(path):
                 result.checkpoint = torch.load(path, weights_only=False)
@@ -118,12 +122,20 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _worker(rank: int, world: int, make: Callable[[], dict[str, Case]], ports: dict[str, int]) -> dict[str, Result]:
+def _worker(rank: int, world: int, make: Callable[[], dict[str, Case]], store_path: str) -> dict[str, Result]:
+    store = dist.FileStore(store_path, world)  # ports picked by rank 0 just before use, shared through a file
     strategy_environment(rank, world)
     out = {}
     for name, case in make().items():
-        os.environ["MASTER_PORT"] = str(ports[name])
-        result = run(case, world, ParaDySeStrategy(**({"timeout": 60.0} | case.strategy)))
+
+        def port(what: str, name: str = name) -> int:
+            key = f"{name}/{what}"
+            if rank == 0:
+                store.set(key, str(free_port()))
+            return int(store.get(key))
+
+        os.environ["MASTER_PORT"] = str(port("fit"))
+        result = run(case, world, ParaDySeStrategy(**({"timeout": 60.0} | case.strategy)), port)
         out[name] = _portable(result) if rank == 0 else Result(error=result.error)
     return out
 
@@ -146,10 +158,10 @@ def run_parallel(make: Callable[[], dict[str, Case]], world: int, timeout: float
     """Every case of ``make()`` (a module-level function: the spawned ranks call it) under the strategy on
     ``world`` ranks, in one spawned job; rank 0's results (every rank's error, if only some raised: a refusal must
     happen on every rank)."""
-    ports = {name: free_port() for name in make()}
-    per_rank = run_distributed(_worker, world, make, ports, timeout=timeout)
+    with tempfile.TemporaryDirectory() as tmp:
+        per_rank = run_distributed(_worker, world, make, os.path.join(tmp, "ports"), timeout=timeout)
     results = {name: _restored(r) for name, r in per_rank[0].items()}
-    for name in ports:
+    for name in results:
         errors = [r[name].error for r in per_rank]
         if any(errors) and not all(errors):
             results[name].error = f"only ranks {[i for i, e in enumerate(errors) if e]} raised: {errors}"
