@@ -32,6 +32,7 @@ consolidated optimizer state, so a run can resume with another plan, mode set or
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import tempfile
 import weakref
@@ -888,10 +889,37 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
             self._clip.stop()  # first: torch's own clip_grad_norm_ back whatever happens next
         self._keep_final_state()
         super().teardown()
+        self._pending = None
+        self._destroy_group()
+
+    def _destroy_group(self) -> None:
+        """Destroy the process group *now*: gone, its threads joined, before this process can exit.
+
+        ``dist.destroy_process_group`` only unregisters a group; a gloo group stays alive, with its worker threads,
+        while anything refers to it (the batch contexts configured on the blocks do) and is freed only while the
+        interpreter finalizes. A worker that has not yet dropped the last collective's work (the final weights'
+        all-gather, whose tensors are Python objects) must take the GIL to free it; Python then ends that thread
+        inside C++ that cannot unwind and the process aborts after a finished fit ("terminate called without an
+        active exception", SIGABRT). So our references go first, then the registry's: the last one dropped, gloo
+        joins its workers here (the GIL released), while Python still runs.
+        """
+        module = self.lightning_module
+        if module is not None and parallel.is_parallelized(module):
+            parallel.step_state(module).ctx = None
+            for _, op in parallel.dispatchers(module):
+                op.ctx = None
+        world = None if self._group is None else weakref.ref(self._group)
+        self._group = None
+        self._group_set, self._group_step = None, None  # groups=True: the sub-groups
+        gc.collect()  # e.g. a step's autograd graph (its nodes keep the group) left in a reference cycle
         if _distributed_is_initialized():
             dist.destroy_process_group()
-        self._group = None
-        self._pending = None
+        if world is not None and world() is not None:
+            rank_zero_warn(
+                "[paradyse] the process group is still referenced after teardown (kept by your code?): its gloo "
+                "threads live until the interpreter exits, which can then abort (terminate called without an "
+                "active exception)"
+            )
 
     def _keep_final_state(self) -> None:
         trainer = self._trainer

@@ -271,7 +271,7 @@ def cases_p2() -> dict[str, Case]:
     hf = lambda call, **kw: lambda: HFModule(call, **kw)  # noqa: E731
     val = dict(val_check_interval=2, limit_val_batches=2)
     return {
-        "lm-main-auto": Case(lm_main, _lm_data, trainer=val, strategy=dict(thresholds=(40, 56))),
+        "lm-main-auto": Case(lm_main, _lm_data, trainer=val, test=True, strategy=dict(thresholds=(40, 56))),
         "lm-main-mixed": Case(lm_main, _lm_data, trainer=val, strategy=dict(plan=MIXED)),
         "hf-labels-key": Case(hf("labels-key"), lambda: loader(hf_labels), strategy=dict(plan="ulysses")),
         "hf-labels-ids": Case(hf("labels-ids"), lambda: loader(tokens_only), strategy=dict(plan=MIXED)),
