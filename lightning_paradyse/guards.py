@@ -97,22 +97,28 @@ def check_optimizers(optimizers: Sequence[Any], allowed: Sequence[str] = ()) -> 
 
 
 class ClipInterception:
-    """While active, ``torch.nn.utils.clip_grad_norm_`` on shards clips by the whole model's norm.
+    """While active, gradient norms taken on shards are the whole model's norm.
 
     Lightning's norm clipping and a user's own call (``torch.nn.utils.clip_grad_norm_(self.parameters(), 1.0)`` in
     a hook) both look the function up on ``torch.nn.utils`` at call time, so both get the exact global norm: the
-    shards' parts summed over the group, replicated parameters counted once. Calls on parameters without shards
-    run the original function. A reference taken before the strategy started
+    shards' parts summed over the group, replicated parameters counted once. ``torch.nn.utils.get_total_norm`` on
+    gradients is intercepted the same way (so ``get_total_norm`` then ``clip_grads_with_norm_``, which only scales,
+    is exact too). Calls without shards run the original functions. A reference taken before the strategy started
     (``from torch.nn.utils import clip_grad_norm_`` at import time) is not intercepted: call
-    ``trainer.strategy.clip_grad_norm_`` or Lightning's ``self.clip_gradients`` instead.
+    ``trainer.strategy.clip_grad_norm_`` or Lightning's ``self.clip_gradients`` instead (the replica check turns a
+    missed one into an error).
     """
 
     _ORIGINAL = torch.nn.utils.clip_grad_norm_
+    _ORIGINAL_TOTAL = torch.nn.utils.get_total_norm
 
-    def __init__(self, sharded: Callable[[], set[int]], group: Callable[[], Group]) -> None:
-        self._sharded, self._group = sharded, group
+    def __init__(
+        self, sharded: Callable[[], set[int]], group: Callable[[], Group], sharded_grads: Callable[[], set[int]]
+    ) -> None:
+        """``sharded``: ids of the sharded parameters; ``sharded_grads``: ids of their current gradients."""
+        self._sharded, self._group, self._sharded_grads = sharded, group, sharded_grads
         self._active = False
-        self._replaced: tuple[Any, Any] = (ClipInterception._ORIGINAL, ClipInterception._ORIGINAL)
+        self._replaced: list[tuple[Any, str, Any]] = []
 
     def clip(
         self,
@@ -129,23 +135,42 @@ class ClipInterception:
             return ClipInterception._ORIGINAL(params, max_norm, norm_type, error_if_nonfinite, foreach)
         return parallel.clip_grad_norm(params, float(max_norm), sharded, self._group(), norm_type, error_if_nonfinite)
 
+    def total_norm(
+        self, tensors: Any, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach: bool | None = None
+    ) -> torch.Tensor:
+        """``torch.nn.utils.get_total_norm`` with the whole model's norm when ``tensors`` include sharded grads."""
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        sharded = self._sharded_grads()
+        shard = [id(t) in sharded for t in tensors]
+        if not any(shard):
+            return ClipInterception._ORIGINAL_TOTAL(tensors, norm_type, error_if_nonfinite, foreach)
+        total = parallel.tensor_norm(tensors, shard, self._group(), float(norm_type))
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite")
+        return total
+
     def start(self) -> None:
         if self._active:
             return
-        self._replaced = (torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad.clip_grad_norm_)
-        torch.nn.utils.clip_grad_norm_ = self.clip  # type: ignore[assignment]
-        torch.nn.utils.clip_grad.clip_grad_norm_ = self.clip  # type: ignore[assignment]
+        clip_grad = torch.nn.utils.clip_grad
+        targets = [
+            (torch.nn.utils, "clip_grad_norm_", self.clip),
+            (clip_grad, "clip_grad_norm_", self.clip),
+            (torch.nn.utils, "get_total_norm", self.total_norm),
+        ]
+        self._replaced = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
+        for owner, name, ours in targets:
+            setattr(owner, name, ours)
         self._active = True
 
     def stop(self) -> None:
         """Put back what :meth:`start` replaced, where ours is still installed (a later patch is left alone)."""
         if not self._active:
             return
-        utils_fn, module_fn = self._replaced
-        if torch.nn.utils.clip_grad_norm_ == self.clip:
-            torch.nn.utils.clip_grad_norm_ = utils_fn
-        if torch.nn.utils.clip_grad.clip_grad_norm_ == self.clip:
-            torch.nn.utils.clip_grad.clip_grad_norm_ = module_fn
+        ours = {"clip_grad_norm_": self.clip, "get_total_norm": self.total_norm}
+        for owner, name, before in self._replaced:
+            if getattr(owner, name) == ours[name]:
+                setattr(owner, name, before)
         self._active = False
 
 

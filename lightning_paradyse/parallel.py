@@ -653,20 +653,28 @@ def grad_norm(
     whole after :func:`reduce_replicated_grads`, count once.
     """
     params = [p for p in parameters if p.grad is not None]
-    if not params:
-        return torch.tensor(0.0)
     grads = [p.grad for p in params if p.grad is not None]
-    mine = [float(id(p) in sharded) for p in params]
+    return tensor_norm(grads, [id(p) in sharded for p in params], group, norm_type)
+
+
+def tensor_norm(tensors: list[torch.Tensor], shard: list[bool], group: Group, norm_type: float = 2.0) -> torch.Tensor:
+    """The norm of the whole tensors of which ``tensors`` hold this rank's part (a collective over the group).
+
+    ``shard[i]``: ``tensors[i]`` is one rank's piece of a tensor split over the group (its part summed over the
+    group); otherwise every rank holds it whole and it counts once.
+    """
+    if not tensors:
+        return torch.tensor(0.0)
     if norm_type == float("inf"):
-        per = torch.stack([g.detach().abs().max().to(grads[0].dtype) for g in grads])  # [n]
-        shard_max = torch.stack([v for v, s in zip(per, mine) if s]).max() if any(mine) else per.new_zeros(())
-        rest = torch.stack([v for v, s in zip(per, mine) if not s]).max() if not all(mine) else per.new_zeros(())
+        per = torch.stack([t.detach().abs().max().to(tensors[0].dtype) for t in tensors])  # [n]
+        shard_max = torch.stack([v for v, s in zip(per, shard) if s]).max() if any(shard) else per.new_zeros(())
+        rest = torch.stack([v for v, s in zip(per, shard) if not s]).max() if not all(shard) else per.new_zeros(())
         if group_size(group) > 1:
             every = all_gather_rows(shard_max.reshape(1), [1] * group_size(group), group)  # [1] -> [p]
             shard_max = every.max()
         return torch.maximum(shard_max, rest)
-    powers = torch.stack([torch.linalg.vector_norm(g.detach(), norm_type) ** norm_type for g in grads])  # [n]
-    flags = torch.tensor(mine, dtype=powers.dtype, device=powers.device)
+    powers = torch.stack([torch.linalg.vector_norm(t.detach(), norm_type) ** norm_type for t in tensors])  # [n]
+    flags = torch.tensor([float(s) for s in shard], dtype=powers.dtype, device=powers.device)
     shard_part = (powers * flags).sum()
     if group_size(group) > 1:
         shard_part = all_reduce_sum(shard_part.reshape(1), group)[0]  # [1] summed over the group

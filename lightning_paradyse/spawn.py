@@ -6,7 +6,9 @@ and returns the list of per-rank results. A failing assertion on any rank fails 
 rank's traceback; a rank that hangs (a mismatched collective) makes the call fail after ``timeout``
 seconds instead of hanging the suite.
 
-``fn`` must be a module-level function (it is pickled by reference).
+``fn`` must be a module-level function (it is pickled by reference). Each worker is a fresh interpreter
+(``spawn``) unless :func:`use_forkserver` was called: then workers are forked from one server process that
+imported the given modules once (the test suite does this: a job starts in ~0.2 s instead of 3-6 s of imports).
 """
 
 from __future__ import annotations
@@ -17,12 +19,27 @@ import queue
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+
+_START: dict[str, Any] = {"method": "spawn"}
+"""How :func:`run_distributed` starts its workers (see :func:`use_forkserver`)."""
+
+
+def use_forkserver(preload: Sequence[str]) -> None:
+    """Start the workers of later :func:`run_distributed` calls from a fork server that imports ``preload`` once.
+
+    Call it before the first call (the server starts then and keeps its modules); modules that fail to import are
+    skipped. The server forks before any process group or thread exists, so each worker starts clean.
+    """
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(preload))
+    _START["method"] = "forkserver"
 
 
 def _worker(rank: int, world: int, init_file: str, fn: Callable[..., Any], args: tuple[Any, ...], out: Any) -> None:
@@ -72,7 +89,7 @@ def _collect(procs: list[Any], out: Any, results: dict[int, Any], errors: list[s
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the per-rank results."""
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(_START["method"])
     out = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "store")

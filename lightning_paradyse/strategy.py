@@ -370,7 +370,7 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
             self.setup_optimizers(trainer)
             check_optimizers(self.optimizers, self.elementwise_optimizers)
         self._sharded_ids = parallel.sharded_parameter_ids(self._module)
-        self._clip = self._clip or ClipInterception(self._sharded, self._process_group)
+        self._clip = self._clip or ClipInterception(self._sharded, self._process_group, self._sharded_grads)
         self._clip.start()  # clip_grad_norm_ on shards: the whole model's norm (Lightning's clipping and the user's)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -709,6 +709,11 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
 
     def _sharded(self) -> set[int]:
         return self._sharded_ids
+
+    def _sharded_grads(self) -> set[int]:
+        """Ids of the sharded parameters' current gradients (for ``get_total_norm`` on gradients)."""
+        params = self.lightning_module.parameters() if self.lightning_module is not None else iter(())
+        return {id(p.grad) for p in params if id(p) in self._sharded_ids and p.grad is not None}
 
     def _process_group(self) -> Group:
         return self._group

@@ -8,6 +8,23 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from lightning_paradyse.spawn import use_forkserver
+
+# Spawned gloo jobs fork from one server that imported these once: a job starts in ~0.2 s instead of 3-6 s.
+use_forkserver(
+    [
+        "torch",
+        "torch.distributed",
+        "lightning.pytorch",
+        "lightning_paradyse",
+        "lightning_paradyse.strategy",
+        "transformers",
+        "transformers.models.llama.modeling_llama",
+        "tests.support.lightning",
+        "tests.exact.harness",
+    ]
+)
+
 
 @pytest.fixture(autouse=True)
 def _clean_state() -> Iterator[None]:

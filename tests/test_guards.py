@@ -40,14 +40,19 @@ def test_elementwise_optimizers_pass_and_whole_tensor_ones_are_refused_by_name()
 def test_clip_interception_is_torchs_own_without_shards_and_restores_it() -> None:
     original = torch.nn.utils.clip_grad_norm_
     params, reference = _params(), _params()
-    intercept = ClipInterception(lambda: set(), lambda: None)
+    original_total = torch.nn.utils.get_total_norm
+    intercept = ClipInterception(lambda: set(), lambda: None, lambda: set())
     intercept.start()
     try:
         assert torch.nn.utils.clip_grad_norm_ is not original
+        assert torch.nn.utils.get_total_norm is not original_total
+        total = torch.nn.utils.get_total_norm([p.grad for p in params])
         norm = torch.nn.utils.clip_grad_norm_(params, 0.5)
     finally:
         intercept.stop()
     assert torch.nn.utils.clip_grad_norm_ is original and torch.nn.utils.clip_grad.clip_grad_norm_ is original
+    assert torch.nn.utils.get_total_norm is original_total
+    assert torch.equal(total, original_total([p.grad for p in reference]))
     expected = original(reference, 0.5)
     assert torch.equal(norm, expected) and all(torch.equal(a.grad, b.grad) for a, b in zip(params, reference))
 
@@ -61,6 +66,19 @@ def test_whole_model_clip_on_one_process_equals_torchs() -> None:
         torch.testing.assert_close(norm, expected)
         for a, b in zip(params, reference):
             torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_total_norm_of_sharded_grads_on_one_process_equals_torchs() -> None:
+    params = _params()
+    grads = [p.grad for p in params]
+    intercept = ClipInterception(lambda: {id(params[0])}, lambda: None, lambda: {id(params[0].grad)})
+    intercept.start()
+    try:
+        totals = [torch.nn.utils.get_total_norm(grads, norm_type) for norm_type in (2.0, 1.0, float("inf"))]
+    finally:
+        intercept.stop()
+    for total, norm_type in zip(totals, (2.0, 1.0, float("inf"))):
+        torch.testing.assert_close(total, torch.nn.utils.get_total_norm(grads, norm_type))
 
 
 def test_replicas_are_checked_on_the_first_steps_then_every_n() -> None:

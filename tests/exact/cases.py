@@ -105,10 +105,17 @@ def padded(side: str) -> Callable[[Tensor], dict[str, Tensor]]:
 class TinyLM(pl.LightningModule):
     """The reference Llama, mean token cross-entropy, the optimizer and hooks a recipe picks."""
 
-    def __init__(self, optimizer: str = "adamw", clip_in_hook: float | None = None, scheduler: bool = False):
+    def __init__(
+        self,
+        optimizer: str = "adamw",
+        clip_in_hook: float | None = None,
+        scheduler: bool = False,
+        clip_by_total: bool = False,
+    ):
         super().__init__()
         self.model = build_model("llama-tiny")
         self.optimizer, self.clip_in_hook, self.scheduler = optimizer, clip_in_hook, scheduler
+        self.clip_by_total = clip_by_total
 
     def loss(self, batch: dict[str, Tensor]) -> Tensor:
         logits = self.model(batch["input_ids"])  # [b, s, vocab]
@@ -128,7 +135,12 @@ class TinyLM(pl.LightningModule):
 
     @override
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.clip_in_hook is not None:  # a recipe's own clipping, as plain PyTorch code
+        if self.clip_in_hook is None:
+            return
+        if self.clip_by_total:  # the two-part form: the norm of the gradients, then a scaling by it
+            norm = torch.nn.utils.get_total_norm([p.grad for p in self.parameters() if p.grad is not None])
+            torch.nn.utils.clip_grads_with_norm_(self.parameters(), self.clip_in_hook, norm)
+        else:  # a recipe's own clipping, as plain PyTorch code
             torch.nn.utils.clip_grad_norm_(self.parameters(), self.clip_in_hook)
 
     @override
@@ -287,6 +299,9 @@ def cases_p2() -> dict[str, Case]:
             trainer=dict(gradient_clip_val=0.002, gradient_clip_algorithm="value"),
         ),
         "clip-in-hook": Case(tiny(clip_in_hook=0.05), lambda: loader(shifted_targets), strategy=dict(plan="metp")),
+        "clip-total-norm": Case(
+            tiny(clip_in_hook=0.05, clip_by_total=True), lambda: loader(shifted_targets), strategy=dict(plan=MIXED)
+        ),
         "sgd": Case(tiny(optimizer="sgd"), lambda: loader(shifted_targets), strategy=dict(plan="tp_sp")),
         "adam": Case(tiny(optimizer="adam"), lambda: loader(shifted_targets), strategy=dict(plan="ring")),
         "rmsprop": Case(tiny(optimizer="rmsprop"), lambda: loader(shifted_targets), strategy=dict(plan="ulysses")),
