@@ -8,12 +8,13 @@ launching process and every worker is gone, the stalled one included, well befor
 Usage::
 
     python benchmarks/stall_check.py                           # start_method=spawn, rank 1 stalls
-    python benchmarks/stall_check.py --start-method popen      # the script launcher (rank 0 is this process)
-    python benchmarks/stall_check.py --start-method popen --stall-rank 0
+    python benchmarks/stall_check.py --start-method popen --timeout 15   # the script launcher (rank 0 is this process)
+    python benchmarks/stall_check.py --start-method popen --timeout 15 --stall-rank 0   # see below
 
 Prints how the fit ended and how long it took, then checks the process table for any process of the run (each
 carries a marker in its environment). Exit status 0 when the fit raised and no process of the run is left, else 1
-(the leftovers are killed).
+(the leftovers are killed). Under ``popen`` with rank 0 stalled, the failed rank 1 makes Lightning's process
+observer kill the whole run, this script's launching process included (exit status 137, nothing reported).
 """
 
 from __future__ import annotations
@@ -70,8 +71,9 @@ def batches(n: int) -> list[tuple[Tensor, Tensor]]:
     return [(w[:, :-1], w[:, 1:].clone()) for w in windows]
 
 
-def run_processes(marker: str) -> list[int]:
-    """Process ids (other than this one) whose environment carries ``MARKER=marker``."""
+def run_processes(marker: str, helpers: bool = False) -> list[int]:
+    """Process ids (other than this one) whose environment carries ``MARKER=marker``; without ``helpers``, not
+    multiprocessing's resource tracker (it lives as long as the launching process, by design)."""
     found = []
     needle = f"{MARKER}={marker}".encode()
     for entry in os.listdir("/proc"):
@@ -79,10 +81,13 @@ def run_processes(marker: str) -> list[int]:
             continue
         try:
             with open(f"/proc/{entry}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    found.append(int(entry))
+                environ = f.read().split(b"\0")
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
         except OSError:
             continue
+        if needle in environ and (helpers or b"resource_tracker" not in cmdline):
+            found.append(int(entry))
     return found
 
 
@@ -114,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         outcome = f"raised {type(err).__name__}: {str(err).strip().splitlines()[0][:160] if str(err).strip() else ''}"
     took = time.monotonic() - start
     if trainer.global_rank != 0:  # a script-launched worker (popen): only the launching process reports
-        return 0
+        return 0 if outcome == "finished" else 1  # a failed worker exits non-zero, as it would without the check
     print(f"fit {outcome} after {took:.1f} s (timeout {args.timeout:.0f} s, stall {args.stall:.0f} s)", flush=True)
     deadline = time.monotonic() + args.grace
     left = run_processes(marker)

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import signal
+import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -293,3 +295,21 @@ def check_step_losses(sharded: float, whole: float, tol: float) -> None:
             f"them in the data, or pass labels= to a Hugging Face model), or a loss reduced per sequence. "
             f"ParaDySeStrategy(check_step=False) turns this check off"
         )
+
+
+def stop_workers(procs: Sequence[Any], grace: float = 5.0) -> list[int]:
+    """Kill the worker processes this (launching) process started that are still running ``grace`` seconds on.
+
+    For the script launcher's rank 0 when its fit fails: the other ranks then either fail too (a refused feature,
+    a collective that lost its peer) and exit on their own, or are stalled outside any collective (stuck user code
+    or data loading) and would outlive the run. Returns the ids of the processes killed.
+    """
+    deadline = time.monotonic() + grace
+    while any(proc.poll() is None for proc in procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    killed = []
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            killed.append(int(proc.pid))
+    return killed

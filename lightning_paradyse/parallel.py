@@ -290,7 +290,7 @@ class _Call:
         return tuple(self.args), self.kwargs
 
 
-def _agree(ok: bool, ctx: SeqContext, device: torch.device | None) -> bool:
+def _agree(ok: bool, ctx: SeqContext, device: torch.device) -> bool:
     """Whether ``ok`` holds on every rank of the group (one 4-byte all-reduce, not counted as mode traffic)."""
     if ctx.p == 1:
         return ok
@@ -314,7 +314,7 @@ def _position_hook(arg: str) -> Any:
             return args, kwargs
         call = _Call(mod, args, kwargs)
         given = call.get(arg)
-        device = _device_of(args, kwargs)
+        device = _device_of(args, kwargs, mod)
         if given is None:
             positions = ctx.positions(device)  # [s_r] global positions of the local tokens
             call.set(arg, positions if arg == "positions" else positions[None])  # position_ids: [1, s_r]
@@ -372,7 +372,7 @@ def _labels_hook(
     name = "shift_labels" if shift is not None else "labels"
     candidates = [s for s in state.sources if s.whole.dim() >= 2]
     found = [1.0 if isinstance(given, torch.Tensor) and _is_slice(given, s) else 0.0 for s in candidates]
-    agreed = _agreed_source(found, candidates, ctx, given.device if isinstance(given, torch.Tensor) else None)
+    agreed = _agreed_source(found, candidates, ctx, _device_of(args, kwargs, mod))
     if agreed is None:
         raise ValueError(
             f"the model was called with {name}= that is not a tensor of the batch (ParaDySeStrategy hands each "
@@ -391,7 +391,7 @@ def _labels_hook(
 
 
 def _agreed_source(
-    found: list[float], candidates: list[BatchSource], ctx: SeqContext, device: torch.device | None
+    found: list[float], candidates: list[BatchSource], ctx: SeqContext, device: torch.device
 ) -> BatchSource | None:
     """The candidate every rank traced its labels to (one small all-reduce), or ``None``."""
     if not candidates:
@@ -403,11 +403,12 @@ def _agreed_source(
     return next((c for c, v in zip(candidates, votes.tolist()) if v == ctx.p), None)
 
 
-def _device_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device | None:
+def _device_of(args: tuple[Any, ...], kwargs: dict[str, Any], mod: nn.Module) -> torch.device:
+    """The device of the call's first tensor, else of the module's first parameter (else the CPU)."""
     for value in list(args) + list(kwargs.values()):
         if isinstance(value, torch.Tensor):
             return value.device
-    return None
+    return next((p.device for p in mod.parameters()), torch.device("cpu"))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -26,7 +26,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-
 _START: dict[str, Any] = {"method": "spawn"}
 """How :func:`run_distributed` starts its workers (see :func:`use_forkserver`)."""
 

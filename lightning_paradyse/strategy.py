@@ -619,6 +619,15 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         if self._clip is not None:
             self._clip.stop()
+        launcher = self._launcher
+        procs = launcher.procs if isinstance(launcher, _SubprocessScriptLauncher) else None
+        if procs:  # the script launcher's rank 0: no worker it started may outlive the failed run
+            killed = guards.stop_workers(procs)
+            if killed:
+                rank_zero_warn(
+                    f"rank 0 failed ({type(exception).__name__}); stopped {len(killed)} other rank(s) still running "
+                    f"5 s later (processes {killed}: stalled outside any collective)"
+                )
         super().on_exception(exception)
 
     @override

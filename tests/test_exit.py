@@ -29,3 +29,24 @@ def test_spawn_fit_releases_process_group(plan: str) -> None:
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(("start_method", "timeout"), [("spawn", 5), ("popen", 15)])
+def test_a_stalled_rank_does_not_outlive_the_run(start_method: str, timeout: int) -> None:
+    """Rank 1 sleeps inside its step; rank 0's collective times out and every process of the run ends.
+
+    Under ``popen`` rank 0 launched rank 1 itself and stops it (before: it slept on after the run had failed);
+    under ``spawn`` the launcher stops the workers. The collective timeout leaves ``popen``'s workers time to
+    start (it also bounds the rendezvous).
+    """
+    args = ["--start-method", start_method, "--stall-rank", "1", "--timeout", str(timeout), "--grace", "20"]
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/stall_check.py", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "processes of the run left 20 s after the fit: 0" in proc.stdout, proc.stdout

@@ -6,11 +6,15 @@ is proven against plain Lightning in ``tests/exact``.
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from lightning_paradyse import parallel
-from lightning_paradyse.guards import ClipInterception, check_optimizers, rank_rng, replica_check_due
+from lightning_paradyse.guards import ClipInterception, check_optimizers, rank_rng, replica_check_due, stop_workers
 from tests.exact.cases import Lamb
 
 
@@ -97,3 +101,11 @@ def test_rank_streams_differ_per_rank_and_leave_the_global_stream_alone() -> Non
     assert torch.equal(torch.get_rng_state(), state)
     with rank_rng(7, 0, step=3, device=torch.device("cpu")):
         assert torch.equal(torch.rand(8), draws[0])  # reproducible (a resumed run draws the same)
+
+
+def test_stop_workers_kills_only_the_ones_still_running() -> None:
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    quick = subprocess.Popen([sys.executable, "-c", "pass"])
+    killed = stop_workers([sleeper, quick], grace=2.0)
+    assert killed == [sleeper.pid]
+    assert sleeper.wait(timeout=10) == -signal.SIGKILL and quick.wait(timeout=10) == 0

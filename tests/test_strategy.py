@@ -22,8 +22,6 @@ import io
 import os
 import re
 import socket
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -548,7 +546,6 @@ def test_two_processes(tmp_path: Path, references: dict[str, dict[str, Any]]) ->
     assert_same_training(out["tel-mixed"], references["tel"], "TransformerEncoderLayer model p=2 mixed plan")
     assert out["llama-measured"]["planner"] == "CostPlanner", "plan='auto' without a profile: the exact planner"
     assert_same_training(out["llama-measured"], references["llama"], "llama p=2 planner on rates measured at setup")
-    assert len(set(out["llama-measured"]["plans"])) >= 2, out["llama-measured"]["plans"]
     skip, ref_skip = out["llama-skip"], references["skip"]
     assert [r["llama-skip"]["skipped"] for r in per_rank] == [1, 1], "the 2 x 300 batch is skipped on every rank"
     assert skip["losses"][1] == 0.0 and len(skip["plans"]) == 3
@@ -581,18 +578,3 @@ def test_three_processes(references: dict[str, dict[str, Any]]) -> None:
     for name in ("infeasible", "layers", "long"):
         messages = {rank_out[name]["error"] for rank_out in per_rank}
         assert len(messages) == 1, f"{name}: the ranks raised different errors: {messages}"
-
-
-@pytest.mark.dist
-@pytest.mark.slow
-def test_cli_fit_on_two_processes(tmp_path: Path) -> None:
-    """``python cli.py fit --config configs/cpu_2proc.yaml`` (the README's main job), 3 steps."""
-    cmd = [sys.executable, str(ROOT / "cli.py"), "fit", "--config", str(ROOT / "configs/cpu_2proc.yaml")]
-    cmd += ["--trainer.max_steps=3", "--trainer.limit_val_batches=1", "--trainer.num_sanity_val_steps=0"]
-    cmd += [f"--trainer.default_root_dir={tmp_path}"]  # logs there; the config's paths are relative to the root
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK")}
-    env["PYTHONPATH"] = str(ROOT)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output[-4000:]
-    assert "[paradyse] train length" in output and "final loss" in output, output[-4000:]

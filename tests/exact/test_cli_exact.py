@@ -53,6 +53,7 @@ def test_main_job_trains_the_same_model_on_1_2_and_3_processes(tmp_path: Path) -
     }
     lines = [line for line in runs[2]["output"].splitlines() if "[paradyse] train length" in line]
     assert lines and all(line.startswith("[paradyse]") for line in lines), "each plan change on a line of its own"
+    assert "final loss" in runs[2]["output"], runs[2]["output"][-4000:]
     for p, run in runs.items():
         ckpt = run["ckpt"]
         assert list(ckpt["state_dict"]) == list(plain["state_dict"])
