@@ -65,7 +65,7 @@ class ParaDySeSwitcher(pl.Callback):
 
     @property
     def history(self) -> list[PlanRecord]:
-        """Every plan executed so far (training, validation and test), in order."""
+        """The plans executed so far (training, validation and test), in order (the last 100,000)."""
         return list(getattr(self._strategy, "history", []))
 
     @override

@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 
 from lightning_paradyse.plan import OPS, Plan
 
+HISTORY_LIMIT = 100_000
+"""Plans the strategy keeps in its ``history`` (the oldest are dropped: a long run's memory stays bounded)."""
+
 
 @dataclass(frozen=True)
 class PlanRecord:

@@ -36,6 +36,7 @@ import gc
 import os
 import tempfile
 import weakref
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from datetime import timedelta
@@ -83,7 +84,15 @@ from lightning_paradyse.policy import (
 )
 from lightning_paradyse.slicing import BatchInfo, describe_batch, shard_batch
 from lightning_paradyse.spec import SeqContext
-from lightning_paradyse.step import PlanRecord, StepRecord, batch_digest, describe, plan_digest, plan_metrics
+from lightning_paradyse.step import (
+    HISTORY_LIMIT,
+    PlanRecord,
+    StepRecord,
+    batch_digest,
+    describe,
+    plan_digest,
+    plan_metrics,
+)
 from lightning_paradyse.strategy_groups import GroupSteps
 from lightning_paradyse.summary import summarize_whole_model
 
@@ -260,8 +269,8 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
         self._last_plan: Plan | None = None
         self.step_record: StepRecord | None = None
         """What the last batch ran with (the callback logs it)."""
-        self.history: list[PlanRecord] = []
-        """Every plan executed (training, validation, test), in order."""
+        self.history: deque[PlanRecord] = deque(maxlen=HISTORY_LIMIT)
+        """The plans executed (training, validation, test), in order: the last :data:`~.step.HISTORY_LIMIT`."""
         self._optimizer_steps = 0
         self._sharded_ids: set[int] = set()
         self._clip: ClipInterception | None = None

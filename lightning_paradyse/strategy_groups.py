@@ -19,6 +19,7 @@ The regroup's real cost is measured once at setup (:meth:`GroupSteps._setup_grou
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -48,7 +49,7 @@ class GroupSteps:
     on_infeasible: str
 
     modes: tuple[str, ...]
-    history: list[PlanRecord]
+    history: deque[PlanRecord]
 
     if TYPE_CHECKING:  # the strategy's own (declared here for the type checker only: no override at run time)
 
