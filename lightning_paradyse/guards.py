@@ -313,3 +313,62 @@ def stop_workers(procs: Sequence[Any], grace: float = 5.0) -> list[int]:
             proc.send_signal(signal.SIGKILL)
             killed.append(int(proc.pid))
     return killed
+
+
+CALL_DEPENDENT_ROPE = ("dynamic", "longrope")
+"""Hugging Face ``rope_type`` values whose frequencies depend on each call's largest position."""
+
+
+def check_rotary(module: nn.Module) -> None:
+    """Refuse rotary embeddings whose frequencies follow each call's positions (raises alike on every rank).
+
+    Hugging Face's dynamic NTK and LongRoPE recompute the frequencies from ``max(position_ids)`` of the call; each
+    rank sees only its own positions, so every rank would rotate with other frequencies than one process does.
+    """
+    for name, sub in module.named_modules():
+        rope_type = getattr(sub, "rope_type", None)
+        if isinstance(rope_type, str) and rope_type in CALL_DEPENDENT_ROPE:
+            raise ValueError(
+                f"{name or type(module).__name__} ({type(sub).__name__}) computes its rotary frequencies from each "
+                f"call's positions (rope_type={rope_type!r}); under ParaDySeStrategy each rank sees only its own "
+                f"positions, so ranks would rotate differently from one process. Use a rope scaling with fixed "
+                f"frequencies (default, linear, llama3, yarn)"
+            )
+
+
+def attention_window(module: nn.Module) -> tuple[int, str] | None:
+    """The smallest sliding attention window of the model (tokens, where it was found), or ``None``.
+
+    Read from an attention module's ``sliding_window`` and from Hugging Face configs: ``sliding_window`` applies
+    when a layer type is ``sliding_attention``, unless ``use_sliding_window`` is false, and everywhere for configs
+    with neither (Mistral).
+    """
+    found: list[tuple[int, str]] = []
+    for name, sub in module.named_modules():
+        window = getattr(sub, "sliding_window", None)
+        if isinstance(window, int) and not isinstance(window, bool) and window > 0:
+            found.append((window, f"{name}.sliding_window"))
+        config = getattr(sub, "config", None)
+        window = getattr(config, "sliding_window", None)
+        if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+            continue
+        layer_types = getattr(config, "layer_types", None)
+        if layer_types is not None:
+            applies = any("sliding" in str(t) for t in layer_types)
+        else:
+            applies = bool(getattr(config, "use_sliding_window", True))
+        if applies:
+            found.append((window, f"{type(config).__name__}.sliding_window"))
+    return min(found) if found else None
+
+
+def check_window(seq_len: int, window: tuple[int, str] | None) -> None:
+    """Refuse a batch longer than the model's sliding window (raises alike on every rank, before any collective)."""
+    if window is not None and seq_len > window[0]:
+        size, where = window
+        raise ValueError(
+            f"a batch of length {seq_len} is longer than the model's sliding attention window of {size} tokens "
+            f"({where}): ParaDySeStrategy does not apply attention windows yet, so it would train another model. "
+            f"Keep sequences within {size} tokens (ParaDySeStrategy(max_seq_len={size}) or the data), or set "
+            f"sliding_window=None in the model's config if no window is wanted"
+        )

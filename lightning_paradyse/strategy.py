@@ -273,6 +273,8 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
         """The plans executed (training, validation, test), in order: the last :data:`~.step.HISTORY_LIMIT`."""
         self._optimizer_steps = 0
         self._sharded_ids: set[int] = set()
+        self._window: tuple[int, str] | None = None
+        """The model's smallest sliding attention window (tokens, where), read before the rewrite."""
         self._clip: ClipInterception | None = None
         self._plain_model: PlainModel | None = None
         """What the plain model's checkpoints hold (parameter order, state dict keys, tied names), recorded once
@@ -400,7 +402,9 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
         """Broadcast rank 0's weights, rewrite the blocks, check a fixed plan (once per module)."""
         module = self._module
         names = _parallelized_blocks(module)
+        self._window = guards.attention_window(module)  # the configs stay readable after the rewrite
         if names is None:
+            guards.check_rotary(module)  # before any collective: the same model on every rank
             if self.plan_spec != "auto":  # a plan of the wrong length fails before any collective
                 self._fixed_plan(len(parallel.find_blocks(module, self.blocks)))
             self._broadcast_weights(module)
@@ -513,7 +517,7 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
 
     def inspect_batch(self, batch: Any) -> BatchInfo:
         """Validate a global batch and describe it; raises (identically on every rank) before any collective."""
-        return describe_batch(
+        info = describe_batch(
             batch,
             group_size(self._group),
             self.global_rank,
@@ -521,6 +525,8 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
             max_seq_len=self.max_seq_len,
             mean_loss=self.loss_reduction == "mean",
         )
+        guards.check_window(info.seq_len, self._window)
+        return info
 
     def begin_batch(self, batch: Any, stage: str) -> StepRecord:
         """The one call per batch: validate it, plan it, verify that every rank holds the same plan and batch,

@@ -14,7 +14,16 @@ import pytest
 import torch
 
 from lightning_paradyse import parallel
-from lightning_paradyse.guards import ClipInterception, check_optimizers, rank_rng, replica_check_due, stop_workers
+from lightning_paradyse.guards import (
+    ClipInterception,
+    attention_window,
+    check_optimizers,
+    check_rotary,
+    check_window,
+    rank_rng,
+    replica_check_due,
+    stop_workers,
+)
 from tests.exact.cases import Lamb
 
 
@@ -109,3 +118,24 @@ def test_stop_workers_kills_only_the_ones_still_running() -> None:
     killed = stop_workers([sleeper, quick], grace=2.0)
     assert killed == [sleeper.pid]
     assert sleeper.wait(timeout=10) == -signal.SIGKILL and quick.wait(timeout=10) == 0
+
+
+def test_call_dependent_rotary_and_sliding_windows_are_found_in_hugging_face_models() -> None:
+    transformers = pytest.importorskip("transformers")
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=64)
+    small |= dict(num_key_value_heads=2)
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**small))
+    check_rotary(llama)
+    assert attention_window(llama) is None
+    dynamic = transformers.LlamaConfig(**small, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(ValueError, match=r"rope_type='dynamic'.*fixed\s+frequencies"):
+        check_rotary(transformers.LlamaForCausalLM(dynamic))
+    mistral = transformers.MistralForCausalLM(transformers.MistralConfig(**small, sliding_window=24))
+    assert attention_window(mistral) == (24, "MistralConfig.sliding_window")
+    check_window(24, attention_window(mistral))
+    with pytest.raises(ValueError, match=r"length 25 is longer than .* window of 24 tokens.*max_seq_len=24"):
+        check_window(25, attention_window(mistral))
+    qwen_full = transformers.Qwen2Config(**small, sliding_window=16)  # use_sliding_window=False by default
+    assert attention_window(transformers.Qwen2ForCausalLM(qwen_full)) is None
+    qwen = transformers.Qwen2Config(**small, use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    assert attention_window(transformers.Qwen2ForCausalLM(qwen))[0] == 16  # type: ignore[index]
