@@ -28,16 +28,27 @@ class LanguageModel(pl.LightningModule):
         model: Name of a reference model config (see ``lightning_paradyse.models.CONFIGS``).
         lr: AdamW learning rate.
         weight_decay: AdamW weight decay.
+        hf_config: Instead of ``model``, a Hugging Face causal LM built from its config with random weights (no
+            download): ``{"class": "LlamaConfig", "hidden_size": 96, ...}``, the config class of ``transformers``
+            and its fields; ``attn_implementation`` (default ``"sdpa"``) is passed to the model.
 
     Example::
 
         module = LanguageModel("llama-tiny", lr=3e-3)
+        module = LanguageModel(hf_config={"class": "LlamaConfig", "hidden_size": 96, "num_hidden_layers": 2})
     """
 
-    def __init__(self, model: str = "llama-tiny", lr: float = 3e-3, weight_decay: float = 0.0) -> None:
+    def __init__(
+        self,
+        model: str = "llama-tiny",
+        lr: float = 3e-3,
+        weight_decay: float = 0.0,
+        hf_config: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.model = build_model(model)
+        self.hf = hf_config is not None
+        self.model = build_model(model) if hf_config is None else build_hf_model(hf_config)
         self.lr = lr
         self.weight_decay = weight_decay
         self.last_loss: float | None = None
@@ -50,6 +61,9 @@ class LanguageModel(pl.LightningModule):
     @override
     def forward(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
         """Logits ``[b, s, vocab]`` of token ids ``[b, s]`` at ``positions`` ``[s]`` (default ``0..s-1``)."""
+        if self.hf:
+            position_ids = None if positions is None else positions.expand(tokens.shape[0], -1)  # [s] -> [b, s]
+            return self.model(input_ids=tokens, position_ids=position_ids).logits  # type: ignore[no-any-return]
         return self.model(tokens, positions)  # type: ignore[no-any-return]
 
     def loss(self, batch: dict[str, Tensor]) -> Tensor:
@@ -96,8 +110,27 @@ class LanguageModel(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
 
 
+def build_hf_model(spec: dict[str, Any]) -> torch.nn.Module:
+    """A ``transformers`` causal LM with random weights from ``{"class": <config class>, **fields}``."""
+    try:
+        import transformers
+    except ImportError as err:
+        raise ImportError("LanguageModel(hf_config=...) needs transformers: pip install -e '.[hf]'") from err
+    fields = dict(spec)
+    name = fields.pop("class", None)
+    attn = fields.pop("attn_implementation", "sdpa")
+    config_class = getattr(transformers, str(name), None) if name is not None else None
+    if config_class is None or not isinstance(config_class, type):
+        raise ValueError(
+            f"LanguageModel(hf_config={spec!r}): 'class' must name a config class of transformers, e.g. "
+            f"'LlamaConfig', got {name!r}"
+        )
+    config = config_class(**fields)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)  # type: ignore[no-any-return]
+
+
 def _batch_size(batch: Any) -> int:
     return int(batch["input_ids"].shape[0]) if isinstance(batch, dict) else 1
 
 
-__all__ = ["LanguageModel"]
+__all__ = ["LanguageModel", "build_hf_model"]

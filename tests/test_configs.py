@@ -8,6 +8,9 @@ instantiated. CPU configs are instantiated completely. ``save_config_callback=No
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +25,8 @@ from lightning_paradyse.data import CorpusDataModule
 from lightning_paradyse.lit import LanguageModel
 from lightning_paradyse.models import CONFIGS
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG_DIR = ROOT / "configs"
 YAMLS = sorted(CONFIG_DIR.glob("*.yaml"))
 
 
@@ -32,6 +36,14 @@ class ParseOnlyCLI(ParaDySeCLI):
     @override
     def instantiate_classes(self) -> None:
         self.config_init = self.config
+
+
+def _has_transformers() -> bool:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _available(accelerator: str) -> bool:
@@ -53,6 +65,8 @@ def test_config_parses(path: Path) -> None:
     config = ParseOnlyCLI(args=["--config", str(path)], run=False, save_config_callback=None).config
     strategy = _strategy(config)  # every option validates
     assert strategy.plan_spec is not None and config.model.model in CONFIGS
+    if config.model.hf_config is not None and not _has_transformers():
+        return
     CorpusDataModule(**dict(config.data))  # cheap: validates the data options (the corpus loads lazily)
     if not _available(config.trainer.accelerator):
         return
@@ -88,3 +102,27 @@ def test_check_command_still_dispatches(capsys: pytest.CaptureFixture[str]) -> N
     assert main(["check", "--world-size", "1", "--seq-len", "8", "--plan", "ring"]) == 0
     assert "all within tolerance" in capsys.readouterr().out
     assert issubclass(ParaDySeCLI, LightningCLI) and set(ParaDySeCLI.subcommands()) == {"fit", "validate", "test"}
+
+
+def test_hf_config_builds_the_hugging_face_model_from_its_fields() -> None:
+    pytest.importorskip("transformers")
+    cli = ParaDySeCLI(args=["--config", str(CONFIG_DIR / "hf_llama_cpu.yaml")], run=False, save_config_callback=None)
+    model = cli.model.model
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.hidden_size == 96
+    assert model.config._attn_implementation == "sdpa" and cli.model.vocab_size == 128
+    with pytest.raises(ValueError, match="'class' must name a config class of transformers"):
+        LanguageModel(hf_config={"class": "NoSuchConfig"})
+
+
+@pytest.mark.dist
+def test_hf_config_trains_on_two_processes(tmp_path: Path) -> None:
+    """``python cli.py fit --config configs/hf_llama_cpu.yaml``, 3 steps: a Hugging Face model from YAML."""
+    pytest.importorskip("transformers")
+    cmd = [sys.executable, str(ROOT / "cli.py"), "fit", "--config", str(CONFIG_DIR / "hf_llama_cpu.yaml")]
+    cmd += ["--trainer.max_steps=3", "--trainer.limit_val_batches=1", f"--trainer.default_root_dir={tmp_path}"]
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK")}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert "[paradyse] train length" in output and "final loss" in output, output[-4000:]
