@@ -48,7 +48,7 @@ class LanguageModel(pl.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.hf = hf_config is not None
-        self.model = build_model(model) if hf_config is None else build_hf_model(hf_config)
+        self.model: Any = build_model(model) if hf_config is None else build_hf_model(hf_config)
         self.lr = lr
         self.weight_decay = weight_decay
         self.last_loss: float | None = None
