@@ -248,7 +248,7 @@ class StepRecorder(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
         device = trainer.strategy.root_device
         self._ooms = int(getattr(pl_module, "oom_steps", 0))
-        self._plans = len(self.switcher.history) if self.switcher is not None else 0
+        self._plans = self.switcher.plans_executed if self.switcher is not None else 0
         if self.instrumented and idx >= self.warmup:
             state = state_tensors(pl_module, trainer.optimizers)
             tracker, absolute = make_tracker(device, state)
@@ -290,9 +290,10 @@ class StepRecorder(pl.Callback):
         predicted time and peak when the planner has them."""
         if self.switcher is None:
             return {"plan": None, "skipped": False}
-        if len(self.switcher.history) == self._plans:
+        last = self.switcher.last_plan
+        if self.switcher.plans_executed == self._plans or last is None:
             return {"plan": None, "skipped": True}
-        plan = self.switcher.history[-1].plan
+        plan = last.plan
         out: dict[str, Any] = {"plan": [[str(x.attention), str(x.mlp)] for x in plan.layers], "skipped": False}
         cost = getattr(getattr(self._planner, "model", None), "plan_cost", None)
         if cost is not None:  # the cost model at this exact length (the planner plans per length bucket)

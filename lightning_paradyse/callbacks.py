@@ -65,8 +65,19 @@ class ParaDySeSwitcher(pl.Callback):
 
     @property
     def history(self) -> list[PlanRecord]:
-        """The plans executed so far (training, validation and test), in order (the last 100,000)."""
+        """The plans executed so far (training, validation and test), in order (the last 100,000; a copy)."""
         return list(getattr(self._strategy, "history", []))
+
+    @property
+    def plans_executed(self) -> int:
+        """How many plans were executed so far (every batch that ran)."""
+        return int(getattr(self._strategy, "plans_executed", 0))
+
+    @property
+    def last_plan(self) -> PlanRecord | None:
+        """The plan of the last batch that ran, or ``None``."""
+        history = getattr(self._strategy, "history", None)
+        return history[-1] if history else None
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -28,7 +28,7 @@ import copy
 import signal
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -297,12 +297,15 @@ def check_step_losses(sharded: float, whole: float, tol: float) -> None:
         )
 
 
-def stop_workers(procs: Sequence[Any], grace: float = 5.0) -> list[int]:
+def stop_workers(procs: list[Any], grace: float = 5.0) -> list[int]:
     """Kill the worker processes this (launching) process started that are still running ``grace`` seconds on.
 
     For the script launcher's rank 0 when its fit fails: the other ranks then either fail too (a refused feature,
     a collective that lost its peer) and exit on their own, or are stalled outside any collective (stuck user code
-    or data loading) and would outlive the run. Returns the ids of the processes killed.
+    or data loading) and would outlive the run. Their own child processes (data loader workers) are not followed.
+    ``procs`` is emptied in place once every worker has ended: Lightning's process observer watches the same list
+    and would otherwise kill this process too on seeing a worker's non-zero exit, before its error is reported.
+    Returns the ids of the processes killed.
     """
     deadline = time.monotonic() + grace
     while any(proc.poll() is None for proc in procs) and time.monotonic() < deadline:
@@ -311,12 +314,16 @@ def stop_workers(procs: Sequence[Any], grace: float = 5.0) -> list[int]:
     for proc in procs:
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
+            proc.wait()
             killed.append(int(proc.pid))
+    procs.clear()
     return killed
 
 
-CALL_DEPENDENT_ROPE = ("dynamic", "longrope")
-"""Hugging Face ``rope_type`` values whose frequencies depend on each call's largest position."""
+def _call_dependent(rope_type: str) -> bool:
+    """Hugging Face rotary types whose frequencies follow each call's largest position (``dynamic`` in any form,
+    as ``transformers`` itself tests it, and LongRoPE)."""
+    return "dynamic" in rope_type or rope_type == "longrope"
 
 
 def check_rotary(module: nn.Module) -> None:
@@ -326,8 +333,9 @@ def check_rotary(module: nn.Module) -> None:
     rank sees only its own positions, so every rank would rotate with other frequencies than one process does.
     """
     for name, sub in module.named_modules():
-        rope_type = getattr(sub, "rope_type", None)
-        if isinstance(rope_type, str) and rope_type in CALL_DEPENDENT_ROPE:
+        rope_type = getattr(sub, "rope_type", None)  # a string, or one per layer type (Gemma 3, ModernBERT)
+        types = list(rope_type.values()) if isinstance(rope_type, Mapping) else [rope_type]
+        if any(isinstance(t, str) and _call_dependent(t) for t in types):
             raise ValueError(
                 f"{name or type(module).__name__} ({type(sub).__name__}) computes its rotary frequencies from each "
                 f"call's positions (rope_type={rope_type!r}); under ParaDySeStrategy each rank sees only its own "
@@ -336,29 +344,36 @@ def check_rotary(module: nn.Module) -> None:
             )
 
 
-def attention_window(module: nn.Module) -> tuple[int, str] | None:
-    """The smallest sliding attention window of the model (tokens, where it was found), or ``None``.
+def _tokens(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
-    Read from an attention module's ``sliding_window`` and from Hugging Face configs: ``sliding_window`` applies
-    when a layer type is ``sliding_attention``, unless ``use_sliding_window`` is false, and everywhere for configs
-    with neither (Mistral).
+
+def attention_window(module: nn.Module) -> tuple[int, str] | None:
+    """The smallest local attention span of the model (tokens, where it was found), or ``None``.
+
+    Sliding windows, read from an attention module's ``sliding_window`` and from Hugging Face configs
+    (``sliding_window`` applies when a layer type is ``sliding_attention``, unless ``use_sliding_window`` is false,
+    and everywhere for configs with neither, as Mistral's), and chunked attention (``attention_chunk_size``,
+    Llama 4): on a sequence within the span neither changes anything.
     """
     found: list[tuple[int, str]] = []
     for name, sub in module.named_modules():
-        window = getattr(sub, "sliding_window", None)
-        if isinstance(window, int) and not isinstance(window, bool) and window > 0:
+        window = _tokens(getattr(sub, "sliding_window", None))
+        if window is not None:
             found.append((window, f"{name}.sliding_window"))
         config = getattr(sub, "config", None)
-        window = getattr(config, "sliding_window", None)
-        if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
-            continue
-        layer_types = getattr(config, "layer_types", None)
-        if layer_types is not None:
-            applies = any("sliding" in str(t) for t in layer_types)
-        else:
-            applies = bool(getattr(config, "use_sliding_window", True))
-        if applies:
-            found.append((window, f"{type(config).__name__}.sliding_window"))
+        layer_types = [str(t) for t in getattr(config, "layer_types", None) or ()]
+        window = _tokens(getattr(config, "sliding_window", None))
+        if window is not None:
+            if layer_types:
+                applies = any("sliding" in t for t in layer_types)
+            else:
+                applies = bool(getattr(config, "use_sliding_window", True))
+            if applies:
+                found.append((window, f"{type(config).__name__}.sliding_window"))
+        chunk = _tokens(getattr(config, "attention_chunk_size", None))
+        if chunk is not None and (not layer_types or any("chunk" in t for t in layer_types)):
+            found.append((chunk, f"{type(config).__name__}.attention_chunk_size"))
     return min(found) if found else None
 
 
@@ -367,8 +382,8 @@ def check_window(seq_len: int, window: tuple[int, str] | None) -> None:
     if window is not None and seq_len > window[0]:
         size, where = window
         raise ValueError(
-            f"a batch of length {seq_len} is longer than the model's sliding attention window of {size} tokens "
-            f"({where}): ParaDySeStrategy does not apply attention windows yet, so it would train another model. "
-            f"Keep sequences within {size} tokens (ParaDySeStrategy(max_seq_len={size}) or the data), or set "
-            f"sliding_window=None in the model's config if no window is wanted"
+            f"a batch of length {seq_len} is longer than the model's local attention span of {size} tokens "
+            f"({where}): ParaDySeStrategy does not apply attention windows or chunks yet, so it would train another "
+            f"model. Keep sequences within {size} tokens (ParaDySeStrategy(max_seq_len={size}) or the data), or "
+            f"build the model with sliding_window=None if no window is wanted"
         )

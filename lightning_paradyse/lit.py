@@ -47,7 +47,7 @@ class LanguageModel(pl.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.hf = hf_config is not None
+        self._hf = hf_config is not None
         self.model: Any = build_model(model) if hf_config is None else build_hf_model(hf_config)
         self.lr = lr
         self.weight_decay = weight_decay
@@ -61,9 +61,13 @@ class LanguageModel(pl.LightningModule):
     @override
     def forward(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
         """Logits ``[b, s, vocab]`` of token ids ``[b, s]`` at ``positions`` ``[s]`` (default ``0..s-1``)."""
-        if self.hf:
-            position_ids = None if positions is None else positions.expand(tokens.shape[0], -1)  # [s] -> [b, s]
-            return self.model(input_ids=tokens, position_ids=position_ids).logits  # type: ignore[no-any-return]
+        if self._hf:
+            if positions is not None:  # packed documents: HF's attention would cross the documents' borders
+                raise ValueError(
+                    "LanguageModel(hf_config=...) does not train packed batches (documents with their own positions "
+                    "in one sequence): set data.pack=false, or use a reference model (model=...)"
+                )
+            return self.model(input_ids=tokens).logits  # type: ignore[no-any-return]
         return self.model(tokens, positions)  # type: ignore[no-any-return]
 
     def loss(self, batch: dict[str, Tensor]) -> Tensor:
@@ -120,7 +124,7 @@ def build_hf_model(spec: dict[str, Any]) -> torch.nn.Module:
     name = fields.pop("class", None)
     attn = fields.pop("attn_implementation", "sdpa")
     config_class = getattr(transformers, str(name), None) if name is not None else None
-    if config_class is None or not isinstance(config_class, type):
+    if not (isinstance(config_class, type) and issubclass(config_class, transformers.PretrainedConfig)):
         raise ValueError(
             f"LanguageModel(hf_config={spec!r}): 'class' must name a config class of transformers, e.g. "
             f"'LlamaConfig', got {name!r}"

@@ -33,15 +33,26 @@ _START: dict[str, Any] = {"method": "spawn"}
 def use_forkserver(preload: Sequence[str]) -> None:
     """Start the workers of later :func:`run_distributed` calls from a fork server that imports ``preload`` once.
 
-    Call it before the first call (the server starts then and keeps its modules); modules that fail to import are
-    skipped. The server forks before any process group or thread exists, so each worker starts clean.
+    Call it before the first call (the server starts then and keeps its modules); modules that raise
+    ``ImportError`` are skipped (any other error stops the server). The server forks before any process group or
+    thread exists, so each worker starts clean; each worker takes the caller's environment at the call.
     """
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(preload))
     _START["method"] = "forkserver"
 
 
-def _worker(rank: int, world: int, init_file: str, fn: Callable[..., Any], args: tuple[Any, ...], out: Any) -> None:
+def _worker(
+    rank: int,
+    world: int,
+    init_file: str,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    out: Any,
+    environ: dict[str, str],
+) -> None:
+    os.environ.clear()  # the caller's environment now (a fork server's workers inherit the server's otherwise)
+    os.environ.update(environ)
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     try:
@@ -93,7 +104,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_worker, args=(r, world_size, init_file, fn, args, out), daemon=True)
+            ctx.Process(target=_worker, args=(r, world_size, init_file, fn, args, out, dict(os.environ)), daemon=True)
             for r in range(world_size)
         ]
         for proc in procs:

@@ -271,6 +271,8 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
         """What the last batch ran with (the callback logs it)."""
         self.history: deque[PlanRecord] = deque(maxlen=HISTORY_LIMIT)
         """The plans executed (training, validation, test), in order: the last :data:`~.step.HISTORY_LIMIT`."""
+        self.plans_executed = 0
+        """Plans executed so far (every batch that ran, whatever ``history`` still holds)."""
         self._optimizer_steps = 0
         self._sharded_ids: set[int] = set()
         self._window: tuple[int, str] | None = None
@@ -558,12 +560,17 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
         self.check_plan(plan)
         self.verify_ranks(plan_digest(plan, info.seq_len, info.batch, info.checksum))
         self.activate(info, plan)
-        self.history.append(PlanRecord(stage, info.seq_len, info.batch, plan))
+        self.record_plan(PlanRecord(stage, info.seq_len, info.batch, plan))
         metrics = plan_metrics(plan, self.modes, stage) | _predictions(planner, info.seq_len, info.batch)
         line = None
         if plan != self._last_plan:
             line, self._last_plan = f"[paradyse] {stage} length {info.seq_len}: plan {describe(plan)}", plan
         return StepRecord(stage, info.seq_len, info.batch, plan, metrics, line)
+
+    def record_plan(self, record: PlanRecord) -> None:
+        """Keep the plan a batch runs with (``history``, ``plans_executed``)."""
+        self.history.append(record)
+        self.plans_executed += 1
 
     def verify_ranks(self, digest: int) -> None:
         """Raise on every rank unless every rank holds the same ``digest`` (of plan and batch): one all-gather."""
@@ -641,7 +648,7 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
             if killed:
                 rank_zero_warn(
                     f"rank 0 failed ({type(exception).__name__}); stopped {len(killed)} other rank(s) still running "
-                    f"5 s later (processes {killed}: stalled outside any collective)"
+                    f"5 s later (processes {killed})"
                 )
         super().on_exception(exception)
 

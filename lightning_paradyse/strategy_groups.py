@@ -57,6 +57,8 @@ class GroupSteps:
 
         def verify_ranks(self, digest: int) -> None: ...
 
+        def record_plan(self, record: PlanRecord) -> None: ...
+
         @property
         def _module(self) -> nn.Module: ...
 
@@ -119,7 +121,7 @@ class GroupSteps:
         step, mine, plan = split
         self.verify_ranks(step.digest(info.checksum))
         self.activate_group(step, mine, plan)
-        self.history.append(PlanRecord(stage, mine.seq_len, mine.batch, plan))
+        self.record_plan(PlanRecord(stage, mine.seq_len, mine.batch, plan))
         found = step.assignment
         metrics = plan_metrics(plan, self.modes, stage) | {
             "groups/count": float(len(found.sizes)),

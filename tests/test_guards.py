@@ -9,6 +9,8 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -115,8 +117,9 @@ def test_rank_streams_differ_per_rank_and_leave_the_global_stream_alone() -> Non
 def test_stop_workers_kills_only_the_ones_still_running() -> None:
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     quick = subprocess.Popen([sys.executable, "-c", "pass"])
-    killed = stop_workers([sleeper, quick], grace=2.0)
-    assert killed == [sleeper.pid]
+    procs = [sleeper, quick]
+    killed = stop_workers(procs, grace=2.0)
+    assert killed == [sleeper.pid] and procs == []  # emptied: Lightning's process observer watches this list
     assert sleeper.wait(timeout=10) == -signal.SIGKILL and quick.wait(timeout=10) == 0
 
 
@@ -133,9 +136,32 @@ def test_call_dependent_rotary_and_sliding_windows_are_found_in_hugging_face_mod
     mistral = transformers.MistralForCausalLM(transformers.MistralConfig(**small, sliding_window=24))
     assert attention_window(mistral) == (24, "MistralConfig.sliding_window")
     check_window(24, attention_window(mistral))
-    with pytest.raises(ValueError, match=r"length 25 is longer than .* window of 24 tokens.*max_seq_len=24"):
+    with pytest.raises(ValueError, match=r"length 25 is longer than .* span of 24 tokens.*max_seq_len=24"):
         check_window(25, attention_window(mistral))
     qwen_full = transformers.Qwen2Config(**small, sliding_window=16)  # use_sliding_window=False by default
     assert attention_window(transformers.Qwen2ForCausalLM(qwen_full)) is None
     qwen = transformers.Qwen2Config(**small, use_sliding_window=True, sliding_window=16, max_window_layers=1)
     assert attention_window(transformers.Qwen2ForCausalLM(qwen))[0] == 16  # type: ignore[index]
+
+
+def test_rotary_per_layer_type_and_chunked_attention_are_found() -> None:
+    class Rotary(torch.nn.Module):
+        def __init__(self, rope_type: Any) -> None:
+            super().__init__()
+            self.rope_type = rope_type
+
+    check_rotary(torch.nn.Sequential(Rotary({"sliding_attention": "default", "full_attention": "linear"})))
+    with pytest.raises(ValueError, match="dynamic"):
+        check_rotary(torch.nn.Sequential(Rotary({"sliding_attention": "default", "full_attention": "dynamic"})))
+    with pytest.raises(ValueError, match="longrope"):
+        check_rotary(torch.nn.Sequential(Rotary("longrope")))
+
+    class Model(torch.nn.Module):
+        def __init__(self, **config: Any) -> None:
+            super().__init__()
+            self.config = SimpleNamespace(**config)
+
+    chunked = Model(attention_chunk_size=64, layer_types=["chunked_attention", "full_attention"])
+    assert attention_window(chunked) == (64, "SimpleNamespace.attention_chunk_size")
+    assert attention_window(Model(attention_chunk_size=64, layer_types=["full_attention"])) is None
+    assert attention_window(Model(sliding_window=32, attention_chunk_size=64)) == (32, "SimpleNamespace.sliding_window")

@@ -104,7 +104,7 @@ def run(case: Case, devices: int, strategy: Any, port: Callable[[str], int] | No
             trainer = quiet_trainer(devices, strategy, [_Record(result, path)], **settings)
             trainer.fit(module, train, val)
             if case.test and val is not None:
-                if port is not None:  # under the strategy the test loop sets up its own process group
+                if port is not None:  # under the strategy (the plain run has no port and needs none)
                     os.environ["MASTER_PORT"] = str(port("test"))
                 trainer.test(module, val, verbose=False)
             if trainer.global_rank == 0 and os.path.exists(path):
