@@ -197,6 +197,20 @@ def test_unsupported_blocks_are_rejected_with_block_and_role() -> None:
         parallelize(plain_mlp, None)
 
 
+class _FixedLengthAttention(_QNormAttention):
+    """Attention written for one sequence length: its own code fails on the rewrite's example inputs."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (m(x).view(1, 5, 4, 8).transpose(1, 2) for m in (self.q, self.k, self.v))
+        return self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(1, 5, 32))
+
+
+def test_an_error_of_the_blocks_own_code_is_a_named_rejection() -> None:
+    with pytest.raises(RoleError, match=r"block layers\.1 \(_Block\): RuntimeError while tracing it .*blocks=") as info:
+        rewrite_block(_Block(_FixedLengthAttention()), "layers.1", 1, None)
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
 def test_misunderstood_block_is_caught_by_verification() -> None:
     """An interleaved rotary looks like cos/sin rotary to the passes; verification must reject it."""
     block = _RopeBlock(_InterleavedRope())

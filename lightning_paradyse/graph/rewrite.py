@@ -181,10 +181,14 @@ def rewrite_block(block: nn.Module, name: str, layer: int, group: Group, axes: i
     ``axes=2``: the block takes grid hidden states ``[b, T, S, h]``; its attention's axis is recorded on the
     attention dispatch (``attend_axis``) and the grid mode is verified.
     """
+    stage = "tracing it on example inputs"
     try:
         attention, mlp, example = find_roles(block, name, axes)
+        stage = "finding the axis its attention runs along"
         axis = attend_axis(block, attention, example) if axes == 2 else None
+        stage = "checking the rewritten block against the original in float64"
         verify(block, name, attention, mlp, example, axes)
+        stage = "installing the dispatch modules"
         ops = install(block, attention, mlp, layer, group)
         for op in ops:
             if isinstance(op, AttentionDispatch):
@@ -192,3 +196,11 @@ def rewrite_block(block: nn.Module, name: str, layer: int, group: Group, axes: i
         return ops
     except RoleError as err:
         raise RoleError(f"cannot parallelize block {name} ({type(block).__name__}): {err}") from None
+    except Exception as err:  # anything else the block's own code raised on our inputs: name it, never raw
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise RoleError(
+            f"cannot parallelize block {name} ({type(block).__name__}): {type(err).__name__} while {stage}: "
+            f"{first}. The rewrite reads blocks whose attention is q/k/v/o linears around one scaled-dot-product "
+            f"attention call (Hugging Face: build the model with attn_implementation='sdpa'); name the block list "
+            f"with ParaDySeStrategy(blocks=...) if these are not the transformer blocks"
+        ) from err
