@@ -34,20 +34,23 @@ def full_attention(
     v: torch.Tensor,
     causal: bool,
     bounds: list[tuple[int, int]] | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Softmax attention, natural token order: ``q [b, n, s, d], k/v [b, n_kv, s, d] -> [b, n, s, d]``.
 
     ``bounds`` are the ``(start, stop)`` token spans of packed documents: each document attends only
-    to itself (one attention call per document, exact and without an ``s x s`` mask).
+    to itself (one attention call per document, exact and without an ``s x s`` mask). ``scale``: the
+    scores' factor (``None``: ``1/sqrt(d)``).
     """
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k = k.repeat_interleave(group, dim=1)  # [b, n_kv, s, d] -> [b, n, s, d]
         v = v.repeat_interleave(group, dim=1)
     if bounds is None or len(bounds) == 1:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
     outs = [
-        F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=causal) for a, b in bounds
+        F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=causal, scale=scale)
+        for a, b in bounds
     ]
     return torch.cat(outs, dim=2)  # per-document [b, n, len, d] -> [b, n, s, d]
 

@@ -200,7 +200,7 @@ class AttentionDispatch(OpDispatch):
             rel = roles.rotary_module[len(roles.core) + 1 :]
             self.rotary = core.get_submodule(rel)
         h = self.req("o_t").shape[1]
-        self.spec = AttnSpec(h, roles.n_heads, roles.n_kv_heads, roles.head_dim, bool(roles.causal))
+        self.spec = AttnSpec(h, roles.n_heads, roles.n_kv_heads, roles.head_dim, bool(roles.causal), scale=roles.scale)
         self.attend_axis: int | None = None
         """Grid models: the grid dimension this attention attends along (1: frames, 2: patches)."""
 
@@ -315,6 +315,7 @@ class AttentionDispatch(OpDispatch):
             self.spec.head_dim,
             self._causal(args, kwargs),
             self._rotary(args, kwargs, ctx),
+            self.spec.scale,
         )
         y = self._run(lambda inp: mode.attention(inp, self.weights(), spec, ctx), x)
         if self.roles.output_item is None:

@@ -46,6 +46,8 @@ class AttnSpec:
     """Causal (decoder) or bidirectional (encoder) attention."""
     rotary: Rotary | None = None
     """Rotation applied to q and k with global positions (RoPE), or ``None``."""
+    scale: float | None = None
+    """Softmax scale of the scores; ``None``: ``1/sqrt(head_dim)``."""
 
     @property
     def group(self) -> int:

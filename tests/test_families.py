@@ -1,7 +1,8 @@
 """Unmodified models of other families, rewritten automatically, against the single-process reference.
 
-A Hugging Face ``LlamaForCausalLM`` trained with ``labels`` (the model shifts them inside, across the
-sequence chunks of the ranks: the strategy passes the globally shifted labels and the global token
+Hugging Face ``LlamaForCausalLM`` and ``GraniteForCausalLM`` (its own attention scale and multipliers)
+trained with ``labels`` (the model shifts them inside, across the sequence chunks of the ranks: the
+strategy passes the globally shifted labels and the global token
 count through a forward hook) and models built from ``torch.nn.TransformerEncoderLayer`` (causal with
 the model's own mask, and bidirectional). Every feasible uniform plan, with and without
 recomputation, and random mixed per-layer, per-op plans; loss and every gradient (consolidated to
@@ -34,7 +35,7 @@ from lightning_paradyse.plan import LayerPlan, OpPlan, Plan
 from lightning_paradyse.slicing import BatchSource
 from lightning_paradyse.spec import SeqContext
 from tests.support.dist import run_distributed
-from tests.support.families import EncoderLM, hf_llama
+from tests.support.families import EncoderLM, hf_granite, hf_llama
 
 pytest.importorskip("transformers")
 
@@ -59,7 +60,7 @@ def _plans(model: nn.Module, p: int, seed: int) -> list[tuple[str, Plan]]:
 
 def _loss(kind: str, model: nn.Module, ids: torch.Tensor, layout: SeqLayout | None, rank: int) -> torch.Tensor:
     """The model's loss: HF style with labels, or targets shifted in the data (sum / global count)."""
-    if kind == "hf":
+    if kind in ("hf", "granite"):
         if layout is None:
             return model(input_ids=ids, labels=ids).loss  # type: ignore[no-any-return]
         local = layout.shard(ids, rank)
@@ -74,6 +75,8 @@ def _loss(kind: str, model: nn.Module, ids: torch.Tensor, layout: SeqLayout | No
 def _build(kind: str, p: int) -> nn.Module:
     if kind == "hf":
         return hf_llama(n_kv_heads=12 if p == 3 else 4)
+    if kind == "granite":
+        return hf_granite(n_kv_heads=12 if p == 3 else 4)
     return EncoderLM(causal=kind == "tel-causal")
 
 
@@ -91,20 +94,20 @@ def _case(rank: int, world: int, kind: str, seq_len: int, seed: int) -> list[tup
     results = []
     for label, plan in _plans(template, world, seed):
         model = copy.deepcopy(template)
-        length = seq_len if kind == "hf" else seq_len - 1
+        length = seq_len if kind in ("hf", "granite") else seq_len - 1
         layout = SeqLayout.for_sequence(length, world, is_causal(model))
         configure(model, SeqContext(layout, group), plan)
-        if kind == "hf":  # the batch the step slices: labels are traced back to it and shifted globally
+        if kind in ("hf", "granite"):  # the batch the step slices: labels are traced back and shifted globally
             set_step_sources(model, (BatchSource("input_ids", layout.shard(ids, rank), ids),))
         loss = _loss(kind, model, ids, layout, rank)
-        assert kind != "hf" or step_state(model).labels_consumed
+        assert kind not in ("hf", "granite") or step_state(model).labels_consumed
         results.append((f"{kind}/{label}", backward_and_compare(model, loss, group, ref_loss, ref_grads)))
     return results
 
 
 def _worker(rank: int, world: int) -> list[tuple[str, Any]]:
     out = []
-    for i, kind in enumerate(("hf", "tel-causal", "tel")):
+    for i, kind in enumerate(("hf", "tel-causal", "tel", "granite")):
         out += _case(rank, world, kind, 8 * world + 3 + i, seed=world * 10 + i)
     return out
 

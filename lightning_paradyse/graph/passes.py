@@ -76,6 +76,8 @@ class AttentionRoles:
     output_item: int | None = None
     """``None`` if the core returns the projection itself, else its index in the returned tuple."""
     output_len: int = 1
+    scale: float | None = None
+    """The attention call's ``scale`` when it is not ``1/sqrt(head_dim)`` (Granite's ``attention_multiplier``)."""
 
 
 @dataclass(frozen=True)
@@ -162,15 +164,18 @@ def _sdpa_arg(node: fx.Node, i: int, name: str) -> Any:
     return node.args[i] if len(node.args) > i else node.kwargs.get(name)
 
 
-def _check_sdpa(node: fx.Node, head_dim: int) -> bool:
+def _check_sdpa(node: fx.Node, head_dim: int) -> tuple[bool, float | None]:
+    """``(is_causal, scale)`` of the attention call (``scale`` ``None`` for the default ``1/sqrt(head_dim)``)."""
     if _sdpa_arg(node, 3, "attn_mask") is not None:
         raise RoleError("attention with an explicit mask (padding or custom masks) is not supported yet")
     if float(_sdpa_arg(node, 4, "dropout_p") or 0.0) > 0:  # type: ignore[arg-type]
         raise RoleError("attention dropout is not supported by the parallel modes; set it to 0")
-    scale = node.kwargs.get("scale")
-    if scale is not None and not math.isclose(float(scale), head_dim**-0.5, rel_tol=1e-6):  # type: ignore[arg-type]
-        raise RoleError(f"attention scale {scale} differs from 1/sqrt(head_dim); not supported yet")
-    return bool(_sdpa_arg(node, 5, "is_causal"))
+    scale = _sdpa_arg(node, 7, "scale")
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise RoleError("the attention scale is computed at run time; a constant scale is supported")
+    if scale is not None and math.isclose(float(scale), head_dim**-0.5, rel_tol=1e-12):
+        scale = None
+    return bool(_sdpa_arg(node, 5, "is_causal")), None if scale is None else float(scale)
 
 
 def _attention_node(trace: BlockTrace) -> fx.Node:
@@ -314,7 +319,7 @@ def find_attention(trace: BlockTrace) -> AttentionRoles:
     if hidden is None or k_lin.args[0] is not hidden_node or v_lin.args[0] is not hidden_node:
         raise RoleError(f"{core}: q, k and v must project the sub-module's input directly")
     head_dim = int(node.meta["shape"][-1])
-    causal = _check_sdpa(node, head_dim)
+    causal, scale = _check_sdpa(node, head_dim)
     kind, rot_module, positions, dims = _rotary(trace, call, q_lin, q_in, hidden_node)
     kind_k = _rotary(trace, call, k_lin, k_in, hidden_node)[0]
     if kind != kind_k:
@@ -331,6 +336,7 @@ def find_attention(trace: BlockTrace) -> AttentionRoles:
         n_kv_heads=int(n_kv) // head_dim,
         head_dim=head_dim,
         causal=causal,
+        scale=scale,
         hidden=hidden,
         rotary=kind,
         rotary_module=rot_module,

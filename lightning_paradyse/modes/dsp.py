@@ -35,7 +35,7 @@ class DimensionSwitch(Mode):
         v = split_heads(zero3_project(x, w.v, w.bv, spec.kv_rows, ctx), d)
         if spec.rotary is not None:
             q, k = spec.rotary(q, k, torch.arange(x.shape[1], device=x.device))
-        o = merge_heads(full_attention(q, k, v, spec.causal))  # [n, heads, L, d] -> [n, L, heads*d]
+        o = merge_heads(full_attention(q, k, v, spec.causal, scale=spec.scale))  # [n, heads, L, d] -> [n, L, heads*d]
         y = zero3_linear_t(o, w.o_t, spec.q_rows, ctx.group)  # [n, L, heads*d] -> [n, L, h]
         return add_bias(y, w.bo)
 

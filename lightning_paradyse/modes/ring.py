@@ -79,7 +79,7 @@ def _kv_shape(k: torch.Tensor, layout: SeqLayout, rank: int) -> tuple[int, ...]:
 
 
 def ring_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: SeqContext, causal: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: SeqContext, causal: bool, scale: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring attention forward, no autograd: ``q [b, n, s_r, d], k/v [b, n_kv, s_r, d]``.
 
@@ -88,11 +88,11 @@ def ring_forward(
     otherwise drop to bfloat16. K/V travel in their own dtype.
     """
     with autocast_off(q):
-        return _ring_forward(q, k, v, ctx, causal)
+        return _ring_forward(q, k, v, ctx, causal, scale)
 
 
 def _ring_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: SeqContext, causal: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: SeqContext, causal: bool, scale: float | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     p, r, layout = ctx.p, ctx.rank, ctx.layout
     outs: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
@@ -101,7 +101,7 @@ def _ring_forward(
         src = (r - t) % p
         pending = ring_pass_start(kv, ctx.group, 1, _kv_shape(k, layout, (src - 1) % p)) if t < p - 1 else None
         for q_sl, k_sl, diag, allowed in doc_tiles(ctx, r, src, causal):
-            o, lse = block_forward(q[:, :, q_sl], kv[0][:, :, k_sl], kv[1][:, :, k_sl], diag, allowed=allowed)
+            o, lse = block_forward(q[:, :, q_sl], kv[0][:, :, k_sl], kv[1][:, :, k_sl], diag, scale, allowed=allowed)
             key = q_sl.start
             outs[key] = merge(*outs.get(key, (None, None)), o, lse)
         if pending is not None:
@@ -121,13 +121,14 @@ def ring_backward(
     lse: torch.Tensor,
     ctx: SeqContext,
     causal: bool,
+    scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Ring attention backward: ``(dq, dk, dv)`` for this rank's ``q, k, v`` (their dtypes).
 
     Autocast off, as :func:`ring_forward`; the dK/dV accumulators travel in the accumulation dtype.
     """
     with autocast_off(q):
-        return _ring_backward(dout, q, k, v, out, lse, ctx, causal)
+        return _ring_backward(dout, q, k, v, out, lse, ctx, causal, scale)
 
 
 def _ring_backward(
@@ -139,6 +140,7 @@ def _ring_backward(
     lse: torch.Tensor,
     ctx: SeqContext,
     causal: bool,
+    scale: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     p, r, layout = ctx.p, ctx.rank, ctx.layout
     acc = lse.dtype
@@ -160,6 +162,7 @@ def _ring_backward(
                 lse[:, :, q_sl],
                 delta[:, :, q_sl],
                 diag,
+                scale,
                 allowed=allowed,
                 out=out[:, :, q_sl],
             )
@@ -179,23 +182,31 @@ def _ring_backward(
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(
-        fctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: SeqContext, causal: bool
+        fctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ctx: SeqContext,
+        causal: bool,
+        scale: float | None,
     ) -> torch.Tensor:
-        out, lse = ring_forward(q, k, v, ctx, causal)
+        out, lse = ring_forward(q, k, v, ctx, causal, scale)
         fctx.save_for_backward(q, k, v, out, lse)
-        fctx.ctx, fctx.causal = ctx, causal
+        fctx.ctx, fctx.causal, fctx.scale = ctx, causal, scale
         return out
 
     @staticmethod
-    def backward(fctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
+    def backward(fctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None, None]:
         q, k, v, out, lse = fctx.saved_tensors
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, fctx.ctx, fctx.causal)
-        return dq, dk, dv, None, None
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, fctx.ctx, fctx.causal, fctx.scale)
+        return dq, dk, dv, None, None, None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: SeqContext, causal: bool) -> torch.Tensor:
+def ring_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: SeqContext, causal: bool, scale: float | None = None
+) -> torch.Tensor:
     """Differentiable ring attention on the layout: ``q [b, n, s_r, d], k/v [b, n_kv, s_r, d] -> [b, n, s_r, d]``."""
-    return _RingAttention.apply(q, k, v, ctx, causal)
+    return _RingAttention.apply(q, k, v, ctx, causal, scale)
 
 
 class Ring(Mode):
@@ -215,7 +226,7 @@ class Ring(Mode):
         v = split_heads(zero3_project(x, w.v, w.bv, spec.kv_rows, ctx), d)
         if spec.rotary is not None:
             q, k = spec.rotary(q, k, ctx.positions(x.device))  # rotated with global positions
-        o = merge_heads(ring_attention(q, k, v, ctx, spec.causal))  # [b, n, s_r, d] -> [b, s_r, n*d]
+        o = merge_heads(ring_attention(q, k, v, ctx, spec.causal, spec.scale))  # [b, n, s_r, d] -> [b, s_r, n*d]
         y = zero3_linear_t(o, w.o_t, spec.q_rows, ctx.group)  # [b, s_r, n*d] -> [b, s_r, h]
         return add_bias(y, w.bo)
 

@@ -69,7 +69,9 @@ class TensorSequenceParallel(Mode):
         v = _kv_local(xg, w.v, w.bv, spec, ctx)
         if spec.rotary is not None:
             q, k = spec.rotary(q, k, torch.arange(layout.seq_len, device=x.device))
-        o = merge_heads(full_attention(q, k, v, spec.causal, ctx.doc_bounds()))  # [b, n/p, s, d] -> [b, s, n/p*d]
+        o = merge_heads(
+            full_attention(q, k, v, spec.causal, ctx.doc_bounds(), spec.scale)
+        )  # [b, n/p, s, d] -> [b, s, n/p*d]
         partial = o @ w.o_t  # [b, s, n/p*d] -> [b, s, h], a partial sum over head shards
         if not layout.is_natural:
             partial = partial.index_select(1, layout.gathered_positions(x.device))  # -> gathered order

@@ -57,7 +57,7 @@ class Ulysses(Mode):
         qh, kh, vh = full.split([nq, m, m], dim=1)
         if spec.rotary is not None:
             qh, kh = spec.rotary(qh, kh, torch.arange(layout.seq_len, device=x.device))
-        o = full_attention(qh, kh, vh, spec.causal, ctx.doc_bounds()).transpose(
+        o = full_attention(qh, kh, vh, spec.causal, ctx.doc_bounds(), spec.scale).transpose(
             1, 2
         )  # [b, n/p, s, d] -> [b, s, n/p, d]
         if not layout.is_natural:

@@ -29,6 +29,28 @@ def hf_llama(n_kv_heads: int = 4, n_layers: int = 2) -> nn.Module:
     return LlamaForCausalLM(config)
 
 
+def hf_granite(n_kv_heads: int = 4, n_layers: int = 2) -> nn.Module:
+    """Granite: a Llama-like block with its own attention scale (``attention_multiplier``, not 1/sqrt(d)) and
+    multipliers on the embeddings, the residuals and the logits."""
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    config = GraniteConfig(
+        vocab_size=128,
+        hidden_size=96,
+        intermediate_size=192,
+        num_hidden_layers=n_layers,
+        num_attention_heads=12,
+        num_key_value_heads=n_kv_heads,
+        max_position_embeddings=1024,
+        attention_multiplier=0.07,
+        embedding_multiplier=2.0,
+        residual_multiplier=0.5,
+        logits_scaling=1.5,
+        attn_implementation="sdpa",
+    )
+    return GraniteForCausalLM(config)
+
+
 class EncoderLM(nn.Module):
     """A language model made of ``nn.TransformerEncoderLayer`` blocks."""
 
