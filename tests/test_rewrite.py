@@ -211,6 +211,21 @@ def test_an_error_of_the_blocks_own_code_is_a_named_rejection() -> None:
     assert isinstance(info.value.__cause__, RuntimeError)
 
 
+class _ScaledAttention(_QNormAttention):
+    """Attention with its own softmax scale (as Granite's attention_multiplier)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (m(x).view(b, t, 4, 8).transpose(1, 2) for m in (self.q, self.k, self.v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.05)
+        return self.o(out.transpose(1, 2).reshape(b, t, 32))
+
+
+def test_an_attention_scale_is_carried_into_the_modes() -> None:
+    ops = rewrite_block(_Block(_ScaledAttention()), "layers.0", 0, None)  # verified in float64 in every mode
+    assert [op.spec.scale for op in ops if hasattr(op.spec, "scale")] == [0.05]
+
+
 def test_misunderstood_block_is_caught_by_verification() -> None:
     """An interleaved rotary looks like cos/sin rotary to the passes; verification must reject it."""
     block = _RopeBlock(_InterleavedRope())

@@ -170,7 +170,7 @@ def _check_sdpa(node: fx.Node, head_dim: int) -> tuple[bool, float | None]:
         raise RoleError("attention with an explicit mask (padding or custom masks) is not supported yet")
     if float(_sdpa_arg(node, 4, "dropout_p") or 0.0) > 0:  # type: ignore[arg-type]
         raise RoleError("attention dropout is not supported by the parallel modes; set it to 0")
-    scale = _sdpa_arg(node, 7, "scale")
+    scale = node.kwargs.get("scale")  # keyword-only in torch
     if scale is not None and not isinstance(scale, (int, float)):
         raise RoleError("the attention scale is computed at run time; a constant scale is supported")
     if scale is not None and math.isclose(float(scale), head_dim**-0.5, rel_tol=1e-12):
