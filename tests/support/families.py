@@ -1,7 +1,8 @@
 """Tiny models of the accepted families, built from ordinary code that knows nothing about parallelism.
 
 * ``hf-llama``: a Hugging Face ``LlamaForCausalLM`` (random init, no download), trained with
-  ``labels`` that the model shifts inside (the label-shift trap of sequence parallelism).
+  ``labels`` that the model shifts inside (the label-shift trap of sequence parallelism); ``granite``
+  the same with Granite's own attention scale and multipliers.
 * ``tel`` / ``tel-causal``: a model built from ``torch.nn.TransformerEncoderLayer`` (pre-norm,
   learned positions, a causal mask of its own when causal), targets shifted in the data.
 * the package's reference models come from ``lightning_paradyse.models``.
@@ -13,10 +14,9 @@ import torch
 import torch.nn as nn
 
 
-def hf_llama(n_kv_heads: int = 4, n_layers: int = 2) -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
+def _tiny_decoder(n_kv_heads: int, n_layers: int) -> dict[str, object]:
+    """The config fields every tiny Hugging Face decoder here shares."""
+    return dict(
         vocab_size=128,
         hidden_size=96,
         intermediate_size=192,
@@ -26,7 +26,12 @@ def hf_llama(n_kv_heads: int = 4, n_layers: int = 2) -> nn.Module:
         max_position_embeddings=1024,
         attn_implementation="sdpa",
     )
-    return LlamaForCausalLM(config)
+
+
+def hf_llama(n_kv_heads: int = 4, n_layers: int = 2) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(**_tiny_decoder(n_kv_heads, n_layers)))
 
 
 def hf_granite(n_kv_heads: int = 4, n_layers: int = 2) -> nn.Module:
@@ -34,21 +39,8 @@ def hf_granite(n_kv_heads: int = 4, n_layers: int = 2) -> nn.Module:
     multipliers on the embeddings, the residuals and the logits."""
     from transformers import GraniteConfig, GraniteForCausalLM
 
-    config = GraniteConfig(
-        vocab_size=128,
-        hidden_size=96,
-        intermediate_size=192,
-        num_hidden_layers=n_layers,
-        num_attention_heads=12,
-        num_key_value_heads=n_kv_heads,
-        max_position_embeddings=1024,
-        attention_multiplier=0.07,
-        embedding_multiplier=2.0,
-        residual_multiplier=0.5,
-        logits_scaling=1.5,
-        attn_implementation="sdpa",
-    )
-    return GraniteForCausalLM(config)
+    multipliers = dict(attention_multiplier=0.07, embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=1.5)
+    return GraniteForCausalLM(GraniteConfig(**_tiny_decoder(n_kv_heads, n_layers), **multipliers))
 
 
 class EncoderLM(nn.Module):
