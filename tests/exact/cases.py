@@ -273,6 +273,13 @@ def lm_main() -> pl.LightningModule:
     return LanguageModel("llama-tiny", lr=3e-3, weight_decay=0.1)
 
 
+def lm_granite() -> pl.LightningModule:
+    """The package's module around a Hugging Face Granite built from config fields (as ``hf_config`` in YAML)."""
+    fields = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    fields |= dict(num_key_value_heads=2, attention_multiplier=0.07, residual_multiplier=0.5, logits_scaling=1.5)
+    return LanguageModel(lr=3e-3, hf_config={"class": "GraniteConfig", **fields})
+
+
 def _lm_data() -> tuple[DataLoader[Any], DataLoader[Any]]:
     return loader(shifted_targets), loader(shifted_targets, (35, 52))
 
@@ -285,6 +292,7 @@ def cases_p2() -> dict[str, Case]:
     return {
         "lm-main-auto": Case(lm_main, _lm_data, trainer=val, test=True, strategy=dict(thresholds=(40, 56))),
         "lm-main-mixed": Case(lm_main, _lm_data, trainer=val, strategy=dict(plan=MIXED)),
+        "lm-hf-granite": Case(lm_granite, _lm_data, trainer=val, strategy=dict(plan=MIXED)),
         "hf-labels-key": Case(hf("labels-key"), lambda: loader(hf_labels), strategy=dict(plan="ulysses")),
         "hf-labels-ids": Case(hf("labels-ids"), lambda: loader(tokens_only), strategy=dict(plan=MIXED)),
         "hf-shift-labels": Case(hf("shift-labels"), lambda: loader(hf_shift_labels), strategy=dict(plan="ring")),
