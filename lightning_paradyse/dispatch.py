@@ -129,7 +129,7 @@ class OpDispatch(nn.Module):
 
 
 class _TokenTable:
-    """Per-token positional inputs (positions, or rotary cos/sin) of the local tokens, looked up by position.
+    """Per-token positional inputs (positions, rotary cos/sin) of the local tokens, looked up by position.
 
     Values for tokens of other ranks are all-gathered once per call when a mode needs the whole sequence,
     except integer position ids equal to the layout's positions, which are known everywhere.
@@ -142,16 +142,17 @@ class _TokenTable:
         with packed documents the positions restart per document and may equal the layout's on one
         rank's tokens but not on another's.
         """
-        if len(self.values) != 1 or self.values[0].is_floating_point():
+        dim = self.dims[0] if len(self.dims) == 1 else None
+        if dim is None or self.values[0].is_floating_point():
             return False
-        value, dim = self.values[0], self.dims[0]
+        value = self.values[0]
         local = self.ctx.positions(value.device)
         shaped = local.view([-1 if i == dim else 1 for i in range(value.dim())]).expand_as(value)
         differs = torch.tensor([0.0 if torch.equal(value, shaped) else 1.0], device=value.device)
         with no_counting():  # a 4-byte control message, not part of any mode's traffic
             return float(all_reduce_sum(differs, self.ctx.group)) == 0.0  # [1] summed over the group
 
-    def __init__(self, values: list[torch.Tensor], dims: tuple[int, ...], ctx: SeqContext) -> None:
+    def __init__(self, values: list[torch.Tensor], dims: tuple[int | None, ...], ctx: SeqContext) -> None:
         self.values, self.dims, self.ctx = values, dims, ctx
         self.full: list[torch.Tensor] | None = None
         self.layout_positions: bool | None = None
@@ -164,13 +165,13 @@ class _TokenTable:
         if self.layout_positions is None:
             self.layout_positions = self._are_layout_positions()
         if self.layout_positions:  # position ids are the layout's own: nothing to gather
-            value, dim = self.values[0], self.dims[0]
+            value, dim = self.values[0], int(self.dims[0])  # type: ignore[arg-type]
             shape = [positions.numel() if i == dim else n for i, n in enumerate(value.shape)]
             view = [-1 if i == dim else 1 for i in range(value.dim())]
             return [positions.to(value.dtype).view(view).expand(shape)]
-        if self.full is None:
-            self.full = [self._gather(v, d) for v, d in zip(self.values, self.dims)]
-        return [f.index_select(d, positions) for f, d in zip(self.full, self.dims)]
+        if self.full is None:  # values that are not per token (dim None) are the same on every rank
+            self.full = [v if d is None else self._gather(v, d) for v, d in zip(self.values, self.dims)]
+        return [f if d is None else f.index_select(d, positions) for f, d in zip(self.full, self.dims)]
 
     def _gather(self, value: torch.Tensor, dim: int) -> torch.Tensor:
         layout = self.ctx.layout
@@ -179,11 +180,6 @@ class _TokenTable:
             full = gather_seq(moved.contiguous(), layout, self.ctx.group)  # [.., s_r, ..] -> [.., s, ..]
         full = full.index_select(1, layout.natural_index(full.device))  # gathered -> natural order
         return full.movedim(1, dim) if value.dim() > 1 else full[0]
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)  # [..., d] -> 2 x [..., d/2]
-    return torch.cat((-x2, x1), dim=-1)
 
 
 class AttentionDispatch(OpDispatch):
@@ -196,11 +192,21 @@ class AttentionDispatch(OpDispatch):
         self.in_proj_bias = None  # without a bias it takes the ordinary path that calls this module
         self._qkv_same_embed_dim = False
         self._add_weights(core, roles, group)
-        if roles.rotary == "module" and roles.rotary_module is not None:
-            rel = roles.rotary_module[len(roles.core) + 1 :]
-            self.rotary = core.get_submodule(rel)
+        program = roles.program
+        for name in () if program is None else program.modules:  # the norms / rotary the model's own code calls
+            if hasattr(self, name):
+                raise ValueError(f"{roles.core}.{name}: a sub-module of this name clashes with the dispatch's own")
+            self.add_module(name, core.get_submodule(name))
         h = self.req("o_t").shape[1]
-        self.spec = AttnSpec(h, roles.n_heads, roles.n_kv_heads, roles.head_dim, bool(roles.causal), scale=roles.scale)
+        self.spec = AttnSpec(
+            h,
+            roles.n_heads,
+            roles.n_kv_heads,
+            roles.head_dim,
+            bool(roles.causal),
+            scale=roles.scale,
+            mixes_heads=program is not None and program.mixes_heads,
+        )
         self.attend_axis: int | None = None
         """Grid models: the grid dimension this attention attends along (1: frames, 2: patches)."""
 
@@ -283,23 +289,21 @@ class AttentionDispatch(OpDispatch):
             raise ValueError(f"layer {self.layer}: only causal or no attention masks are supported")
         return True
 
-    def _rotary(self, args: tuple[Any, ...], kwargs: dict[str, Any], ctx: SeqContext) -> Any:
-        if self.roles.rotary is None:
+    def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any], ctx: SeqContext) -> Any:
+        """The model's code between projections and attention for this call, on the tokens a mode names."""
+        program = self.roles.program
+        if program is None:
             return None
         table = _TokenTable([r.get(args, kwargs) for r in self.roles.positions], self.roles.token_dims, ctx)
-        if self.roles.rotary == "module":
-            module = self.rotary
 
-            def by_module(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> Any:
-                return module(q, k, table.lookup(positions)[0])
+        def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> Any:
+            return program.run(q, k, v, table.lookup(positions), self)
 
-            return by_module
+        return prepare
 
-        def by_cos_sin(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> Any:
-            cos, sin = (t.unsqueeze(1) for t in table.lookup(positions))  # [b, t, d] -> [b, 1, t, d]
-            return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-        return by_cos_sin
+    def _prepare_params(self) -> tuple[torch.Tensor, ...]:
+        names = () if self.roles.program is None else self.roles.program.modules
+        return tuple(p for n in names for p in self.get_submodule(n).parameters() if p.requires_grad)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         x = self.roles.hidden.get(args, kwargs)
@@ -308,14 +312,11 @@ class AttentionDispatch(OpDispatch):
         else:
             ctx, op = self._state(x)
             mode = get_mode(op.mode)
-        spec = AttnSpec(
-            self.spec.hidden,
-            self.spec.n_heads,
-            self.spec.n_kv_heads,
-            self.spec.head_dim,
-            self._causal(args, kwargs),
-            self._rotary(args, kwargs, ctx),
-            self.spec.scale,
+        spec = replace(
+            self.spec,
+            causal=self._causal(args, kwargs),
+            prepare=self._prepare(args, kwargs, ctx),
+            prepare_params=self._prepare_params(),
         )
         y = self._run(lambda inp: mode.attention(inp, self.weights(), spec, ctx), x)
         if self.roles.output_item is None:

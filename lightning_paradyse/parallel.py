@@ -165,9 +165,10 @@ def parallelize(module: nn.Module, group: Group, blocks: str | None = None, axes
         raise ValueError(f"axes={axes!r}: 1 (a sequence, [b, s, h]) or 2 (a grid, [b, T, S, h]) are supported")
     found = find_blocks(module, blocks)
     state = StepState(blocks=[n for n, _ in found], grid=GridState() if axes == 2 else None)
+    rope = _rotary_embedding(module)
     for layer, (name, block) in enumerate(found):
         try:
-            ops = rewrite_block(block, name, layer, group, axes)
+            ops = rewrite_block(block, name, layer, group, axes, rope)
         except RoleError as err:
             raise ValueError(str(err)) from None
         for op in ops:
@@ -178,6 +179,26 @@ def parallelize(module: nn.Module, group: Group, blocks: str | None = None, axes
     if state.grid is not None:
         _install_grid_hooks([b for _, b in found], state)
     return state.blocks
+
+
+def _rotary_embedding(module: nn.Module) -> Any:
+    """The model's own rotary embedding (a module with ``inv_freq`` called with ``position_ids``, as Hugging Face
+    models have), as ``rope(x, position_ids, block)`` for the blocks' example inputs; ``None`` if there is none."""
+    for rope in module.modules():
+        has_freq = any(n.endswith("inv_freq") for n, _ in rope.named_buffers(recurse=False))
+        if has_freq and _accepts(rope.forward, "position_ids"):
+            return functools.partial(_call_rope, rope)
+    return None
+
+
+def _call_rope(rope: nn.Module, x: torch.Tensor, position_ids: torch.Tensor, block: nn.Module) -> Any:
+    kwargs = {}
+    if "layer_type" in inspect.signature(rope.forward).parameters:  # one rotary per layer type (Gemma 3)
+        kinds = [m.layer_type for m in block.modules() if isinstance(getattr(m, "layer_type", None), str)]
+        if kinds:
+            kwargs["layer_type"] = kinds[0]
+    with torch.no_grad():
+        return rope(x, position_ids, **kwargs)
 
 
 def _install_grid_hooks(found: list[nn.Module], state: StepState) -> None:

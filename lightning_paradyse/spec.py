@@ -1,7 +1,7 @@
 """What the modes are given: the op's description, its weight shards and the sequence context.
 
 The modes never see a model class. An op is described by a small frozen spec (head counts, causal
-flag, positional rotation, activation) and its weights arrive as the 1/p row shards of the unified
+flag, the model's code between projections and attention, activation) and its weights arrive as the 1/p row shards of the unified
 layout (DESIGN.md):
 
 * ``q, k, v, up, gate``: the rows (output features) of the ``nn.Linear`` weight, ``[n_out/p, h]``
@@ -26,8 +26,12 @@ import torch
 from lightning_paradyse.comm import Group, group_rank, group_size
 from lightning_paradyse.layout import SeqLayout, split_sizes
 
-Rotary = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-"""``rotary(q [b, nq, t, d], k [b, nk, t, d], positions [t]) -> (q, k)`` with global positions."""
+Prepare = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+]
+"""``prepare(q [b, t, nq*d], k [b, t, nk*d], v [b, t, nk*d], positions [t]) -> (q [b, nq, t, d], k, v)``: the
+model's own code between the projections and the attention (per-head norms, rotary embeddings) on the tokens at
+the global ``positions`` and the heads a mode holds."""
 
 
 @dataclass(frozen=True)
@@ -44,10 +48,15 @@ class AttnSpec:
     """Width ``d`` of one head."""
     causal: bool
     """Causal (decoder) or bidirectional (encoder) attention."""
-    rotary: Rotary | None = None
-    """Rotation applied to q and k with global positions (RoPE), or ``None``."""
+    prepare: Prepare | None = None
+    """The model's code from the projections to the attention inputs, or ``None``: a plain split into heads."""
     scale: float | None = None
     """Softmax scale of the scores; ``None``: ``1/sqrt(head_dim)``."""
+    prepare_params: tuple[torch.Tensor, ...] = ()
+    """The trainable parameters ``prepare`` reads (q/k norms): a mode that recomputes the projections in a backward
+    of its own returns their gradients."""
+    mixes_heads: bool = False
+    """``prepare`` needs every head of a token at once (a norm over all heads): modes that split heads cannot run it."""
 
     @property
     def group(self) -> int:

@@ -3,6 +3,7 @@ parameters untouched, and the weight-ring traffic of the MLP. One gloo spawn per
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ from torch import nn
 from lightning_paradyse.comm import CommCounter, all_gather_rows, all_reduce_sum
 from lightning_paradyse.layout import SeqLayout
 from lightning_paradyse.models.llama import RotaryEmbedding
+from lightning_paradyse.modes.base import split_heads
 from lightning_paradyse.modes.metp import MemoryEfficientTensorParallel
 from lightning_paradyse.spec import AttnSpec, AttnWeights, MlpSpec, MlpWeights, SeqContext, shard_rows
 from tests.support.dist import run_distributed
@@ -64,10 +66,14 @@ def _attention_case(p: int, rank: int, s: int, n_kv: int, causal: bool, bias: bo
     x = torch.randn(B, s, H, dtype=torch.float64, requires_grad=True)
     wl = torch.randn(B, s, H, dtype=torch.float64)
     rot = RotaryEmbedding(D, 10000.0) if rope else None
+    norm = nn.LayerNorm(D, dtype=torch.float64) if rope else None  # a q norm with parameters (Qwen3), with rope
+    if norm is not None:
+        with torch.no_grad():
+            norm.weight.normal_(1.0, 0.5)
     # reference: the whole sequence in one process
     q, k, v = (lin[n](x).view(B, s, -1, D).transpose(1, 2) for n in "qkv")
-    if rot is not None:
-        q, k = rot(q, k, torch.arange(s))
+    if rot is not None and norm is not None:
+        q, k = rot(norm(q), k, torch.arange(s))
     g = N // n_kv
     o = F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), is_causal=causal)
     ref = lin["o"](o.transpose(1, 2).reshape(B, s, N * D))
@@ -87,7 +93,18 @@ def _attention_case(p: int, rank: int, s: int, n_kv: int, causal: bool, bias: bo
     params = _params({n: None if t is None else shard_rows(t.detach(), p, rank) for n, t in full.items()})
     bo = None if lin["o"].bias is None else lin["o"].bias.detach().clone().requires_grad_()
     before = {n: t.detach().clone() for n, t in params.items()}
-    spec = AttnSpec(H, N, n_kv, D, causal, rot)
+    spec = AttnSpec(H, N, n_kv, D, causal)
+    ref_norm: list[torch.Tensor] = []
+    if rot is not None and norm is not None:  # the model's code before the attention, with a parameter
+
+        def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> Any:
+            q, k, v = (split_heads(t, D) for t in (q, k, v))  # [b, t, heads*d] -> [b, heads, t, d]
+            q, k = rot(norm(q), k, positions)
+            return q, k, v
+
+        spec = replace(spec, prepare=prepare, prepare_params=tuple(norm.parameters()))
+        ref_norm = [w.grad.clone() for w in norm.parameters() if w.grad is not None]
+        norm.zero_grad()
     xl = lay.shard(x.detach(), rank).requires_grad_()
     y = MODE.attention(xl, AttnWeights(**params, bo=bo), spec, ctx)  # type: ignore[arg-type]
     (y * lay.shard(wl, rank)).sum().backward()
@@ -98,6 +115,9 @@ def _attention_case(p: int, rank: int, s: int, n_kv: int, causal: bool, bias: bo
         _close(f"{case} d{n}", t.grad, shard_rows(full[n].grad if n != "o_t" else lin["o"].weight.grad.t(), p, rank))
     if bo is not None:
         _close(f"{case} dbo", all_reduce_sum(bo.grad, ctx.group), lin["o"].bias.grad)
+    if norm is not None:  # each rank's tokens give a part of the norm's gradient; the parts sum to one process's
+        for w, want in zip(norm.parameters(), ref_norm):
+            _close(f"{case} dnorm", all_reduce_sum(w.grad, ctx.group), want)
     _check_params(params, before)
 
 

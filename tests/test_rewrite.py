@@ -63,18 +63,20 @@ def test_attention_roles_of_each_family() -> None:
         2,
         True,
     )
-    assert llama.rotary == "module" and llama.rotary_module == "attn.rotary" and llama.token_dims == (0,)
+    # the model's own code between projections and attention: here its rotary module, called with positions
+    assert llama.program is not None and llama.program.modules == ("rotary",) and llama.token_dims == (0,)
+    assert [s.target for s in llama.program.steps if s.kind == "module"] == ["rotary"]
     bert = find_attention(_trace(build_model("bert-tiny").layers[0]))
-    assert bert.causal is False and bert.rotary is None
+    assert bert.causal is False and bert.program is None  # a plain split into heads: nothing to replay
     hf = find_attention(_trace(hf_llama().model.layers[0]))
-    assert (hf.core, hf.k, hf.n_kv_heads, hf.rotary, hf.output_item, hf.output_len) == (
+    assert (hf.core, hf.k, hf.n_kv_heads, hf.output_item, hf.output_len) == (
         "self_attn",
         "self_attn.k_proj",
         4,
-        "cos_sin",
         0,
         2,
     )
+    assert hf.program is not None and hf.program.modules == () and not hf.program.mixes_heads
     assert [(r.name, r.item) for r in hf.positions] == [("position_embeddings", 0), ("position_embeddings", 1)]
     assert hf.token_dims == (1, 1)  # cos/sin are [b, t, d]
     tel = find_attention(_trace(EncoderLM(causal=False).encoder.layers[0]))
@@ -132,7 +134,7 @@ def test_find_blocks_and_ambiguity() -> None:
 
 
 class _QNormAttention(nn.Module):
-    """Qwen3-style attention: a parameterised norm on q and k before the attention (not understood yet)."""
+    """Qwen3-style attention: a parameterised norm on q before the attention (the block's own code, replayed)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -186,9 +188,19 @@ class _RopeBlock(_Block):
         return x + self.mlp(self.norm2(x))
 
 
+class _TokenMixingAttention(_QNormAttention):
+    """Queries mixed with the previous token's before the attention: no mode can run that on its part of the tokens."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (m(x).view(b, t, 4, 8).transpose(1, 2) for m in (self.q, self.k, self.v))
+        q = q + q.roll(1, dims=2)
+        return self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, 32))
+
+
 def test_unsupported_blocks_are_rejected_with_block_and_role() -> None:
-    with pytest.raises(RoleError, match=r"block layers\.3 .*attn\.q_norm"):
-        rewrite_block(_Block(_QNormAttention()), "layers.3", 3, None)
+    with pytest.raises(RoleError, match=r"block layers\.3 .*attn: the code between the projections .*mixes tokens"):
+        rewrite_block(_Block(_TokenMixingAttention()), "layers.3", 3, None)
     plain_mlp = nn.Module()
     plain_mlp.layers = nn.ModuleList(
         [nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8))]
@@ -226,11 +238,52 @@ def test_an_attention_scale_is_carried_into_the_modes() -> None:
     assert [op.spec.scale for op in ops if hasattr(op.spec, "scale")] == [0.05]
 
 
+def test_the_blocks_own_code_before_the_attention_is_replayed() -> None:
+    """A q norm (Qwen3) and an interleaved rotary (GPT-J): the block's own code runs in every mode (verified in
+    float64 on a group of one); the norm's parameter stays replicated under its own name."""
+    ops = rewrite_block(_Block(_QNormAttention()), "layers.0", 0, None)
+    attn = ops[0]
+    assert isinstance(attn, AttentionDispatch) and attn.roles.program is not None
+    assert attn.roles.program.modules == ("q_norm",) and not attn.spec.mixes_heads
+    assert "q_norm.weight" in dict(attn.named_parameters()) and "q_norm.weight" not in attn.sources
+    rope = rewrite_block(_RopeBlock(_InterleavedRope()), "layers.0", 0, None)[0]
+    assert isinstance(rope, AttentionDispatch) and [(r.index, r.item) for r in rope.roles.positions] == [(1, 0), (1, 1)]
+
+
+class _AllHeadsNormAttention(_QNormAttention):
+    """OLMo 2-style: one norm over every head's features of q, before the split into heads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_norm = nn.LayerNorm(32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_norm(self.q(x)).view(b, t, 4, 8).transpose(1, 2)
+        k, v = (m(x).view(b, t, 4, 8).transpose(1, 2) for m in (self.k, self.v))
+        return self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, 32))
+
+
+def test_code_mixing_heads_makes_the_head_splitting_modes_infeasible() -> None:
+    attn = rewrite_block(_Block(_AllHeadsNormAttention()), "layers.0", 0, None)[0]
+    assert attn.spec.mixes_heads
+    assert all("mixes heads" in str(attn.infeasible(mode, 2)) for mode in ("tp_sp", "metp"))
+    assert attn.infeasible("ulysses", 2) is None and attn.infeasible("ring", 2) is None
+
+
+class _PostScaledAttention(_QNormAttention):
+    """The attention output scaled before the output projection: the passes do not look there."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (m(x).view(b, t, 4, 8).transpose(1, 2) for m in (self.q, self.k, self.v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True) * 2.0
+        return self.o(out.transpose(1, 2).reshape(b, t, 32))
+
+
 def test_misunderstood_block_is_caught_by_verification() -> None:
-    """An interleaved rotary looks like cos/sin rotary to the passes; verification must reject it."""
-    block = _RopeBlock(_InterleavedRope())
     with pytest.raises(RoleError, match="does not reproduce the original"):
-        rewrite_block(block, "layers.0", 0, None)
+        rewrite_block(_Block(_PostScaledAttention()), "layers.0", 0, None)
 
 
 def test_sequential_mlp_is_understood() -> None:

@@ -189,7 +189,7 @@ def dims_from_module(module: nn.Module, vocab: int | None = None) -> ModelDims:
         gated=m.gated,
         biases=attn.opt("bq") is not None,
         causal=bool(attn.roles.causal is not False),
-        rotary=attn.roles.rotary is not None,
+        rotary=attn.roles.program is not None,
         norm="rms" if rms else "layer",
         dtype_bytes=dtype_bytes,
     )

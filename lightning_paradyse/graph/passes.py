@@ -5,10 +5,10 @@ found, or raises :class:`RoleError` naming what is missing. What they match:
 
 * :func:`find_attention`: the one attention call (``scaled_dot_product_attention``, or an
   ``nn.MultiheadAttention``); walking back from its q/k/v inputs to the ``nn.Linear`` that produced
-  each, and forward from its output to the output projection; the positional rotation between the
-  projections and the attention (a rotary *module* fed with positions, or ``cos``/``sin`` tensors
-  multiplied into q and k, rotate-half style); the sub-module that computes the whole op (the
-  deepest module enclosing all of it) and where its input and positional arguments sit in its call.
+  each, and forward from its output to the output projection; the block's own code between the
+  projections and the attention (norms, rotary embeddings: a :class:`~.program.HeadProgram`) and its
+  positional inputs; the sub-module that computes the whole op (the deepest module enclosing all of
+  it) and where its input and positional arguments sit in its call.
 * :func:`find_mlp`: the remaining two (``up -> act -> down``) or three (gated ``down(act(gate) * up)``)
   linears, the activation, and the sub-module computing the MLP, or ``None`` when the block computes
   it inline (``nn.TransformerEncoderLayer``), in which case the two linears are rewritten one by one.
@@ -27,24 +27,12 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lightning_paradyse.graph.trace import BlockTrace, ModuleCall, _getitem
+from lightning_paradyse.graph.program import HeadProgram, ProgramError, extract
+from lightning_paradyse.graph.trace import ArgRef, BlockTrace, ModuleCall, _getitem
 
 
 class RoleError(ValueError):
     """A block whose roles cannot be identified (the message names the block and the role)."""
-
-
-@dataclass(frozen=True)
-class ArgRef:
-    """Where a value sits in a call: positional ``index`` or keyword ``name``, optional tuple ``item``."""
-
-    index: int | None = None
-    name: str | None = None
-    item: int | None = None
-
-    def get(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        value = args[self.index] if self.index is not None and self.index < len(args) else kwargs.get(str(self.name))
-        return value if self.item is None or value is None else value[self.item]
 
 
 @dataclass(frozen=True)
@@ -66,13 +54,13 @@ class AttentionRoles:
     """``None`` when decided per call (``nn.MultiheadAttention``'s mask / ``is_causal``)."""
     hidden: ArgRef
     """The normalised input in the core module's call."""
-    rotary: str | None = None
-    """``module`` (a rotary module called with positions), ``cos_sin`` (rotate-half with cos/sin), or ``None``."""
-    rotary_module: str | None = None
+    program: HeadProgram | None = None
+    """The block's own code from the projections to the attention inputs (norms, rotary), replayed in every mode;
+    ``None`` when it only splits the projections into heads."""
     positions: tuple[ArgRef, ...] = ()
-    """The positional inputs of the core call: ``(positions,)`` or ``(cos, sin)``."""
-    token_dims: tuple[int, ...] = ()
-    """The token dimension of each positional input."""
+    """The program's positional inputs in the core call (``(positions,)``, ``(cos, sin)``, ...)."""
+    token_dims: tuple[int | None, ...] = ()
+    """The token dimension of each positional input (``None``: not per token)."""
     output_item: int | None = None
     """``None`` if the core returns the projection itself, else its index in the returned tuple."""
     output_len: int = 1
@@ -221,82 +209,6 @@ def _mha_roles(trace: BlockTrace, node: fx.Node) -> AttentionRoles:
     )
 
 
-def _token_dim(node: fx.Node, hidden: fx.Node) -> int:
-    t = hidden.meta["shape"][1]
-    shape = list(node.meta.get("shape") or ())
-    if shape.count(t) != 1:
-        raise RoleError(f"cannot find the token dimension of positional input {node.name} (shape {shape})")
-    return shape.index(t)
-
-
-def _transparent(trace: BlockTrace, node: fx.Node, path: set[fx.Node]) -> bool:
-    """A parameter-free module fed only from the projection (an identity, a dropout at p=0): skipped.
-
-    Whatever it does is checked when the rewritten block is verified against the original.
-    """
-    no_params = next(trace.module(str(node.target)).parameters(), None) is None
-    return no_params and all(a in path for a in node.all_input_nodes)
-
-
-Rotation = tuple[str | None, str | None, tuple[ArgRef, ...], tuple[int, ...]]
-
-
-def _rotary(trace: BlockTrace, call: ModuleCall, lin: fx.Node, attn_in: fx.Node, hidden: fx.Node) -> Rotation:
-    """How the projection ``lin`` is rotated on its way to the attention input ``attn_in``."""
-    path = _ancestors(attn_in, lambda n: n is lin) | {attn_in}
-    modules = [n for n in path if n.op == "call_module" and n is not lin and not _transparent(trace, n, path)]
-    if modules:
-        rot = modules[0]
-        extra = [(r, a) for a in rot.all_input_nodes if a not in path and (r := _find_ref(call, a)) is not None]
-        if len(modules) > 1 or len(extra) != 1 or next(trace.module(str(rot.target)).parameters(), None) is not None:
-            raise RoleError(
-                f"unsupported step {[str(m.target) for m in modules]} between a projection and the attention "
-                f"(only a parameter-free rotary module called with positions is understood)"
-            )
-        return "module", str(rot.target), (extra[0][0],), (_token_dim(extra[0][1], hidden),)
-    upstream = _ancestors(attn_in, lambda _: False)
-    feeding = [(r, v) for r, v in _flat_call_args(call) if isinstance(v, fx.Node) and v is not hidden and v in upstream]
-    if not feeding:
-        return None, None, (), ()
-    if len(feeding) != 2:
-        raise RoleError(
-            f"a projection is combined with {len(feeding)} other inputs on its way to the attention; "
-            f"expected a rotary cos and sin"
-        )
-    cos, sin = sorted(feeding, key=lambda rv: _multiplies_rotated(rv[1]))
-    return "cos_sin", None, (cos[0], sin[0]), (_token_dim(cos[1], hidden), _token_dim(sin[1], hidden))
-
-
-def _flat_call_args(call: ModuleCall) -> list[tuple[ArgRef, Any]]:
-    out: list[tuple[ArgRef, Any]] = []
-    for ref, value in [(ArgRef(index=i), a) for i, a in enumerate(call.args)] + [
-        (ArgRef(name=k), v) for k, v in call.kwargs.items()
-    ]:
-        if isinstance(value, (tuple, list)):
-            out += [(ArgRef(ref.index, ref.name, j), item) for j, item in enumerate(value)]
-        else:
-            out.append((ref, value))
-    return out
-
-
-def _multiplies_rotated(node: fx.Node) -> bool:
-    """Whether ``node`` (cos or sin) multiplies a rotate-half result (a ``cat``): true for sin."""
-    frontier, seen = [node], set()
-    while frontier:
-        n = frontier.pop()
-        for user in n.users:
-            if user in seen:
-                continue
-            seen.add(user)
-            if user.target in (torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__):
-                others = [a for a in user.all_input_nodes if a is not n]
-                if any(o.target in (torch.cat, torch.concat) for o in others):
-                    return True
-            elif user.target in (torch.Tensor.unsqueeze, torch.unsqueeze, torch.Tensor.to):
-                frontier.append(user)
-    return False
-
-
 def find_attention(trace: BlockTrace) -> AttentionRoles:
     """The attention op of the block (see the module docstring)."""
     node = _attention_node(trace)
@@ -320,28 +232,26 @@ def find_attention(trace: BlockTrace) -> AttentionRoles:
         raise RoleError(f"{core}: q, k and v must project the sub-module's input directly")
     head_dim = int(node.meta["shape"][-1])
     causal, scale = _check_sdpa(node, head_dim)
-    kind, rot_module, positions, dims = _rotary(trace, call, q_lin, q_in, hidden_node)
-    kind_k = _rotary(trace, call, k_lin, k_in, hidden_node)[0]
-    if kind != kind_k:
-        raise RoleError(f"{core}: q and k are rotated differently")
     out_item, out_len = _output_ref(call, o_lin, core)
     mods = {r: str(n.target) for r, n in (("q", q_lin), ("k", k_lin), ("v", v_lin), ("o", o_lin))}
-    n_q = _linear(trace, mods["q"]).out_features
-    n_kv = _linear(trace, mods["k"]).out_features
+    heads = (int(_linear(trace, mods["q"]).out_features) // head_dim, int(_linear(trace, mods["k"]).out_features) // head_dim)
+    try:
+        code = extract(trace, core, call, (q_lin, k_lin, v_lin), (q_in, k_in, v_in), hidden_node, heads, head_dim)
+    except ProgramError as err:
+        raise RoleError(f"{core}: between the projections and the attention: {err}") from None
     return AttentionRoles(
         core=core,
         kind="linear",
         **mods,
-        n_heads=int(n_q) // head_dim,
-        n_kv_heads=int(n_kv) // head_dim,
+        n_heads=heads[0],
+        n_kv_heads=heads[1],
         head_dim=head_dim,
         causal=causal,
         scale=scale,
         hidden=hidden,
-        rotary=kind,
-        rotary_module=rot_module,
-        positions=positions,
-        token_dims=dims,
+        program=code.program,
+        positions=code.positions,
+        token_dims=code.token_dims,
         output_item=out_item,
         output_len=out_len,
     )

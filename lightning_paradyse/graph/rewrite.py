@@ -6,6 +6,8 @@ The order is fixed and each step is a small function:
    position ids, rotary ``(cos, sin)``); a required argument it cannot build is an error naming it.
 2. :func:`~lightning_paradyse.graph.trace.trace_block`: run the block once and record its data flow.
 3. :func:`~lightning_paradyse.graph.passes.find_attention` / :func:`~.find_mlp`: find the roles.
+   :func:`probe_program`: what the block's own code between the projections and the attention may be given
+   (:func:`~lightning_paradyse.graph.program.probe`).
 4. :func:`verify`: on a float64 copy, install the dispatch modules for a group of one and check that
    every mode reproduces the block's own output on the example (a block we misunderstood is
    rejected here, never run wrongly).
@@ -16,8 +18,10 @@ The order is fixed and each step is a small function:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,6 +37,7 @@ from lightning_paradyse.dispatch import (
     RowDispatch,
 )
 from lightning_paradyse.graph.passes import AttentionRoles, MlpRoles, RoleError, find_attention, find_mlp
+from lightning_paradyse.graph.program import ProgramError, probe
 from lightning_paradyse.graph.trace import trace_block
 from lightning_paradyse.layout import SeqLayout
 from lightning_paradyse.modes import GRID_MODES, MODES
@@ -72,8 +77,17 @@ def _cos_sin(t: int, d: int, dtype: torch.dtype, device: torch.device) -> tuple[
     return emb.cos().to(dtype=dtype, device=device), emb.sin().to(dtype=dtype, device=device)
 
 
-def example_inputs(block: nn.Module, name: str, axes: int = 1) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Example ``(args, kwargs)`` for ``block``'s forward (see the module docstring); ``axes=2``: a grid."""
+Rope = Callable[[torch.Tensor, torch.Tensor, nn.Module], Any]
+"""``rope(x, position_ids, block) -> (cos, sin)``: the model's own rotary embedding for ``block``."""
+
+
+def example_inputs(
+    block: nn.Module, name: str, axes: int = 1, rope: Rope | None = None
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Example ``(args, kwargs)`` for ``block``'s forward (see the module docstring); ``axes=2``: a grid.
+
+    ``rope``: the model's rotary embedding, which gives ``position_embeddings`` of the width the block expects
+    (partial rotary: Phi-2, StableLM); without it, full-width ``cos``/``sin``."""
     param = next(block.parameters())
     dtype, device = param.dtype, param.device
     hidden, t = _hidden_size(block), EXAMPLE_LEN
@@ -88,6 +102,8 @@ def example_inputs(block: nn.Module, name: str, axes: int = 1) -> tuple[tuple[An
             kwargs[p.name] = torch.arange(t, device=device)
         elif p.name == "position_ids":
             kwargs[p.name] = torch.arange(t, device=device)[None]
+        elif p.name == "position_embeddings" and rope is not None:
+            kwargs[p.name] = rope(args[0], torch.arange(t, device=device)[None], block)
         elif p.name == "position_embeddings":
             kwargs[p.name] = _cos_sin(t, _head_dim(block, hidden), dtype, device)
         elif p.default is inspect.Parameter.empty:
@@ -95,9 +111,11 @@ def example_inputs(block: nn.Module, name: str, axes: int = 1) -> tuple[tuple[An
     return args, kwargs
 
 
-def find_roles(block: nn.Module, name: str, axes: int = 1) -> tuple[AttentionRoles, MlpRoles, Any]:
+def find_roles(
+    block: nn.Module, name: str, axes: int = 1, rope: Rope | None = None
+) -> tuple[AttentionRoles, MlpRoles, Any]:
     """Trace ``block`` on example inputs and find its attention and MLP roles."""
-    args, kwargs = example_inputs(block, name, axes)
+    args, kwargs = example_inputs(block, name, axes, rope)
     trace = trace_block(block, args, kwargs)
     attention = find_attention(trace)
     return attention, find_mlp(trace, attention), (args, kwargs)
@@ -127,6 +145,39 @@ def _cast(value: Any) -> Any:
     if isinstance(value, (tuple, list)):
         return type(value)(_cast(v) for v in value)
     return value
+
+
+def probe_program(block: nn.Module, attention: AttentionRoles, example: Any) -> AttentionRoles:
+    """The roles with the probed program (:func:`~lightning_paradyse.graph.program.probe`), on a float64 copy."""
+    if attention.program is None:
+        return attention
+    reference = copy.deepcopy(block).double()
+    seen: dict[str, Any] = {}
+
+    def keep(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, kwargs: Any, out: Any = None) -> None:
+            seen[name] = out if out is not None else (args, kwargs)
+
+        return hook
+
+    handles = [reference.get_submodule(attention.core).register_forward_pre_hook(keep("call"), with_kwargs=True)]
+    for role in ("q", "k", "v"):
+        linear = reference.get_submodule(getattr(attention, role))
+        handles.append(linear.register_forward_hook(keep(role), with_kwargs=True))
+    try:
+        with torch.no_grad():
+            reference(*_cast(example[0]), **_cast(example[1]))
+    finally:
+        for handle in handles:
+            handle.remove()
+    args, kwargs = seen["call"]
+    values = [ref.get(args, kwargs) for ref in attention.positions]
+    owner = reference.get_submodule(attention.core)
+    try:
+        program = probe(attention.program, owner, (seen["q"], seen["k"], seen["v"]), values, attention.token_dims)
+    except ProgramError as err:
+        raise RoleError(f"{attention.core}: the code between the projections and the attention: {err}") from None
+    return dataclasses.replace(attention, program=program)
 
 
 def attend_axis(block: nn.Module, attention: AttentionRoles, example: Any) -> int:
@@ -175,15 +226,20 @@ def verify(block: nn.Module, name: str, attention: AttentionRoles, mlp: MlpRoles
             )
 
 
-def rewrite_block(block: nn.Module, name: str, layer: int, group: Group, axes: int = 1) -> list[OpDispatch]:
+def rewrite_block(
+    block: nn.Module, name: str, layer: int, group: Group, axes: int = 1, rope: Rope | None = None
+) -> list[OpDispatch]:
     """Trace, find roles, verify and install the dispatch modules into ``block`` (in place).
 
     ``axes=2``: the block takes grid hidden states ``[b, T, S, h]``; its attention's axis is recorded on the
-    attention dispatch (``attend_axis``) and the grid mode is verified.
+    attention dispatch (``attend_axis``) and the grid mode is verified. ``rope``: the model's rotary embedding
+    (:func:`example_inputs`).
     """
     stage = "tracing it on example inputs"
     try:
-        attention, mlp, example = find_roles(block, name, axes)
+        attention, mlp, example = find_roles(block, name, axes, rope)
+        stage = "probing its code between the projections and the attention"
+        attention = probe_program(block, attention, example)
         stage = "finding the axis its attention runs along"
         axis = attend_axis(block, attention, example) if axes == 2 else None
         stage = "checking the rewritten block against the original in float64"

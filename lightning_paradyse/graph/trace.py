@@ -37,6 +37,19 @@ def is_leaf(module: nn.Module) -> bool:
     return isinstance(module, LEAF_TYPES) or next(module.children(), None) is None
 
 
+@dataclass(frozen=True)
+class ArgRef:
+    """Where a value sits in a call: positional ``index`` or keyword ``name``, optional tuple ``item``."""
+
+    index: int | None = None
+    name: str | None = None
+    item: int | None = None
+
+    def get(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        value = args[self.index] if self.index is not None and self.index < len(args) else kwargs.get(str(self.name))
+        return value if self.item is None or value is None else value[self.item]
+
+
 @dataclass
 class ModuleCall:
     """One call of a non-leaf sub-module: how it was called and what it returned."""
@@ -62,6 +75,8 @@ class BlockTrace:
     """Placeholder node of every tensor input, named ``arg`` or ``arg.i`` for tuple members."""
     calls: list[ModuleCall] = field(default_factory=list)
     example_output: Any = None
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)
+    """The value of every ``get_attr`` node that is not a parameter or buffer of the block (``_const<i>``)."""
 
     def nodes(self, op: str | None = None) -> Iterator[fx.Node]:
         return (n for n in self.graph.nodes if op is None or n.op == op)
@@ -99,6 +114,8 @@ class _Tracer:
         self.stack: list[str] = []
         self.calls: list[ModuleCall] = []
         self.param_names = {id(p): n for n, p in block.named_parameters()}
+        self.param_names.update({id(b): n for n, b in block.named_buffers()})
+        self.constants: dict[str, torch.Tensor] = {}
         self.paths = {id(m): n for n, m in block.named_modules()}
 
     def node_of(self, value: Any) -> Any:
@@ -106,7 +123,10 @@ class _Tracer:
             return value
         node = self.env.get(id(value))
         if node is None:  # a tensor born outside the traced ops: a parameter or a constant
-            name = self.param_names.get(id(value), f"_const{len(self.env)}")
+            name = self.param_names.get(id(value))
+            if name is None:
+                name = f"_const{len(self.env)}"
+                self.constants[name] = value.detach()
             node = self.graph.get_attr(name)
             node.meta["shape"] = tuple(value.shape)
             self.bind(value, node)
@@ -207,4 +227,4 @@ def trace_block(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] 
     with _hooks(tracer), _Recorder(tracer), torch.no_grad():
         out = block(*args, **kwargs)
     tracer.graph.output(tracer.to_nodes(out))
-    return BlockTrace(tracer.graph, block, inputs, tracer.calls, out)
+    return BlockTrace(tracer.graph, block, inputs, tracer.calls, out, tracer.constants)

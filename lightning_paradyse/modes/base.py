@@ -100,8 +100,11 @@ class Mode:
         return f"{type(self).__name__}()"
 
 
-def heads_infeasible(spec: AttnSpec, p: int, mode: str) -> str | None:
-    """The head-divisibility rule of the head-sharded modes (``tp_sp``, ``ulysses``, ``metp``)."""
+def heads_infeasible(spec: AttnSpec, p: int, mode: str, splits_heads: bool = True) -> str | None:
+    """The head-divisibility rule of the head-sharded modes (``tp_sp``, ``ulysses``, ``metp``); with
+    ``splits_heads`` (the model's pre-attention code runs on a subset of the heads) also the head-mixing rule."""
+    if splits_heads and spec.mixes_heads and p > 1:
+        return f"{mode} runs the model's code before the attention on 1/p of the heads, and that code mixes heads"
     if spec.n_heads % p:
         return f"{mode} needs the {spec.n_heads} attention heads divisible by the group size {p}"
     if spec.n_kv_heads % p and p % spec.n_kv_heads:
@@ -113,6 +116,17 @@ def split_heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     """``[b, t, n*d] -> [b, n, t, d]``."""
     b, t, _ = x.shape
     return x.view(b, t, -1, head_dim).transpose(1, 2)
+
+
+def prepare_heads(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Projections ``[b, t, heads*d]`` -> attention inputs ``[b, heads, t, d]`` of the tokens at ``positions``:
+    the model's own code (``spec.prepare``: norms, rotary) or a plain split into heads."""
+    if spec.prepare is not None:
+        return spec.prepare(q, k, v, positions)
+    d = spec.head_dim
+    return split_heads(q, d), split_heads(k, d), split_heads(v, d)
 
 
 def merge_heads(x: torch.Tensor) -> torch.Tensor:

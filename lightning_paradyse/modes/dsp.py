@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from lightning_paradyse.attention import full_attention
-from lightning_paradyse.modes.base import Mode, add_bias, merge_heads, split_heads
+from lightning_paradyse.modes.base import Mode, add_bias, merge_heads, prepare_heads
 from lightning_paradyse.modes.ulysses import zero3_project
 from lightning_paradyse.modes.zero3 import zero3_linear_t, zero3_mlp
 from lightning_paradyse.spec import AttnSpec, AttnWeights, MlpSpec, MlpWeights, SeqContext
@@ -29,12 +29,13 @@ class DimensionSwitch(Mode):
     name = "dsp"
 
     def attention(self, x: torch.Tensor, w: AttnWeights, spec: AttnSpec, ctx: SeqContext) -> torch.Tensor:
-        d = spec.head_dim
-        q = split_heads(zero3_project(x, w.q, w.bq, spec.q_rows, ctx), d)  # [n, L, h] -> [n, heads, L, d]
-        k = split_heads(zero3_project(x, w.k, w.bk, spec.kv_rows, ctx), d)
-        v = split_heads(zero3_project(x, w.v, w.bv, spec.kv_rows, ctx), d)
-        if spec.rotary is not None:
-            q, k = spec.rotary(q, k, torch.arange(x.shape[1], device=x.device))
+        q, k, v = prepare_heads(
+            zero3_project(x, w.q, w.bq, spec.q_rows, ctx),  # [n, L, h] -> [n, L, heads*d]
+            zero3_project(x, w.k, w.bk, spec.kv_rows, ctx),
+            zero3_project(x, w.v, w.bv, spec.kv_rows, ctx),
+            spec,
+            torch.arange(x.shape[1], device=x.device),
+        )  # -> [n, heads, L, d]
         o = merge_heads(full_attention(q, k, v, spec.causal, scale=spec.scale))  # [n, heads, L, d] -> [n, L, heads*d]
         y = zero3_linear_t(o, w.o_t, spec.q_rows, ctx.group)  # [n, L, heads*d] -> [n, L, h]
         return add_bias(y, w.bo)

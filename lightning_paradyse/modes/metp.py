@@ -61,6 +61,7 @@ from lightning_paradyse.modes.base import (
     heads_infeasible,
     merge_heads,
     mlp_hidden,
+    prepare_heads,
     split_heads,
 )
 from lightning_paradyse.modes.ring import ring_backward, ring_forward
@@ -149,13 +150,13 @@ def _project(
     x: torch.Tensor, g: Parts, spec: AttnSpec, positions: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Queries, keys, values of one head group for the local tokens, rotated at global positions."""
-    d = spec.head_dim
-    q = split_heads(F.linear(x, g["q"], g.get("bq")), d)  # [b, s_r, h] -> [b, n/p, s_r, d]
-    k = split_heads(F.linear(x, g["k"], g.get("bk")), d)  # [b, s_r, h] -> [b, m, s_r, d]
-    v = split_heads(F.linear(x, g["v"], g.get("bv")), d)  # [b, s_r, h] -> [b, m, s_r, d]
-    if spec.rotary is not None:
-        q, k = spec.rotary(q, k, positions)
-    return q, k, v
+    return prepare_heads(
+        F.linear(x, g["q"], g.get("bq")),  # [b, s_r, h] -> [b, s_r, n/p*d]
+        F.linear(x, g["k"], g.get("bk")),  # [b, s_r, h] -> [b, s_r, m*d]
+        F.linear(x, g["v"], g.get("bv")),
+        spec,
+        positions,
+    )  # -> [b, n/p, s_r, d], [b, m, s_r, d], [b, m, s_r, d]
 
 
 class _Groups:
@@ -185,8 +186,8 @@ class _Groups:
 
 def _group_backward(
     x: torch.Tensor, dy: torch.Tensor, groups: _Groups, j: int, bc: Parts, out: torch.Tensor, lse: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, Any]:
-    """``(dx_j, packed dW_j of the broadcast shard, d kv_full or None)`` for head group ``j``."""
+) -> tuple[torch.Tensor, torch.Tensor, Any, tuple[torch.Tensor | None, ...]]:
+    """``(dx_j, packed dW_j of the broadcast shard, d kv_full or None, d prepare_params)`` for head group ``j``."""
     spec, ctx = groups.spec, groups.ctx
     with torch.enable_grad():
         leaves = _leaves({n: t for n, t in bc.items() if n != "o_t"})
@@ -199,10 +200,12 @@ def _group_backward(
     d_o_t = merge_heads(out).flatten(0, 1).t() @ dy.flatten(0, 1)  # [n/p*d, b*s_r] @ [b*s_r, h]
     dq, dk, dv = ring_backward(dout, q.detach(), k.detach(), v.detach(), out, lse, ctx, spec.causal, spec.scale)
     inputs = [xl, *leaves.values(), *([] if kv_full is None else [kv_full])]
-    grads = torch.autograd.grad((q, k, v), inputs, (dq, dk, dv))
+    extra = list(spec.prepare_params)  # the model's own parameters between projections and attention (q/k norms)
+    grads = torch.autograd.grad((q, k, v), inputs + extra, (dq, dk, dv), allow_unused=True)
+    grads, d_extra = grads[: len(inputs)], tuple(grads[len(inputs) :])
     named = dict(zip(leaves, grads[1 : 1 + len(leaves)]))
     packed = _pack({n: d_o_t if n == "o_t" else named[n] for n in bc}, groups.param_dtype)  # shard order
-    return grads[0], packed, None if kv_full is None else grads[-1]
+    return grads[0], packed, None if kv_full is None else grads[-1], d_extra
 
 
 class _MetpAttention(torch.autograd.Function):
@@ -211,6 +214,7 @@ class _MetpAttention(torch.autograd.Function):
         amp = Autocast.current(x)
         fctx.amp, fctx.x_dtype = amp, x.dtype
         x = x.to(amp.compute_dtype(x, weights[0]))  # what every projection reads (and what is saved)
+        weights = weights[: len(_ATTN_ARGS)]  # then spec.prepare_params, read through spec.prepare
         groups = _Groups(AttnWeights(*weights), spec, ctx, x)
         b, s_r, _ = x.shape
         y = x.new_zeros((b, s_r, weights[3].shape[1]), dtype=accumulation_dtype(x.dtype))  # [b, s_r, h]
@@ -232,14 +236,16 @@ class _MetpAttention(torch.autograd.Function):
         x, *rest = fctx.saved_tensors  # read once (checkpointed recomputation allows no second read)
         weights, saved = rest[: len(_ATTN_ARGS)], rest[len(_ATTN_ARGS) :]
         with fctx.amp.replay():  # the recomputed projections are the forward's
-            dx, grads = _attention_backward(fctx, dy, x, weights, saved)
-        return (dx, None, None, *(grads.get(n) if w is not None else None for n, w in zip(_ATTN_ARGS, weights)))
+            dx, grads, d_extra = _attention_backward(fctx, dy, x, weights, saved)
+        named = (grads.get(n) if w is not None else None for n, w in zip(_ATTN_ARGS, weights))
+        return (dx, None, None, *named, *d_extra)
 
 
 def _attention_backward(
     fctx: Any, dy: torch.Tensor, x: torch.Tensor, weights: list[torch.Tensor], saved: list[torch.Tensor]
-) -> tuple[torch.Tensor, Parts]:
-    """``(dx in the input's dtype, {name: gradient of this rank's shard})`` of :class:`_MetpAttention`.
+) -> tuple[torch.Tensor, Parts, tuple[torch.Tensor | None, ...]]:
+    """``(dx in the input's dtype, {name: gradient of this rank's shard}, gradients of spec.prepare_params from
+    this rank's tokens)`` of :class:`_MetpAttention`.
 
     ``x`` is the saved input (compute dtype), ``saved`` every head group's ``out, lse``.
     """
@@ -249,9 +255,11 @@ def _attention_backward(
     dx = torch.zeros_like(x, dtype=accumulation_dtype(x.dtype))
     d_kv = None if groups.kv_full is None else torch.zeros_like(groups.kv_full, dtype=groups.param_dtype)
     mine: torch.Tensor | None = None  # the summed gradient of this rank's own shard
+    d_extra: list[torch.Tensor | None] = [None] * len(fctx.spec.prepare_params)
     for j in range(ctx.p):
         bc = groups.receive(j)
-        dx_j, packed, d_kv_j = _group_backward(x, dy, groups, j, bc, saved[2 * j], saved[2 * j + 1])
+        dx_j, packed, d_kv_j, d_extra_j = _group_backward(x, dy, groups, j, bc, saved[2 * j], saved[2 * j + 1])
+        d_extra = [a if b is None else b if a is None else a + b for a, b in zip(d_extra, d_extra_j)]
         dx += dx_j
         if d_kv is not None:
             d_kv += d_kv_j
@@ -264,7 +272,7 @@ def _attention_backward(
         local = reduce_scatter_rows(d_kv, row_sizes(fctx.spec.kv_rows, ctx.p), ctx.group)
         cols = local.split(groups.kv_widths, dim=1)
         grads.update({n: c.squeeze(1) if n.startswith("b") else c for n, c in zip(groups.kv_names, cols)})
-    return dx.to(fctx.x_dtype), grads
+    return dx.to(fctx.x_dtype), grads, tuple(d_extra)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -379,7 +387,8 @@ class MemoryEfficientTensorParallel(Mode):
         reason = self.attention_infeasible(spec, ctx.p)
         if reason is not None:
             raise ValueError(reason)
-        y = _MetpAttention.apply(x, spec, ctx, w.q, w.k, w.v, w.o_t, w.bq, w.bk, w.bv)  # [b, s_r, h]
+        weights = (w.q, w.k, w.v, w.o_t, w.bq, w.bk, w.bv, *spec.prepare_params)
+        y = _MetpAttention.apply(x, spec, ctx, *weights)  # [b, s_r, h]
         return add_bias(y, w.bo)
 
     def mlp(self, x: torch.Tensor, w: MlpWeights, spec: MlpSpec, ctx: SeqContext) -> torch.Tensor:

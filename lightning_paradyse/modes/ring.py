@@ -25,7 +25,7 @@ import torch
 from lightning_paradyse.attention import block_backward, block_forward, merge
 from lightning_paradyse.comm import ring_pass_start
 from lightning_paradyse.layout import SeqLayout
-from lightning_paradyse.modes.base import Mode, add_bias, autocast_off, merge_heads, split_heads
+from lightning_paradyse.modes.base import Mode, add_bias, autocast_off, merge_heads, prepare_heads
 from lightning_paradyse.modes.ulysses import zero3_project
 from lightning_paradyse.modes.zero3 import zero3_linear_t, zero3_mlp
 from lightning_paradyse.spec import AttnSpec, AttnWeights, MlpSpec, MlpWeights, SeqContext
@@ -221,11 +221,13 @@ class Ring(Mode):
 
     def attention(self, x: torch.Tensor, w: AttnWeights, spec: AttnSpec, ctx: SeqContext) -> torch.Tensor:
         d = spec.head_dim
-        q = split_heads(zero3_project(x, w.q, w.bq, spec.q_rows, ctx), d)  # [b, s_r, n*d] -> [b, n, s_r, d]
-        k = split_heads(zero3_project(x, w.k, w.bk, spec.kv_rows, ctx), d)  # -> [b, n_kv, s_r, d]
-        v = split_heads(zero3_project(x, w.v, w.bv, spec.kv_rows, ctx), d)
-        if spec.rotary is not None:
-            q, k = spec.rotary(q, k, ctx.positions(x.device))  # rotated with global positions
+        q, k, v = prepare_heads(
+            zero3_project(x, w.q, w.bq, spec.q_rows, ctx),  # [b, s_r, h] -> [b, s_r, n*d]
+            zero3_project(x, w.k, w.bk, spec.kv_rows, ctx),  # -> [b, s_r, n_kv*d]
+            zero3_project(x, w.v, w.bv, spec.kv_rows, ctx),
+            spec,
+            ctx.positions(x.device),  # the model's code at the global positions of the local tokens
+        )  # -> [b, n, s_r, d], [b, n_kv, s_r, d], [b, n_kv, s_r, d]
         o = merge_heads(ring_attention(q, k, v, ctx, spec.causal, spec.scale))  # [b, n, s_r, d] -> [b, s_r, n*d]
         y = zero3_linear_t(o, w.o_t, spec.q_rows, ctx.group)  # [b, s_r, n*d] -> [b, s_r, h]
         return add_bias(y, w.bo)

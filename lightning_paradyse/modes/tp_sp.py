@@ -27,7 +27,7 @@ from lightning_paradyse.modes.base import (
     heads_infeasible,
     merge_heads,
     mlp_hidden,
-    split_heads,
+    prepare_heads,
 )
 from lightning_paradyse.spec import AttnSpec, AttnWeights, MlpSpec, MlpWeights, SeqContext, row_sizes
 
@@ -35,10 +35,10 @@ from lightning_paradyse.spec import AttnSpec, AttnWeights, MlpSpec, MlpWeights, 
 def _kv_local(
     xg: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, spec: AttnSpec, ctx: SeqContext
 ) -> torch.Tensor:
-    """Keys or values of the kv heads this rank's query heads read: ``[b, s, h] -> [b, m, s, d]``."""
+    """Keys or values of the kv heads this rank's query heads read: ``[b, s, h] -> [b, s, m*d]``."""
     p = ctx.p
     if spec.n_kv_heads % p == 0:  # the local shard is exactly the kv heads of the local q heads
-        return split_heads(F.linear(xg, weight, bias), spec.head_dim)
+        return F.linear(xg, weight, bias)
     sizes = row_sizes(spec.kv_rows, p)
     full_w = gather_weight(weight, sizes, ctx.group)  # [kv_rows/p, h] -> [kv_rows, h]
     full_b = None if bias is None else gather_weight(bias, sizes, ctx.group)
@@ -47,7 +47,7 @@ def _kv_local(
     heads = torch.tensor(index[ctx.rank * m : (ctx.rank + 1) * m], device=xg.device)
     w = full_w.view(spec.n_kv_heads, spec.head_dim, -1).index_select(0, heads).flatten(0, 1)  # [m*d, h]
     b = None if full_b is None else full_b.view(spec.n_kv_heads, -1).index_select(0, heads).flatten()
-    return split_heads(F.linear(xg, w, b), spec.head_dim)
+    return F.linear(xg, w, b)
 
 
 class TensorSequenceParallel(Mode):
@@ -64,11 +64,13 @@ class TensorSequenceParallel(Mode):
         xg = gather_seq(x, layout, ctx.group)  # [b, s_r, h] -> [b, s, h] (gathered order)
         if not layout.is_natural:
             xg = xg.index_select(1, layout.natural_index(x.device))  # -> natural order
-        q = split_heads(F.linear(xg, w.q, w.bq), spec.head_dim)  # [b, s, h] -> [b, n/p, s, d]
-        k = _kv_local(xg, w.k, w.bk, spec, ctx)  # [b, m, s, d]
-        v = _kv_local(xg, w.v, w.bv, spec, ctx)
-        if spec.rotary is not None:
-            q, k = spec.rotary(q, k, torch.arange(layout.seq_len, device=x.device))
+        q, k, v = prepare_heads(
+            F.linear(xg, w.q, w.bq),  # [b, s, h] -> [b, s, n/p*d]
+            _kv_local(xg, w.k, w.bk, spec, ctx),  # [b, s, m*d]
+            _kv_local(xg, w.v, w.bv, spec, ctx),
+            spec,
+            torch.arange(layout.seq_len, device=x.device),
+        )  # -> [b, n/p, s, d], [b, m, s, d], [b, m, s, d]
         o = merge_heads(
             full_attention(q, k, v, spec.causal, ctx.doc_bounds(), spec.scale)
         )  # [b, n/p, s, d] -> [b, s, n/p*d]

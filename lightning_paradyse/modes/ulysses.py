@@ -16,7 +16,7 @@ import torch
 
 from lightning_paradyse.attention import full_attention
 from lightning_paradyse.comm import gqa_kv_index, heads_to_seq, seq_to_heads
-from lightning_paradyse.modes.base import Mode, add_bias, heads_infeasible
+from lightning_paradyse.modes.base import Mode, add_bias, heads_infeasible, prepare_heads
 from lightning_paradyse.modes.zero3 import zero3_linear, zero3_linear_t, zero3_mlp
 from lightning_paradyse.spec import AttnSpec, AttnWeights, MlpSpec, MlpWeights, SeqContext
 
@@ -34,20 +34,29 @@ class Ulysses(Mode):
     name = "ulysses"
 
     def attention_infeasible(self, spec: AttnSpec, p: int) -> str | None:
-        return heads_infeasible(spec, p, self.name)
+        return heads_infeasible(spec, p, self.name, splits_heads=False)  # its model code runs on every head
 
     def attention(self, x: torch.Tensor, w: AttnWeights, spec: AttnSpec, ctx: SeqContext) -> torch.Tensor:
         p, layout, d = ctx.p, ctx.layout, spec.head_dim
         b, s_r, _ = x.shape
-        q = zero3_project(x, w.q, w.bq, spec.q_rows, ctx).view(b, s_r, spec.n_heads, d)  # [b, s_r, n, d]
-        k = zero3_project(x, w.k, w.bk, spec.kv_rows, ctx).view(b, s_r, spec.n_kv_heads, d)
-        v = zero3_project(x, w.v, w.bv, spec.kv_rows, ctx).view(b, s_r, spec.n_kv_heads, d)
+        q, k, v = (
+            t.transpose(1, 2)  # [b, heads, s_r, d] -> [b, s_r, heads, d]
+            for t in prepare_heads(
+                zero3_project(x, w.q, w.bq, spec.q_rows, ctx),  # [b, s_r, h] -> [b, s_r, n*d]
+                zero3_project(x, w.k, w.bk, spec.kv_rows, ctx),  # -> [b, s_r, n_kv*d]
+                zero3_project(x, w.v, w.bv, spec.kv_rows, ctx),
+                spec,
+                ctx.positions(x.device),  # the model's code on the local tokens, every head, before the all-to-all
+            )
+        )
         index = gqa_kv_index(spec.n_heads, spec.n_kv_heads, p)
         if index != list(range(spec.n_kv_heads)):  # kv heads replicated to the ranks that read them
             heads = torch.tensor(index, device=x.device)
             k, v = k.index_select(2, heads), v.index_select(2, heads)  # [b, s_r, p*m, d]
         nq, m = spec.n_heads // p, k.shape[2] // p
-        packed = torch.cat([q.view(b, s_r, p, nq, d), k.view(b, s_r, p, m, d), v.view(b, s_r, p, m, d)], dim=3).view(
+        packed = torch.cat(
+            [q.reshape(b, s_r, p, nq, d), k.reshape(b, s_r, p, m, d), v.reshape(b, s_r, p, m, d)], dim=3
+        ).view(
             b, s_r, p * (nq + 2 * m), d
         )  # [b, s_r, p*(n/p + 2m), d], rank j's heads contiguous
         full = seq_to_heads(packed, layout, ctx.group)  # -> [b, s, n/p + 2m, d] (gathered order)
@@ -55,8 +64,6 @@ class Ulysses(Mode):
             full = full.index_select(1, layout.natural_index(x.device))  # -> natural order
         full = full.transpose(1, 2)  # [b, s, heads, d] -> [b, heads, s, d]
         qh, kh, vh = full.split([nq, m, m], dim=1)
-        if spec.rotary is not None:
-            qh, kh = spec.rotary(qh, kh, torch.arange(layout.seq_len, device=x.device))
         o = full_attention(qh, kh, vh, spec.causal, ctx.doc_bounds(), spec.scale).transpose(
             1, 2
         )  # [b, n/p, s, d] -> [b, s, n/p, d]
