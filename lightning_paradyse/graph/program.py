@@ -28,6 +28,9 @@ from torch.utils._pytree import tree_map
 from lightning_paradyse.graph.trace import ArgRef, BlockTrace, ModuleCall
 
 _RESHAPES = (torch.Tensor.view, torch.Tensor.reshape, torch.reshape)
+TRACE_DTYPE = torch.float64
+"""The dtype blocks are traced in: in the program it stands for the dtype of the call's projections (a cast back
+to the input's dtype, as OLMo 2's rotary does); any other dtype (a float32 upcast) stays what it is."""
 
 
 @dataclass(frozen=True)
@@ -84,7 +87,9 @@ class HeadProgram:
         env: list[Any] = [q, k, v, *values]
 
         def fill(value: Any) -> Any:
-            return env[value.index] if isinstance(value, _Slot) else value
+            if isinstance(value, _Slot):
+                return env[value.index]
+            return q.dtype if value is TRACE_DTYPE else value
 
         for step in self.steps:
             if step.kind == "module":
@@ -92,7 +97,8 @@ class HeadProgram:
             elif step.kind == "param":
                 out = _attr(owner, step.target)
             elif step.kind == "const":
-                out = self.constants[step.target].to(q.device)
+                const = self.constants[step.target]
+                out = const.to(q.device, q.dtype if const.dtype is TRACE_DTYPE else const.dtype)
             else:
                 args = _map(fill, step.args)
                 if step.shapes is not None:

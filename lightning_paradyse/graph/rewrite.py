@@ -148,10 +148,11 @@ def _cast(value: Any) -> Any:
 
 
 def probe_program(block: nn.Module, attention: AttentionRoles, example: Any) -> AttentionRoles:
-    """The roles with the probed program (:func:`~lightning_paradyse.graph.program.probe`), on a float64 copy."""
+    """The roles with the probed program (:func:`~lightning_paradyse.graph.program.probe`); ``block`` is the
+    float64 copy the roles were found on."""
     if attention.program is None:
         return attention
-    reference = copy.deepcopy(block).double()
+    reference = block
     seen: dict[str, Any] = {}
 
     def keep(name: str) -> Callable[..., None]:
@@ -172,7 +173,7 @@ def probe_program(block: nn.Module, attention: AttentionRoles, example: Any) -> 
             handle.remove()
     args, kwargs = seen["call"]
     values = [ref.get(args, kwargs) for ref in attention.positions]
-    owner = reference.get_submodule(attention.core)
+    owner = copy.deepcopy(reference.get_submodule(attention.core))  # its parameters are perturbed
     try:
         program = probe(attention.program, owner, (seen["q"], seen["k"], seen["v"]), values, attention.token_dims)
     except ProgramError as err:
@@ -226,6 +227,14 @@ def verify(block: nn.Module, name: str, attention: AttentionRoles, mlp: MlpRoles
             )
 
 
+def _own_activation(mlp: MlpRoles, copy64: nn.Module, block: nn.Module) -> MlpRoles:
+    """The roles with an activation module of ``copy64`` replaced by the same module of ``block``."""
+    if not isinstance(mlp.act, nn.Module):
+        return mlp
+    path = next(n for n, m in copy64.named_modules() if m is mlp.act)
+    return dataclasses.replace(mlp, act=block.get_submodule(path))
+
+
 def rewrite_block(
     block: nn.Module, name: str, layer: int, group: Group, axes: int = 1, rope: Rope | None = None
 ) -> list[OpDispatch]:
@@ -237,13 +246,15 @@ def rewrite_block(
     """
     stage = "tracing it on example inputs"
     try:
-        attention, mlp, example = find_roles(block, name, axes, rope)
+        block64 = copy.deepcopy(block).double()  # traced in float64: a dtype the code casts to on purpose stands out
+        attention, mlp, example = find_roles(block64, name, axes, rope)
+        mlp = _own_activation(mlp, block64, block)
         stage = "probing its code between the projections and the attention"
-        attention = probe_program(block, attention, example)
+        attention = probe_program(block64, attention, example)
         stage = "finding the axis its attention runs along"
-        axis = attend_axis(block, attention, example) if axes == 2 else None
+        axis = attend_axis(block64, attention, example) if axes == 2 else None
         stage = "checking the rewritten block against the original in float64"
-        verify(block, name, attention, mlp, example, axes)
+        verify(block64, name, attention, mlp, example, axes)
         stage = "installing the dispatch modules"
         ops = install(block, attention, mlp, layer, group)
         for op in ops:

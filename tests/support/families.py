@@ -43,6 +43,47 @@ def hf_granite(n_kv_heads: int = 4, n_layers: int = 2) -> nn.Module:
     return GraniteForCausalLM(GraniteConfig(**_tiny_decoder(n_kv_heads, n_layers), **multipliers))
 
 
+HF_FAMILIES: dict[str, tuple[str, str, dict[str, object]]] = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 8}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "phi": ("PhiConfig", "PhiForCausalLM", {"partial_rotary_factor": 0.5, "qk_layernorm": True}),
+    "stablelm": (
+        "StableLmConfig",
+        "StableLmForCausalLM",
+        {"partial_rotary_factor": 0.25, "use_parallel_residual": True, "qk_layernorm": True},
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {"head_dim": 8, "query_pre_attn_scalar": 12, "layer_types": ["sliding_attention", "full_attention"]},
+    ),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 8}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 256}),
+}
+"""Hugging Face decoder families beyond Llama: config class, model class, the fields that make them themselves.
+
+* ``qwen3``: an RMS norm per head on q and k between the projections and the attention (also Gemma 3's);
+* ``olmo2``: one RMS norm over *all* heads' features of q and of k (mixes heads: only modes that hold every head
+  of a token can run it);
+* ``phi``: partial rotary (half of each head rotated), a LayerNorm per head on q and k, parallel attention and MLP;
+* ``stablelm``: a quarter of each head rotated, a *separate* LayerNorm for every head (per-head parameters: mixes
+  heads), parallel residual;
+* ``gemma3``: q/k norms, a rotary per layer type, sliding and full layers (window longer than the sequence), an
+  attention scale from ``query_pre_attn_scalar``;
+* ``gemma``, ``mistral``: exact before the rewrite ran the block's own code; kept as regression cases.
+"""
+
+
+def hf_family(family: str, n_kv_heads: int = 4, n_layers: int = 2) -> nn.Module:
+    """A tiny random model of a family of :data:`HF_FAMILIES` (no download)."""
+    import transformers
+
+    config_cls, model_cls, fields = HF_FAMILIES[family]
+    base = _tiny_decoder(n_kv_heads, n_layers)
+    config = getattr(transformers, config_cls)(**{**base, **fields}, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return getattr(transformers, model_cls)(config)  # type: ignore[no-any-return]
+
+
 class EncoderLM(nn.Module):
     """A language model made of ``nn.TransformerEncoderLayer`` blocks."""
 
