@@ -8,6 +8,9 @@
   attention. They compute in float32 (float64 stays float64) whatever the input dtype. On CPU, tiles
   without a document mask run PyTorch's fused flash kernel, which returns the log-sum-exp and never
   holds a score tile (:func:`fused_tiles`); otherwise the scores are materialised explicitly.
+* :func:`in_window`: the causal sliding window (Hugging Face's ``sliding_window``: a query attends the ``window``
+  most recent keys, itself included); :func:`full_attention` runs windowed layers by query chunks of the window's
+  size against only the keys they can see, ring attention skips tiles outside the window and masks the rest.
 * :func:`merge`: the numerically stable online-softmax merge of two partial results,
   ``lse = logaddexp(lse_a, lse_b)``, ``out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)``.
   It never exponentiates a raw log-sum-exp, so large logits cannot overflow.
@@ -28,6 +31,13 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def in_window(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """``[tq, tk]`` True where key position ``k_pos`` is in the causal window of query position ``q_pos``:
+    ``0 <= q - k < window`` (Hugging Face's ``sliding_window``)."""
+    diff = q_pos[:, None] - k_pos[None, :]  # [tq, tk]
+    return (diff >= 0) & (diff < window)
+
+
 def full_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -35,24 +45,42 @@ def full_attention(
     causal: bool,
     bounds: list[tuple[int, int]] | None = None,
     scale: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Softmax attention, natural token order: ``q [b, n, s, d], k/v [b, n_kv, s, d] -> [b, n, s, d]``.
 
     ``bounds`` are the ``(start, stop)`` token spans of packed documents: each document attends only
     to itself (one attention call per document, exact and without an ``s x s`` mask). ``scale``: the
-    scores' factor (``None``: ``1/sqrt(d)``).
+    scores' factor (``None``: ``1/sqrt(d)``). ``window``: a causal sliding window (:func:`in_window`).
     """
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k = k.repeat_interleave(group, dim=1)  # [b, n_kv, s, d] -> [b, n, s, d]
         v = v.repeat_interleave(group, dim=1)
-    if bounds is None or len(bounds) == 1:
+    spans = bounds if bounds is not None else [(0, q.shape[2])]
+    if len(spans) == 1 and (window is None or q.shape[2] <= window):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
-    outs = [
-        F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=causal, scale=scale)
-        for a, b in bounds
-    ]
+    outs = [_span_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], causal, scale, window) for a, b in spans]
     return torch.cat(outs, dim=2)  # per-document [b, n, len, d] -> [b, n, s, d]
+
+
+def _span_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None, window: int | None
+) -> torch.Tensor:
+    """One document's attention; with a window shorter than it, by query chunks of the window's size, each
+    against the ``< 2 * window`` keys it can see (a band mask, never an ``s x s`` one)."""
+    s = q.shape[2]
+    if window is None or s <= window:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    if not causal:
+        raise ValueError("a sliding window is supported on causal attention")
+    outs = []
+    positions = torch.arange(s, device=q.device)
+    for c0 in range(0, s, window):
+        c1, k0 = min(c0 + window, s), max(0, c0 - window + 1)
+        mask = in_window(positions[c0:c1], positions[k0:c1], window)  # [c, keys]
+        outs.append(F.scaled_dot_product_attention(q[:, :, c0:c1], k[:, :, k0:c1], v[:, :, k0:c1], mask, scale=scale))
+    return torch.cat(outs, dim=2)  # chunks [b, n, c, d] -> [b, n, s, d]
 
 
 def _grouped(q: torch.Tensor, n_kv: int) -> torch.Tensor:

@@ -205,6 +205,7 @@ class AttentionDispatch(OpDispatch):
             roles.head_dim,
             bool(roles.causal),
             scale=roles.scale,
+            window=roles.window,
             mixes_heads=program is not None and program.mixes_heads,
         )
         self.attend_axis: int | None = None

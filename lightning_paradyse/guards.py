@@ -348,22 +348,23 @@ def _tokens(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
-def attention_window(module: nn.Module) -> tuple[int, str] | None:
+def attention_window(module: nn.Module, windows_applied: bool = False) -> tuple[int, str] | None:
     """The smallest local attention span of the model (tokens, where it was found), or ``None``.
 
     Sliding windows, read from an attention module's ``sliding_window`` and from Hugging Face configs
     (``sliding_window`` applies when a layer type is ``sliding_attention``, unless ``use_sliding_window`` is false,
     and everywhere for configs with neither, as Mistral's), and chunked attention (``attention_chunk_size``,
-    Llama 4): on a sequence within the span neither changes anything.
+    Llama 4): on a sequence within the span neither changes anything. ``windows_applied``: the rewrite found the
+    model's sliding windows and every mode applies them, so only chunked attention counts.
     """
     found: list[tuple[int, str]] = []
     for name, sub in module.named_modules():
-        window = _tokens(getattr(sub, "sliding_window", None))
+        window = None if windows_applied else _tokens(getattr(sub, "sliding_window", None))
         if window is not None:
             found.append((window, f"{name}.sliding_window"))
         config = getattr(sub, "config", None)
         layer_types = [str(t) for t in getattr(config, "layer_types", None) or ()]
-        window = _tokens(getattr(config, "sliding_window", None))
+        window = None if windows_applied else _tokens(getattr(config, "sliding_window", None))
         if window is not None:
             if layer_types:
                 applies = any("sliding" in t for t in layer_types)
@@ -383,7 +384,7 @@ def check_window(seq_len: int, window: tuple[int, str] | None) -> None:
         size, where = window
         raise ValueError(
             f"a batch of length {seq_len} is longer than the model's local attention span of {size} tokens "
-            f"({where}): ParaDySeStrategy does not apply attention windows or chunks yet, so it would train another "
+            f"({where}): ParaDySeStrategy does not apply this span in its modes, so it would train another "
             f"model. Keep sequences within {size} tokens (ParaDySeStrategy(max_seq_len={size}) or the data), or "
-            f"build the model with sliding_window=None if no window is wanted"
+            f"build the model without it if it is not wanted"
         )

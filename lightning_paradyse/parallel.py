@@ -447,6 +447,11 @@ def n_layers(module: nn.Module) -> int:
     return len(step_state(module).blocks)
 
 
+def attention_windows(module: nn.Module) -> list[int | None]:
+    """Per layer, the causal sliding window the modes apply to its attention (``None``: global)."""
+    return [op.spec.window for _, op in dispatchers(module) if isinstance(op, AttentionDispatch)]
+
+
 def is_causal(module: nn.Module) -> bool:
     """Whether any block is (or may be, when decided per call) causal: the balanced layout is then used."""
     attn = [m for _, m in dispatchers(module) if isinstance(m, AttentionDispatch)]

@@ -1,8 +1,8 @@
 """What the modes are given: the op's description, its weight shards and the sequence context.
 
 The modes never see a model class. An op is described by a small frozen spec (head counts, causal
-flag, the model's code between projections and attention, activation) and its weights arrive as the 1/p row shards of the unified
-layout (DESIGN.md):
+flag, window, the model's code between projections and attention, activation) and its weights arrive as
+the 1/p row shards of the unified layout (DESIGN.md):
 
 * ``q, k, v, up, gate``: the rows (output features) of the ``nn.Linear`` weight, ``[n_out/p, h]``
   (column-parallel shard in Megatron terms).
@@ -52,6 +52,9 @@ class AttnSpec:
     """The model's code from the projections to the attention inputs, or ``None``: a plain split into heads."""
     scale: float | None = None
     """Softmax scale of the scores; ``None``: ``1/sqrt(head_dim)``."""
+    window: int | None = None
+    """Causal sliding window: a query attends its ``window`` most recent keys, itself included (``sliding_window``
+    of Hugging Face models); ``None``: the whole (causal) sequence."""
     prepare_params: tuple[torch.Tensor, ...] = ()
     """The trainable parameters ``prepare`` reads (q/k norms): a mode that recomputes the projections in a backward
     of its own returns their gradients."""

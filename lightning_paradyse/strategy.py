@@ -404,7 +404,6 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
         """Broadcast rank 0's weights, rewrite the blocks, check a fixed plan (once per module)."""
         module = self._module
         names = _parallelized_blocks(module)
-        self._window = guards.attention_window(module)  # the configs stay readable after the rewrite
         if names is None:
             guards.check_rotary(module)  # before any collective: the same model on every rank
             if self.plan_spec != "auto":  # a plan of the wrong length fails before any collective
@@ -414,6 +413,9 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
             names = parallel.parallelize(module, self._group, blocks=self.blocks, axes=self.axes)
             if self.compile:
                 compile_blocks(module, names)
+        # what the modes do not apply stays refused: chunked attention, and windows no rewritten layer carries
+        windows = parallel.attention_windows(module)
+        self._window = guards.attention_window(module, windows_applied=any(w is not None for w in windows))
         self._plain_model = _PLAIN_MODELS.get(module)  # a module fitted before (e.g. then tested by a new Trainer)
         self._block_names = list(names)
         if self.plan_spec != "auto":

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_paradyse import comm
+from lightning_paradyse.attention import in_window
 from lightning_paradyse.comm import (
     all_gather_rows,
     all_reduce_sum,
@@ -555,6 +556,30 @@ def _check_ring_dtype(chk: Checks, rank: int, p: int, group: Any) -> None:
         _ring_case(chk, rank, layout, group, True, 0.0, dtype, rtol, f"dtype {dtype}")
 
 
+def _check_ring_window(chk: Checks, rank: int, p: int, group: Any) -> None:
+    """A causal sliding window on the balanced layout, alone and inside packed documents: tiles wholly outside the
+    window are skipped, partial ones masked; outputs and gradients against a float64 masked attention."""
+    s, window = 23, 4
+    pos = torch.arange(s)
+    for docs in (None, torch.bucketize(pos, torch.tensor([9, 14]), right=True)):
+        layout = SeqLayout.for_sequence(s, p, causal=True)
+        q, k, v, up = _attention_inputs(1700 + p, s, 0.0)
+        allowed = in_window(pos, pos, window)
+        if docs is not None:
+            allowed = allowed & (docs[:, None] == docs[None, :])
+        leaves = [t.double().requires_grad_() for t in (q, k, v)]
+        kk, vv = (t.repeat_interleave(2, 1) for t in leaves[1:])
+        ref = F.scaled_dot_product_attention(leaves[0], kk, vv, allowed)
+        ref_grads = torch.autograd.grad(ref, leaves, up)
+        local = [layout.shard(t.detach(), rank, dim=2).requires_grad_() for t in leaves]
+        out = ring_attention(*local, SeqContext(layout, group, docs), True, None, window)
+        tag = f"window {window}, documents {docs is not None}"
+        chk.close(out.detach(), layout.shard(ref.detach(), rank, dim=2), f"{tag}: output", 1e-10)
+        grads = torch.autograd.grad(out, local, layout.shard(up, rank, dim=2))
+        for label, got, want in zip("qkv", grads, ref_grads):
+            chk.close(got, layout.shard(want, rank, dim=2), f"{tag}: d{label}", 1e-10)
+
+
 # --------------------------------------------------------------------------------------------------
 # The spawned worker and its cache
 # --------------------------------------------------------------------------------------------------
@@ -570,6 +595,7 @@ COLLECTIVE_CHECKS = {
     "ring_pass": _check_ring_pass,
     "ring_large_logits": _check_ring_large_logits,
     "ring_dtype": _check_ring_dtype,
+    "ring_window": _check_ring_window,
 }
 MODEL_WORLDS = (2, 3)
 
@@ -604,6 +630,11 @@ def _assert_check(world: int, name: str) -> list[dict[str, Any]]:
 
 
 WORLDS = pytest.mark.parametrize("world", [2, 3, 4])
+
+
+@WORLDS
+def test_ring_attention_with_a_sliding_window(world: int) -> None:
+    _assert_check(world, "ring_window")
 
 
 @WORLDS

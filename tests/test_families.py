@@ -125,7 +125,7 @@ def _hf_worker(rank: int, world: int, kinds: list[str]) -> list[tuple[str, Any]]
     return out
 
 
-HF_CASES = {2: list(HF_FAMILIES), 3: ["qwen3", "olmo2", "phi", "gemma3"]}
+HF_CASES = {2: list(HF_FAMILIES), 3: ["qwen3", "olmo2", "phi", "gemma3", "mistral"]}
 """Families per group size; at 3 the lengths are not divisible by the group (and there are 6 kv heads)."""
 
 
@@ -140,7 +140,7 @@ def test_hugging_face_families_match_single_process_in_float64(p: int) -> None:
     assert labels == set(HF_CASES[p])
     for kind in ("olmo2", "stablelm"):
         modes = {label.split("/")[1] for label, _ in results if label.startswith(kind + "/")}
-        assert kind not in labels or not modes & {"tp_sp", "metp"} and {"ring", "ulysses"} <= modes
+        assert kind not in labels or (not modes & {"tp_sp", "metp"} and {"ring", "ulysses"} <= modes)
     bad = []
     for label, (loss_err, errors) in results:
         kind = label.split("/")[0]

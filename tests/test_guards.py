@@ -142,6 +142,11 @@ def test_call_dependent_rotary_and_sliding_windows_are_found_in_hugging_face_mod
     assert attention_window(transformers.Qwen2ForCausalLM(qwen_full)) is None
     qwen = transformers.Qwen2Config(**small, use_sliding_window=True, sliding_window=16, max_window_layers=1)
     assert attention_window(transformers.Qwen2ForCausalLM(qwen))[0] == 16  # type: ignore[index]
+    # once the rewrite found the windows (every mode applies them), only what the modes do not apply counts
+    assert attention_window(mistral, windows_applied=True) is None
+    rewritten = transformers.MistralForCausalLM(transformers.MistralConfig(**small, sliding_window=24))
+    parallel.parallelize(rewritten, None)
+    assert parallel.attention_windows(rewritten) == [24, 24]
 
 
 def test_rotary_per_layer_type_and_chunked_attention_are_found() -> None:
@@ -165,3 +170,5 @@ def test_rotary_per_layer_type_and_chunked_attention_are_found() -> None:
     assert attention_window(chunked) == (64, "SimpleNamespace.attention_chunk_size")
     assert attention_window(Model(attention_chunk_size=64, layer_types=["full_attention"])) is None
     assert attention_window(Model(sliding_window=32, attention_chunk_size=64)) == (32, "SimpleNamespace.sliding_window")
+    chunk_and_window = Model(sliding_window=32, attention_chunk_size=64)
+    assert attention_window(chunk_and_window, windows_applied=True) == (64, "SimpleNamespace.attention_chunk_size")

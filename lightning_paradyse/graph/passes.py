@@ -66,6 +66,8 @@ class AttentionRoles:
     output_len: int = 1
     scale: float | None = None
     """The attention call's ``scale`` when it is not ``1/sqrt(head_dim)`` (Granite's ``attention_multiplier``)."""
+    window: int | None = None
+    """The layer's causal sliding window (:func:`sliding_window`), ``None`` for global attention."""
 
 
 @dataclass(frozen=True)
@@ -234,14 +236,21 @@ def find_attention(trace: BlockTrace) -> AttentionRoles:
     causal, scale = _check_sdpa(node, head_dim)
     out_item, out_len = _output_ref(call, o_lin, core)
     mods = {r: str(n.target) for r, n in (("q", q_lin), ("k", k_lin), ("v", v_lin), ("o", o_lin))}
-    heads = (int(_linear(trace, mods["q"]).out_features) // head_dim, int(_linear(trace, mods["k"]).out_features) // head_dim)
+    heads = (
+        int(_linear(trace, mods["q"]).out_features) // head_dim,
+        int(_linear(trace, mods["k"]).out_features) // head_dim,
+    )
     try:
         code = extract(trace, core, call, (q_lin, k_lin, v_lin), (q_in, k_in, v_in), hidden_node, heads, head_dim)
     except ProgramError as err:
         raise RoleError(f"{core}: between the projections and the attention: {err}") from None
+    window = sliding_window(trace.module(core))
+    if window is not None and not causal:
+        raise RoleError(f"{core}: a sliding window on bidirectional attention is not supported yet")
     return AttentionRoles(
         core=core,
         kind="linear",
+        window=window,
         **mods,
         n_heads=heads[0],
         n_kv_heads=heads[1],
@@ -255,6 +264,22 @@ def find_attention(trace: BlockTrace) -> AttentionRoles:
         output_item=out_item,
         output_len=out_len,
     )
+
+
+def _tokens(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def sliding_window(attention: nn.Module) -> int | None:
+    """The causal sliding window of an attention module, by Hugging Face's rules: its own ``sliding_window`` when
+    it has one (set per layer type: Qwen2, Qwen3, Gemma 2/3), else its config's when the config has no layer types
+    and does not switch windows off (Mistral, Mixtral, Phi-3, StarCoder2 pass ``config.sliding_window``)."""
+    if hasattr(attention, "sliding_window"):
+        return _tokens(attention.sliding_window)
+    config = getattr(attention, "config", None)
+    if config is None or getattr(config, "layer_types", None) or not getattr(config, "use_sliding_window", True):
+        return None
+    return _tokens(getattr(config, "sliding_window", None))
 
 
 def _linear(trace: BlockTrace, path: str) -> nn.Linear:

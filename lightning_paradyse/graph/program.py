@@ -60,7 +60,7 @@ class ProgramError(ValueError):
 
 @dataclass(frozen=True)
 class HeadProgram:
-    """``run(q, k, v, values) -> (q, k, v)``: projections ``[b, t, heads*d]`` -> attention inputs ``[b, heads, t, d]``."""
+    """``run(q, k, v, values)``: projections ``[b, t, heads*d]`` -> attention inputs ``[b, heads, t, d]``."""
 
     steps: tuple[Step, ...]
     n_values: int

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from lightning_paradyse.attention import block_backward, block_forward, merge
+from lightning_paradyse.attention import block_backward, block_forward, in_window, merge
 from lightning_paradyse.comm import ring_pass_start
 from lightning_paradyse.layout import SeqLayout
 from lightning_paradyse.modes.base import Mode, add_bias, autocast_off, merge_heads, prepare_heads
@@ -58,18 +58,28 @@ def tiles(layout: SeqLayout, rank: int, src: int, causal: bool) -> list[Tile]:
     return result
 
 
-def doc_tiles(ctx: SeqContext, rank: int, src: int, causal: bool) -> list[MaskedTile]:
-    """:func:`tiles` with packed documents: tiles with no shared document are skipped, others masked."""
+def doc_tiles(ctx: SeqContext, rank: int, src: int, causal: bool, window: int | None = None) -> list[MaskedTile]:
+    """:func:`tiles` with packed documents and a causal sliding window: tiles with no shared document or wholly
+    outside the window are skipped (no work), tiles partly outside it are masked."""
     plain = tiles(ctx.layout, rank, src, causal)
-    if ctx.doc_ids is None:
-        return [(q_sl, k_sl, diag, None) for q_sl, k_sl, diag in plain]
     docs_q, docs_k = ctx.docs_of(rank), ctx.docs_of(src)
-    assert docs_q is not None and docs_k is not None
+    pos_q, pos_k = ctx.layout.positions(rank), ctx.layout.positions(src)  # [s_r] global positions
     out: list[MaskedTile] = []
     for q_sl, k_sl, diag in plain:
-        allowed = docs_q[q_sl, None] == docs_k[None, k_sl]  # [tq, tk] same document
-        if bool(allowed.any()):
-            out.append((q_sl, k_sl, diag, None if bool(allowed.all()) else allowed))
+        allowed = None
+        if window is not None:
+            nearest, farthest = int(pos_q[q_sl][0] - pos_k[k_sl][-1]), int(pos_q[q_sl][-1] - pos_k[k_sl][0])
+            if nearest >= window:
+                continue  # every key of the tile is older than the window
+            if farthest >= window:
+                allowed = in_window(pos_q[q_sl], pos_k[k_sl], window)  # [tq, tk]
+        if docs_q is not None and docs_k is not None:
+            same = docs_q[q_sl, None] == docs_k[None, k_sl]  # [tq, tk] same document
+            allowed = same if allowed is None else allowed & same
+        if allowed is None or bool(allowed.all()):
+            out.append((q_sl, k_sl, diag, None))
+        elif bool(allowed.any()):
+            out.append((q_sl, k_sl, diag, allowed.to(pos_q.device)))
     return out
 
 
@@ -79,7 +89,13 @@ def _kv_shape(k: torch.Tensor, layout: SeqLayout, rank: int) -> tuple[int, ...]:
 
 
 def ring_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: SeqContext, causal: bool, scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ctx: SeqContext,
+    causal: bool,
+    scale: float | None = None,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring attention forward, no autograd: ``q [b, n, s_r, d], k/v [b, n_kv, s_r, d]``.
 
@@ -88,11 +104,17 @@ def ring_forward(
     otherwise drop to bfloat16. K/V travel in their own dtype.
     """
     with autocast_off(q):
-        return _ring_forward(q, k, v, ctx, causal, scale)
+        return _ring_forward(q, k, v, ctx, causal, scale, window)
 
 
 def _ring_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: SeqContext, causal: bool, scale: float | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ctx: SeqContext,
+    causal: bool,
+    scale: float | None,
+    window: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     p, r, layout = ctx.p, ctx.rank, ctx.layout
     outs: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
@@ -100,13 +122,13 @@ def _ring_forward(
     for t in range(p):
         src = (r - t) % p
         pending = ring_pass_start(kv, ctx.group, 1, _kv_shape(k, layout, (src - 1) % p)) if t < p - 1 else None
-        for q_sl, k_sl, diag, allowed in doc_tiles(ctx, r, src, causal):
+        for q_sl, k_sl, diag, allowed in doc_tiles(ctx, r, src, causal, window):
             o, lse = block_forward(q[:, :, q_sl], kv[0][:, :, k_sl], kv[1][:, :, k_sl], diag, scale, allowed=allowed)
             key = q_sl.start
             outs[key] = merge(*outs.get(key, (None, None)), o, lse)
         if pending is not None:
             kv = pending.wait()
-    keys = sorted(outs)
+    keys = sorted(outs)  # every query segment has its diagonal tile, whatever the window
     out = torch.cat([outs[key][0] for key in keys], dim=2)  # type: ignore[misc]  # [b, n, s_r, d]
     lse = torch.cat([outs[key][1] for key in keys], dim=2)  # type: ignore[misc]  # [b, n, s_r]
     return out.to(q.dtype), lse
@@ -122,13 +144,14 @@ def ring_backward(
     ctx: SeqContext,
     causal: bool,
     scale: float | None = None,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Ring attention backward: ``(dq, dk, dv)`` for this rank's ``q, k, v`` (their dtypes).
 
     Autocast off, as :func:`ring_forward`; the dK/dV accumulators travel in the accumulation dtype.
     """
     with autocast_off(q):
-        return _ring_backward(dout, q, k, v, out, lse, ctx, causal, scale)
+        return _ring_backward(dout, q, k, v, out, lse, ctx, causal, scale, window)
 
 
 def _ring_backward(
@@ -141,6 +164,7 @@ def _ring_backward(
     ctx: SeqContext,
     causal: bool,
     scale: float | None,
+    window: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     p, r, layout = ctx.p, ctx.rank, ctx.layout
     acc = lse.dtype
@@ -153,7 +177,7 @@ def _ring_backward(
         src = (r - t) % p
         pending = ring_pass_start(kv, ctx.group, 1, _kv_shape(k, layout, (src - 1) % p)) if t < p - 1 else None
         dkv = own if t == 0 else (carried if carried is not None else torch.zeros_like(kv, dtype=acc))
-        for q_sl, k_sl, diag, allowed in doc_tiles(ctx, r, src, causal):
+        for q_sl, k_sl, diag, allowed in doc_tiles(ctx, r, src, causal, window):
             dq_t, dk_t, dv_t = block_backward(
                 dout[:, :, q_sl],
                 q[:, :, q_sl],
@@ -189,24 +213,31 @@ class _RingAttention(torch.autograd.Function):
         ctx: SeqContext,
         causal: bool,
         scale: float | None,
+        window: int | None,
     ) -> torch.Tensor:
-        out, lse = ring_forward(q, k, v, ctx, causal, scale)
+        out, lse = ring_forward(q, k, v, ctx, causal, scale, window)
         fctx.save_for_backward(q, k, v, out, lse)
-        fctx.ctx, fctx.causal, fctx.scale = ctx, causal, scale
+        fctx.ctx, fctx.causal, fctx.scale, fctx.window = ctx, causal, scale, window
         return out
 
     @staticmethod
-    def backward(fctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None, None]:
+    def backward(fctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = fctx.saved_tensors
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, fctx.ctx, fctx.causal, fctx.scale)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, fctx.ctx, fctx.causal, fctx.scale, fctx.window)
+        return dq, dk, dv, None, None, None, None
 
 
 def ring_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: SeqContext, causal: bool, scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ctx: SeqContext,
+    causal: bool,
+    scale: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Differentiable ring attention on the layout: ``q [b, n, s_r, d], k/v [b, n_kv, s_r, d] -> [b, n, s_r, d]``."""
-    return _RingAttention.apply(q, k, v, ctx, causal, scale)
+    return _RingAttention.apply(q, k, v, ctx, causal, scale, window)
 
 
 class Ring(Mode):
@@ -220,7 +251,6 @@ class Ring(Mode):
         return None
 
     def attention(self, x: torch.Tensor, w: AttnWeights, spec: AttnSpec, ctx: SeqContext) -> torch.Tensor:
-        d = spec.head_dim
         q, k, v = prepare_heads(
             zero3_project(x, w.q, w.bq, spec.q_rows, ctx),  # [b, s_r, h] -> [b, s_r, n*d]
             zero3_project(x, w.k, w.bk, spec.kv_rows, ctx),  # -> [b, s_r, n_kv*d]
@@ -228,7 +258,9 @@ class Ring(Mode):
             spec,
             ctx.positions(x.device),  # the model's code at the global positions of the local tokens
         )  # -> [b, n, s_r, d], [b, n_kv, s_r, d], [b, n_kv, s_r, d]
-        o = merge_heads(ring_attention(q, k, v, ctx, spec.causal, spec.scale))  # [b, n, s_r, d] -> [b, s_r, n*d]
+        o = merge_heads(
+            ring_attention(q, k, v, ctx, spec.causal, spec.scale, spec.window)
+        )  # [b, n, s_r, d] -> [b, s_r, n*d]
         y = zero3_linear_t(o, w.o_t, spec.q_rows, ctx.group)  # [b, s_r, n*d] -> [b, s_r, h]
         return add_bias(y, w.bo)
 

@@ -56,15 +56,13 @@ class Ulysses(Mode):
         nq, m = spec.n_heads // p, k.shape[2] // p
         packed = torch.cat(
             [q.reshape(b, s_r, p, nq, d), k.reshape(b, s_r, p, m, d), v.reshape(b, s_r, p, m, d)], dim=3
-        ).view(
-            b, s_r, p * (nq + 2 * m), d
-        )  # [b, s_r, p*(n/p + 2m), d], rank j's heads contiguous
+        ).view(b, s_r, p * (nq + 2 * m), d)  # [b, s_r, p*(n/p + 2m), d], rank j's heads contiguous
         full = seq_to_heads(packed, layout, ctx.group)  # -> [b, s, n/p + 2m, d] (gathered order)
         if not layout.is_natural:
             full = full.index_select(1, layout.natural_index(x.device))  # -> natural order
         full = full.transpose(1, 2)  # [b, s, heads, d] -> [b, heads, s, d]
         qh, kh, vh = full.split([nq, m, m], dim=1)
-        o = full_attention(qh, kh, vh, spec.causal, ctx.doc_bounds(), spec.scale).transpose(
+        o = full_attention(qh, kh, vh, spec.causal, ctx.doc_bounds(), spec.scale, spec.window).transpose(
             1, 2
         )  # [b, n/p, s, d] -> [b, s, n/p, d]
         if not layout.is_natural:

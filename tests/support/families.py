@@ -55,10 +55,20 @@ HF_FAMILIES: dict[str, tuple[str, str, dict[str, object]]] = {
     "gemma3": (
         "Gemma3TextConfig",
         "Gemma3ForCausalLM",
-        {"head_dim": 8, "query_pre_attn_scalar": 12, "layer_types": ["sliding_attention", "full_attention"]},
+        {
+            "head_dim": 8,
+            "query_pre_attn_scalar": 12,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "sliding_window": 6,
+        },
     ),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 8}),
-    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 256}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 5}),
+    "qwen2": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        {"use_sliding_window": True, "sliding_window": 7, "max_window_layers": 1},
+    ),
 }
 """Hugging Face decoder families beyond Llama: config class, model class, the fields that make them themselves.
 
@@ -68,9 +78,11 @@ HF_FAMILIES: dict[str, tuple[str, str, dict[str, object]]] = {
 * ``phi``: partial rotary (half of each head rotated), a LayerNorm per head on q and k, parallel attention and MLP;
 * ``stablelm``: a quarter of each head rotated, a *separate* LayerNorm for every head (per-head parameters: mixes
   heads), parallel residual;
-* ``gemma3``: q/k norms, a rotary per layer type, sliding and full layers (window longer than the sequence), an
-  attention scale from ``query_pre_attn_scalar``;
-* ``gemma``, ``mistral``: exact before the rewrite ran the block's own code; kept as regression cases.
+* ``gemma3``: q/k norms, a rotary per layer type, a sliding layer (window shorter than the sequence) and a full
+  one, an attention scale from ``query_pre_attn_scalar``;
+* ``mistral``: a sliding window (every layer) shorter than the sequence; ``qwen2``: biases, a full layer then a
+  sliding one (``max_window_layers``);
+* ``gemma``: exact before the rewrite ran the block's own code; kept as a regression case.
 """
 
 
