@@ -113,9 +113,8 @@ def _looks_like_block(module: nn.Module) -> bool:
     mods = list(module.modules())
     if any(isinstance(m, nn.MultiheadAttention) for m in mods):
         return True
-    return sum(isinstance(m, nn.Linear) for m in mods) >= 4 and any(
-        "attn" in n.lower() or "attention" in n.lower() for n, _ in module.named_modules()
-    )
+    projections = sum(isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D" for m in mods)  # GPT-2's Conv1D
+    return projections >= 4 and any("attn" in n.lower() or "attention" in n.lower() for n, _ in module.named_modules())
 
 
 def find_blocks(module: nn.Module, blocks: str | None = None) -> list[tuple[str, nn.Module]]:
@@ -194,7 +193,12 @@ def _rotary_embedding(module: nn.Module) -> Any:
 def _call_rope(rope: nn.Module, x: torch.Tensor, position_ids: torch.Tensor, block: nn.Module) -> Any:
     kwargs = {}
     if "layer_type" in inspect.signature(rope.forward).parameters:  # one rotary per layer type (Gemma 3)
-        kinds = [m.layer_type for m in block.modules() if isinstance(getattr(m, "layer_type", None), str)]
+        kinds = [
+            str(getattr(m, attr))
+            for m in block.modules()
+            for attr in ("layer_type", "attention_type")
+            if isinstance(getattr(m, attr, None), str)
+        ]
         if kinds:
             kwargs["layer_type"] = kinds[0]
     with torch.no_grad():

@@ -7,6 +7,10 @@ count through a forward hook) and models built from ``torch.nn.TransformerEncode
 the model's own mask, and bidirectional). Every feasible uniform plan, with and without
 recomputation, and random mixed per-layer, per-op plans; loss and every gradient (consolidated to
 the plain model's names) within the mode-test tolerances, at p = 2, 3 and 4.
+
+The Hugging Face families of :data:`~tests.support.families.HF_FAMILIES` (q/k norms, partial rotary, norms that
+mix heads, sliding windows shorter than the sequence, per-layer rotary) in float64 at p = 2 and 3; the families
+the rewrite does not reach yet are refused by name.
 """
 
 from __future__ import annotations
@@ -167,3 +171,24 @@ def test_families_match_single_process(p: int) -> None:
     assert any("mixed" in label for label in labels)
     bad = tolerance_failures(results, torch.float32)
     assert not bad, "\n".join(bad)
+
+
+REFUSED = {
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", r"transformer\.h\.0 \(GPT2Block\): its projections are Conv1D"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", r"GPT-NeoX\): fused projections are not supported"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", r"MixtralDecoderLayer\): its MLP is a mixture of experts"),
+}
+"""Families #14 has not reached yet: refused at setup with the block, its class and the reason, never run wrongly."""
+
+
+@pytest.mark.parametrize("family", sorted(REFUSED))
+def test_families_not_supported_yet_are_refused_by_name(family: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    config_cls, model_cls, message = REFUSED[family]
+    fields = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
+    fields["num_key_value_heads"] = 2
+    if family == "gpt2":
+        fields = dict(vocab_size=64, n_embd=32, n_layer=1, n_head=4)
+    config = getattr(transformers, config_cls)(**fields, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    with pytest.raises(ValueError, match=message):
+        parallelize(getattr(transformers, model_cls)(config), None)

@@ -218,6 +218,11 @@ def find_attention(trace: BlockTrace) -> AttentionRoles:
         return _mha_roles(trace, node)
     q_in, k_in, v_in = (_sdpa_arg(node, i, name) for i, name in enumerate(("query", "key", "value")))
     q_lin, k_lin, v_lin = (_source_linear(trace, n, r) for n, r in ((q_in, "query"), (k_in, "key"), (v_in, "value")))
+    if q_lin is k_lin or k_lin is v_lin:
+        raise RoleError(
+            f"q, k and v come from one fused projection ({q_lin.target if q_lin is k_lin else k_lin.target}, as in "
+            f"Phi-3 and GPT-NeoX): fused projections are not supported yet"
+        )
     outs = [u for u in _descendants(node) if _is_linear(trace, u)]
     if not outs:
         raise RoleError("no output projection (nn.Linear) after the attention")
@@ -347,6 +352,8 @@ def find_mlp(trace: BlockTrace, attention: AttentionRoles) -> MlpRoles:
         for n in trace.nodes("call_module")
         if _is_linear(trace, n) and str(n.target) not in taken and not str(n.target).startswith(attention.core + ".")
     ]
+    if not linears and any("expert" in n.lower() for n, _ in trace.block.named_modules()):
+        raise RoleError("its MLP is a mixture of experts (MoE), which the modes do not run yet")
     if len(linears) not in (2, 3):
         raise RoleError(f"expected 2 or 3 MLP projections (nn.Linear) outside the attention, found {len(linears)}")
     down = next((n for n in linears if any(a in _ancestors(n, lambda _: False) for a in linears if a is not n)), None)

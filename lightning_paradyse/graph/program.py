@@ -28,9 +28,6 @@ from torch.utils._pytree import tree_map
 from lightning_paradyse.graph.trace import ArgRef, BlockTrace, ModuleCall
 
 _RESHAPES = (torch.Tensor.view, torch.Tensor.reshape, torch.reshape)
-TRACE_DTYPE = torch.float64
-"""The dtype blocks are traced in: in the program it stands for the dtype of the call's projections (a cast back
-to the input's dtype, as OLMo 2's rotary does); any other dtype (a float32 upcast) stays what it is."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +71,10 @@ class HeadProgram:
     """Top-level children of the attention module the program calls or reads (kept by the dispatch)."""
     mixes_heads: bool = False
     """Whether the program needs every head of a token at once (see the module docstring)."""
+    dtype: torch.dtype = torch.float64
+    """The dtype the block was traced in (float64 when its kernels allow): in the program it stands for the dtype
+    of the call's projections (a cast back to the input's dtype, as OLMo 2's rotary does); any other dtype (a
+    float32 upcast) stays what it is."""
 
     def run(
         self,
@@ -89,7 +90,7 @@ class HeadProgram:
         def fill(value: Any) -> Any:
             if isinstance(value, _Slot):
                 return env[value.index]
-            return q.dtype if value is TRACE_DTYPE else value
+            return q.dtype if value is self.dtype else value
 
         for step in self.steps:
             if step.kind == "module":
@@ -98,7 +99,7 @@ class HeadProgram:
                 out = _attr(owner, step.target)
             elif step.kind == "const":
                 const = self.constants[step.target]
-                out = const.to(q.device, q.dtype if const.dtype is TRACE_DTYPE else const.dtype)
+                out = const.to(q.device, q.dtype if const.dtype is self.dtype else const.dtype)
             else:
                 args = _map(fill, step.args)
                 if step.shapes is not None:
@@ -233,6 +234,7 @@ def extract(
         heads,
         {s.target: trace.constants[s.target] for s in steps if s.kind == "const"},
         tuple(sorted(modules)),
+        dtype=next(trace.block.parameters()).dtype,
     )
     dims = tuple(_token_dim(node, t) for node in values)
     return Extracted(None if _plain_split(steps) else program, tuple(refs[n] for n in values), dims)

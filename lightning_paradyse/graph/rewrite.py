@@ -56,6 +56,10 @@ def _hidden_size(block: nn.Module) -> int:
             return int(module.embed_dim)
         if isinstance(module, nn.Linear):
             return int(module.in_features)
+        if type(module).__name__ == "Conv1D":  # transformers' Conv1D (GPT-2): a linear with its weight [in, out]
+            raise RoleError(
+                "its projections are Conv1D modules (weight stored [in, out], as GPT-2's): not supported yet"
+            )
     raise RoleError("no nn.Linear or nn.MultiheadAttention inside")
 
 
@@ -148,11 +152,11 @@ def _cast(value: Any) -> Any:
 
 
 def probe_program(block: nn.Module, attention: AttentionRoles, example: Any) -> AttentionRoles:
-    """The roles with the probed program (:func:`~lightning_paradyse.graph.program.probe`); ``block`` is the
-    float64 copy the roles were found on."""
+    """The roles with the probed program (:func:`~lightning_paradyse.graph.program.probe`), on ``block`` (the copy
+    the roles were found on) in float64."""
     if attention.program is None:
         return attention
-    reference = block
+    reference = block if next(block.parameters()).dtype == torch.float64 else copy.deepcopy(block).double()
     seen: dict[str, Any] = {}
 
     def keep(name: str) -> Callable[..., None]:
@@ -248,15 +252,19 @@ def rewrite_block(
     """
     stage = "tracing it on example inputs"
     try:
-        block64 = copy.deepcopy(block).double()  # traced in float64: a dtype the code casts to on purpose stands out
-        attention, mlp, example = find_roles(block64, name, axes, rope)
-        mlp = _own_activation(mlp, block64, block)
+        traced = copy.deepcopy(block).double()  # traced in float64: a dtype the code casts to on purpose stands out
+        try:
+            attention, mlp, example = find_roles(traced, name, axes, rope)
+        except Exception:  # kernels without float64 (grouped GEMMs of MoE layers): traced in the block's own dtype
+            traced = block
+            attention, mlp, example = find_roles(block, name, axes, rope)
+        mlp = _own_activation(mlp, traced, block)
         stage = "probing its code between the projections and the attention"
-        attention = probe_program(block64, attention, example)
+        attention = probe_program(traced, attention, example)
         stage = "finding the axis its attention runs along"
-        axis = attend_axis(block64, attention, example) if axes == 2 else None
+        axis = attend_axis(traced, attention, example) if axes == 2 else None
         stage = "checking the rewritten block against the original in float64"
-        verify(block64, name, attention, mlp, example, axes)
+        verify(traced, name, attention, mlp, example, axes)
         stage = "installing the dispatch modules"
         ops = install(block, attention, mlp, layer, group)
         for op in ops:
