@@ -28,7 +28,7 @@ from lightning_paradyse.cost.groups import Assignment
 from lightning_paradyse.models import build_model
 from lightning_paradyse.spawn import run_distributed
 from tests.support.lightning import quiet_trainer, strategy_environment
-from tests.test_strategy import assert_same_training, free_port
+from tests.test_strategy import assert_same_training, free_ports
 
 SPLITS = [(2, 1, 1), (4,), (1, 1, 1, 1), (2, 2), (2, 1, 1), (2, 2)]
 """The forced split of each step (largest group first)."""
@@ -107,19 +107,19 @@ def fit(devices: int, groups: bool, accumulate: int = 1) -> dict[str, Any]:
     return {"losses": record.losses, "state": record.state, "imbalance": record.imbalance, "splits": record.splits}
 
 
-def worker(rank: int, world: int, port: int) -> bytes:
+def worker(rank: int, world: int, ports: tuple[int, ...]) -> bytes:
     import lightning_paradyse.cost.groups as solver
 
     strategy_environment(rank, world)
     out = {}
-    os.environ["MASTER_PORT"] = str(port)
+    os.environ["MASTER_PORT"] = str(ports[0])  # one free port per Trainer (each creates and destroys a group)
     out["solver"] = fit(world, True)
     real = solver.assign
     solver.assign = dealt  # type: ignore[assignment]
     try:
-        os.environ["MASTER_PORT"] = str(port + 1)
+        os.environ["MASTER_PORT"] = str(ports[1])
         out["dealt"] = fit(world, True)
-        os.environ["MASTER_PORT"] = str(port + 2)
+        os.environ["MASTER_PORT"] = str(ports[2])
         out["dealt-accumulate"] = fit(world, True, accumulate=2)
     finally:
         solver.assign = real
@@ -134,7 +134,7 @@ def reference() -> dict[str, dict[str, Any]]:
 
 
 def test_groups_of_different_sizes_train_like_one_process(reference: dict[str, dict[str, Any]]) -> None:
-    raw = run_distributed(worker, 4, free_port(), timeout=420)
+    raw = run_distributed(worker, 4, free_ports(3), timeout=420)
     runs = [torch.load(io.BytesIO(r), weights_only=False) for r in raw]
     for name, run in runs[0].items():
         ref = reference["accumulate" if "accumulate" in name else "plain"]
