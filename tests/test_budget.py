@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from lightning_paradyse import ParaDySeStrategy, ParaDySeSwitcher
 from lightning_paradyse.cost.tracker import MemoryTracker, state_tensors
 from lightning_paradyse.models import CONFIGS, build_model
 from lightning_paradyse.spawn import run_distributed
+from tests.support.dist import free_ports
 
 PROFILE = str(Path(__file__).resolve().parents[1] / "configs" / "profiles" / "cpu-2proc-llama-tiny.json")
 BUDGET = 6_000_000
@@ -113,23 +113,11 @@ def _worker(rank: int, world: int, ports: tuple[int, ...]) -> dict[str, Any]:
     return {plan: _fit(plan, port, world) for port, plan in zip(ports, ("auto", "tp_sp"))}
 
 
-def _free_ports(n: int) -> tuple[int, ...]:
-    """``n`` distinct ports free at the time of asking (held open together, so they cannot repeat)."""
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return tuple(int(sock.getsockname()[1]) for sock in sockets)
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
 @pytest.mark.dist
 def test_adaptive_run_stays_within_the_budget_where_static_tp_sp_exceeds_it(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("MASTER_PORT", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK"):
         monkeypatch.delenv(var, raising=False)
-    per_rank = run_distributed(_worker, 2, _free_ports(2), timeout=240)  # one port per Trainer
+    per_rank = run_distributed(_worker, 2, free_ports(2), timeout=240)  # one port per Trainer
     for rank, out in enumerate(per_rank):
         adaptive, static = out["auto"]["peaks"], out["tp_sp"]["peaks"]
         print(f"rank {rank}: adaptive peaks {adaptive}, static tp_sp peaks {static} (budget {BUDGET})")

@@ -295,18 +295,6 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def free_ports(n: int) -> tuple[int, ...]:
-    """``n`` distinct ports free now (all held open while choosing, so none is picked twice)."""
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return tuple(int(s.getsockname()[1]) for s in sockets)
-    finally:
-        for s in sockets:
-            s.close()
-
-
 def rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 

@@ -27,8 +27,9 @@ from lightning_paradyse.batching import pack_documents
 from lightning_paradyse.cost.groups import Assignment
 from lightning_paradyse.models import build_model
 from lightning_paradyse.spawn import run_distributed
+from tests.support.dist import free_ports
 from tests.support.lightning import quiet_trainer, strategy_environment
-from tests.test_strategy import assert_same_training, free_ports
+from tests.test_strategy import assert_same_training
 
 SPLITS = [(2, 1, 1), (4,), (1, 1, 1, 1), (2, 2), (2, 1, 1), (2, 2)]
 """The forced split of each step (largest group first)."""

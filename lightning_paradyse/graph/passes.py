@@ -138,16 +138,7 @@ def _common_core(trace: BlockTrace, nodes: Iterable[fx.Node]) -> str:
 
 
 def _find_ref(call: ModuleCall, node: fx.Node) -> ArgRef | None:
-    entries: list[tuple[ArgRef, Any]] = [(ArgRef(index=i), a) for i, a in enumerate(call.args)]
-    entries += [(ArgRef(name=k), v) for k, v in call.kwargs.items()]
-    for ref, value in entries:
-        if value is node:
-            return ref
-        if isinstance(value, (tuple, list)):
-            for j, item in enumerate(value):
-                if item is node:
-                    return ArgRef(ref.index, ref.name, j)
-    return None
+    return call.refs().get(node)
 
 
 def _sdpa_arg(node: fx.Node, i: int, name: str) -> Any:

@@ -158,21 +158,6 @@ def _attention_input(node: fx.Node, shape: tuple[int, ...]) -> fx.Node:
     raise ProgramError(f"the attention's input {node.name} is not of shape {list(shape)} ([b, heads, t, d]) anywhere")
 
 
-def _call_refs(call: ModuleCall) -> dict[fx.Node, ArgRef]:
-    """Every node passed to the attention module's call -> where it sits."""
-    out: dict[fx.Node, ArgRef] = {}
-    entries = [(ArgRef(index=i), a) for i, a in enumerate(call.args)]
-    entries += [(ArgRef(name=k), v) for k, v in call.kwargs.items()]
-    for ref, value in entries:
-        if isinstance(value, fx.Node):
-            out.setdefault(value, ref)
-        elif isinstance(value, (tuple, list)):
-            for j, item in enumerate(value):
-                if isinstance(item, fx.Node):
-                    out.setdefault(item, ArgRef(ref.index, ref.name, j))
-    return out
-
-
 @dataclass(frozen=True)
 class Extracted:
     program: HeadProgram | None
@@ -200,7 +185,7 @@ def extract(
     )
     order = {n: i for i, n in enumerate(trace.graph.nodes)}
     slots: dict[fx.Node, int] = {node: i for i, node in enumerate(projections)}
-    refs = _call_refs(call)
+    refs = call.refs()
     values: list[fx.Node] = []
     needed: set[fx.Node] = set()
     todo = list(ends)

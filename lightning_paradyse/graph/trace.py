@@ -64,6 +64,20 @@ class ModuleCall:
     output: Any = None
     """The returned value with tensors replaced by their nodes."""
 
+    def refs(self) -> dict[fx.Node, ArgRef]:
+        """Every node passed to the call -> where it sits (its first place, tuple members included)."""
+        out: dict[fx.Node, ArgRef] = {}
+        entries = [(ArgRef(index=i), a) for i, a in enumerate(self.args)]
+        entries += [(ArgRef(name=k), v) for k, v in self.kwargs.items()]
+        for ref, value in entries:
+            if isinstance(value, fx.Node):
+                out.setdefault(value, ref)
+            elif isinstance(value, (tuple, list)):
+                for j, item in enumerate(value):
+                    if isinstance(item, fx.Node):
+                        out.setdefault(item, ArgRef(ref.index, ref.name, j))
+        return out
+
 
 @dataclass
 class BlockTrace:
