@@ -39,6 +39,7 @@ from torch.optim import Optimizer
 
 from lightning_paradyse import parallel
 from lightning_paradyse.comm import Group
+from lightning_paradyse.dispatch import ShardSource, join_pieces
 
 LEGACY_FORMAT = "paradyse-consolidated-optimizer-v1"
 """Marker of the optimizer state of earlier versions (``state_dict["format"]``), keyed by plain parameter name."""
@@ -197,7 +198,7 @@ def consolidate_optimizer_state(
         for key, value in entry.items():
             if ref is not None and _shard_shaped(value, param, key, target):
                 full = parallel.gather_param_like(value, ref, group)
-                out.setdefault(key, _Pieces()).append((ref.source.offset, full))
+                out.setdefault(key, _Pieces()).append((ref.source, full))
             else:
                 out.setdefault(key, value)
     state = {index[t]: {k: v.join() if isinstance(v, _Pieces) else v for k, v in e.items()} for t, e in entries.items()}
@@ -205,12 +206,11 @@ def consolidate_optimizer_state(
     return {"state": dict(sorted(state.items())), "param_groups": groups}
 
 
-class _Pieces(list[tuple[int, Tensor]]):
-    """Gathered pieces of one plain parameter's state tensor, with their first rows in it."""
+class _Pieces(list[tuple[ShardSource, Tensor]]):
+    """Gathered pieces of one plain parameter's state tensor, with where each comes from."""
 
     def join(self) -> Tensor:
-        ordered = [t for _, t in sorted(self, key=lambda item: item[0])]
-        return ordered[0] if len(ordered) == 1 else torch.cat(ordered)
+        return join_pieces(list(self))
 
 
 def _shard_shaped(value: Any, param: Tensor, key: str, target: str) -> bool:
@@ -286,9 +286,7 @@ def _local(value: Any, ref: parallel.ShardRef | None, shape: torch.Size, param: 
             f"the checkpoint's optimizer state {what} has shape {tuple(value.shape)}, neither the plain parameter's "
             f"{tuple(shape)} nor a scalar; resume with the same model and configure_optimizers"
         )
-    src = ref.source  # as parallel.load_consolidated cuts the weights
-    piece = value if src.transposed else value.narrow(0, src.offset, src.rows)
-    shard = parallel.shard_param_like(piece.to(param.device), ref, group)
+    shard = parallel.shard_param_like(value.to(param.device), ref, group)  # as parallel.load_consolidated cuts weights
     if shard.shape != param.shape:
         raise ValueError(
             f"optimizer state shard {tuple(shard.shape)} does not match the parameter {tuple(param.shape)}"

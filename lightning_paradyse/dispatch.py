@@ -22,7 +22,15 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from lightning_paradyse.comm import Group, all_reduce_sum, gather_seq, group_rank, group_size, no_counting, scatter_seq
-from lightning_paradyse.graph.passes import AttentionRoles, MlpRoles
+from lightning_paradyse.graph.passes import (
+    AttentionRoles,
+    MlpRoles,
+    is_conv1d,
+    out_features,
+    projection_weight,
+)
+from lightning_paradyse.graph.program import Program
+from lightning_paradyse.graph.trace import ArgRef
 from lightning_paradyse.layout import SeqLayout
 from lightning_paradyse.modes import GRID_MODES, get_mode
 from lightning_paradyse.modes.base import Autocast, add_bias
@@ -49,16 +57,56 @@ class GridState:
 
 @dataclass(frozen=True)
 class ShardSource:
-    """Where a shard parameter comes from in the plain block."""
+    """Where a shard parameter comes from in the plain block.
+
+    The plain parameter's *row view* is the parameter, or its transpose when ``transposed``; the piece is some of
+    its rows (:func:`cut_piece`); the shard is this rank's 1/p of the piece's rows."""
 
     name: str
     """Name of the plain parameter, relative to the block (e.g. ``self_attn.in_proj_weight``)."""
     transposed: bool
-    """The shard is of the transposed weight (row-parallel ``o`` / ``down``)."""
+    """The row view is the plain parameter transposed: row-parallel ``o`` / ``down`` of an ``nn.Linear``, or
+    column-parallel q/k/v/up of a ``Conv1D`` (whose weight is stored ``[in, out]``)."""
     rows: int
-    """Rows of the whole (possibly transposed) weight piece this shard is 1/p of."""
+    """Rows of the piece this shard is 1/p of."""
     offset: int = 0
-    """First row of the piece inside the plain parameter (q/k/v packed in one ``in_proj_weight``)."""
+    """First row of the piece inside the row view (q/k/v packed in one ``in_proj_weight``)."""
+    index: tuple[int, ...] | None = None
+    """The rows of the row view that make the piece, in its order, when they are not ``offset .. offset + rows``
+    (a part of a fused projection: GPT-NeoX interleaves q, k and v head by head)."""
+
+    def row_index(self) -> torch.Tensor:
+        if self.index is not None:
+            return torch.tensor(self.index)
+        return torch.arange(self.offset, self.offset + self.rows)
+
+
+def cut_piece(plain: torch.Tensor, source: ShardSource) -> torch.Tensor:
+    """The piece of a plain parameter (or of a tensor shaped like it) a shard is 1/p of, in its row view."""
+    view = plain.t() if source.transposed else plain
+    if source.index is None:
+        return view.narrow(0, source.offset, source.rows)
+    return view.index_select(0, source.row_index().to(view.device))  # [rows_total, k] -> [rows, k]
+
+
+def join_pieces(parts: list[tuple[ShardSource, torch.Tensor]]) -> torch.Tensor:
+    """The plain parameter from all of its pieces (the inverse of :func:`cut_piece` over every piece)."""
+    total = sum(src.rows for src, _ in parts)
+    first = parts[0][1]
+    view = first.new_empty((total, *first.shape[1:]))
+    seen = torch.zeros(total, dtype=torch.bool)
+    for src, piece in parts:
+        index = src.row_index()
+        view.index_copy_(0, index.to(view.device), piece)  # [rows, k] into [rows_total, k]
+        seen[index] = True
+    if not bool(seen.all()) or len({src.transposed for src, _ in parts}) != 1:
+        raise ValueError(f"the pieces of {parts[0][0].name} do not make the whole parameter")
+    return view.t().contiguous() if parts[0][0].transposed else view
+
+
+def _tensor(module: nn.Module, name: str) -> torch.Tensor | None:
+    value = getattr(module, name, None)
+    return value if isinstance(value, torch.Tensor) else None
 
 
 class OpDispatch(nn.Module):
@@ -80,14 +128,56 @@ class OpDispatch(nn.Module):
         """While a step runs on a group smaller than the shard group: this rank's shards for that group,
         read instead of the parameters of the same name (see :mod:`lightning_paradyse.groups`)."""
 
-    def add_shard(self, name: str, full: torch.Tensor | None, source: ShardSource, group: Group) -> None:
-        """Register this rank's rows of ``full`` (already transposed if needed) as parameter ``name``."""
-        if full is None:
+    def add_shard(self, name: str, plain: torch.Tensor | None, source: ShardSource, group: Group) -> None:
+        """Register this rank's rows of the piece ``source`` cuts from the plain parameter as parameter ``name``."""
+        if plain is None:
             self.register_parameter(name, None)
             return
-        shard = shard_rows(full.detach(), group_size(group), group_rank(group))
-        self.register_parameter(name, nn.Parameter(shard, requires_grad=full.requires_grad))
+        piece = cut_piece(plain.detach(), source)
+        shard = shard_rows(piece, group_size(group), group_rank(group)).contiguous()
+        self.register_parameter(name, nn.Parameter(shard, requires_grad=plain.requires_grad))
         self.sources[name] = source
+
+    def add_projection(
+        self, name: str, bias_name: str, module: nn.Module, path: str, rows: tuple[int, ...] | None, group: Group
+    ) -> int:
+        """A column-parallel projection (q/k/v/up/gate; ``rows``: its part of a fused one): weight and bias shards.
+        Returns its output features."""
+        conv = is_conv1d(module)
+        n = out_features(module) if rows is None else len(rows)
+        src = ShardSource(f"{path}.weight", conv, n, index=rows)
+        self.add_shard(name, _tensor(module, "weight"), src, group)
+        self.add_shard(bias_name, _tensor(module, "bias"), replace(src, name=f"{path}.bias", transposed=False), group)
+        return n
+
+    def add_row_projection(self, name: str, bias_name: str, module: nn.Module, path: str, group: Group) -> None:
+        """A row-parallel projection (o/down): the transposed weight's shards, the bias replicated."""
+        rows = int(projection_weight(module).shape[1])
+        src = ShardSource(f"{path}.weight", not is_conv1d(module), rows)
+        self.add_shard(name, _tensor(module, "weight"), src, group)
+        self.add_replicated(bias_name, _tensor(module, "bias"), f"{path}.bias")
+
+    def adopt(self, core: nn.Module, path: str) -> None:
+        """Keep ``core``'s sub-module at ``path`` (relative) under the same path (the block's own code calls it)."""
+        parent: nn.Module = self
+        *outer, last = path.split(".")
+        for name in outer:
+            if name not in parent._modules:
+                if hasattr(parent, name):
+                    raise ValueError(f"{self.core_path}.{path}: {name} clashes with the dispatch's own attributes")
+                parent.add_module(name, nn.Module())
+            child = parent._modules[name]
+            assert child is not None
+            parent = child
+        if hasattr(parent, last) and parent._modules.get(last) is not core.get_submodule(path):
+            raise ValueError(f"{self.core_path}.{path}: a sub-module of this name clashes with the dispatch's own")
+        parent.add_module(last, core.get_submodule(path))
+
+    def run_tail(self, tail: Program | None, refs: tuple[ArgRef, ...], y: torch.Tensor, args: Any, kwargs: Any) -> Any:
+        """The block's code after the op's last projection, on this call's output tokens."""
+        if tail is None:
+            return y
+        return tail.run((y,), [r.get(args, kwargs) for r in refs], self)[0]
 
     def add_replicated(self, name: str, value: torch.Tensor | None, source: str) -> None:
         if value is None:
@@ -193,10 +283,9 @@ class AttentionDispatch(OpDispatch):
         self._qkv_same_embed_dim = False
         self._add_weights(core, roles, group)
         program = roles.program
-        for name in () if program is None else program.modules:  # the norms / rotary the model's own code calls
-            if hasattr(self, name):
-                raise ValueError(f"{roles.core}.{name}: a sub-module of this name clashes with the dispatch's own")
-            self.add_module(name, core.get_submodule(name))
+        for code in (program, roles.tail):  # the norms / rotary / dropout the model's own code calls
+            for path in () if code is None else code.modules:
+                self.adopt(core, path)
         h = self.req("o_t").shape[1]
         self.spec = AttnSpec(
             h,
@@ -218,24 +307,15 @@ class AttentionDispatch(OpDispatch):
             h = core.embed_dim
             for i, name in enumerate(("q", "k", "v")):
                 src = ShardSource(f"{pre}in_proj_weight", False, h, offset=i * h)
-                self.add_shard(name, core.in_proj_weight[i * h : (i + 1) * h], src, group)
-                bias = None if core.in_proj_bias is None else core.in_proj_bias[i * h : (i + 1) * h]
-                self.add_shard(f"b{name}", bias, ShardSource(f"{pre}in_proj_bias", False, h, offset=i * h), group)
-            out = core.out_proj
-            self.add_shard("o_t", out.weight.t(), ShardSource(f"{pre}out_proj.weight", True, h), group)
-            self.add_replicated("bo", out.bias, f"{pre}out_proj.bias")
+                self.add_shard(name, core.in_proj_weight, src, group)
+                bias_src = ShardSource(f"{pre}in_proj_bias", False, h, offset=i * h)
+                self.add_shard(f"b{name}", core.in_proj_bias, bias_src, group)
+            self.add_row_projection("o_t", "bo", core.out_proj, f"{pre}out_proj", group)
             return
-        for name in ("q", "k", "v"):
+        for name, rows in zip(("q", "k", "v"), roles.rows):
             path = getattr(roles, name)
-            lin = core.get_submodule(path[len(pre) :])
-            assert isinstance(lin, nn.Linear)
-            rows = lin.out_features
-            self.add_shard(name, lin.weight, ShardSource(f"{path}.weight", False, rows), group)
-            self.add_shard(f"b{name}", lin.bias, ShardSource(f"{path}.bias", False, rows), group)
-        o = core.get_submodule(roles.o[len(pre) :])
-        assert isinstance(o, nn.Linear)
-        self.add_shard("o_t", o.weight.t(), ShardSource(f"{roles.o}.weight", True, o.in_features), group)
-        self.add_replicated("bo", o.bias, f"{roles.o}.bias")
+            self.add_projection(name, f"b{name}", core.get_submodule(path[len(pre) :]), path, rows, group)
+        self.add_row_projection("o_t", "bo", core.get_submodule(roles.o[len(pre) :]), roles.o, group)
 
     def weights(self) -> AttnWeights:
         o = self.opt
@@ -298,7 +378,7 @@ class AttentionDispatch(OpDispatch):
         table = _TokenTable([r.get(args, kwargs) for r in self.roles.positions], self.roles.token_dims, ctx)
 
         def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> Any:
-            return program.run(q, k, v, table.lookup(positions), self)
+            return program.run((q, k, v), table.lookup(positions), self)
 
         return prepare
 
@@ -320,6 +400,7 @@ class AttentionDispatch(OpDispatch):
             prepare_params=self._prepare_params(),
         )
         y = self._run(lambda inp: mode.attention(inp, self.weights(), spec, ctx), x)
+        y = self.run_tail(self.roles.tail, self.roles.tail_values, y, args, kwargs)
         if self.roles.output_item is None:
             return y
         return tuple(y if i == self.roles.output_item else None for i in range(self.roles.output_len))
@@ -342,21 +423,19 @@ class MlpDispatch(OpDispatch):
         super().__init__(roles.core, layer)
         pre = roles.core + "."
         up, down = core.get_submodule(roles.up[len(pre) :]), core.get_submodule(roles.down[len(pre) :])
-        gate = None if roles.gate is None else core.get_submodule(roles.gate[len(pre) :])
-        assert isinstance(up, nn.Linear) and isinstance(down, nn.Linear)
-        f = up.out_features
-        self.add_shard("up", up.weight, ShardSource(f"{roles.up}.weight", False, f), group)
-        self.add_shard("b_up", up.bias, ShardSource(f"{roles.up}.bias", False, f), group)
-        if isinstance(gate, nn.Linear):
-            self.add_shard("gate", gate.weight, ShardSource(f"{roles.gate}.weight", False, f), group)
-            self.add_shard("b_gate", gate.bias, ShardSource(f"{roles.gate}.bias", False, f), group)
+        f = self.add_projection("up", "b_up", up, roles.up, roles.rows[0], group)
+        if roles.gate is not None:
+            gate = core.get_submodule(roles.gate[len(pre) :])
+            self.add_projection("gate", "b_gate", gate, roles.gate, roles.rows[1], group)
         else:
             self.register_parameter("gate", None)
             self.register_parameter("b_gate", None)
-        self.add_shard("down_t", down.weight.t(), ShardSource(f"{roles.down}.weight", True, f), group)
-        self.add_replicated("b_down", down.bias, f"{roles.down}.bias")
+        self.add_row_projection("down_t", "b_down", down, roles.down, group)
+        self.roles = roles
+        for path in () if roles.tail is None else roles.tail.modules:  # the model's code after the down projection
+            self.adopt(core, path)
         self.act = roles.act
-        self.spec = MlpSpec(up.in_features, f, roles.act, gated=gate is not None)
+        self.spec = MlpSpec(int(projection_weight(up).shape[1]), f, roles.act, gated=roles.gate is not None)
 
     def weights(self) -> MlpWeights:
         o = self.opt
@@ -377,7 +456,8 @@ class MlpDispatch(OpDispatch):
         else:
             ctx, op = self._state(x)
         mode = get_mode(op.mode)
-        return self._run(lambda inp: mode.mlp(inp, self.weights(), self.spec, ctx), x)
+        y = self._run(lambda inp: mode.mlp(inp, self.weights(), self.spec, ctx), x)
+        return self.run_tail(self.roles.tail, self.roles.tail_values, y, (x, *args), kwargs)  # type: ignore[no-any-return]
 
 
 _SPLIT_MODES = ("tp_sp", "ulysses", "ring")
@@ -393,12 +473,9 @@ class ColumnDispatch(OpDispatch):
     MLP and is infeasible here.
     """
 
-    def __init__(self, linear: nn.Linear, path: str, layer: int, group: Group) -> None:
+    def __init__(self, linear: nn.Module, path: str, layer: int, group: Group) -> None:
         super().__init__(path, layer)
-        f = linear.out_features
-        self.rows = f
-        self.add_shard("weight", linear.weight, ShardSource(f"{path}.weight", False, f), group)
-        self.add_shard("bias", linear.bias, ShardSource(f"{path}.bias", False, f), group)
+        self.rows = self.add_projection("weight", "bias", linear, path, None, group)
 
     def infeasible(self, mode: str, p: int) -> str | None:
         if mode not in _SPLIT_MODES:
@@ -421,11 +498,10 @@ class ColumnDispatch(OpDispatch):
 class RowDispatch(OpDispatch):
     """The down projection matching a :class:`ColumnDispatch`."""
 
-    def __init__(self, linear: nn.Linear, path: str, layer: int, group: Group) -> None:
+    def __init__(self, linear: nn.Module, path: str, layer: int, group: Group) -> None:
         super().__init__(path, layer)
-        self.rows = linear.in_features
-        self.add_shard("weight_t", linear.weight.t(), ShardSource(f"{path}.weight", True, self.rows), group)
-        self.add_replicated("bias", linear.bias, f"{path}.bias")
+        self.rows = int(projection_weight(linear).shape[1])
+        self.add_row_projection("weight_t", "bias", linear, path, group)
 
     def infeasible(self, mode: str, p: int) -> str | None:
         return None if mode in _SPLIT_MODES else f"{mode} needs the MLP in a sub-module of its own"

@@ -37,7 +37,7 @@ from lightning_paradyse.comm import (
     move_shard,
     no_counting,
 )
-from lightning_paradyse.dispatch import AttentionDispatch, GridState, OpDispatch, ShardSource
+from lightning_paradyse.dispatch import AttentionDispatch, GridState, OpDispatch, ShardSource, cut_piece, join_pieces
 from lightning_paradyse.graph.passes import RoleError
 from lightning_paradyse.graph.rewrite import rewrite_block
 from lightning_paradyse.layout import split_sizes
@@ -565,15 +565,14 @@ def reduce_replicated_grads(module: nn.Module, group: Group) -> None:
 
 
 def gather_param_like(value: torch.Tensor, ref: ShardRef, group: Group) -> torch.Tensor:
-    """The whole (un-transposed) piece behind a shard, from every rank's ``value`` shaped like the shard."""
-    full = all_gather_rows(value, row_sizes(ref.source.rows, group_size(group)), group)  # [rows/p, k] -> [rows, k]
-    return full.t().contiguous() if ref.source.transposed else full
+    """The whole piece behind a shard (in the plain parameter's row view, :func:`~.dispatch.cut_piece`), from every
+    rank's ``value`` shaped like the shard; :func:`~.dispatch.join_pieces` makes the plain parameter of them."""
+    return all_gather_rows(value, row_sizes(ref.source.rows, group_size(group)), group)  # [rows/p, k] -> [rows, k]
 
 
-def shard_param_like(full: torch.Tensor, ref: ShardRef, group: Group) -> torch.Tensor:
-    """This rank's shard of a whole (plain-layout) piece: the inverse of :func:`gather_param_like`."""
-    data = full.t() if ref.source.transposed else full
-    return shard_rows(data, group_size(group), group_rank(group))
+def shard_param_like(plain: torch.Tensor, ref: ShardRef, group: Group) -> torch.Tensor:
+    """This rank's shard of a plain parameter (or a tensor shaped like it): the inverse of :func:`gather_param_like`."""
+    return shard_rows(cut_piece(plain, ref.source), group_size(group), group_rank(group))
 
 
 def _value(param: torch.Tensor, grads: bool) -> torch.Tensor | None:
@@ -605,18 +604,18 @@ def consolidated(module: nn.Module, group: Group, grads: bool = False) -> dict[s
     """
     out: dict[str, torch.Tensor] = {}
     shards, replicated = shard_sources(module), replicated_sources(module)
-    pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    pieces: dict[str, list[tuple[ShardSource, torch.Tensor]]] = {}
     for name, param in module.named_parameters():
         value = _value(param, grads)
         if name in shards:
             ref = shards[name]
             piece = gather_param_like(value, ref, group) if value is not None else None
             if piece is not None:
-                pieces.setdefault(ref.plain, []).append((ref.source.offset, piece))
+                pieces.setdefault(ref.plain, []).append((ref.source, piece))
         elif value is not None:
             out[replicated.get(name, name)] = value
     for plain, parts in pieces.items():
-        out[plain] = torch.cat([t for _, t in sorted(parts, key=lambda item: item[0])])
+        out[plain] = join_pieces(parts)
     if not grads:
         for alias, name in tied_aliases(module).items():
             key = shards[name].plain if name in shards else replicated.get(name, name)
@@ -649,9 +648,7 @@ def load_consolidated(module: nn.Module, state: dict[str, torch.Tensor], group: 
                 missing.append(wanted)
                 continue
             if ref is not None:
-                src = ref.source
-                piece = state[key] if src.transposed else state[key].narrow(0, src.offset, src.rows)
-                param.copy_(shard_param_like(piece, ref, group))
+                param.copy_(shard_param_like(state[key], ref, group))
             else:
                 param.copy_(state[key])
             used.update(keys)

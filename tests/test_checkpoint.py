@@ -43,6 +43,7 @@ from lightning_paradyse.checkpoint import (
     load_optimizer_state,
     plain_targets,
 )
+from lightning_paradyse.dispatch import cut_piece
 from lightning_paradyse.models import build_model
 from lightning_paradyse.spawn import run_distributed
 from tests.support.lightning import quiet_trainer, strategy_environment
@@ -205,7 +206,7 @@ def _same_grads(plain: nn.Module, twin: nn.Module, record: PlainModel, seed: int
     for name, (target, ref) in plain_targets(twin, record).items():
         g = grads[target]
         if ref is not None:
-            g = g.t() if ref.source.transposed else g.narrow(0, ref.source.offset, ref.source.rows)
+            g = cut_piece(g, ref.source)
         params[name].grad = g.contiguous()
 
 

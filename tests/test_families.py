@@ -39,7 +39,7 @@ from lightning_paradyse.plan import LayerPlan, OpPlan, Plan
 from lightning_paradyse.slicing import BatchSource
 from lightning_paradyse.spec import SeqContext
 from tests.support.dist import run_distributed
-from tests.support.families import HF_FAMILIES, EncoderLM, hf_family, hf_granite, hf_llama
+from tests.support.families import HF_FAMILIES, BertLM, EncoderLM, hf_family, hf_granite, hf_llama
 
 pytest.importorskip("transformers")
 
@@ -81,6 +81,8 @@ def _loss(kind: str, model: nn.Module, ids: torch.Tensor, layout: SeqLayout | No
 
 
 def _build(kind: str, p: int) -> nn.Module:
+    if kind == "bert":
+        return BertLM().double()
     if kind in HF_FAMILIES:  # float64: rounding ~1e-15, so the 1e-9 tolerance separates a wrong op from noise
         return hf_family(kind, n_kv_heads=6 if p == 3 else 4).double()
     if kind == "hf":
@@ -129,7 +131,7 @@ def _hf_worker(rank: int, world: int, kinds: list[str]) -> list[tuple[str, Any]]
     return out
 
 
-HF_CASES = {2: list(HF_FAMILIES), 3: ["qwen3", "olmo2", "phi", "gemma3", "mistral"]}
+HF_CASES = {2: [*HF_FAMILIES, "bert"], 3: ["qwen3", "olmo2", "phi", "gemma3", "mistral", "phi3", "gpt2", "neox", "bert"]}
 """Families per group size; at 3 the lengths are not divisible by the group (and there are 6 kv heads)."""
 
 
@@ -174,8 +176,6 @@ def test_families_match_single_process(p: int) -> None:
 
 
 REFUSED = {
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel", r"transformer\.h\.0 \(GPT2Block\): its projections are Conv1D"),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", r"GPT-NeoX\): fused projections are not supported"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", r"MixtralDecoderLayer\): its MLP is a mixture of experts"),
 }
 """Families #14 has not reached yet: refused at setup with the block, its class and the reason, never run wrongly."""
@@ -187,8 +187,6 @@ def test_families_not_supported_yet_are_refused_by_name(family: str) -> None:
     config_cls, model_cls, message = REFUSED[family]
     fields = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
     fields["num_key_value_heads"] = 2
-    if family == "gpt2":
-        fields = dict(vocab_size=64, n_embd=32, n_layer=1, n_head=4)
     config = getattr(transformers, config_cls)(**fields, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     with pytest.raises(ValueError, match=message):
         parallelize(getattr(transformers, model_cls)(config), None)

@@ -6,7 +6,7 @@ found, or raises :class:`RoleError` naming what is missing. What they match:
 * :func:`find_attention`: the one attention call (``scaled_dot_product_attention``, or an
   ``nn.MultiheadAttention``); walking back from its q/k/v inputs to the ``nn.Linear`` that produced
   each, and forward from its output to the output projection; the block's own code between the
-  projections and the attention (norms, rotary embeddings: a :class:`~.program.HeadProgram`) and its
+  projections and the attention (norms, rotary embeddings: a :class:`~.program.Program`) and its
   positional inputs; the sub-module that computes the whole op (the deepest module enclosing all of
   it) and where its input and positional arguments sit in its call.
 * :func:`find_mlp`: the remaining two (``up -> act -> down``) or three (gated ``down(act(gate) * up)``)
@@ -27,7 +27,16 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lightning_paradyse.graph.program import HeadProgram, ProgramError, extract
+from lightning_paradyse.graph.program import (
+    FusedStart,
+    Program,
+    ProgramError,
+    extract,
+    extract_tail,
+    fused_start,
+    piece_rows,
+    split_pieces,
+)
 from lightning_paradyse.graph.trace import ArgRef, BlockTrace, ModuleCall, _getitem
 
 
@@ -54,7 +63,7 @@ class AttentionRoles:
     """``None`` when decided per call (``nn.MultiheadAttention``'s mask / ``is_causal``)."""
     hidden: ArgRef
     """The normalised input in the core module's call."""
-    program: HeadProgram | None = None
+    program: Program | None = None
     """The block's own code from the projections to the attention inputs (norms, rotary), replayed in every mode;
     ``None`` when it only splits the projections into heads."""
     positions: tuple[ArgRef, ...] = ()
@@ -68,6 +77,12 @@ class AttentionRoles:
     """The attention call's ``scale`` when it is not ``1/sqrt(head_dim)`` (Granite's ``attention_multiplier``)."""
     window: int | None = None
     """The layer's causal sliding window (:func:`sliding_window`), ``None`` for global attention."""
+    rows: tuple[tuple[int, ...] | None, tuple[int, ...] | None, tuple[int, ...] | None] = (None, None, None)
+    """For q, k, v from one fused projection: each one's rows of the fused weight (:class:`~.program.FusedStart`)."""
+    tail: Program | None = None
+    """The block's code after the output projection inside the op's module (:func:`~.program.extract_tail`)."""
+    tail_values: tuple[ArgRef, ...] = ()
+    """The tail's inputs from the op module's call (a residual)."""
 
 
 @dataclass(frozen=True)
@@ -80,10 +95,36 @@ class MlpRoles:
     down: str
     gate: str | None
     act: Callable[[torch.Tensor], torch.Tensor]
+    rows: tuple[tuple[int, ...] | None, tuple[int, ...] | None] = (None, None)
+    """For gate and up from one fused projection (Phi-3's ``gate_up_proj``): up's and gate's rows of its weight."""
+    tail: Program | None = None
+    """The code after the down projection inside the MLP's module (GPT-2's dropout)."""
+    tail_values: tuple[ArgRef, ...] = ()
+
+
+def is_projection(module: nn.Module) -> bool:
+    """``nn.Linear``, or transformers' ``Conv1D`` (GPT-2: a linear whose weight is stored ``[in, out]``)."""
+    return isinstance(module, nn.Linear) or is_conv1d(module)
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return type(module).__name__ == "Conv1D" and isinstance(weight, torch.Tensor) and weight.dim() == 2
+
+
+def projection_weight(module: nn.Module) -> torch.Tensor:
+    """The projection's weight as ``nn.Linear`` holds it, ``[out, in]`` (a view for ``Conv1D``)."""
+    weight = module.weight
+    assert isinstance(weight, torch.Tensor)
+    return weight.t() if is_conv1d(module) else weight
+
+
+def out_features(module: nn.Module) -> int:
+    return int(projection_weight(module).shape[0])
 
 
 def _is_linear(trace: BlockTrace, node: fx.Node) -> bool:
-    return node.op == "call_module" and isinstance(trace.module(str(node.target)), nn.Linear)
+    return node.op == "call_module" and is_projection(trace.module(str(node.target)))
 
 
 def _ancestors(node: fx.Node, stop: Callable[[fx.Node], bool]) -> set[fx.Node]:
@@ -122,7 +163,7 @@ def _ancestors(node: fx.Node, stop: Callable[[fx.Node], bool]) -> set[fx.Node]:
 def _source_linear(trace: BlockTrace, node: fx.Node, role: str) -> fx.Node:
     found = [a for a in _ancestors(node, lambda n: _is_linear(trace, n)) if _is_linear(trace, a)]
     if len(found) != 1:
-        raise RoleError(f"the attention's {role} input comes from {len(found)} linear projections, expected 1")
+        raise RoleError(f"the attention's {role} input comes from {len(found)} projections, expected 1")
     return found[0]
 
 
@@ -208,17 +249,13 @@ def find_attention(trace: BlockTrace) -> AttentionRoles:
     if node.op == "call_module":
         return _mha_roles(trace, node)
     q_in, k_in, v_in = (_sdpa_arg(node, i, name) for i, name in enumerate(("query", "key", "value")))
-    q_lin, k_lin, v_lin = (_source_linear(trace, n, r) for n, r in ((q_in, "query"), (k_in, "key"), (v_in, "value")))
-    if q_lin is k_lin or k_lin is v_lin:
-        raise RoleError(
-            f"q, k and v come from one fused projection ({q_lin.target if q_lin is k_lin else k_lin.target}, as in "
-            f"Phi-3 and GPT-NeoX): fused projections are not supported yet"
-        )
+    lins = [_source_linear(trace, n, r) for n, r in ((q_in, "query"), (k_in, "key"), (v_in, "value"))]
+    q_lin, k_lin, v_lin = lins
     outs = [u for u in _descendants(node) if _is_linear(trace, u)]
     if not outs:
         raise RoleError("no output projection (nn.Linear) after the attention")
     o_lin = min(outs, key=lambda n: _distance(node, n))
-    core = _common_core(trace, [q_lin, k_lin, v_lin, o_lin, node])
+    core = _common_core(trace, [*lins, o_lin, node])
     call = trace.call_of(core) if core else None
     if call is None:
         raise RoleError("the attention is not computed by a sub-module of its own")
@@ -230,19 +267,22 @@ def find_attention(trace: BlockTrace) -> AttentionRoles:
         raise RoleError(f"{core}: q, k and v must project the sub-module's input directly")
     head_dim = int(node.meta["shape"][-1])
     causal, scale = _check_sdpa(node, head_dim)
-    out_item, out_len = _output_ref(call, o_lin, core)
+    out_item, out_len, out_node = _output_ref(call, o_lin, core)
     mods = {r: str(n.target) for r, n in (("q", q_lin), ("k", k_lin), ("v", v_lin), ("o", o_lin))}
-    heads = (
-        int(_linear(trace, mods["q"]).out_features) // head_dim,
-        int(_linear(trace, mods["k"]).out_features) // head_dim,
-    )
     try:
-        code = extract(trace, core, call, (q_lin, k_lin, v_lin), (q_in, k_in, v_in), hidden_node, heads, head_dim)
+        starts = _starts(trace, lins, (q_in, k_in, v_in), head_dim)
+        heads = tuple(
+            s.heads if isinstance(s, FusedStart) else out_features(trace.module(mods[r])) // head_dim
+            for s, r in zip(starts[:2], "qk")
+        )
+        code = extract(trace, core, call, starts, (q_in, k_in, v_in), hidden_node, heads, head_dim)  # type: ignore[arg-type]
+        tail = None if out_node is o_lin else extract_tail(trace, core, call, o_lin, out_node)
     except ProgramError as err:
-        raise RoleError(f"{core}: between the projections and the attention: {err}") from None
+        raise RoleError(f"{core}: {err}") from None
     window = sliding_window(trace.module(core))
     if window is not None and not causal:
         raise RoleError(f"{core}: a sliding window on bidirectional attention is not supported yet")
+    rows = tuple(s.rows if isinstance(s, FusedStart) else None for s in starts)
     return AttentionRoles(
         core=core,
         kind="linear",
@@ -259,7 +299,25 @@ def find_attention(trace: BlockTrace) -> AttentionRoles:
         token_dims=code.token_dims,
         output_item=out_item,
         output_len=out_len,
+        rows=rows,  # type: ignore[arg-type]
+        tail=None if tail is None else tail.program,
+        tail_values=() if tail is None else tail.positions,
     )
+
+
+def _starts(
+    trace: BlockTrace, lins: list[fx.Node], inputs: tuple[fx.Node, fx.Node, fx.Node], head_dim: int
+) -> tuple[fx.Node | FusedStart, ...]:
+    """Where q, k and v start: their own projection, or their part of a projection they share."""
+    out: list[fx.Node | FusedStart] = []
+    for lin, inp in zip(lins, inputs):
+        out.append(fused_start(lin, inp, head_dim) if lins.count(lin) > 1 else lin)
+    fused = [s for s in out if isinstance(s, FusedStart)]
+    if len({s.node for s in fused}) != len(fused) or any(
+        set(a.rows) & set(b.rows) for i, a in enumerate(fused) for b in fused[i + 1 :]
+    ):
+        raise ProgramError("the parts of its fused q/k/v projection overlap")
+    return tuple(out)
 
 
 def _tokens(value: Any) -> int | None:
@@ -278,18 +336,20 @@ def sliding_window(attention: nn.Module) -> int | None:
     return _tokens(getattr(config, "sliding_window", None))
 
 
-def _linear(trace: BlockTrace, path: str) -> nn.Linear:
-    module = trace.module(path)
-    assert isinstance(module, nn.Linear)
-    return module
+def _output_ref(call: ModuleCall, node: fx.Node, core: str) -> tuple[int | None, int, fx.Node]:
+    """``(item, length, returned node)``: where the op's module returns what its last projection ``node`` leads
+    to (the projection itself, or the end of a tail)."""
 
+    def leads(value: Any) -> bool:
+        return isinstance(value, fx.Node) and (value is node or node in _ancestors(value, lambda n: n is node))
 
-def _output_ref(call: ModuleCall, node: fx.Node, core: str) -> tuple[int | None, int]:
-    if call.output is node:
-        return None, 1
-    if isinstance(call.output, (tuple, list)) and node in call.output:
-        return list(call.output).index(node), len(call.output)
-    raise RoleError(f"{core} does not return its output projection directly")
+    if leads(call.output):
+        return None, 1, call.output
+    if isinstance(call.output, (tuple, list)):
+        items = [i for i, v in enumerate(call.output) if leads(v)]
+        if len(items) == 1:
+            return items[0], len(call.output), call.output[items[0]]
+    raise RoleError(f"{core} does not return one value computed from its output projection")
 
 
 def _descendants(node: fx.Node) -> list[fx.Node]:
@@ -353,7 +413,20 @@ def find_mlp(trace: BlockTrace, attention: AttentionRoles) -> MlpRoles:
     ins = [n for n in linears if n is not down]
     if len({id(n.args[0]) for n in ins}) != 1:
         raise RoleError("the MLP's input projections do not read the same input")
-    if len(ins) == 1:
+    rows: tuple[tuple[int, ...] | None, tuple[int, ...] | None] = (None, None)
+    pieces = split_pieces(ins[0]) if len(ins) == 1 else []
+    if len(pieces) == 2:  # one projection cut into gate and up (Phi-3's gate_up_proj)
+        gate_piece = next((n for n in pieces if _activation_follows(trace, n, down)), None)
+        if gate_piece is None:
+            raise RoleError("cannot tell the gate from the up part of the fused gate/up projection")
+        up_piece = next(n for n in pieces if n is not gate_piece)
+        try:
+            rows = (piece_rows(ins[0], up_piece), piece_rows(ins[0], gate_piece))
+        except ProgramError as err:
+            raise RoleError(f"the fused gate/up projection: {err}") from None
+        up, gate = ins[0], ins[0]
+        act = _activation(trace, gate_piece, down)
+    elif len(ins) == 1:
         up, gate = ins[0], None
         act = _activation(trace, up, down)
     else:
@@ -364,14 +437,18 @@ def find_mlp(trace: BlockTrace, attention: AttentionRoles) -> MlpRoles:
         act = _activation(trace, gate, down)
     core = _common_core(trace, linears)
     call = trace.call_of(core) if core else None
+    tail = None
     if call is not None:
-        _check_mlp_core(trace, core, call, ins[0], down)
+        tail = _check_mlp_core(trace, core, call, ins[0], down)
     return MlpRoles(
         core=core or None,
         up=str(up.target),
         down=str(down.target),
         gate=None if gate is None else str(gate.target),
         act=act,
+        rows=rows,
+        tail=None if tail is None else tail.program,
+        tail_values=() if tail is None else tail.positions,
     )
 
 
@@ -386,11 +463,19 @@ def _activation_follows(trace: BlockTrace, lin: fx.Node, down: fx.Node) -> bool:
     )
 
 
-def _check_mlp_core(trace: BlockTrace, core: str, call: ModuleCall, first: fx.Node, down: fx.Node) -> None:
-    if _find_ref(call, first.args[0]) is None or call.output is not down:  # type: ignore[arg-type]
-        raise RoleError(f"{core} must take the MLP input and return the down projection directly")
+def _check_mlp_core(trace: BlockTrace, core: str, call: ModuleCall, first: fx.Node, down: fx.Node) -> Any:
+    """The MLP module's tail (code after its down projection), after checking how the module is called."""
+    if _find_ref(call, first.args[0]) is None:  # type: ignore[arg-type]
+        raise RoleError(f"{core} must take the MLP input as an argument")
+    _, _, out = _output_ref(call, down, core)
+    try:
+        tail = None if out is down else extract_tail(trace, core, call, down, out)
+    except ProgramError as err:
+        raise RoleError(f"{core}: after the down projection: {err}") from None
+    kept = set() if tail is None or tail.program is None else set(tail.program.modules)
     for name, module in trace.module(core).named_modules():
-        if isinstance(module, _DROPOUT) and module.p > 0:
+        if isinstance(module, _DROPOUT) and module.p > 0 and name not in kept:
             raise RoleError(
                 f"{core}.{name}: dropout inside the MLP is not supported by the parallel modes; set it to 0"
             )
+    return tail

@@ -3,7 +3,7 @@
 The traced graph (:mod:`lightning_paradyse.graph.trace`) holds every op from each projection's output to the
 attention's q/k/v inputs: the reshape into heads, per-head norms (Qwen3, Gemma 3), norms over all heads
 (OLMo 2), rotary embeddings, full or partial (Phi-2), scalings. :func:`extract` turns that piece of the graph
-into a :class:`HeadProgram`; a mode projects *its* tokens and heads (every token and ``n/p`` heads in
+into a :class:`Program`; a mode projects *its* tokens and heads (every token and ``n/p`` heads in
 ``tp_sp``, ``s/p`` tokens and every head in ``ring``) and runs the program on them with the positional inputs
 (rotary ``cos``/``sin``, position ids) of those tokens, instead of a re-implementation of the block's code.
 
@@ -12,6 +12,15 @@ float64 probes (:func:`probe`) decide what the program may be given: a subset of
 mode holds some of the tokens) and a subset of the heads, with the parameters it reads perturbed (a program
 that mixes heads runs only where a rank holds every head of its tokens; the modes that split heads are
 infeasible for the op, with the reason).
+
+Two more pieces of the block's code are replayed the same way:
+
+* **fused projections** (GPT-2's ``c_attn``, Phi-3's ``qkv_proj``, GPT-NeoX's per-head interleaved
+  ``query_key_value``, fused gate/up): the ops that cut the fused output into q, k and v are replayed once at
+  setup on the features' indices (:func:`replay_index`), which gives each part's rows of the fused weight; each
+  part becomes a projection of its own and the program starts where the block's part is split into heads;
+* **tails** (:func:`extract_tail`): what the op's module computes after its last projection (dropout, a residual
+  and a post-norm as in BERT), run on the op's output tokens.
 """
 
 from __future__ import annotations
@@ -23,9 +32,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
-from lightning_paradyse.graph.trace import ArgRef, BlockTrace, ModuleCall
+from lightning_paradyse.graph.trace import ArgRef, BlockTrace, ModuleCall, _getitem
 
 _RESHAPES = (torch.Tensor.view, torch.Tensor.reshape, torch.reshape)
 
@@ -56,14 +66,18 @@ class ProgramError(ValueError):
 
 
 @dataclass(frozen=True)
-class HeadProgram:
-    """``run(q, k, v, values)``: projections ``[b, t, heads*d]`` -> attention inputs ``[b, heads, t, d]``."""
+class Program:
+    """A piece of the block's own code, replayed on what a mode holds: ``run(inputs, values) -> outputs``.
+
+    The head program maps the q, k, v projections ``[b, t, heads*d]`` to the attention inputs ``[b, heads, t, d]``;
+    a tail maps the output projection ``[b, t, h]`` to what the op's module returns (dropout, a residual and a
+    post-norm: BERT, StarCoder2, GPT-2)."""
 
     steps: tuple[Step, ...]
     n_values: int
-    """Positional inputs after q, k, v."""
-    outputs: tuple[int, int, int]
-    """Slots of the attention's q, k, v inputs."""
+    """Inputs of the op's call after the program's own inputs (rotary ``cos``/``sin``, position ids, a residual)."""
+    outputs: tuple[int, ...]
+    """Slots of the program's results (the attention's q, k, v inputs; the tail's one output)."""
     heads: tuple[int, int]
     """Query and key/value heads of the example (a reshape's head count becomes the call's)."""
     constants: dict[str, torch.Tensor]
@@ -76,16 +90,13 @@ class HeadProgram:
     of the call's projections (a cast back to the input's dtype, as OLMo 2's rotary does); any other dtype (a
     float32 upcast) stays what it is."""
 
-    def run(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        values: Sequence[Any],
-        owner: nn.Module,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Replay on this call's projections; ``owner`` holds the modules and parameters (by relative path)."""
-        env: list[Any] = [q, k, v, *values]
+    n_inputs: int = 3
+    """The program's own inputs (slots ``0 .. n_inputs - 1``): q, k, v; or the output projection."""
+
+    def run(self, inputs: Sequence[torch.Tensor], values: Sequence[Any], owner: nn.Module) -> tuple[Any, ...]:
+        """Replay on this call's ``inputs``; ``owner`` holds the modules and parameters (by relative path)."""
+        q = inputs[0]
+        env: list[Any] = [*inputs, *values]
 
         def fill(value: Any) -> Any:
             if isinstance(value, _Slot):
@@ -93,7 +104,10 @@ class HeadProgram:
             return q.dtype if value is self.dtype else value
 
         for step in self.steps:
-            if step.kind == "module":
+            if step.kind == "dropout":  # functional dropout: trained as the owner is (HF passes self.training)
+                kwargs = {**_map(fill, step.kwargs or {}), "training": owner.training}
+                out = step.target(*_map(fill, step.args), **kwargs)
+            elif step.kind == "module":
                 out = owner.get_submodule(step.target)(*_map(fill, step.args), **_map(fill, step.kwargs or {}))
             elif step.kind == "param":
                 out = _attr(owner, step.target)
@@ -106,8 +120,7 @@ class HeadProgram:
                     args = (args[0], _call_shape(*step.shapes, tuple(args[0].shape), self.heads))
                 out = step.target(*args, **_map(fill, step.kwargs or {}))
             env.append(out)
-        a, b, c = (env[i] for i in self.outputs)
-        return a, b, c
+        return tuple(env[i] for i in self.outputs)
 
 
 def _attr(owner: nn.Module, path: str) -> torch.Tensor:
@@ -158,40 +171,159 @@ def _attention_input(node: fx.Node, shape: tuple[int, ...]) -> fx.Node:
     raise ProgramError(f"the attention's input {node.name} is not of shape {list(shape)} ([b, heads, t, d]) anywhere")
 
 
+# ---------------------------------------------------------------------------------------------- fused projections
+
+MOVES: tuple[Any, ...] = (
+    *_RESHAPES,
+    torch.Tensor.transpose,
+    torch.transpose,
+    torch.Tensor.permute,
+    torch.permute,
+    torch.Tensor.contiguous,
+    torch.Tensor.split,
+    torch.split,
+    torch.Tensor.split_with_sizes,
+    torch.Tensor.chunk,
+    torch.chunk,
+    torch.Tensor.unbind,
+    torch.unbind,
+    torch.Tensor.narrow,
+    torch.narrow,
+    torch.Tensor.unflatten,
+    torch.Tensor.flatten,
+    torch.Tensor.__getitem__,
+    _getitem,
+)
+"""Ops that only move or select elements: a fused projection's output is cut into q, k, v (or gate and up) by them."""
+
+
+def replay_index(source: fx.Node, target: fx.Node) -> torch.Tensor:
+    """``target``'s value when ``source`` holds, at every token, the index of its feature (``0 .. F-1``).
+
+    Every op from ``source`` to ``target`` must only move or select elements (:data:`MOVES`): the result says which
+    feature of ``source`` each element of ``target`` is."""
+    shape = tuple(source.meta["shape"])
+    env: dict[fx.Node, Any] = {source: torch.arange(shape[-1], dtype=torch.float64).expand(shape).contiguous()}
+    order = {n: i for i, n in enumerate(source.graph.nodes)}
+    todo, chain = [target], set()
+    while todo:
+        node = todo.pop()
+        if node is source or node in chain:
+            continue
+        if node.op != "call_function" or node.target not in MOVES:
+            raise ProgramError(
+                f"{node.name} ({getattr(node.target, '__name__', node.target)}) acts on the fused projection "
+                f"{source.target} before it is cut into its parts (only reshapes and selections may)"
+            )
+        chain.add(node)
+        todo.extend(node.all_input_nodes)
+    for node in sorted(chain, key=order.__getitem__):
+        args = tree_map(lambda v: env[v] if isinstance(v, fx.Node) else v, node.args)
+        kwargs = tree_map(lambda v: env[v] if isinstance(v, fx.Node) else v, dict(node.kwargs))
+        fn: Any = node.target
+        env[node] = fn(*args, **kwargs)
+    return env[target]  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True)
+class FusedStart:
+    """Where q, k or v starts when its projection is fused with the others' (Phi-3, GPT-NeoX, GPT-2, Falcon)."""
+
+    node: fx.Node
+    """The first node holding this part alone, split into heads: ``[b, heads, t, d]`` or ``[b, t, heads, d]``."""
+    rows: tuple[int, ...]
+    """Rows of the fused weight (output features) of this part, head by head: its own ``[heads * d, in]`` weight."""
+    heads: int
+    token_dim: int
+    """1 (``[b, t, heads, d]``) or 2 (``[b, heads, t, d]``)."""
+
+
+def fused_start(projection: fx.Node, attention_input: fx.Node, head_dim: int) -> FusedStart:
+    """The part of the fused ``projection`` that becomes ``attention_input`` (see :class:`FusedStart`)."""
+    b, t = projection.meta["shape"][0], projection.meta["shape"][1]
+    order = {n: i for i, n in enumerate(projection.graph.nodes)}
+    on_path = _between(projection, attention_input)
+    for node in sorted(on_path, key=order.__getitem__):
+        shape = tuple(node.meta.get("shape") or ())
+        if len(shape) == 4 and shape[0] == b and shape[3] == head_dim and t in shape[1:3]:
+            if shape[1] == shape[2]:
+                raise ProgramError(f"cannot tell heads from tokens in {node.name} (shape {list(shape)})")
+            token_dim = 1 if shape[1] == t else 2
+            index = replay_index(projection, node)  # [b, t, n, d] or [b, n, t, d]: feature indices
+            per_token = index.movedim(token_dim, 1)  # -> [b, t, n, d]
+            if not bool((per_token == per_token[:1, :1]).all()):
+                raise ProgramError(f"the parts of {projection.target} differ between tokens")
+            rows = tuple(int(i) for i in per_token[0, 0].reshape(-1).tolist())  # head-major: [n * d]
+            return FusedStart(node, rows, int(per_token.shape[2]), token_dim)
+    raise ProgramError(f"no split of {projection.target}'s output into heads of width {head_dim} found")
+
+
+def _between(source: fx.Node, target: fx.Node) -> set[fx.Node]:
+    """Nodes on a path from ``source`` to ``target`` (``target`` included, ``source`` not)."""
+    down: set[fx.Node] = set()
+    todo = [source]
+    while todo:
+        for user in todo.pop().users:
+            if user not in down:
+                down.add(user)
+                todo.append(user)
+    up: set[fx.Node] = set()
+    todo = [target]
+    while todo:
+        node = todo.pop()
+        if node in up or node is source:
+            continue
+        up.add(node)
+        todo.extend(node.all_input_nodes)
+    return down & up
+
+
+def split_pieces(projection: fx.Node) -> list[fx.Node]:
+    """The parts a fused MLP input projection is cut into right away (``chunk``/``split`` items or slices)."""
+    pieces: list[fx.Node] = []
+    for user in projection.users:
+        if user.op != "call_function":
+            continue
+        if user.target in (torch.Tensor.chunk, torch.chunk, torch.Tensor.split, torch.split):
+            pieces += [g for g in user.users if g.target is _getitem]
+        elif user.target is torch.Tensor.__getitem__:
+            pieces.append(user)
+    return pieces
+
+
+def piece_rows(projection: fx.Node, piece: fx.Node) -> tuple[int, ...]:
+    """The features of ``projection`` that ``piece`` (``[b, t, f]``) holds, in its order."""
+    index = replay_index(projection, piece)
+    if index.dim() != len(projection.meta["shape"]) or not bool((index == index[:1, :1]).all()):
+        raise ProgramError(f"{piece.name} is not a cut of {projection.target}'s features")
+    return tuple(int(i) for i in index[0, 0].tolist())
+
+
+# ---------------------------------------------------------------------------------------------- extraction
+
+
 @dataclass(frozen=True)
 class Extracted:
-    program: HeadProgram | None
-    """``None`` when the code is a plain split into heads (nothing to replay)."""
+    program: Program | None
+    """``None`` when the code is a plain split into heads (head program) or nothing (tail)."""
     positions: tuple[ArgRef, ...]
-    """Where the positional inputs in the attention module's call, in the program's value order."""
+    """Where the program's values sit in the op module's call, in the program's value order."""
     token_dims: tuple[int | None, ...]
-    """The token dimension of each positional input (``None``: not per token, passed as it is)."""
+    """The token dimension of each value (``None``: not per token, passed as it is)."""
 
 
-def extract(
-    trace: BlockTrace,
-    core: str,
-    call: ModuleCall,
-    projections: tuple[fx.Node, fx.Node, fx.Node],
-    attention: tuple[fx.Node, fx.Node, fx.Node],
-    hidden: fx.Node,
-    heads: tuple[int, int],
-    head_dim: int,
-) -> Extracted:
-    """The program from the ``projections`` (q, k, v linears) to the ``attention`` call's q, k, v inputs."""
-    b, t = hidden.meta["shape"][0], hidden.meta["shape"][1]
-    ends = tuple(
-        _attention_input(node, (b, n, t, head_dim)) for node, n in zip(attention, (heads[0], heads[1], heads[1]))
-    )
+def _collect(
+    trace: BlockTrace, core: str, call: ModuleCall, stops: set[fx.Node], ends: Sequence[fx.Node], hidden: fx.Node | None
+) -> tuple[list[fx.Node], set[fx.Node]]:
+    """``(values, nodes)``: the call's arguments the code from ``stops`` to ``ends`` reads, and its own nodes."""
     order = {n: i for i, n in enumerate(trace.graph.nodes)}
-    slots: dict[fx.Node, int] = {node: i for i, node in enumerate(projections)}
     refs = call.refs()
     values: list[fx.Node] = []
     needed: set[fx.Node] = set()
     todo = list(ends)
     while todo:
         node = todo.pop()
-        if node in needed or node in slots:
+        if node in needed or node in stops:
             continue
         if node is hidden:
             raise ProgramError("the attention's q, k or v reads the module's input other than through its projection")
@@ -200,29 +332,89 @@ def extract(
                 values.append(node)
             continue
         if node.op == "placeholder" or (node.op != "get_attr" and core not in node.meta.get("stack", ())):
-            raise ProgramError(f"the attention's inputs depend on {node.name}, which is not an argument of {core}")
+            raise ProgramError(f"it depends on {node.name}, which is not an argument of {core}")
         needed.add(node)
         todo.extend(node.all_input_nodes)
     values.sort(key=order.__getitem__)
-    for i, node in enumerate(values):
-        slots[node] = 3 + i
-    steps: list[Step] = []
+    return values, needed
+
+
+def _build(
+    trace: BlockTrace,
+    core: str,
+    values: list[fx.Node],
+    needed: set[fx.Node],
+    slots: dict[fx.Node, int],
+    steps: list[Step],
+    n_inputs: int,
+    ends: Sequence[fx.Node],
+    heads: tuple[int, int],
+) -> Program:
+    order = {n: i for i, n in enumerate(trace.graph.nodes)}
     modules: set[str] = set()
     pre = core + "." if core else ""
     for node in sorted(needed, key=order.__getitem__):
-        slots[node] = 3 + len(values) + len(steps)
+        slots[node] = n_inputs + len(values) + len(steps)
         steps.append(_step(trace, node, slots, pre, modules))
-    program = HeadProgram(
+    return Program(
         tuple(steps),
         len(values),
-        (slots[ends[0]], slots[ends[1]], slots[ends[2]]),
+        tuple(slots[e] for e in ends),
         heads,
         {s.target: trace.constants[s.target] for s in steps if s.kind == "const"},
         tuple(sorted(modules)),
         dtype=next(trace.block.parameters()).dtype,
+        n_inputs=n_inputs,
     )
+
+
+def extract(
+    trace: BlockTrace,
+    core: str,
+    call: ModuleCall,
+    starts: tuple[fx.Node | FusedStart, fx.Node | FusedStart, fx.Node | FusedStart],
+    attention: tuple[fx.Node, fx.Node, fx.Node],
+    hidden: fx.Node,
+    heads: tuple[int, int],
+    head_dim: int,
+) -> Extracted:
+    """The program from q, k, v (their projections, or their parts of a fused one) to the attention's inputs.
+
+    A fused part starts with its own projection ``[b, t, heads*d]`` split into heads the way the block's part is
+    laid out (:class:`FusedStart`), and goes on with the block's code from there."""
+    b, t = hidden.meta["shape"][0], hidden.meta["shape"][1]
+    ends = tuple(
+        _attention_input(node, (b, n, t, head_dim)) for node, n in zip(attention, (heads[0], heads[1], heads[1]))
+    )
+    nodes = [s.node if isinstance(s, FusedStart) else s for s in starts]
+    values, needed = _collect(trace, core, call, set(nodes), ends, hidden)
+    slots = {v: 3 + i for i, v in enumerate(values)}
+    steps: list[Step] = []
+    for i, (start, node) in enumerate(zip(starts, nodes)):
+        if not isinstance(start, FusedStart):
+            slots[node] = i
+            continue
+        n = start.heads
+        shapes = ((b, t, n * head_dim), (b, t, n, head_dim))
+        steps.append(Step("function", torch.Tensor.view, (_Slot(i),), shapes=shapes))  # [b, t, n*d] -> [b, t, n, d]
+        if start.token_dim == 2:  # [b, t, n, d] -> [b, n, t, d]
+            steps.append(Step("function", torch.Tensor.transpose, (_Slot(3 + len(values) + len(steps) - 1), 1, 2)))
+        slots[node] = 3 + len(values) + len(steps) - 1
+    program = _build(trace, core, values, needed, slots, steps, 3, ends, heads)
     dims = tuple(_token_dim(node, t) for node in values)
-    return Extracted(None if _plain_split(steps) else program, tuple(refs[n] for n in values), dims)
+    refs = call.refs()
+    return Extracted(None if _plain_split(list(program.steps)) else program, tuple(refs[n] for n in values), dims)
+
+
+def extract_tail(trace: BlockTrace, core: str, call: ModuleCall, start: fx.Node, end: fx.Node) -> Extracted:
+    """The code from an op's last projection ``start`` to what the op's module returns, ``end`` (dropout, a
+    residual and a post-norm); it runs on the tokens the op's output holds."""
+    t = start.meta["shape"][1]
+    values, needed = _collect(trace, core, call, {start}, (end,), None)
+    slots = {start: 0, **{v: 1 + i for i, v in enumerate(values)}}
+    program = _build(trace, core, values, needed, slots, [], 1, (end,), (0, 0))
+    refs = call.refs()
+    return Extracted(program, tuple(refs[n] for n in values), tuple(_token_dim(node, t) for node in values))
 
 
 def _step(trace: BlockTrace, node: fx.Node, slots: dict[fx.Node, int], pre: str, modules: set[str]) -> Step:
@@ -234,17 +426,22 @@ def _step(trace: BlockTrace, node: fx.Node, slots: dict[fx.Node, int], pre: str,
         if name in trace.constants:
             return Step("const", name)
         if not name.startswith(pre):
-            raise ProgramError(f"the attention's inputs read {name}, a parameter outside {pre[:-1]}")
-        modules.add(name[len(pre) :].split(".")[0])
+            raise ProgramError(f"it reads {name}, a parameter outside {pre[:-1]}")
+        owner = name[len(pre) :].rpartition(".")[0]
+        if not owner:
+            raise ProgramError(f"it reads {name}, a parameter of {pre[:-1] or 'the block'} itself")
+        modules.add(owner)
         return Step("param", name[len(pre) :])
     args = tuple(tree_map(ref, node.args))
     kwargs = dict(tree_map(ref, dict(node.kwargs)))
     if node.op == "call_module":
         path = str(node.target)
         if not path.startswith(pre):
-            raise ProgramError(f"the attention's inputs pass through {path}, a module outside {pre[:-1]}")
-        modules.add(path[len(pre) :].split(".")[0])
+            raise ProgramError(f"it passes through {path}, a module outside {pre[:-1]}")
+        modules.add(path[len(pre) :])
         return Step("module", path[len(pre) :], args, kwargs)
+    if node.target is F.dropout:
+        return Step("dropout", node.target, args, {k: v for k, v in kwargs.items() if k != "training"})
     shapes = None
     if node.target in _RESHAPES:
         source = node.args[0]
@@ -277,14 +474,14 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def probe(
-    program: HeadProgram,
+    program: Program,
     owner: nn.Module,
     projections: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     values: Sequence[Any],
     dims: tuple[int | None, ...],
-) -> HeadProgram:
+) -> Program:
     """Run the float64 probes of the module docstring on the example; ``owner`` is a float64 copy of the attention
-    module. Returns the program with :attr:`HeadProgram.mixes_heads` set; raises :class:`ProgramError` when the
+    module. Returns the program with :attr:`Program.mixes_heads` set; raises :class:`ProgramError` when the
     program does not act on each token alone."""
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -292,24 +489,46 @@ def probe(
             for p in owner.get_submodule(name).parameters():
                 p.copy_(1.0 + 0.5 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
         q, k, v = projections
-        full = program.run(q, k, v, values, owner)
-        idx = torch.tensor(PROBE_TOKENS)
-        some = [x if d is None else x.index_select(d, idx) for x, d in zip(values, dims)]
-        try:
-            part = program.run(q[:, idx], k[:, idx], v[:, idx], some, owner)
-            local = all(_close(a, f[:, :, idx]) for a, f in zip(part, full))
-        except Exception as err:  # a shape fixed to the example's token count, say
-            raise ProgramError(f"it cannot run on a part of the tokens ({type(err).__name__}: {err})") from None
-        if not local:
-            raise ProgramError("it mixes tokens (a token's result depends on other tokens)")
+        full = program.run((q, k, v), values, owner)
+        _check_tokens(program, owner, (q, k, v), values, dims, full, token_dim=2)
         n, n_kv = program.heads
         if n < 2:
             return program
         d = q.shape[-1] // n
         hq, hkv = n // 2, n_kv // 2 if n_kv >= 2 else 0
         try:
-            part = program.run(q[..., hq * d :], k[..., hkv * d :], v[..., hkv * d :], values, owner)
+            part = program.run((q[..., hq * d :], k[..., hkv * d :], v[..., hkv * d :]), values, owner)
             local = all(_close(a, f[:, h:]) for a, f, h in zip(part, full, (hq, hkv, hkv)))
         except Exception:  # e.g. a norm over every head's features
             local = False
     return program if local else replace(program, mixes_heads=True)
+
+
+def _check_tokens(
+    program: Program,
+    owner: nn.Module,
+    inputs: Sequence[torch.Tensor],
+    values: Sequence[Any],
+    dims: tuple[int | None, ...],
+    full: tuple[Any, ...],
+    token_dim: int,
+) -> None:
+    """Raise :class:`ProgramError` unless the program gives a part of the tokens what it gives them among all."""
+    idx = torch.tensor(PROBE_TOKENS)
+    some = [x if d is None else x.index_select(d, idx) for x, d in zip(values, dims)]
+    try:
+        part = program.run([x[:, idx] for x in inputs], some, owner)
+        local = all(_close(a, f.index_select(token_dim, idx)) for a, f in zip(part, full))
+    except Exception as err:  # a shape fixed to the example's token count, say
+        raise ProgramError(f"it cannot run on a part of the tokens ({type(err).__name__}: {err})") from None
+    if not local:
+        raise ProgramError("it mixes tokens (a token's result depends on other tokens)")
+
+
+def probe_tail(
+    program: Program, owner: nn.Module, output: torch.Tensor, values: Sequence[Any], dims: tuple[int | None, ...]
+) -> None:
+    """The token probe for a tail (in float64, ``owner`` in eval mode): it must act on each token alone."""
+    with torch.no_grad():
+        full = program.run((output,), values, owner)
+        _check_tokens(program, owner, (output,), values, dims, full, token_dim=1)

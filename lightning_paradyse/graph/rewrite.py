@@ -36,8 +36,16 @@ from lightning_paradyse.dispatch import (
     OpDispatch,
     RowDispatch,
 )
-from lightning_paradyse.graph.passes import AttentionRoles, MlpRoles, RoleError, find_attention, find_mlp
-from lightning_paradyse.graph.program import ProgramError, probe
+from lightning_paradyse.graph.passes import (
+    AttentionRoles,
+    MlpRoles,
+    RoleError,
+    find_attention,
+    find_mlp,
+    is_projection,
+    projection_weight,
+)
+from lightning_paradyse.graph.program import ProgramError, probe, probe_tail
 from lightning_paradyse.graph.trace import trace_block
 from lightning_paradyse.layout import SeqLayout
 from lightning_paradyse.modes import GRID_MODES, MODES
@@ -54,13 +62,9 @@ def _hidden_size(block: nn.Module) -> int:
     for module in block.modules():
         if isinstance(module, nn.MultiheadAttention):
             return int(module.embed_dim)
-        if isinstance(module, nn.Linear):
-            return int(module.in_features)
-        if type(module).__name__ == "Conv1D":  # transformers' Conv1D (GPT-2): a linear with its weight [in, out]
-            raise RoleError(
-                "its projections are Conv1D modules (weight stored [in, out], as GPT-2's): not supported yet"
-            )
-    raise RoleError("no nn.Linear or nn.MultiheadAttention inside")
+        if is_projection(module):  # nn.Linear, or transformers' Conv1D (GPT-2)
+            return int(projection_weight(module).shape[1])
+    raise RoleError("no nn.Linear, Conv1D or nn.MultiheadAttention inside")
 
 
 def _head_dim(block: nn.Module, hidden: int) -> int:
@@ -68,6 +72,9 @@ def _head_dim(block: nn.Module, hidden: int) -> int:
         head_dim = getattr(module, "head_dim", None)
         if isinstance(head_dim, int):
             return head_dim
+        head_size = getattr(module, "head_size", None)  # GPT-NeoX
+        if isinstance(head_size, int):
+            return head_size
         for name in ("num_heads", "n_heads", "num_attention_heads"):
             if isinstance(getattr(module, name, None), int):
                 return hidden // int(getattr(module, name))
@@ -134,7 +141,6 @@ def install(block: nn.Module, attention: AttentionRoles, mlp: MlpRoles, layer: i
         block.set_submodule(mlp.core, mlp_mod)
         return [attn, mlp_mod]
     up, down = block.get_submodule(mlp.up), block.get_submodule(mlp.down)
-    assert isinstance(up, nn.Linear) and isinstance(down, nn.Linear)
     if mlp.gate is not None:
         raise RoleError("a gated MLP computed inline by the block is not supported; put it in a sub-module")
     col, row = ColumnDispatch(up, mlp.up, layer, group), RowDispatch(down, mlp.down, layer, group)
@@ -151,38 +157,76 @@ def _cast(value: Any) -> Any:
     return value
 
 
-def probe_program(block: nn.Module, attention: AttentionRoles, example: Any) -> AttentionRoles:
-    """The roles with the probed program (:func:`~lightning_paradyse.graph.program.probe`), on ``block`` (the copy
-    the roles were found on) in float64."""
-    if attention.program is None:
-        return attention
-    reference = block if next(block.parameters()).dtype == torch.float64 else copy.deepcopy(block).double()
+def _float64_eval(block: nn.Module) -> nn.Module:
+    """A float64 copy in eval mode (dropout off: the probes and the verify compare deterministic runs)."""
+    return copy.deepcopy(block).double().eval()
+
+
+def _run_capturing(reference: nn.Module, example: Any, paths: dict[str, str]) -> dict[str, Any]:
+    """Run ``reference`` on the example; ``{key: (args, kwargs)}`` of the call of each ``paths[key]`` module whose
+    key starts with ``call``, ``{key: output}`` of the others."""
     seen: dict[str, Any] = {}
 
     def keep(name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, kwargs: Any, out: Any = None) -> None:
-            seen[name] = out if out is not None else (args, kwargs)
+            seen.setdefault(name, out if out is not None else (args, kwargs))
 
         return hook
 
-    handles = [reference.get_submodule(attention.core).register_forward_pre_hook(keep("call"), with_kwargs=True)]
-    for role in ("q", "k", "v"):
-        linear = reference.get_submodule(getattr(attention, role))
-        handles.append(linear.register_forward_hook(keep(role), with_kwargs=True))
+    handles = []
+    for key, path in paths.items():
+        module = reference.get_submodule(path)
+        if key.startswith("call"):
+            handles.append(module.register_forward_pre_hook(keep(key), with_kwargs=True))
+        else:
+            handles.append(module.register_forward_hook(keep(key), with_kwargs=True))
     try:
         with torch.no_grad():
             reference(*_cast(example[0]), **_cast(example[1]))
     finally:
         for handle in handles:
             handle.remove()
+    return seen
+
+
+def probe_program(block: nn.Module, attention: AttentionRoles, mlp: MlpRoles, example: Any) -> AttentionRoles:
+    """The roles with the probed program (:func:`~lightning_paradyse.graph.program.probe`), on a float64 copy of
+    ``block`` (the module the roles were found on); the tails are checked to act on each token alone."""
+    reference = _float64_eval(block)
+    paths = {"call": attention.core, "o": attention.o}
+    if attention.program is not None:
+        paths.update({role: getattr(attention, role) for role in ("q", "k", "v")})
+    if mlp.core is not None and mlp.tail is not None:
+        paths.update({"call_mlp": mlp.core, "down": mlp.down})
+    seen = _run_capturing(reference, example, paths)
     args, kwargs = seen["call"]
+    try:
+        if attention.tail is not None:
+            values = [ref.get(args, kwargs) for ref in attention.tail_values]
+            dims = tuple(None if not isinstance(v, torch.Tensor) or v.dim() < 2 else 1 for v in values)
+            probe_tail(attention.tail, reference.get_submodule(attention.core), seen["o"], values, dims)
+        if mlp.core is not None and mlp.tail is not None:
+            m_args, m_kwargs = seen["call_mlp"]
+            values = [ref.get(m_args, m_kwargs) for ref in mlp.tail_values]
+            dims = tuple(None if not isinstance(v, torch.Tensor) or v.dim() < 2 else 1 for v in values)
+            probe_tail(mlp.tail, reference.get_submodule(mlp.core), seen["down"], values, dims)
+    except ProgramError as err:
+        raise RoleError(f"the code after the output projection: {err}") from None
+    if attention.program is None:
+        return attention
     values = [ref.get(args, kwargs) for ref in attention.positions]
     owner = copy.deepcopy(reference.get_submodule(attention.core))  # its parameters are perturbed
+    projections = tuple(_part(seen[r], rows) for r, rows in zip("qkv", attention.rows))
     try:
-        program = probe(attention.program, owner, (seen["q"], seen["k"], seen["v"]), values, attention.token_dims)
+        program = probe(attention.program, owner, projections, values, attention.token_dims)  # type: ignore[arg-type]
     except ProgramError as err:
         raise RoleError(f"{attention.core}: the code between the projections and the attention: {err}") from None
     return dataclasses.replace(attention, program=program)
+
+
+def _part(output: torch.Tensor, rows: tuple[int, ...] | None) -> torch.Tensor:
+    """A projection's output, or its part's features of a fused projection's output."""
+    return output if rows is None else output.index_select(-1, torch.tensor(rows))  # [b, t, F] -> [b, t, rows]
 
 
 def attend_axis(block: nn.Module, attention: AttentionRoles, example: Any) -> int:
@@ -207,7 +251,7 @@ def attend_axis(block: nn.Module, attention: AttentionRoles, example: Any) -> in
 def verify(block: nn.Module, name: str, attention: AttentionRoles, mlp: MlpRoles, example: Any, axes: int = 1) -> None:
     """Check on a float64 copy that every feasible mode reproduces the block (group of one)."""
     args, kwargs = example
-    reference = copy.deepcopy(block).double()
+    reference = _float64_eval(block)
     args64, kwargs64 = _cast(args), _cast(kwargs)
     with torch.no_grad():
         expected = reference(*args64, **kwargs64)
@@ -252,15 +296,19 @@ def rewrite_block(
     """
     stage = "tracing it on example inputs"
     try:
-        traced = copy.deepcopy(block).double()  # traced in float64: a dtype the code casts to on purpose stands out
+        # traced in float64 (a dtype the code casts to on purpose stands out) and in training mode (attention
+        # dropout shows in the attention call)
+        traced = copy.deepcopy(block).double().train()
         try:
             attention, mlp, example = find_roles(traced, name, axes, rope)
+        except RoleError:
+            raise
         except Exception:  # kernels without float64 (grouped GEMMs of MoE layers): traced in the block's own dtype
-            traced = block
-            attention, mlp, example = find_roles(block, name, axes, rope)
+            traced = copy.deepcopy(block).train()
+            attention, mlp, example = find_roles(traced, name, axes, rope)
         mlp = _own_activation(mlp, traced, block)
-        stage = "probing its code between the projections and the attention"
-        attention = probe_program(traced, attention, example)
+        stage = "probing its code around the projections"
+        attention = probe_program(traced, attention, mlp, example)
         stage = "finding the axis its attention runs along"
         axis = attend_axis(traced, attention, example) if axes == 2 else None
         stage = "checking the rewritten block against the original in float64"

@@ -69,6 +69,18 @@ HF_FAMILIES: dict[str, tuple[str, str, dict[str, object]]] = {
         "Qwen2ForCausalLM",
         {"use_sliding_window": True, "sliding_window": 7, "max_window_layers": 1},
     ),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": None}),
+    "gpt2": (
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        {"n_inner": 192, "attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0},
+    ),
+    "neox": (
+        "GPTNeoXConfig",
+        "GPTNeoXForCausalLM",
+        {"rotary_pct": 0.5, "use_parallel_residual": True, "attention_bias": True, "num_key_value_heads": None},
+    ),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {"sliding_window": 6, "use_bias": True}),
 }
 """Hugging Face decoder families beyond Llama: config class, model class, the fields that make them themselves.
 
@@ -82,7 +94,14 @@ HF_FAMILIES: dict[str, tuple[str, str, dict[str, object]]] = {
   one, an attention scale from ``query_pre_attn_scalar``;
 * ``mistral``: a sliding window (every layer) shorter than the sequence; ``qwen2``: biases, a full layer then a
   sliding one (``max_window_layers``);
-* ``gemma``: exact before the rewrite ran the block's own code; kept as a regression case.
+* ``gemma``: exact before the rewrite ran the block's own code; kept as a regression case;
+* ``phi3``: one fused ``qkv_proj`` laid out ``[Q | K | V]`` and one fused ``gate_up_proj``;
+* ``gpt2``: ``Conv1D`` projections (weights stored ``[in, out]``), a fused ``c_attn`` cut by ``split``, learned
+  absolute positions, dropout modules after the output projections;
+* ``neox``: a fused ``query_key_value`` interleaved head by head (``[q_h | k_h | v_h]`` per head), half of each head
+  rotated, parallel residual, biases;
+* ``starcoder2``: functional dropout after the output projection, a sliding window shorter than the sequence,
+  biases, a plain (non-gated) MLP.
 """
 
 
@@ -91,9 +110,36 @@ def hf_family(family: str, n_kv_heads: int = 4, n_layers: int = 2) -> nn.Module:
     import transformers
 
     config_cls, model_cls, fields = HF_FAMILIES[family]
-    base = _tiny_decoder(n_kv_heads, n_layers)
-    config = getattr(transformers, config_cls)(**{**base, **fields}, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    base = {**_tiny_decoder(n_kv_heads, n_layers), "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+    merged = {k: v for k, v in {**base, **fields}.items() if v is not None}  # None: the family has no such field
+    config = getattr(transformers, config_cls)(**merged)
     return getattr(transformers, model_cls)(config)  # type: ignore[no-any-return]
+
+
+class BertLM(nn.Module):
+    """A Hugging Face ``BertModel`` (bidirectional, post-norm: a residual and a LayerNorm inside its attention module
+    after the output projection) with a token head: the encoder as users fine-tune it, dropout off."""
+
+    def __init__(self, vocab: int = 128, hidden: int = 96, layers: int = 2) -> None:
+        super().__init__()
+        from transformers import BertConfig, BertModel
+
+        config = BertConfig(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=12,
+            max_position_embeddings=1024,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            attn_implementation="sdpa",
+        )
+        self.bert = BertModel(config, add_pooling_layer=False)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.bert(input_ids=x).last_hidden_state)  # type: ignore[no-any-return]
 
 
 class EncoderLM(nn.Module):
