@@ -21,7 +21,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from lightning_paradyse.comm import Group, all_reduce_sum, gather_seq, group_rank, group_size, no_counting, scatter_seq
+from lightning_paradyse.comm import (
+    Group,
+    all_reduce_sum,
+    gather_seq,
+    gather_weight,
+    group_rank,
+    group_size,
+    no_counting,
+    scatter_seq,
+)
 from lightning_paradyse.graph.passes import (
     AttentionRoles,
     MlpRoles,
@@ -36,7 +45,7 @@ from lightning_paradyse.modes import GRID_MODES, get_mode
 from lightning_paradyse.modes.base import Autocast, add_bias
 from lightning_paradyse.modes.zero3 import zero3_linear, zero3_linear_t
 from lightning_paradyse.plan import OpPlan
-from lightning_paradyse.spec import AttnSpec, AttnWeights, MlpSpec, MlpWeights, SeqContext, shard_rows
+from lightning_paradyse.spec import AttnSpec, AttnWeights, MlpSpec, MlpWeights, SeqContext, row_sizes, shard_rows
 
 
 @dataclass
@@ -458,6 +467,76 @@ class MlpDispatch(OpDispatch):
         mode = get_mode(op.mode)
         y = self._run(lambda inp: mode.mlp(inp, self.weights(), self.spec, ctx), x)
         return self.run_tail(self.roles.tail, self.roles.tail_values, y, (x, *args), kwargs)  # type: ignore[no-any-return]
+
+
+class OpaqueDispatch(OpDispatch):
+    """An MLP the passes cannot split (a mixture of experts: Mixtral, Qwen3-MoE, OLMoE), run whole on each rank's
+    own tokens.
+
+    Every parameter of the module is held as 1/p of its first dimension (ZeRO-3: for experts stored ``[E, 2f, h]``,
+    a share of the experts) and gathered for the call (forward all-gather, backward reduce-scatter, the gradient
+    lands on the shard); the module's own code runs on the gathered parameters with ``torch.func.functional_call``.
+    The module must act on each token alone (probed at setup): then it gives every token what one process gives
+    it. The modes that keep a rank's tokens local (``ulysses``, ``ring``) run it; ``tp_sp`` and ``metp`` split the
+    MLP's weights by features, which an opaque module does not allow.
+    """
+
+    def __init__(self, core: nn.Module, path: str, layer: int, group: Group) -> None:
+        super().__init__(path, layer)
+        self.template = [core]  # not a sub-module: its parameters live here as shards
+        self.names: dict[str, str] = {}  # the module's parameter name -> this module's shard parameter
+        self.rows: dict[str, int] = {}
+        for i, (name, param) in enumerate(core.named_parameters()):
+            if param.dim() == 0:
+                raise ValueError(f"{path}.{name}: a scalar parameter cannot be sharded; it is not supported")
+            shard = f"p{i}_{name.replace('.', '_')}"
+            self.add_shard(shard, param, ShardSource(f"{path}.{name}", False, int(param.shape[0])), group)
+            self.names[name], self.rows[name] = shard, int(param.shape[0])
+        for name, buf in core.named_buffers():
+            self.register_buffer(f"b_{name.replace('.', '_')}", buf, persistent=False)
+        self.buffers_of = {name: f"b_{name.replace('.', '_')}" for name, _ in core.named_buffers()}
+        self.spec = _opaque_spec(core)
+        for param in core.parameters():  # the template's own copies are never used: free them
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+    def infeasible(self, mode: str, p: int) -> str | None:
+        if mode in ("ulysses", "ring"):
+            return None
+        return (
+            f"{mode} splits the MLP by features; this MLP ({type(self.template[0]).__name__}) is a module the rewrite "
+            f"runs whole on each rank's tokens (mixture of experts): use ulysses or ring for it"
+        )
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        ctx, _ = self._state(x)
+        return self._run(lambda inp: self._call(inp, ctx, args, kwargs), x)
+
+    def _call(self, x: torch.Tensor, ctx: SeqContext, args: Any, kwargs: Any) -> Any:
+        p = group_size(ctx.group)
+        params = {
+            name: gather_weight(self.req(shard), row_sizes(self.rows[name], p), ctx.group)  # [n/p, ...] -> [n, ...]
+            for name, shard in self.names.items()
+        }
+        params.update({name: getattr(self, local) for name, local in self.buffers_of.items()})
+        return torch.func.functional_call(self.template[0], params, (x, *args), kwargs, strict=True)
+
+
+def _opaque_spec(core: nn.Module) -> MlpSpec:
+    """What the cost model prices an opaque MLP as: a gated MLP with the experts a token visits (``top_k`` of
+    ``num_experts`` when the module says so) at the width that gives their parameter count."""
+
+    def attr(name: str, default: int) -> int:
+        return next((int(v) for m in core.modules() if isinstance(v := getattr(m, name, None), int) and v > 0), default)
+
+    total = sum(p.numel() for p in core.parameters())
+    hidden = attr("hidden_dim", attr("hidden_size", max(1, round((total / 3) ** 0.5))))
+    experts = attr("num_experts", 1)
+    ffn = max(1, total * attr("top_k", experts) // (experts * 3 * hidden))
+    return MlpSpec(hidden, ffn, _identity, gated=True)
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 _SPLIT_MODES = ("tp_sp", "ulysses", "ring")

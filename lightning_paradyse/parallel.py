@@ -37,7 +37,15 @@ from lightning_paradyse.comm import (
     move_shard,
     no_counting,
 )
-from lightning_paradyse.dispatch import AttentionDispatch, GridState, OpDispatch, ShardSource, cut_piece, join_pieces
+from lightning_paradyse.dispatch import (
+    AttentionDispatch,
+    GridState,
+    OpaqueDispatch,
+    OpDispatch,
+    ShardSource,
+    cut_piece,
+    join_pieces,
+)
 from lightning_paradyse.graph.passes import RoleError
 from lightning_paradyse.graph.rewrite import rewrite_block
 from lightning_paradyse.layout import split_sizes
@@ -172,12 +180,36 @@ def parallelize(module: nn.Module, group: Group, blocks: str | None = None, axes
             raise ValueError(str(err)) from None
         for op in ops:
             op.grid = state.grid
+    if any(isinstance(op, OpaqueDispatch) for _, op in dispatchers(module)):
+        _refuse_router_loss(module)
     module.register_forward_pre_hook(_StepHook(state, _anchor))
     _install_hooks(module, [n for n, _ in found], state)
     _REGISTRY[module] = state
     if state.grid is not None:
         _install_grid_hooks([b for _, b in found], state)
     return state.blocks
+
+
+ROUTER_LOSS_REFUSAL = (
+    "the mixture-of-experts auxiliary (load-balancing) loss is computed from every token's router logits at once: "
+    "on a slice of the sequence it is another loss, and ParaDySeStrategy does not make it global yet; train with "
+    "output_router_logits=False (the model config's default), or without ParaDySeStrategy"
+)
+
+
+def _refuse_router_loss(module: nn.Module) -> None:
+    """Refuse the MoE auxiliary loss: at setup when a config asks for it, at run time when a call does."""
+    for sub in module.modules():
+        if getattr(getattr(sub, "config", None), "output_router_logits", False):
+            raise ValueError(f"{type(sub).__name__}: config.output_router_logits=True: {ROUTER_LOSS_REFUSAL}")
+
+    def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if _Call(mod, args, kwargs).get("output_router_logits"):  # the same call on every rank: all raise here
+            raise ValueError(f"{type(mod).__name__} called with output_router_logits=True: {ROUTER_LOSS_REFUSAL}")
+
+    for sub in module.modules():
+        if _accepts(sub.forward, "output_router_logits"):
+            sub.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def _rotary_embedding(module: nn.Module) -> Any:

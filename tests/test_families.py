@@ -131,7 +131,10 @@ def _hf_worker(rank: int, world: int, kinds: list[str]) -> list[tuple[str, Any]]
     return out
 
 
-HF_CASES = {2: [*HF_FAMILIES, "bert"], 3: ["qwen3", "olmo2", "phi", "gemma3", "mistral", "phi3", "gpt2", "neox", "bert"]}
+HF_CASES = {
+    2: [*HF_FAMILIES, "bert"],
+    3: ["qwen3", "olmo2", "phi", "gemma3", "mistral", "phi3", "gpt2", "neox", "bert", "mixtral", "qwen3moe"],
+}
 """Families per group size; at 3 the lengths are not divisible by the group (and there are 6 kv heads)."""
 
 
@@ -175,18 +178,15 @@ def test_families_match_single_process(p: int) -> None:
     assert not bad, "\n".join(bad)
 
 
-REFUSED = {
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", r"MixtralDecoderLayer\): its MLP is a mixture of experts"),
-}
-"""Families #14 has not reached yet: refused at setup with the block, its class and the reason, never run wrongly."""
-
-
-@pytest.mark.parametrize("family", sorted(REFUSED))
-def test_families_not_supported_yet_are_refused_by_name(family: str) -> None:
-    transformers = pytest.importorskip("transformers")
-    config_cls, model_cls, message = REFUSED[family]
-    fields = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
-    fields["num_key_value_heads"] = 2
-    config = getattr(transformers, config_cls)(**fields, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    with pytest.raises(ValueError, match=message):
-        parallelize(getattr(transformers, model_cls)(config), None)
+def test_mixture_of_experts_auxiliary_loss_is_refused_at_setup_and_at_run_time() -> None:
+    """The router's load-balancing loss mixes every token's routing: refused when the config asks for it (setup)
+    and when a call does (before the model runs)."""
+    pytest.importorskip("transformers")
+    model = hf_family("mixtral", n_layers=1)
+    model.config.output_router_logits = True
+    with pytest.raises(ValueError, match="output_router_logits=True: the mixture-of-experts auxiliary"):
+        parallelize(model, None)
+    model = hf_family("mixtral", n_layers=1)
+    parallelize(model, None)
+    with pytest.raises(ValueError, match="called with output_router_logits=True"):
+        model(input_ids=torch.zeros(1, 4, dtype=torch.long), output_router_logits=True)

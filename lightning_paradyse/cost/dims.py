@@ -152,12 +152,12 @@ def dims_from_config(config: LlamaConfig | GPTConfig, dtype_bytes: int = 4) -> M
 
 
 def _ops(module: nn.Module) -> tuple[Any, Any]:
-    from lightning_paradyse.dispatch import AttentionDispatch, MlpDispatch
+    from lightning_paradyse.dispatch import AttentionDispatch, MlpDispatch, OpaqueDispatch
     from lightning_paradyse.parallel import dispatchers
 
     ops = [op for _, op in dispatchers(module)]
     attn = next((op for op in ops if isinstance(op, AttentionDispatch)), None)
-    mlp = next((op for op in ops if isinstance(op, MlpDispatch)), None)
+    mlp = next((op for op in ops if isinstance(op, (MlpDispatch, OpaqueDispatch))), None)
     if attn is None or mlp is None:
         raise ValueError("the cost model needs a parallelized module with attention and MLP dispatch modules")
     return attn, mlp

@@ -95,6 +95,8 @@ class MlpRoles:
     down: str
     gate: str | None
     act: Callable[[torch.Tensor], torch.Tensor]
+    opaque: bool = False
+    """A mixture of experts (:func:`expert_core`): run whole on each rank's tokens, its projections unsplit."""
     rows: tuple[tuple[int, ...] | None, tuple[int, ...] | None] = (None, None)
     """For gate and up from one fused projection (Phi-3's ``gate_up_proj``): up's and gate's rows of its weight."""
     tail: Program | None = None
@@ -403,8 +405,9 @@ def find_mlp(trace: BlockTrace, attention: AttentionRoles) -> MlpRoles:
         for n in trace.nodes("call_module")
         if _is_linear(trace, n) and str(n.target) not in taken and not str(n.target).startswith(attention.core + ".")
     ]
-    if not linears and any("expert" in n.lower() for n, _ in trace.block.named_modules()):
-        raise RoleError("its MLP is a mixture of experts (MoE), which the modes do not run yet")
+    moe = expert_core(trace, attention)
+    if moe is not None:
+        return MlpRoles(core=moe, up="", down="", gate=None, act=_no_activation, opaque=True)
     if len(linears) not in (2, 3):
         raise RoleError(f"expected 2 or 3 MLP projections (nn.Linear) outside the attention, found {len(linears)}")
     down = next((n for n in linears if any(a in _ancestors(n, lambda _: False) for a in linears if a is not n)), None)
@@ -450,6 +453,31 @@ def find_mlp(trace: BlockTrace, attention: AttentionRoles) -> MlpRoles:
         tail=None if tail is None else tail.program,
         tail_values=() if tail is None else tail.positions,
     )
+
+
+def _no_activation(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def expert_core(trace: BlockTrace, attention: AttentionRoles) -> str | None:
+    """The sub-module holding a block's experts and their router (Mixtral's ``mlp``: ``mlp.gate``,
+    ``mlp.experts``), or ``None`` when the block has no module named for experts."""
+    names = [
+        n
+        for n, m in trace.block.named_modules()
+        if "expert" in n.rsplit(".", 1)[-1].lower()
+        and next(m.parameters(), None) is not None
+        and not n.startswith(attention.core + ".")
+    ]
+    if not names:
+        return None
+    core = min(names, key=len).rpartition(".")[0]
+    if not core:
+        raise RoleError("its experts are direct children of the block; the rewrite needs them in an MoE module")
+    call = trace.call_of(core)
+    if call is None or not call.args or not isinstance(call.args[0], fx.Node) or len(call.args[0].meta["shape"]) != 3:
+        raise RoleError(f"{core}: a mixture of experts must be called with the hidden states [b, t, h] first")
+    return core
 
 
 def _activation_follows(trace: BlockTrace, lin: fx.Node, down: fx.Node) -> bool:

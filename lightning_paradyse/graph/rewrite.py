@@ -33,6 +33,7 @@ from lightning_paradyse.dispatch import (
     ColumnDispatch,
     GridState,
     MlpDispatch,
+    OpaqueDispatch,
     OpDispatch,
     RowDispatch,
 )
@@ -45,7 +46,7 @@ from lightning_paradyse.graph.passes import (
     is_projection,
     projection_weight,
 )
-from lightning_paradyse.graph.program import ProgramError, probe, probe_tail
+from lightning_paradyse.graph.program import PROBE_TOKENS, ProgramError, probe, probe_tail
 from lightning_paradyse.graph.trace import trace_block
 from lightning_paradyse.layout import SeqLayout
 from lightning_paradyse.modes import GRID_MODES, MODES
@@ -136,6 +137,11 @@ def install(block: nn.Module, attention: AttentionRoles, mlp: MlpRoles, layer: i
     """Replace the op sub-modules of ``block`` by dispatch modules holding this rank's shards."""
     attn = AttentionDispatch(block.get_submodule(attention.core), attention, layer, group)
     block.set_submodule(attention.core, attn)
+    if mlp.opaque:
+        assert mlp.core is not None
+        moe = OpaqueDispatch(block.get_submodule(mlp.core), mlp.core, layer, group)
+        block.set_submodule(mlp.core, moe)
+        return [attn, moe]
     if mlp.core is not None:
         mlp_mod = MlpDispatch(block.get_submodule(mlp.core), mlp, layer, group)
         block.set_submodule(mlp.core, mlp_mod)
@@ -196,9 +202,12 @@ def probe_program(block: nn.Module, attention: AttentionRoles, mlp: MlpRoles, ex
     paths = {"call": attention.core, "o": attention.o}
     if attention.program is not None:
         paths.update({role: getattr(attention, role) for role in ("q", "k", "v")})
-    if mlp.core is not None and mlp.tail is not None:
-        paths.update({"call_mlp": mlp.core, "down": mlp.down})
+    if mlp.core is not None and (mlp.tail is not None or mlp.opaque):
+        paths.update({"call_mlp": mlp.core} if mlp.opaque else {"call_mlp": mlp.core, "down": mlp.down})
     seen = _run_capturing(reference, example, paths)
+    if mlp.opaque:
+        assert mlp.core is not None
+        _probe_opaque(reference.get_submodule(mlp.core), mlp.core, *seen["call_mlp"])
     args, kwargs = seen["call"]
     try:
         if attention.tail is not None:
@@ -222,6 +231,27 @@ def probe_program(block: nn.Module, attention: AttentionRoles, mlp: MlpRoles, ex
     except ProgramError as err:
         raise RoleError(f"{attention.core}: the code between the projections and the attention: {err}") from None
     return dataclasses.replace(attention, program=program)
+
+
+def _probe_opaque(module: nn.Module, path: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """An MLP run whole on each rank's tokens must give a part of the tokens what it gives them among all (a
+    mixture of experts with a capacity limit or a batch-level router would not)."""
+    idx = torch.tensor(PROBE_TOKENS)
+
+    def first(out: Any) -> torch.Tensor:
+        value = out[0] if isinstance(out, (tuple, list)) else out
+        assert isinstance(value, torch.Tensor)
+        return value
+
+    with torch.no_grad():
+        full = first(module(*args, **kwargs))
+        part = first(module(args[0][:, idx], *args[1:], **kwargs))  # [b, t, h] -> [b, 4, h]
+    err = float((part - full[:, idx]).abs().max() / full.abs().max().clamp_min(1e-30))
+    if not err <= 1e-9:
+        raise RoleError(
+            f"{path} ({type(module).__name__}) is run whole on each rank's tokens, but a token's result depends on "
+            f"the other tokens of the call (relative error {err:.1e}): it cannot be parallelized over the sequence"
+        )
 
 
 def _part(output: torch.Tensor, rows: tuple[int, ...] | None) -> torch.Tensor:

@@ -81,6 +81,22 @@ HF_FAMILIES: dict[str, tuple[str, str, dict[str, object]]] = {
         {"rotary_pct": 0.5, "use_parallel_residual": True, "attention_bias": True, "num_key_value_heads": None},
     ),
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {"sliding_window": 6, "use_bias": True}),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "experts_implementation": "eager"},
+    ),
+    "qwen3moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {
+            "num_experts": 3,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 48,
+            "head_dim": 8,
+            "experts_implementation": "eager",
+        },
+    ),
 }
 """Hugging Face decoder families beyond Llama: config class, model class, the fields that make them themselves.
 
@@ -101,7 +117,10 @@ HF_FAMILIES: dict[str, tuple[str, str, dict[str, object]]] = {
 * ``neox``: a fused ``query_key_value`` interleaved head by head (``[q_h | k_h | v_h]`` per head), half of each head
   rotated, parallel residual, biases;
 * ``starcoder2``: functional dropout after the output projection, a sliding window shorter than the sequence,
-  biases, a plain (non-gated) MLP.
+  biases, a plain (non-gated) MLP;
+* ``mixtral``, ``qwen3moe``: a mixture of experts as the MLP (experts stored ``[E, 2f, h]``, a top-k router; 3
+  experts over 2 ranks: uneven shares), run whole on each rank's tokens (``experts_implementation="eager"``:
+  the grouped-GEMM kernels have no float64).
 """
 
 
