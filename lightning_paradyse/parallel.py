@@ -317,6 +317,51 @@ def _install_hooks(module: nn.Module, block_names: list[str], state: StepState) 
         owner = module.get_submodule(path) if path else module
         if _accepts(owner.forward, "labels") and _accepts(owner.forward, "shift_labels"):
             owner.register_forward_pre_hook(_StepHook(state, _labels_hook), with_kwargs=True)
+    for path in chain:
+        owner = module.get_submodule(path) if path else module
+        if "attention_mask" in _parameters(owner.forward):
+            owner.register_forward_pre_hook(_StepHook(state, _mask_hook), with_kwargs=True)
+            break
+
+
+def _parameters(fn: Any) -> set[str]:
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def _mask_hook(
+    state: StepState, mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Refuse an ``attention_mask`` the modes would not honour, on every rank before the model runs.
+
+    The modes apply the attention pattern themselves (causal or not, sliding windows, packed documents); a mask the
+    model is given may only say what they already do: all ones, or the batch's own mask with the right padding of a
+    causal model the strategy validated (:func:`~lightning_paradyse.slicing.find_padding`). A 4D mask, a dict of
+    masks or any other 2D mask would change the attention in one process and not here.
+    """
+    ctx = state.ctx
+    mask = _Call(mod, args, kwargs).get("attention_mask")
+    if ctx is None or mask is None:
+        return args, kwargs
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        problem = "a dict of masks" if isinstance(mask, dict) else f"a {getattr(mask, 'dim', lambda: '?')()}D mask"
+        ok = False
+    else:
+        source = _trace(mask, state.sources)
+        ok = bool(mask.bool().all()) or (state.padding is not None and source is not None)
+        problem = "a 2D mask that is not the batch's attention_mask"
+    if state.sources and not _agree(ok, ctx, _device_of(args, kwargs, mod)):
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"{type(mod).__name__} was called with attention_mask= {problem}: the parallel modes apply the attention "
+            f"pattern themselves (causal or bidirectional, sliding windows, packed documents by doc_ids) and would "
+            f"not apply this mask; pass the batch's own attention_mask (right padding of causal models is honoured) "
+            f"or none, and pack documents with doc_ids instead of block-diagonal masks"
+        )
+    return args, kwargs
 
 
 class _Call:
