@@ -40,7 +40,7 @@ def _configured(padding: torch.Tensor | None = None, mask: torch.Tensor | None =
 )
 def test_attention_masks_the_modes_would_not_apply_are_refused(kind: str, mask: object) -> None:
     model = _configured()
-    with pytest.raises(ValueError, match="attention_mask= a .*the parallel modes apply the attention pattern"):
+    with pytest.raises(ValueError, match=r"attention_mask= a .*the parallel modes apply the attention pattern"):
         model(input_ids=IDS, attention_mask=mask)
 
 
