@@ -11,6 +11,9 @@
 * :func:`in_window`: the causal sliding window (Hugging Face's ``sliding_window``: a query attends the ``window``
   most recent keys, itself included); :func:`full_attention` runs windowed layers by query chunks of the window's
   size against only the keys they can see, ring attention skips tiles outside the window and masks the rest.
+* :class:`Scores`: how one layer forms its scores (causal, scale, window, logit soft-capping), one value handed
+  from the op's spec to every kernel; soft-capping (Gemma 2: ``cap * tanh(scores / cap)``) runs the explicit
+  score path (no fused kernel computes it).
 * :func:`merge`: the numerically stable online-softmax merge of two partial results,
   ``lse = logaddexp(lse_a, lse_b)``, ``out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)``.
   It never exponentiates a raw log-sum-exp, so large logits cannot overflow.
@@ -22,9 +25,24 @@ query heads as ``[b, n_kv, g, t, d]``: no key/value copy is made.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class Scores:
+    """How one attention layer forms and masks its scores."""
+
+    causal: bool
+    """Keys after the query are masked (decoder) or not (encoder)."""
+    scale: float | None = None
+    """The factor on ``q . k``; ``None``: ``1/sqrt(d)``."""
+    window: int | None = None
+    """A causal sliding window (:func:`in_window`), ``None``: none."""
+    softcap: float | None = None
+    """Logit soft-capping: scores become ``softcap * tanh(scores / softcap)`` before the mask (Gemma 2)."""
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -46,18 +64,24 @@ def full_attention(
     bounds: list[tuple[int, int]] | None = None,
     scale: float | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Softmax attention, natural token order: ``q [b, n, s, d], k/v [b, n_kv, s, d] -> [b, n, s, d]``.
 
     ``bounds`` are the ``(start, stop)`` token spans of packed documents: each document attends only
     to itself (one attention call per document, exact and without an ``s x s`` mask). ``scale``: the
     scores' factor (``None``: ``1/sqrt(d)``). ``window``: a causal sliding window (:func:`in_window`).
+    ``softcap``: logit soft-capping (:class:`Scores`), computed explicitly per document.
     """
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k = k.repeat_interleave(group, dim=1)  # [b, n_kv, s, d] -> [b, n, s, d]
         v = v.repeat_interleave(group, dim=1)
     spans = bounds if bounds is not None else [(0, q.shape[2])]
+    if softcap is not None:
+        scores = Scores(causal, scale, window, softcap)
+        outs = [_capped_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], scores) for a, b in spans]
+        return torch.cat(outs, dim=2)  # per-document [b, n, len, d] -> [b, n, s, d]
     if len(spans) == 1 and (window is None or q.shape[2] <= window):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
     outs = [_span_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], causal, scale, window) for a, b in spans]
@@ -83,17 +107,36 @@ def _span_attention(
     return torch.cat(outs, dim=2)  # chunks [b, n, c, d] -> [b, n, s, d]
 
 
+def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scores: Scores) -> torch.Tensor:
+    """One document's attention with soft-capped logits, scores explicit (``[b, n, t, t]``; autograd backward)."""
+    t = q.shape[2]
+    scale = scores.scale if scores.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    positions = torch.arange(t, device=q.device)
+    allowed = in_window(positions, positions, scores.window) if scores.window is not None else None
+    s = _scores(q, k, scale, scores.causal, allowed, scores.softcap)  # [b, n_kv, g, t, t]
+    p = torch.softmax(s, dim=-1)
+    out = torch.einsum("bhgqk,bhkd->bhgqd", p, v.to(s.dtype))  # [b, n_kv, g, t, d]
+    return out.reshape(q.shape).to(q.dtype)
+
+
 def _grouped(q: torch.Tensor, n_kv: int) -> torch.Tensor:
     b, n, t, d = q.shape
     return q.reshape(b, n_kv, n // n_kv, t, d)  # [b, n, t, d] -> [b, n_kv, g, t, d]
 
 
 def _scores(
-    q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, allowed: torch.Tensor | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    scale: float,
+    causal: bool,
+    allowed: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     acc = _acc_dtype(q.dtype)
     qg = _grouped(q.to(acc), k.shape[1])  # [b, n_kv, g, tq, d]
     s = torch.einsum("bhgqd,bhkd->bhgqk", qg, k.to(acc)) * scale  # [b, n_kv, g, tq, tk]
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
     tq, tk = s.shape[-2], s.shape[-1]
     blocked = torch.ones(tq, tk, dtype=torch.bool, device=s.device).triu(1) if causal else None  # future keys
     if allowed is not None:  # [tq, tk] True where query and key are in the same document
@@ -108,6 +151,7 @@ def block_forward(
     causal: bool,
     scale: float | None = None,
     allowed: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One attention tile: ``(out [b, n, tq, d], lse [b, n, tq])`` in the accumulation dtype.
 
@@ -117,9 +161,9 @@ def block_forward(
     pairs in the same packed document; a row with no allowed key gets ``lse = -inf`` and output 0.
     """
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    if _fusable(q, k, allowed):
+    if softcap is None and _fusable(q, k, allowed):
         return _fused_forward(q, k, v, causal, scale)
-    s = _scores(q, k, scale, causal, allowed)  # [b, n_kv, g, tq, tk]
+    s = _scores(q, k, scale, causal, allowed, softcap)  # [b, n_kv, g, tq, tk]
     lse = torch.logsumexp(s, dim=-1)  # [b, n_kv, g, tq]
     p = torch.exp(s - _finite(lse).unsqueeze(-1))  # masked rows: exp(-inf) = 0
     out = torch.einsum("bhgqk,bhkd->bhgqd", p, v.to(s.dtype))  # [b, n_kv, g, tq, d]
@@ -138,6 +182,7 @@ def block_backward(
     scale: float | None = None,
     allowed: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one tile given the *final* ``lse`` and ``delta = rowsum(dout * out)``.
 
@@ -146,16 +191,18 @@ def block_backward(
     final ``out [b, n, tq, d]`` (whose rows ``delta`` sums) the fused kernel may run instead.
     """
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    if out is not None and _fusable(q, k, allowed):
+    if softcap is None and out is not None and _fusable(q, k, allowed):
         return _fused_backward(dout, q, k, v, out, lse, causal, scale)
     n_kv = k.shape[1]
-    s = _scores(q, k, scale, causal, allowed)  # [b, n_kv, g, tq, tk]
+    s = _scores(q, k, scale, causal, allowed, softcap)  # [b, n_kv, g, tq, tk]
     acc = s.dtype
     p = torch.exp(s - _grouped(lse.unsqueeze(-1).to(acc), n_kv))  # softmax rows of the full sequence
     dog = _grouped(dout.to(acc), n_kv)  # [b, n_kv, g, tq, d]
     dv = torch.einsum("bhgqk,bhgqd->bhkd", p, dog)  # [b, n_kv, tk, d]
     dp = torch.einsum("bhgqd,bhkd->bhgqk", dog, v.to(acc))
     ds = p * (dp - _grouped(delta.unsqueeze(-1).to(acc), n_kv))  # [b, n_kv, g, tq, tk]
+    if softcap is not None:  # through cap * tanh(x / cap): times 1 - tanh^2 (0 where masked)
+        ds = ds * torch.where(torch.isfinite(s), 1 - (s / softcap) ** 2, torch.zeros_like(s))
     dq = torch.einsum("bhgqk,bhkd->bhgqd", ds, k.to(acc)) * scale
     dk = torch.einsum("bhgqk,bhgqd->bhkd", ds, _grouped(q.to(acc), n_kv)) * scale
     return dq.reshape(q.shape), dk, dv

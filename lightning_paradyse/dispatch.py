@@ -305,6 +305,7 @@ class AttentionDispatch(OpDispatch):
             scale=roles.scale,
             window=roles.window,
             mixes_heads=program is not None and program.mixes_heads,
+            softcap=roles.softcap,
         )
         self.attend_axis: int | None = None
         """Grid models: the grid dimension this attention attends along (1: frames, 2: patches)."""

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_paradyse.attention import Scores
 from lightning_paradyse.comm import Group, group_rank, group_size
 from lightning_paradyse.layout import SeqLayout, split_sizes
 
@@ -60,6 +61,12 @@ class AttnSpec:
     of its own returns their gradients."""
     mixes_heads: bool = False
     """``prepare`` needs every head of a token at once (a norm over all heads): modes that split heads cannot run it."""
+    softcap: float | None = None
+    """Logit soft-capping (Gemma 2's ``attn_logit_softcapping``): ``softcap * tanh(scores / softcap)``."""
+
+    def scores(self) -> Scores:
+        """How this layer forms its scores, for the kernels."""
+        return Scores(self.causal, self.scale, self.window, self.softcap)
 
     @property
     def group(self) -> int:

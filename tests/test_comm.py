@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_paradyse import comm
-from lightning_paradyse.attention import in_window
+from lightning_paradyse.attention import Scores, in_window
 from lightning_paradyse.comm import (
     all_gather_rows,
     all_reduce_sum,
@@ -526,7 +526,7 @@ def _ring_case(
         low = float(logits.abs().min())
         chk.true(low > 0.9 * big, f"{tag}: the logits are not large (smallest |logit| {low})")
     q, k, v = (layout.shard(t.detach(), rank, dim=2).to(dtype).requires_grad_() for t in leaves)
-    out = ring_attention(q, k, v, SeqContext(layout, group), causal)
+    out = ring_attention(q, k, v, SeqContext(layout, group), Scores(causal))
     chk.true(out.dtype == dtype, f"{tag}: output dtype {out.dtype} != input dtype {dtype}")
     chk.true(bool(torch.isfinite(out).all()), f"{tag}: output not finite")
     chk.close(out.detach().double(), layout.shard(ref.detach(), rank, dim=2), f"{tag}: output", rtol)
@@ -572,7 +572,7 @@ def _check_ring_window(chk: Checks, rank: int, p: int, group: Any) -> None:
         ref = F.scaled_dot_product_attention(leaves[0], kk, vv, allowed)
         ref_grads = torch.autograd.grad(ref, leaves, up)
         local = [layout.shard(t.detach(), rank, dim=2).requires_grad_() for t in leaves]
-        out = ring_attention(*local, SeqContext(layout, group, docs), True, None, window)
+        out = ring_attention(*local, SeqContext(layout, group, docs), Scores(True, window=window))
         tag = f"window {window}, documents {docs is not None}"
         chk.close(out.detach(), layout.shard(ref.detach(), rank, dim=2), f"{tag}: output", 1e-10)
         grads = torch.autograd.grad(out, local, layout.shard(up, rank, dim=2))

@@ -83,6 +83,8 @@ class AttentionRoles:
     """The block's code after the output projection inside the op's module (:func:`~.program.extract_tail`)."""
     tail_values: tuple[ArgRef, ...] = ()
     """The tail's inputs from the op module's call (a residual)."""
+    softcap: float | None = None
+    """Logit soft-capping of a written-out (eager) attention (Gemma 2)."""
 
 
 @dataclass(frozen=True)
@@ -202,17 +204,105 @@ def _check_sdpa(node: fx.Node, head_dim: int) -> tuple[bool, float | None]:
     return bool(_sdpa_arg(node, 5, "is_causal")), None if scale is None else float(scale)
 
 
-def _attention_node(trace: BlockTrace) -> fx.Node:
-    calls = [
+@dataclass(frozen=True)
+class _Eager:
+    """An attention written out (Hugging Face's eager attention): ``softmax(f(q @ k^T)) @ v`` with ``f`` a scale and
+    optionally a soft-cap ``c * tanh(x / c)``."""
+
+    out: fx.Node
+    """The ``probabilities @ v`` matmul, ``[b, n, t, d]``: stands for the attention call."""
+    q: fx.Node
+    k: fx.Node
+    v: fx.Node
+    scale: float
+    softcap: float | None
+
+
+SOFTMAX = (F.softmax, torch.softmax, torch.Tensor.softmax)
+_MATMUL = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
+_CASTS = (torch.Tensor.to, torch.Tensor.float, torch.Tensor.type_as, torch.Tensor.type)
+_SCALE_OPS = {
+    torch.mul: 1,
+    torch.Tensor.mul: 1,
+    torch.Tensor.__mul__: 1,
+    torch.Tensor.__rmul__: 1,
+    torch.div: -1,
+    torch.Tensor.div: -1,
+    torch.Tensor.__truediv__: -1,
+}
+
+
+def _score_side(node: fx.Node) -> tuple[fx.Node, list[tuple[float, bool]], bool] | None:
+    """Walking back from a softmax's input to ``q @ k^T``: ``(matmul, [(factor, inside the tanh)], tanh seen)``."""
+    x, factors, tanh_seen = node.args[0], [], False
+    while isinstance(x, fx.Node) and x.target not in _MATMUL:
+        if x.target in _CASTS:
+            x = x.args[0]
+        elif x.target in (torch.tanh, torch.Tensor.tanh) and not tanh_seen:
+            tanh_seen, x = True, x.args[0]
+        elif x.target in _SCALE_OPS and len(x.args) == 2 and isinstance(x.args[1], (int, float)):
+            factors.append((float(x.args[1]) ** _SCALE_OPS[x.target], tanh_seen))  # walking back: past it = inside
+            x = x.args[0]
+        elif x.target in (torch.add, torch.Tensor.add, torch.Tensor.__add__):
+            raise RoleError("its attention adds a mask to the scores when traced: custom score masks are not supported")
+        else:
+            return None
+    return (x, factors, tanh_seen) if isinstance(x, fx.Node) else None
+
+
+def _probability_side(node: fx.Node) -> fx.Node | None:
+    """Walking forward from a softmax over casts and dropout at 0 to ``probabilities @ v``."""
+    y = node
+    while len(y.users) == 1:
+        user = next(iter(y.users))
+        p = user.kwargs.get("p", user.args[1] if len(user.args) > 1 else 0.5)
+        if user.target is F.dropout and float(p) > 0:  # type: ignore[arg-type]
+            raise RoleError("attention dropout is not supported by the parallel modes; set it to 0")
+        if user.target in _CASTS or user.target is F.dropout:
+            y = user
+        elif user.target in _MATMUL and user.args[0] is y and isinstance(user.args[1], fx.Node):
+            return user
+        else:
+            return None
+    return None
+
+
+def _eager(node: fx.Node) -> _Eager | None:
+    """The eager attention whose softmax is ``node``, or ``None`` when ``node`` is another softmax."""
+    if node.op != "call_function" or node.target not in SOFTMAX:
+        return None
+    dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+    scores = _score_side(node)
+    if scores is None or dim not in (-1, 3):
+        return None
+    m1, factors, tanh_seen = scores
+    q, kt = m1.args[0], m1.args[1]
+    if not (isinstance(kt, fx.Node) and kt.target in (torch.Tensor.transpose, torch.transpose)):
+        return None
+    out = _probability_side(node)
+    before = [f for f, inside in factors if inside or not tanh_seen]  # the tanh's argument (all: no tanh)
+    after = [f for f, inside in factors if not inside and tanh_seen]
+    if out is None:
+        return None
+    scale = float(torch.tensor(before, dtype=torch.float64).prod())
+    softcap = float(torch.tensor(after, dtype=torch.float64).prod()) if tanh_seen else None
+    if softcap is not None:
+        scale *= softcap  # c * tanh(a qk) = c * tanh((a c) qk / c)
+    return _Eager(out, q, kt.args[0], out.args[1], scale, softcap)  # type: ignore[arg-type]
+
+
+def _attention_node(trace: BlockTrace) -> fx.Node | _Eager:
+    calls: list[fx.Node | _Eager] = [
         n
         for n in trace.nodes()
         if (n.op == "call_function" and n.target is F.scaled_dot_product_attention)
         or (n.op == "call_module" and isinstance(trace.module(str(n.target)), nn.MultiheadAttention))
     ]
+    calls += [e for e in map(_eager, trace.nodes()) if e is not None]
     if len(calls) != 1:
         raise RoleError(
-            f"found {len(calls)} attention calls (scaled_dot_product_attention or MultiheadAttention), "
-            f"expected exactly 1"
+            f"found {len(calls)} attention calls (scaled_dot_product_attention, MultiheadAttention or an eager "
+            f"softmax(q @ k^T) @ v), expected exactly 1"
         )
     return calls[0]
 
@@ -247,10 +337,14 @@ def _mha_roles(trace: BlockTrace, node: fx.Node) -> AttentionRoles:
 
 def find_attention(trace: BlockTrace) -> AttentionRoles:
     """The attention op of the block (see the module docstring)."""
-    node = _attention_node(trace)
-    if node.op == "call_module":
-        return _mha_roles(trace, node)
-    q_in, k_in, v_in = (_sdpa_arg(node, i, name) for i, name in enumerate(("query", "key", "value")))
+    found = _attention_node(trace)
+    if isinstance(found, fx.Node) and found.op == "call_module":
+        return _mha_roles(trace, found)
+    if isinstance(found, _Eager):
+        node, (q_in, k_in, v_in) = found.out, (found.q, found.k, found.v)
+    else:
+        node = found
+        q_in, k_in, v_in = (_sdpa_arg(node, i, name) for i, name in enumerate(("query", "key", "value")))
     lins = [_source_linear(trace, n, r) for n, r in ((q_in, "query"), (k_in, "key"), (v_in, "value"))]
     q_lin, k_lin, v_lin = lins
     outs = [u for u in _descendants(node) if _is_linear(trace, u)]
@@ -268,7 +362,13 @@ def find_attention(trace: BlockTrace) -> AttentionRoles:
     if hidden is None or k_lin.args[0] is not hidden_node or v_lin.args[0] is not hidden_node:
         raise RoleError(f"{core}: q, k and v must project the sub-module's input directly")
     head_dim = int(node.meta["shape"][-1])
-    causal, scale = _check_sdpa(node, head_dim)
+    if isinstance(found, _Eager):
+        causal = getattr(trace.module(core), "is_causal", None)
+        if not isinstance(causal, bool):
+            raise RoleError(f"{core}: its attention is written out (eager) and the module has no is_causal flag")
+        scale = None if math.isclose(found.scale, head_dim**-0.5, rel_tol=1e-12) else found.scale
+    else:
+        causal, scale = _check_sdpa(node, head_dim)
     out_item, out_len, out_node = _output_ref(call, o_lin, core)
     mods = {r: str(n.target) for r, n in (("q", q_lin), ("k", k_lin), ("v", v_lin), ("o", o_lin))}
     try:
@@ -304,6 +404,7 @@ def find_attention(trace: BlockTrace) -> AttentionRoles:
         rows=rows,  # type: ignore[arg-type]
         tail=None if tail is None else tail.program,
         tail_values=() if tail is None else tail.positions,
+        softcap=found.softcap if isinstance(found, _Eager) else None,
     )
 
 

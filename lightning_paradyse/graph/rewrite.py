@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.overrides import TorchFunctionMode
 
 from lightning_paradyse.comm import Group
 from lightning_paradyse.dispatch import (
@@ -38,6 +39,7 @@ from lightning_paradyse.dispatch import (
     RowDispatch,
 )
 from lightning_paradyse.graph.passes import (
+    SOFTMAX,
     AttentionRoles,
     MlpRoles,
     RoleError,
@@ -56,6 +58,7 @@ from lightning_paradyse.spec import SeqContext
 EXAMPLE_LEN = 7
 """Tokens in the example input: a size no other dimension of the tiny example has."""
 EXAMPLE_GRID = (7, 5)
+
 """Frames and patches of the example input of a grid model (``axes=2``): ``[1, 7, 5, h]``."""
 
 
@@ -278,12 +281,36 @@ def attend_axis(block: nn.Module, attention: AttentionRoles, example: Any) -> in
     return lengths[seen[0]]
 
 
+class _Float64Softmax(TorchFunctionMode):
+    """A softmax asked for in float32 on float64 scores stays float64 (Hugging Face's eager attention upcasts to
+    float32 whatever the model's dtype; the modes compute in the model's dtype): the verify compares at 1e-9."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if func in SOFTMAX and kwargs.get("dtype") == torch.float32 and args[0].dtype == torch.float64:
+            kwargs["dtype"] = torch.float64
+        return func(*args, **kwargs)
+
+
+def _causal_mask(block: nn.Module, attention: AttentionRoles, axes: int) -> dict[str, torch.Tensor]:
+    """``{"attention_mask": ...}``, the additive causal mask a Hugging Face model hands its layers, for a causal block
+    that takes one (an eager attention applies only the mask it is given); else nothing."""
+    if attention.kind != "linear" or not attention.causal or axes != 1:
+        return {}
+    if "attention_mask" not in inspect.signature(block.forward).parameters:
+        return {}
+    t = EXAMPLE_LEN
+    future = torch.ones(t, t, dtype=torch.bool).triu(1)
+    mask = torch.zeros(t, t, dtype=torch.float64).masked_fill(future, torch.finfo(torch.float64).min)
+    return {"attention_mask": mask[None, None]}  # [1, 1, t, t]
+
+
 def verify(block: nn.Module, name: str, attention: AttentionRoles, mlp: MlpRoles, example: Any, axes: int = 1) -> None:
     """Check on a float64 copy that every feasible mode reproduces the block (group of one)."""
     args, kwargs = example
     reference = _float64_eval(block)
-    args64, kwargs64 = _cast(args), _cast(kwargs)
-    with torch.no_grad():
+    args64, kwargs64 = _cast(args), {**_cast(kwargs), **_causal_mask(block, attention, axes)}
+    with torch.no_grad(), _Float64Softmax():
         expected = reference(*args64, **kwargs64)
     # the block ran without the mask its model builds for a window: compare without it (the windowed kernels are
     # checked against the models' own masks in the family tests)

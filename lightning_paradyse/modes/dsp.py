@@ -37,7 +37,7 @@ class DimensionSwitch(Mode):
             torch.arange(x.shape[1], device=x.device),
         )  # -> [n, heads, L, d]
         o = merge_heads(
-            full_attention(q, k, v, spec.causal, scale=spec.scale, window=spec.window)
+            full_attention(q, k, v, spec.causal, scale=spec.scale, window=spec.window, softcap=spec.softcap)
         )  # [n, heads, L, d] -> [n, L, heads*d]
         y = zero3_linear_t(o, w.o_t, spec.q_rows, ctx.group)  # [n, L, heads*d] -> [n, L, h]
         return add_bias(y, w.bo)

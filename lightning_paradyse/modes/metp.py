@@ -199,7 +199,7 @@ def _group_backward(
     dout = split_heads(dy @ o_t.t(), spec.head_dim)  # [b, s_r, h] -> [b, s_r, n/p*d] -> [b, n/p, s_r, d]
     d_o_t = merge_heads(out).flatten(0, 1).t() @ dy.flatten(0, 1)  # [n/p*d, b*s_r] @ [b*s_r, h]
     dq, dk, dv = ring_backward(
-        dout, q.detach(), k.detach(), v.detach(), out, lse, ctx, spec.causal, spec.scale, spec.window
+        dout, q.detach(), k.detach(), v.detach(), out, lse, ctx, spec.scores()
     )
     inputs = [xl, *leaves.values(), *([] if kv_full is None else [kv_full])]
     extra = list(spec.prepare_params)  # the model's own parameters between projections and attention (q/k norms)
@@ -226,7 +226,7 @@ class _MetpAttention(torch.autograd.Function):
             if groups.kv_full is not None:
                 g.update(groups.kv(j, groups.kv_full))
             q, k, v = _project(x, g, spec, groups.positions)
-            out, lse = ring_forward(q, k, v, ctx, spec.causal, spec.scale, spec.window)  # [b, n/p, s_r, d], lse
+            out, lse = ring_forward(q, k, v, ctx, spec.scores())  # [b, n/p, s_r, d], lse
             y += merge_heads(out) @ g["o_t"]  # [b, n/p, s_r, d] -> [b, s_r, n/p*d] -> [b, s_r, h]
             saved += [out, lse]
         fctx.save_for_backward(x, *weights, *saved)

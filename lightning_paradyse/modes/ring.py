@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from lightning_paradyse.attention import block_backward, block_forward, in_window, merge
+from lightning_paradyse.attention import Scores, block_backward, block_forward, in_window, merge
 from lightning_paradyse.comm import ring_pass_start
 from lightning_paradyse.layout import SeqLayout
 from lightning_paradyse.modes.base import Mode, add_bias, autocast_off, merge_heads, prepare_heads
@@ -93,9 +93,7 @@ def ring_forward(
     k: torch.Tensor,
     v: torch.Tensor,
     ctx: SeqContext,
-    causal: bool,
-    scale: float | None = None,
-    window: int | None = None,
+    scores: Scores,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring attention forward, no autograd: ``q [b, n, s_r, d], k/v [b, n_kv, s_r, d]``.
 
@@ -104,17 +102,11 @@ def ring_forward(
     otherwise drop to bfloat16. K/V travel in their own dtype.
     """
     with autocast_off(q):
-        return _ring_forward(q, k, v, ctx, causal, scale, window)
+        return _ring_forward(q, k, v, ctx, scores)
 
 
 def _ring_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    ctx: SeqContext,
-    causal: bool,
-    scale: float | None,
-    window: int | None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: SeqContext, scores: Scores
 ) -> tuple[torch.Tensor, torch.Tensor]:
     p, r, layout = ctx.p, ctx.rank, ctx.layout
     outs: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
@@ -122,8 +114,9 @@ def _ring_forward(
     for t in range(p):
         src = (r - t) % p
         pending = ring_pass_start(kv, ctx.group, 1, _kv_shape(k, layout, (src - 1) % p)) if t < p - 1 else None
-        for q_sl, k_sl, diag, allowed in doc_tiles(ctx, r, src, causal, window):
-            o, lse = block_forward(q[:, :, q_sl], kv[0][:, :, k_sl], kv[1][:, :, k_sl], diag, scale, allowed=allowed)
+        for q_sl, k_sl, diag, allowed in doc_tiles(ctx, r, src, scores.causal, scores.window):
+            qt, kt, vt = q[:, :, q_sl], kv[0][:, :, k_sl], kv[1][:, :, k_sl]
+            o, lse = block_forward(qt, kt, vt, diag, scores.scale, allowed=allowed, softcap=scores.softcap)
             key = q_sl.start
             outs[key] = merge(*outs.get(key, (None, None)), o, lse)
         if pending is not None:
@@ -142,16 +135,14 @@ def ring_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     ctx: SeqContext,
-    causal: bool,
-    scale: float | None = None,
-    window: int | None = None,
+    scores: Scores,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Ring attention backward: ``(dq, dk, dv)`` for this rank's ``q, k, v`` (their dtypes).
 
     Autocast off, as :func:`ring_forward`; the dK/dV accumulators travel in the accumulation dtype.
     """
     with autocast_off(q):
-        return _ring_backward(dout, q, k, v, out, lse, ctx, causal, scale, window)
+        return _ring_backward(dout, q, k, v, out, lse, ctx, scores)
 
 
 def _ring_backward(
@@ -162,9 +153,7 @@ def _ring_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     ctx: SeqContext,
-    causal: bool,
-    scale: float | None,
-    window: int | None,
+    scores: Scores,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     p, r, layout = ctx.p, ctx.rank, ctx.layout
     acc = lse.dtype
@@ -177,7 +166,7 @@ def _ring_backward(
         src = (r - t) % p
         pending = ring_pass_start(kv, ctx.group, 1, _kv_shape(k, layout, (src - 1) % p)) if t < p - 1 else None
         dkv = own if t == 0 else (carried if carried is not None else torch.zeros_like(kv, dtype=acc))
-        for q_sl, k_sl, diag, allowed in doc_tiles(ctx, r, src, causal, window):
+        for q_sl, k_sl, diag, allowed in doc_tiles(ctx, r, src, scores.causal, scores.window):
             dq_t, dk_t, dv_t = block_backward(
                 dout[:, :, q_sl],
                 q[:, :, q_sl],
@@ -186,9 +175,10 @@ def _ring_backward(
                 lse[:, :, q_sl],
                 delta[:, :, q_sl],
                 diag,
-                scale,
+                scores.scale,
                 allowed=allowed,
                 out=out[:, :, q_sl],
+                softcap=scores.softcap,
             )
             dq[:, :, q_sl] += dq_t
             dkv[0][:, :, k_sl] += dk_t
@@ -211,33 +201,23 @@ class _RingAttention(torch.autograd.Function):
         k: torch.Tensor,
         v: torch.Tensor,
         ctx: SeqContext,
-        causal: bool,
-        scale: float | None,
-        window: int | None,
+        scores: Scores,
     ) -> torch.Tensor:
-        out, lse = ring_forward(q, k, v, ctx, causal, scale, window)
+        out, lse = ring_forward(q, k, v, ctx, scores)
         fctx.save_for_backward(q, k, v, out, lse)
-        fctx.ctx, fctx.causal, fctx.scale, fctx.window = ctx, causal, scale, window
+        fctx.ctx, fctx.scores = ctx, scores
         return out
 
     @staticmethod
     def backward(fctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = fctx.saved_tensors
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, fctx.ctx, fctx.causal, fctx.scale, fctx.window)
-        return dq, dk, dv, None, None, None, None
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, fctx.ctx, fctx.scores)
+        return dq, dk, dv, None, None
 
 
-def ring_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    ctx: SeqContext,
-    causal: bool,
-    scale: float | None = None,
-    window: int | None = None,
-) -> torch.Tensor:
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: SeqContext, scores: Scores) -> torch.Tensor:
     """Differentiable ring attention on the layout: ``q [b, n, s_r, d], k/v [b, n_kv, s_r, d] -> [b, n, s_r, d]``."""
-    return _RingAttention.apply(q, k, v, ctx, causal, scale, window)
+    return _RingAttention.apply(q, k, v, ctx, scores)
 
 
 class Ring(Mode):
@@ -259,7 +239,7 @@ class Ring(Mode):
             ctx.positions(x.device),  # the model's code at the global positions of the local tokens
         )  # -> [b, n, s_r, d], [b, n_kv, s_r, d], [b, n_kv, s_r, d]
         o = merge_heads(
-            ring_attention(q, k, v, ctx, spec.causal, spec.scale, spec.window)
+            ring_attention(q, k, v, ctx, spec.scores())
         )  # [b, n, s_r, d] -> [b, s_r, n*d]
         y = zero3_linear_t(o, w.o_t, spec.q_rows, ctx.group)  # [b, s_r, n*d] -> [b, s_r, h]
         return add_bias(y, w.bo)

@@ -72,7 +72,7 @@ class TensorSequenceParallel(Mode):
             torch.arange(layout.seq_len, device=x.device),
         )  # -> [b, n/p, s, d], [b, m, s, d], [b, m, s, d]
         o = merge_heads(
-            full_attention(q, k, v, spec.causal, ctx.doc_bounds(), spec.scale, spec.window)
+            full_attention(q, k, v, spec.causal, ctx.doc_bounds(), spec.scale, spec.window, spec.softcap)
         )  # [b, n/p, s, d] -> [b, s, n/p*d]
         partial = o @ w.o_t  # [b, s, n/p*d] -> [b, s, h], a partial sum over head shards
         if not layout.is_natural:

@@ -81,6 +81,17 @@ HF_FAMILIES: dict[str, tuple[str, str, dict[str, object]]] = {
         {"rotary_pct": 0.5, "use_parallel_residual": True, "attention_bias": True, "num_key_value_heads": None},
     ),
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {"sliding_window": 6, "use_bias": True}),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {
+            "head_dim": 8,
+            "attn_implementation": "eager",
+            "attn_logit_softcapping": 0.9,
+            "query_pre_attn_scalar": 12,
+            "sliding_window": 6,
+        },
+    ),
     "mixtral": (
         "MixtralConfig",
         "MixtralForCausalLM",
@@ -118,6 +129,9 @@ HF_FAMILIES: dict[str, tuple[str, str, dict[str, object]]] = {
   rotated, parallel residual, biases;
 * ``starcoder2``: functional dropout after the output projection, a sliding window shorter than the sequence,
   biases, a plain (non-gated) MLP;
+* ``gemma2``: eager attention (Hugging Face runs no other for it) with logit soft-capping (a small cap: tanh far
+  from linear), an attention scale from ``query_pre_attn_scalar``, a sliding layer (window 6 < sequence) and a
+  full one;
 * ``mixtral``, ``qwen3moe``: a mixture of experts as the MLP (experts stored ``[E, 2f, h]``, a top-k router; 3
   experts over 2 ranks: uneven shares), run whole on each rank's tokens (``experts_implementation="eager"``:
   the grouped-GEMM kernels have no float64).
