@@ -37,7 +37,7 @@ import os
 import tempfile
 import weakref
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -68,7 +68,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_paradyse import guards, parallel
+from lightning_paradyse import guards, hf_checkpointing, parallel
 from lightning_paradyse.checkpoint import PlainModel, consolidate_optimizer_state, load_optimizer_state, recorded
 from lightning_paradyse.comm import Group, all_gather_rows, all_reduce_sum, broadcast_from, group_size
 from lightning_paradyse.guards import ClipInterception, check_optimizers, rank_rng
@@ -122,7 +122,15 @@ class GlobalLoss(torch.autograd.Function):
 
 
 class _SpawnLauncher(_MultiProcessingLauncher):
-    """The spawn launcher, handing rank 0's *consolidated* weights back (the local shards would not load)."""
+    """The spawn launcher: the module made picklable first (Hugging Face gradient checkpointing); rank 0's
+    *consolidated* weights handed back (the local shards would not load)."""
+
+    @override
+    def launch(self, function: Callable[..., Any], *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        module = self._strategy.lightning_module
+        if module is not None:  # spawn and forkserver pickle it into every worker
+            hf_checkpointing.prepare_for_launch(module)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
 
     @override
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:
@@ -276,6 +284,9 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
         self._optimizer_steps = 0
         self._sharded_ids: set[int] = set()
         self._window: tuple[int, str] | None = None
+        self._checkpointed: tuple[int, ...] = ()
+        """Layers the model's Hugging Face gradient checkpointing marks: the plan recomputes both of their ops
+        (:mod:`~lightning_paradyse.hf_checkpointing`), read at setup and before every batch."""
         """The model's smallest sliding attention window (tokens, where), read before the rewrite."""
         self._clip: ClipInterception | None = None
         self._plain_model: PlainModel | None = None
@@ -404,10 +415,12 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
         """Broadcast rank 0's weights, rewrite the blocks, check a fixed plan (once per module)."""
         module = self._module
         names = _parallelized_blocks(module)
+        found = names if names is not None else [n for n, _ in parallel.find_blocks(module, self.blocks)]
+        self._checkpointed = hf_checkpointing.checkpointed_layers(module, found)  # refusals before any collective
         if names is None:
             guards.check_rotary(module)  # before any collective: the same model on every rank
             if self.plan_spec != "auto":  # a plan of the wrong length fails before any collective
-                self._fixed_plan(len(parallel.find_blocks(module, self.blocks)))
+                self._fixed_plan(len(found))
             self._broadcast_weights(module)
             _PLAIN_MODELS[module] = PlainModel.record(module)  # parameter order, state dict keys, tied names
             names = parallel.parallelize(module, self._group, blocks=self.blocks, axes=self.axes)
@@ -468,6 +481,7 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
             self.modes,
             on_infeasible="skip" if self.on_infeasible == "skip" else "raise",
             bucket_tokens=self.plan_bucket,
+            recompute=(True,) if len(self._checkpointed) == n else (False, True),  # every layer checkpointed by HF
         )
 
     def _grid_planner(self) -> Planner:
@@ -540,6 +554,7 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
         cannot run, or ranks that disagree.
         """
         self.group_times = ()
+        self._checkpointed = hf_checkpointing.checkpointed_layers(self._module, self._block_names)
         info = self.inspect_batch(batch)
         if self.uses_groups(info, stage):
             record = self._begin_groups(batch, info, stage)
@@ -554,20 +569,26 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
         planner = self.planner
         assert planner is not None, "the strategy creates its planner in setup"
         try:
-            plan = planner.plan(info.seq_len, info.batch)
+            planned = planner.plan(info.seq_len, info.batch)
         except PlanSkipped as skipped:  # decided alike on every rank, which the digest checks
             self.verify_ranks(batch_digest(info.seq_len, info.batch, info.checksum))
             self.skip(info, str(skipped))
             return StepRecord(stage, info.seq_len, info.batch, None)
+        plan = self.with_checkpointing(planned)
         self.check_plan(plan)
         self.verify_ranks(plan_digest(plan, info.seq_len, info.batch, info.checksum))
         self.activate(info, plan)
         self.record_plan(PlanRecord(stage, info.seq_len, info.batch, plan))
-        metrics = plan_metrics(plan, self.modes, stage) | _predictions(planner, info.seq_len, info.batch)
+        predicted = _predictions(planner, info.seq_len, info.batch) if plan == planned else {}  # of the plan run
+        metrics = plan_metrics(plan, self.modes, stage) | predicted
         line = None
         if plan != self._last_plan:
             line, self._last_plan = f"[paradyse] {stage} length {info.seq_len}: plan {describe(plan)}", plan
         return StepRecord(stage, info.seq_len, info.batch, plan, metrics, line)
+
+    def with_checkpointing(self, plan: Plan) -> Plan:
+        """``plan`` with both ops of every layer the model's Hugging Face gradient checkpointing marks recomputed."""
+        return hf_checkpointing.with_recompute(plan, self._checkpointed)
 
     def record_plan(self, record: PlanRecord) -> None:
         """Keep the plan a batch runs with (``history``, ``plans_executed``)."""

@@ -59,6 +59,8 @@ class GroupSteps:
 
         def record_plan(self, record: PlanRecord) -> None: ...
 
+        def with_checkpointing(self, plan: Plan) -> Plan: ...
+
         @property
         def _module(self) -> nn.Module: ...
 
@@ -147,7 +149,13 @@ class GroupSteps:
             if isinstance(planner, CostPlanner):
                 machine = machine_for_groups(planner.model.machine, group_size(self._group))
                 self._group_planners[g] = make_planner(
-                    self._module, g, planner.budget, machine, planner.modes, bucket_tokens=self.plan_bucket
+                    self._module,
+                    g,
+                    planner.budget,
+                    machine,
+                    planner.modes,
+                    bucket_tokens=self.plan_bucket,
+                    recompute=planner.recompute,
                 )
             else:  # a fixed plan (or thresholds): the same plan on every group
                 assert planner is not None
@@ -187,7 +195,7 @@ class GroupSteps:
         for g, members in zip(found.sizes, found.groups):  # every group's batch and plan checked on every rank
             sub = select_documents(batch, spans, members)
             sub_info = describe_batch(sub, g, 0, causal=causal, mean_loss=mean)
-            plan = self._planner_for(g).plan(sub_info.seq_len, 1)
+            plan = self.with_checkpointing(self._planner_for(g).plan(sub_info.seq_len, 1))
             parallel.check_plan(self._module, plan, g)
             steps.append((sub, plan))
         index, pg = self._group_set.mine(found.sizes)

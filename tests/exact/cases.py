@@ -8,6 +8,7 @@ and the optimizers and hooks of common recipes.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -236,9 +237,13 @@ class HFModule(pl.LightningModule):
 
     ``call``: ``labels-key`` (``labels=batch["labels"]``), ``labels-ids`` (``labels=input_ids``, no labels in the
     batch), ``shift-labels`` (``shift_labels=batch["shift_labels"]``), ``masked`` (``attention_mask`` too).
+    ``checkpointing``: the keyword arguments of ``model.gradient_checkpointing_enable(...)``, called here as users
+    do (``None``: not called).
     """
 
-    def __init__(self, call: str, tied: bool = False, n_kv_heads: int = 4) -> None:
+    def __init__(
+        self, call: str, tied: bool = False, n_kv_heads: int = 4, checkpointing: dict[str, Any] | None = None
+    ) -> None:
         super().__init__()
         self.model = hf_llama(n_kv_heads=n_kv_heads)
         if tied:
@@ -246,6 +251,10 @@ class HFModule(pl.LightningModule):
             self.model.lm_head.weight = self.model.model.embed_tokens.weight
         self.call = call
         self.model.loss_function = causal_lm_loss  # HF's own, without its float32 upcast: compared in float64
+        if checkpointing is not None:
+            with warnings.catch_warnings():  # transformers 5 renamed it activation_checkpointing_enable
+                warnings.simplefilter("ignore", FutureWarning)
+                self.model.gradient_checkpointing_enable(**checkpointing)
 
     @override
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
@@ -299,6 +308,21 @@ def cases_p2() -> dict[str, Case]:
         "hf-tied": Case(hf("labels-key", tied=True), lambda: loader(hf_labels), strategy=dict(plan="metp")),
         "hf-pad-right": Case(hf("masked"), lambda: loader(padded("right")), strategy=dict(plan=MIXED)),
         "hf-pad-left": Case(hf("masked"), lambda: loader(padded("left")), refused="left padding"),
+        "hf-grad-ckpt": Case(
+            hf("labels-key", checkpointing={}),
+            lambda: loader(hf_labels),
+            strategy=dict(plan=MIXED),
+            plans=("tp_sp+rc,tp_sp+rc | ring+rc,metp+rc",) * 4,
+        ),
+        "hf-grad-ckpt-every-2": Case(
+            hf("labels-key", checkpointing=GRAD_CKPT_EVERY_2),
+            lambda: loader(hf_labels),
+            strategy=dict(thresholds=(40, 56)),
+            plans=("tp_sp+rc,tp_sp+rc | tp_sp,tp_sp", "ring+rc,metp+rc | ring+rc,metp+rc") * 2,  # lengths 40, 57, ...
+        ),
+        "hf-grad-ckpt-offload": Case(
+            hf("labels-key", checkpointing={"offload": True}), lambda: loader(hf_labels), refused="offload=True"
+        ),
         "accumulate": Case(tiny(), lambda: loader(shifted_targets), trainer=dict(accumulate_grad_batches=2)),
         "clip-norm": Case(tiny(), lambda: loader(shifted_targets), trainer=dict(gradient_clip_val=0.05)),
         "clip-value": Case(
@@ -320,6 +344,27 @@ def cases_p2() -> dict[str, Case]:
         "lamb": Case(tiny(optimizer="lamb"), lambda: loader(shifted_targets), refused="Lamb"),
         "dropout": Case(DropoutLM, lambda: loader(shifted_targets), strategy=dict(plan=MIXED), compare=False),
         "self-shift": Case(SelfShift, lambda: loader(tokens_only), refused="computes something across the tokens"),
+    }
+
+
+GRAD_CKPT_EVERY_2 = {"every_n_layers": 2, "gradient_checkpointing_kwargs": {"use_reentrant": True}}
+"""Hugging Face checkpointing of layer 0 only (the reentrant form): the plan recomputes that layer alone."""
+
+
+def cases_launched() -> dict[str, Case]:
+    """Paths through the strategy's own launcher (its default start method pickles the module into the workers):
+    Hugging Face gradient checkpointing enabled in the module's ``__init__``, as users do."""
+    hf = lambda **kw: lambda: HFModule("labels-key", **kw)  # noqa: E731
+    data = lambda: loader(hf_labels, LENGTHS[:3])  # noqa: E731
+    return {
+        "hf-grad-ckpt": Case(
+            hf(checkpointing={}),
+            data,
+            trainer=dict(max_steps=3),
+            strategy=dict(plan="ring"),
+            plans=("ring+rc,ring+rc | ring+rc,ring+rc",) * 3,
+        ),
+        "hf-grad-ckpt-offload": Case(hf(checkpointing={"offload": True}), data, refused="offload=True"),
     }
 
 

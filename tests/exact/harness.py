@@ -7,6 +7,10 @@ twice, in float64 (``precision="64-true"``, rounding ~1e-15):
   other (each Trainer makes and destroys its own process group, on a port of its own);
 * in one plain Lightning process (``devices=1``, no strategy), in the test's own process.
 
+A case may instead be *launched* (:func:`run_launched`): ``Trainer(devices=p)`` in the test's own process, whose
+strategy starts its workers itself with its default start method (``spawn``: the module is pickled into fresh
+interpreters), as from a notebook or a script without ``torchrun``.
+
 Each run records what a user sees and what a resumed run continues from: every step's global loss, every
 validation and test loss, and the checkpoint written at the end (``trainer.save_checkpoint``: the model's state
 dict, the optimizer state, the schedulers). A case that must be refused records the error instead.
@@ -52,6 +56,8 @@ class Case:
     """Also run ``trainer.test`` on the validation loader after the fit."""
     compare: bool = True
     """Compare with plain Lightning (``False``: random ops such as dropout; the case must only train)."""
+    plans: tuple[str, ...] | None = None
+    """The plan of every training step under the strategy, in order (``str(plan)``); ``None``: not checked."""
 
 
 @dataclass
@@ -59,6 +65,8 @@ class Result:
     losses: list[float] = field(default_factory=list)
     val_losses: list[float] = field(default_factory=list)
     test_losses: list[float] = field(default_factory=list)
+    plans: list[str] = field(default_factory=list)
+    """The plan of every training step (under the strategy)."""
     checkpoint: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
 
@@ -71,6 +79,9 @@ class _Record(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *a: Any) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.result.losses.append(float(loss))
+        record = getattr(trainer.strategy, "step_record", None)
+        if record is not None:
+            self.result.plans.append(str(record.plan))
 
     @override
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, *a: Any, **k: Any) -> None:
@@ -84,6 +95,9 @@ class _Record(pl.Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         trainer.save_checkpoint(self.path)  # collective under the strategy (shards consolidated), rank 0 writes
+        if trainer.global_rank == 0:  # for a launching process, which sees none of its workers' callbacks
+            recorded = {"losses": self.result.losses, "val_losses": self.result.val_losses, "plans": self.result.plans}
+            torch.save(recorded, self.path + ".losses")
 
 
 def _loaders(data: Any) -> tuple[Any, Any]:
@@ -109,6 +123,10 @@ def run(case: Case, devices: int, strategy: Any, port: Callable[[str], int] | No
                 trainer.test(module, val, verbose=False)
             if trainer.global_rank == 0 and os.path.exists(path):
                 result.checkpoint = torch.load(path, weights_only=False)
+            if not result.losses and os.path.exists(path + ".losses"):  # the workers were launched from here
+                recorded = torch.load(path + ".losses", weights_only=False)
+                result.losses, result.val_losses = recorded["losses"], recorded["val_losses"]
+                result.plans = recorded["plans"]
     except Exception as err:  # a refused case: every rank must raise, before any collective hangs
         result.error = f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=3)}"
     finally:
@@ -168,10 +186,24 @@ def run_parallel(make: Callable[[], dict[str, Case]], world: int, timeout: float
     return results
 
 
-def run_plain(case: Case) -> Result:
-    """The case in one plain Lightning process (``devices=1``, no strategy)."""
+def run_launched(case: Case, devices: int) -> Result:
+    """The case under the strategy's own launcher, started from this process with its default start method (the
+    module is pickled into ``devices`` fresh workers); rank 0's losses and checkpoint (not test losses)."""
+    _clear_distributed_environment()
+    try:
+        return run(case, devices, ParaDySeStrategy(**({"timeout": 60.0} | case.strategy)))
+    finally:
+        _clear_distributed_environment()  # the launcher exports its port here
+
+
+def _clear_distributed_environment() -> None:
     for var in ("MASTER_PORT", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK"):
         os.environ.pop(var, None)
+
+
+def run_plain(case: Case) -> Result:
+    """The case in one plain Lightning process (``devices=1``, no strategy)."""
+    _clear_distributed_environment()
     return run(case, 1, "auto")
 
 

@@ -3,7 +3,8 @@
 Each case of :mod:`tests.exact.cases` is trained under the strategy (one spawned job per process count runs them
 all) and in one plain Lightning process; per-step losses, validation and test losses, every weight of the final
 checkpoint and every optimizer state tensor must agree to 1e-9 relative, or the case must be refused with its
-named error on every rank.
+named error on every rank. The cases of :func:`~tests.exact.cases.cases_launched` are launched by the strategy
+itself from the test's process (its default start method, spawn), each in a fresh pair of workers.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from tests.exact.cases import cases_p2, cases_p3
-from tests.exact.harness import Case, Result, differences, run_parallel, run_plain
+from tests.exact.cases import cases_launched, cases_p2, cases_p3
+from tests.exact.harness import Case, Result, differences, run_launched, run_parallel, run_plain
 
 pytestmark = pytest.mark.dist
 
@@ -27,6 +28,10 @@ def _check(name: str, case: Case, ours: Result) -> list[str]:
         return [f"{name}: {ours.error}"]
     if not case.compare:
         return [] if len(ours.losses) == 4 else [f"{name}: trained {len(ours.losses)} steps, not 4"]
+    if case.plans is not None and tuple(ours.plans) != case.plans:
+        return [f"{name}: ran the plans {ours.plans}, not {list(case.plans)}"]
+    if not ours.losses or not ours.checkpoint:
+        return [f"{name}: recorded {len(ours.losses)} losses and {'a' if ours.checkpoint else 'no'} checkpoint"]
     plain = run_plain(case)
     assert plain.error is None, f"{name}: the plain run failed: {plain.error}"
     assert plain.losses, f"{name}: the plain run trained no step"
@@ -52,4 +57,12 @@ def test_two_processes_equal_plain_lightning(name: str, results_p2: dict[str, Re
 @pytest.mark.parametrize("name", list(cases_p3()))
 def test_three_processes_equal_plain_lightning(name: str, results_p3: dict[str, Result]) -> None:
     bad = _check(name, cases_p3()[name], results_p3[name])
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name", list(cases_launched()))
+def test_launched_by_the_strategy_equals_plain_lightning(name: str) -> None:
+    case = cases_launched()[name]
+    bad = _check(name, case, run_launched(case, 2))
     assert not bad, "\n".join(bad)
