@@ -39,7 +39,7 @@ from lightning_paradyse.plan import LayerPlan, OpPlan, Plan
 from lightning_paradyse.slicing import BatchSource
 from lightning_paradyse.spec import SeqContext
 from tests.support.dist import run_distributed
-from tests.support.families import HF_FAMILIES, BertLM, EncoderLM, hf_family, hf_granite, hf_llama
+from tests.support.families import HF_FAMILIES, BertLM, EncoderLM, ModernBertLM, hf_family, hf_granite, hf_llama
 
 pytest.importorskip("transformers")
 
@@ -83,6 +83,8 @@ def _loss(kind: str, model: nn.Module, ids: torch.Tensor, layout: SeqLayout | No
 def _build(kind: str, p: int) -> nn.Module:
     if kind == "bert":
         return BertLM().double()
+    if kind == "modernbert":
+        return ModernBertLM().double()
     if kind in HF_FAMILIES:  # float64: rounding ~1e-15, so the 1e-9 tolerance separates a wrong op from noise
         return hf_family(kind, n_kv_heads=6 if p == 3 else 4).double()
     if kind == "hf":
@@ -132,7 +134,7 @@ def _hf_worker(rank: int, world: int, kinds: list[str]) -> list[tuple[str, Any]]
 
 
 HF_CASES = {
-    2: [*HF_FAMILIES, "bert"],
+    2: [*HF_FAMILIES, "bert", "modernbert"],
     3: ["qwen3", "olmo2", "phi", "gemma3", "gemma2", "mistral", "phi3", "gpt2", "neox", "bert", "mixtral", "qwen3moe"],
 }
 """Families per group size; at 3 the lengths are not divisible by the group (and there are 6 kv heads)."""
@@ -177,6 +179,14 @@ def test_families_match_single_process(p: int) -> None:
     assert any("mixed" in label for label in labels)
     bad = tolerance_failures(results, torch.float32)
     assert not bad, "\n".join(bad)
+
+
+def test_modernbert_local_layers_are_refused_by_name() -> None:
+    """ModernBERT's local layers attend a window in both directions, which the windowed kernels (causal) do not run:
+    refused at setup with the block, its class and the reason (its global layers are exact, above)."""
+    pytest.importorskip("transformers")
+    with pytest.raises(ValueError, match=r"layers\.1 \(ModernBertEncoderLayer\).*sliding window on bidirectional"):
+        parallelize(ModernBertLM(layers=2, local_every=2), None)
 
 
 def test_mixture_of_experts_auxiliary_loss_is_refused_at_setup_and_at_run_time() -> None:

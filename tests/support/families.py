@@ -175,6 +175,36 @@ class BertLM(nn.Module):
         return self.head(self.bert(input_ids=x).last_hidden_state)  # type: ignore[no-any-return]
 
 
+class ModernBertLM(nn.Module):
+    """A Hugging Face ``ModernBertModel`` with global attention in every layer (fused ``Wqkv`` laid out
+    ``[3, heads, d]``, rotary, fused ``Wi`` cut into input and gate, post-norm free layers) and a token head."""
+
+    def __init__(self, vocab: int = 128, hidden: int = 96, layers: int = 2, local_every: int = 1) -> None:
+        super().__init__()
+        from transformers import ModernBertConfig, ModernBertModel
+
+        config = ModernBertConfig(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=12,
+            global_attn_every_n_layers=local_every,
+            local_attention=8,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            cls_token_id=1,
+            sep_token_id=2,
+            attn_implementation="sdpa",
+        )
+        self.bert = ModernBertModel(config)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.bert(input_ids=x).last_hidden_state)  # type: ignore[no-any-return]
+
+
 class EncoderLM(nn.Module):
     """A language model made of ``nn.TransformerEncoderLayer`` blocks."""
 
