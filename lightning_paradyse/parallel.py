@@ -315,13 +315,24 @@ def _install_hooks(module: nn.Module, block_names: list[str], state: StepState) 
             break
     for path in chain:
         owner = module.get_submodule(path) if path else module
-        if _accepts(owner.forward, "labels") and _accepts(owner.forward, "shift_labels"):
+        if _accepts(owner.forward, "labels") and _shifts_labels(owner):
             owner.register_forward_pre_hook(_StepHook(state, _labels_hook), with_kwargs=True)
     for path in chain:
         owner = module.get_submodule(path) if path else module
         if "attention_mask" in _parameters(owner.forward):
             owner.register_forward_pre_hook(_StepHook(state, _mask_hook), with_kwargs=True)
             break
+
+
+def _shifts_labels(owner: nn.Module) -> bool:
+    """Whether ``owner`` shifts the ``labels`` it is given (a causal LM: ``shift_labels=`` in its signature, or a
+    Hugging Face ``...ForCausalLM`` / ``...LMHeadModel``). A masked-LM or classification head takes ``labels`` as
+    they are, with ``**kwargs`` that would swallow ``shift_labels``: its loss is a mean over this rank's targets,
+    which the strategy weighs by the rank's share of the targets."""
+    if "shift_labels" in _parameters(owner.forward):
+        return True
+    name = type(owner).__name__
+    return _accepts(owner.forward, "shift_labels") and (name.endswith("ForCausalLM") or name.endswith("LMHeadModel"))
 
 
 def _parameters(fn: Any) -> set[str]:

@@ -118,12 +118,13 @@ def find_targets(batch: Any) -> tuple[str | None, Tensor | None]:
 def shard_batch(batch: Any, info: BatchInfo, rank: int) -> tuple[Any, tuple[BatchSource, ...]]:
     """This rank's tokens of every tensor of ``batch`` whose dims 0, 1 are ``[b, s]``, and of the per-token
     ``[s]`` entries of a dict batch (:data:`TOKEN_1D_KEYS`); other values unchanged. Also returns every sliced
-    tensor with its slice (:class:`BatchSource`), in the order labels are traced back: targets first."""
+    tensor with its slice (:class:`BatchSource`), in the order labels are traced back: targets first. Slices are
+    contiguous, as the batch's own tensors are (a step may ``view`` them: ``BertForMaskedLM`` does its labels)."""
     sources: list[BatchSource] = []
 
     def cut(t: Tensor, key: str) -> Tensor:
         if t.dim() >= 2 and tuple(t.shape[:2]) == (info.batch, info.seq_len):
-            local = info.layout.shard(t, rank)  # [b, s, ...] -> [b, s_r, ...]
+            local = info.layout.shard(t, rank).contiguous()  # [b, s, ...] -> [b, s_r, ...], as a batch is laid out
             sources.append(BatchSource(key, local, t))
             return local
         return t

@@ -28,6 +28,8 @@ LENGTHS = (40, 57, 33, 64, 45, 50)
 """Batch lengths: odd ones split unevenly over 2 and 3 ranks."""
 MIXED = ["tp_sp", {"attention": "ring", "mlp": "metp", "recompute": True}]
 """A mixed plan for two layers (every rank count that divides the heads)."""
+MIXED_BIDIRECTIONAL = ["tp_sp", {"attention": "ring", "mlp": "ulysses", "recompute": True}]
+"""A mixed plan for BERT (its MLP is inline: no METP)."""
 MIXED_3 = [{"attention": "ring", "mlp": "metp"}, {"attention": "ring", "mlp": "tp_sp", "recompute": True}]
 """Modes that run 2 or 4 kv heads on 3 ranks."""
 
@@ -278,6 +280,43 @@ class HFModule(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.1)
 
 
+def mlm_labels(window: Tensor) -> dict[str, Tensor]:
+    """Masked-LM labels, not shifted: a fixed third of the tokens are targets, the rest -100 (uneven per rank)."""
+    ids = window[:, :-1]
+    labels = torch.full_like(ids, -100)
+    labels[:, ::3] = ids[:, ::3]
+    return {"input_ids": ids, "labels": labels}
+
+
+class MaskedLM(pl.LightningModule):
+    """A Hugging Face ``BertForMaskedLM`` called as its documentation shows (``labels=`` unshifted, a mean over the
+    targets): no label shift, no ``num_items_in_batch``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import BertConfig, BertForMaskedLM
+
+        fields = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+        fields |= dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation="sdpa")
+        self.model = BertForMaskedLM(BertConfig(**fields))
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():  # BERT starts its biases at 0: the key bias (zero gradient) would stay at rounding noise
+            for name, param in self.model.named_parameters():
+                if name.endswith("bias"):
+                    param.copy_(0.02 * torch.randn(param.shape, generator=gen))
+
+    @override
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        return self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss  # type: ignore[no-any-return]
+
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        # plain SGD: the key bias's true gradient is zero (softmax ignores a constant per query), so its gradient is
+        # rounding noise (1e-17) that Adam would normalise into full-size steps and momentum would keep as state,
+        # different for any two summation orders; SGD moves that weight by 1e-17 only
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
 def lm_main() -> pl.LightningModule:
     return LanguageModel("llama-tiny", lr=3e-3, weight_decay=0.1)
 
@@ -308,6 +347,7 @@ def cases_p2() -> dict[str, Case]:
         "hf-tied": Case(hf("labels-key", tied=True), lambda: loader(hf_labels), strategy=dict(plan="metp")),
         "hf-pad-right": Case(hf("masked"), lambda: loader(padded("right")), strategy=dict(plan=MIXED)),
         "hf-pad-left": Case(hf("masked"), lambda: loader(padded("left")), refused="left padding"),
+        "hf-bert-mlm": Case(MaskedLM, lambda: loader(mlm_labels), strategy=dict(plan=MIXED_BIDIRECTIONAL)),
         "hf-grad-ckpt": Case(
             hf("labels-key", checkpointing={}),
             lambda: loader(hf_labels),
