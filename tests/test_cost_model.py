@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from lightning_paradyse.cost.cluster import load_cluster
 from lightning_paradyse.cost.dims import ModelDims, dims_from_config
+from lightning_paradyse.cost.dims import dims_from_module as dims_module
 from lightning_paradyse.cost.memory import param_bytes, segment_memory
 from lightning_paradyse.cost.model import CostModel
 from lightning_paradyse.cost.search import evaluate
@@ -242,3 +245,238 @@ def test_uneven_sequence_split_transient_is_modelled() -> None:
                 modelled = getattr(odd, name).total - getattr(even, name).total
                 assert grown <= modelled + 0.01 * pad, (op, rc, name, grown, modelled)
                 assert grown <= 1.5 * pad + 0.01 * pad, (op, rc, name, grown)
+
+
+# --------------------------------------------------------------------------------------------------
+# Sliding windows: priced by the work each mode really does for a windowed layer
+# --------------------------------------------------------------------------------------------------
+
+
+def _mask_pairs(seq_len: int, window: int | None, docs: tuple[int, ...]) -> int:
+    """Brute force: the (query, key) pairs of the causal mask, within the window and the document."""
+    from lightning_paradyse.attention import in_window
+
+    pos = torch.arange(seq_len)
+    doc = torch.repeat_interleave(torch.arange(len(docs)), torch.tensor(docs))  # [s] document ids
+    allowed = in_window(pos, pos, window) if window is not None else pos[:, None] >= pos[None, :]
+    return int((allowed & (doc[:, None] == doc[None, :])).sum())
+
+
+def test_window_pairs_are_the_pairs_of_the_mask() -> None:
+    from lightning_paradyse.cost.time import attention_pairs, window_pairs
+
+    for s in range(1, 25):
+        for w in range(1, 28):
+            assert window_pairs(s, w) == _mask_pairs(s, w, (s,)), (s, w)
+            if s > w:
+                assert window_pairs(s, w) == s * w - w * (w - 1) // 2
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        docs = tuple(int(n) for n in rng.integers(1, 12, int(rng.integers(1, 5))))
+        for w in (None, 1, 3, 7, 50):
+            assert attention_pairs(sum(docs), True, w, docs) == _mask_pairs(sum(docs), w, docs), (docs, w)
+    assert attention_pairs(10, False) == 100 and attention_pairs(10, True, 3) == window_pairs(10, 3)
+    with pytest.raises(ValueError, match="add up"):
+        attention_pairs(10, True, 3, (4, 5))
+
+
+def test_sdpa_pairs_are_what_full_attention_computes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every call of the SDPA kernel the windowed path makes, counted: a causal call ``s(s+1)/2``, a masked query
+    chunk its whole rectangle; and the chunk masks hold ``sdpa_pairs`` elements."""
+    from lightning_paradyse import attention
+    from lightning_paradyse.cost.time import sdpa_pairs
+
+    real = attention.F.scaled_dot_product_attention
+    seen = {"pairs": 0, "mask": 0}
+
+    def counting(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any = None, **kw: Any) -> torch.Tensor:
+        tq, tk = q.shape[-2], k.shape[-2]
+        seen["pairs"] += tq * (tq + 1) // 2 if kw.get("is_causal") else tq * tk
+        seen["mask"] += 0 if mask is None else mask.numel()
+        return real(q, k, v, mask, **kw)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", counting)
+    for s in (1, 5, 16, 37):
+        q, k, v = (torch.randn(1, 2, s, 4) for _ in range(3))
+        for w in (None, 1, 4, 7, 16, 40):
+            seen.update(pairs=0, mask=0)
+            attention.full_attention(q, k, v, True, window=w)
+            assert seen["pairs"] == sdpa_pairs(s, True, w), (s, w)
+            assert seen["mask"] == (sdpa_pairs(s, True, w) if w is not None and s > w else 0)
+
+
+def test_ring_tiles_are_the_tiles_ring_attention_computes() -> None:
+    """:func:`ring_tiles` against :func:`doc_tiles` on every rank: the busiest rank's pairs by kind, the masked tiles
+    per source; and the computed tiles' allowed pairs are exactly the window's."""
+    from lightning_paradyse.cost.time import ring_tiles, window_pairs
+    from lightning_paradyse.layout import SeqLayout
+    from lightning_paradyse.modes.ring import doc_tiles
+    from lightning_paradyse.spec import SeqContext
+
+    def area(q_sl: slice, k_sl: slice) -> int:
+        return (q_sl.stop - q_sl.start) * (k_sl.stop - k_sl.start)
+
+    for s, p in itertools.product((16, 37, 64), (1, 2, 3, 4)):
+        ctx = SeqContext(SeqLayout.for_sequence(s, p, True), None)
+        for w in (None, 1, 3, 5, 8, 20, 100):
+            per_rank, allowed_pairs = [], 0
+            for rank in range(p):
+                pairs = diag = masked = most_masked = 0
+                for src in range(p):
+                    tiles = doc_tiles(ctx, rank, src, True, w)
+                    for q_sl, k_sl, is_diag, allowed in tiles:
+                        n = area(q_sl, k_sl)
+                        pairs += n
+                        diag += n if is_diag and allowed is None else 0
+                        masked += n if allowed is not None else 0
+                        if allowed is None:  # a whole tile in the past, or a causal diagonal tile
+                            allowed_pairs += _diag_pairs(q_sl) if is_diag else n
+                        else:
+                            allowed_pairs += int(allowed.sum())
+                    most_masked = max(most_masked, sum(a is not None for *_, a in tiles))
+                per_rank.append((pairs, masked, diag, most_masked))
+            want = max(per_rank, key=lambda r: r[:3])
+            got = ring_tiles(s, p, True, w)
+            assert (got.pairs, got.masked_pairs, got.diag_pairs, got.masked_tiles) == want, (s, p, w)
+            assert allowed_pairs == (window_pairs(s, w) if w is not None else s * (s + 1) // 2), (s, p, w)
+
+
+def _diag_pairs(q_sl: slice) -> int:
+    n = q_sl.stop - q_sl.start
+    return n * (n + 1) // 2
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_windowed_layer_is_priced_by_its_work(mode: str) -> None:
+    """Cheaper than a full layer of the same length when the window is well inside it, the same when the window
+    covers the sequence; the MLP and the collectives do not change (every ring hop still travels)."""
+    dims = dims_from_config(CONFIGS["llama-7b"], 2)
+    machine = CLUSTER.machine()
+    s, p = 32768, 8
+    for rc in (False, True):
+        full = op_time(mode, "attention", rc, s, 1, p, dims, machine)
+        for w in (512, 4096):
+            windowed = op_time(mode, "attention", rc, s, 1, p, dims, machine, window=w)
+            assert windowed.total() < full.total(), (w, rc)
+            assert windowed.comm == full.comm
+        for w in (s, 2 * s):
+            assert op_time(mode, "attention", rc, s, 1, p, dims, machine, window=w) == full
+            for op in OPS:
+                assert segment_memory(mode, op, rc, s, 1, p, dims, window=w) == segment_memory(
+                    mode, op, rc, s, 1, p, dims
+                )
+        assert op_time(mode, "mlp", rc, s, 1, p, dims, machine, window=512) == op_time(
+            mode, "mlp", rc, s, 1, p, dims, machine
+        )
+
+
+def test_masked_ring_tiles_are_timed_at_the_explicit_kernel_rate() -> None:
+    from lightning_paradyse.cost.time import Machine, op_work, ring_tiles, tile_side
+
+    dims = dims_from_config(CONFIGS["llama-tiny"], 4)
+    s, p, w = 4096, 4, 700
+    tiles = ring_tiles(s, p, True, w)
+    assert 0 < tiles.masked_pairs < tiles.pairs < ring_pairs(s, p, causal=True)
+    work = op_work("ring", "attention", s, 1, p, dims, window=w)["forward"]
+    per_pair = 4 * dims.head_dim * dims.n_heads
+    assert (work.attn, work.attn_masked, work.attn_diag) == (
+        per_pair * tiles.pairs,
+        per_pair * tiles.masked_pairs,
+        per_pair * tiles.diag_pairs,
+    )
+    side = tile_side(s, p, True)
+    curves = {"tile_fwd": ((side, 8e9),), "tile_diag_fwd": ((side, 4e9),), "tile_mask_fwd": ((side, 1e9),)}
+    machine = Machine("test", 1e12, 1e10, 1e10, 8e9, 8e9, curves=curves)
+    from lightning_paradyse.cost.time import attn_seconds
+
+    plain = work.attn - work.attn_masked - work.attn_diag
+    want = plain / 8e9 + work.attn_diag / 4e9 + work.attn_masked / 1e9
+    assert attn_seconds(machine, work, backward=False) == pytest.approx(want)
+    older = dataclasses.replace(machine, curves={k: v for k, v in curves.items() if "mask" not in k})
+    assert attn_seconds(older, work, backward=False) == pytest.approx(plain / 8e9 + (work.attn - plain) / 4e9)
+
+
+def _windowed_segment(mode: str, s: int, window: int | None) -> tuple[int, int, int]:
+    """``(saved, fwd, bwd)`` of layer 0's attention segment with ``window`` on one process, measured by the tracker."""
+    from lightning_paradyse.cost.measure import memory_of, segment_fn
+    from lightning_paradyse.dispatch import AttentionDispatch
+    from lightning_paradyse.layout import SeqLayout
+    from lightning_paradyse.parallel import dispatchers
+    from lightning_paradyse.spec import SeqContext
+
+    torch.manual_seed(0)
+    model = build_model(CONFIGS["llama-tiny"])
+    parallelize(model, None)
+    attn = next(m for _, m in dispatchers(model) if isinstance(m, AttentionDispatch) and m.layer == 0)
+    attn.spec = dataclasses.replace(attn.spec, window=window)
+    ctx = SeqContext(SeqLayout.for_sequence(s, 1, True), None)
+    x0 = torch.randn(1, s, CONFIGS["llama-tiny"].hidden)
+    runs = [memory_of(model, segment_fn(model, "attention", mode, False, ctx), x0) for _ in range(2)]
+    return min(r[0] for r in runs), min(r[1] for r in runs), min(r[2] for r in runs)
+
+
+def test_window_memory_follows_the_code() -> None:
+    """Measured by the tracker (one process): the SDPA path's query chunks keep their float band masks and, in
+    ``tp_sp``, their outputs beside the concatenation, exactly what the formulas add to the saved bytes; a ring
+    tile the window crosses runs the explicit kernel, whose score tiles the formulas count (within 10%)."""
+    dims = dims_from_config(CONFIGS["llama-tiny"], 4)
+    s, w = 256, 32
+    full, windowed = _windowed_segment("tp_sp", s, None), _windowed_segment("tp_sp", s, w)
+    model_full, model_windowed = (
+        segment_memory("tp_sp", "attention", False, s, 1, 1, dims, True, x) for x in (None, w)
+    )
+    assert windowed[0] - full[0] == model_windowed.saved.total - model_full.saved.total > 0
+    ring = _windowed_segment("ring", s, w)
+    modelled = segment_memory("ring", "attention", False, s, 1, 1, dims, True, w)
+    assert ring[1] == pytest.approx(modelled.fwd.total, rel=0.1) and ring[2] == pytest.approx(
+        modelled.bwd.total, rel=0.1
+    )
+    assert modelled.fwd.total > 4 * segment_memory("ring", "attention", False, s, 1, 1, dims, True).fwd.total
+
+
+def test_windows_come_per_layer_from_the_dispatch_modules() -> None:
+    """Qwen2 with ``max_window_layers=1``: a full layer, then a sliding one; the cost tables get a row per window."""
+    transformers = pytest.importorskip("transformers")
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=64)
+    config = transformers.Qwen2Config(
+        **small, num_key_value_heads=2, use_sliding_window=True, sliding_window=16, max_window_layers=1
+    )
+    model = transformers.Qwen2ForCausalLM(config)
+    parallelize(model, None)
+    dims = dims_module(model)
+    assert dims.windows == (None, 16) and dims.window(0) is None and dims.window(1) == 16
+    cost = CostModel(dims, 1, CLUSTER.machine())
+    assert cost.op_rows() == [("attention", None), ("mlp", None), ("attention", 16)]
+    assert cost.positions() == (0, 1, 2, 1)
+    with pytest.raises(ValueError, match="one per layer"):
+        dataclasses.replace(dims, windows=(16,))
+    assert dataclasses.replace(dims, windows=[None, None]).windows == ()  # no window anywhere: the plain model
+    assert ModelDims(**json.loads(json.dumps(dataclasses.asdict(dims)))) == dims  # as a profile stores them
+
+
+def test_the_kernels_only_windows_call_are_measured_for_models_with_windows() -> None:
+    """Masked ring tiles (explicit kernel) and the SDPA path's band-masked query chunks, at each window (capped at
+    half the longest benchmarked length); and the SDPA path of a windowed layer is timed at the band kernel's rate."""
+    from types import SimpleNamespace
+
+    from lightning_paradyse.cost.measure import bench_kernels
+    from lightning_paradyse.cost.time import Machine, attn_seconds, op_work, sdpa_pairs
+
+    settings = SimpleNamespace(batch=1, dtype="float32", device="cpu", kernel_lengths=(64,), kernel_seconds=0.0)
+    dims = dims_from_config(dataclasses.replace(CONFIGS["llama-tiny"], n_layers=2), 4)
+    plain = bench_kernels(dims, settings, 2)
+    windowed = bench_kernels(dataclasses.replace(dims, windows=(16, 100)), settings, 2)
+    assert not any("mask" in k or "band" in k for k in plain)
+    added = {"tile_mask_fwd", "tile_mask_bwd", "gtile_mask_fwd", "gtile_mask_bwd", "sdpa_band_fwd", "sdpa_band_bwd"}
+    assert set(windowed) == set(plain) | added and all(rate > 0 for k in added for _, rate in windowed[k])
+    assert [size for size, _ in windowed["sdpa_band_fwd"]] == [32.0, 64.0]  # 2w for w = 16 and w = 100 -> 32
+
+    work = op_work("tp_sp", "attention", 1000, 1, 2, dims, window=100)["forward"]
+    assert (work.kernel, work.attn_size) == ("sdpa_band", 200)
+    assert work.attn == 4 * dims.head_dim * dims.n_heads / 2 * sdpa_pairs(1000, True, 100)
+    curves = {"sdpa_fwd": ((200, 4e9),), "sdpa_band_fwd": ((200, 2e9),)}
+    machine = Machine("test", 1e12, 1e10, 1e10, 8e9, 8e9, curves=curves)
+    assert attn_seconds(machine, work, backward=False) == pytest.approx(work.attn / 2e9)
+    older = dataclasses.replace(machine, curves={"sdpa_fwd": ((200, 4e9),)})  # the causal kernel at 2w stands in
+    assert attn_seconds(older, work, backward=False) == pytest.approx(work.attn / 4e9)
+    assert op_work("tp_sp", "attention", 100, 1, 2, dims, window=100)["forward"].kernel == "sdpa"

@@ -177,3 +177,32 @@ def test_planner_from_a_parallelized_module() -> None:
     planner = make_planner(module, 2, 2**30, CLUSTERS[0])
     plan = planner.plan(600, 1)
     assert len(plan) == CONFIGS["llama-tiny"].n_layers
+
+
+def test_a_model_mixing_sliding_and_full_layers_is_planned_per_layer() -> None:
+    """Llama-7B's widths with a full layer and a sliding one (window 4,096) at 32K tokens on 8 GPUs: the cost tables
+    have a row per window, each attention position reads its layer's, the search stays exact (against enumeration),
+    and under tight budgets the two layers' attentions get different modes."""
+    cluster = load_cluster(CLUSTERS[0])
+    dims = dims_from_config(dataclasses.replace(CONFIGS["llama-7b"], n_layers=2), 2)
+    model = CostModel(dataclasses.replace(dims, windows=(None, 4096)), 8, cluster.machine())
+    s = 32768
+    problem = model.problem(s, 1)
+    assert problem.ops == (0, 1, 2, 1) and problem.time.shape == (3, len(problem.choices))
+    for c, ch in enumerate(problem.choices):
+        assert problem.time[0, c] == model.op_cost(ch.mode, "attention", ch.recompute, s, 1).time_s
+        assert problem.time[2, c] == model.op_cost(ch.mode, "attention", ch.recompute, s, 1, window=4096).time_s
+        assert problem.time[2, c] < problem.time[0, c]
+    least = min_peak(problem)
+    assert least is not None
+    differs = 0
+    for budget in np.linspace(least.peak, 2 * least.peak, 12).astype(int):
+        best, brute = solve(problem, budget), exhaustive(problem, budget)
+        assert best is not None and brute is not None
+        assert best.time == pytest.approx(brute.time) and best.peak <= budget
+        plan = to_plan(problem, best.seq)
+        assert model.plan_cost(plan, s, 1) == pytest.approx((best.time, best.peak))
+        differs += plan.layers[0].attention != plan.layers[1].attention
+    assert differs > 0
+    mirrored = CostModel(dataclasses.replace(dims, windows=(4096, None)), 8, cluster.machine()).problem(s, 1)
+    assert mirrored.ops == (0, 1, 2, 1) and np.array_equal(mirrored.time[[2, 1, 0]], problem.time)

@@ -6,6 +6,10 @@ They come from a model config (:func:`dims_from_config`, so that ``cli.py plan``
 model without building it) or from a parallelized module (:func:`dims_from_module`, which reads the
 :class:`~lightning_paradyse.spec.AttnSpec` / :class:`~lightning_paradyse.spec.MlpSpec` of its
 dispatch modules, so user models are covered too).
+
+Every layer has the same widths; what may differ per layer is the attention's causal sliding window
+(:attr:`ModelDims.windows`: Gemma 3's sliding and full layers, Qwen2's ``max_window_layers``), which the
+formulas take per op as ``window`` (see :mod:`lightning_paradyse.cost.time`).
 """
 
 from __future__ import annotations
@@ -55,12 +59,27 @@ class ModelDims:
     """Element size of activations, weights and gradients (4 for float32, 2 for bf16)."""
     extra_params: int = 0
     """Replicated parameters outside the blocks and norms beyond ``2*vocab*h`` (e.g. position embeddings)."""
+    windows: tuple[int | None, ...] = ()
+    """Per layer, the causal sliding window of its attention in tokens (a query attends its ``window`` most recent
+    keys, itself included), ``None`` for a layer attending the whole causal sequence; empty: no layer has one."""
 
     def __post_init__(self) -> None:
         if self.norm not in ("rms", "layer"):
             raise ValueError(f"norm must be 'rms' or 'layer', got {self.norm!r}")
         if min(self.hidden, self.n_heads, self.n_kv_heads, self.head_dim, self.ffn, self.n_layers, self.vocab) < 1:
             raise ValueError(f"every dimension must be positive: {self}")
+        windows = tuple(None if w is None else int(w) for w in self.windows)  # a profile's JSON gives a list
+        object.__setattr__(self, "windows", windows if any(w is not None for w in windows) else ())
+        if self.windows and len(self.windows) != self.n_layers:
+            raise ValueError(f"windows: one per layer ({self.n_layers}), got {len(self.windows)}: {self.windows}")
+        if any(w is not None and w < 1 for w in self.windows):
+            raise ValueError(f"windows must be positive token counts or None, got {self.windows}")
+        if self.windows and not self.causal:
+            raise ValueError("a sliding window needs causal attention")
+
+    def window(self, layer: int) -> int | None:
+        """The causal sliding window of ``layer``'s attention (``None``: the whole causal sequence)."""
+        return self.windows[layer] if self.windows else None
 
     @property
     def q_rows(self) -> int:
@@ -116,9 +135,9 @@ class ModelDims:
         """Replicated elements outside the blocks: embedding, LM head, final norm and extras."""
         return 2 * self.vocab * self.hidden + self.norm_params() + self.extra_params
 
-    def attn_spec(self) -> AttnSpec:
-        """The :class:`AttnSpec` the volume formulas take."""
-        return AttnSpec(self.hidden, self.n_heads, self.n_kv_heads, self.head_dim, self.causal)
+    def attn_spec(self, window: int | None = None) -> AttnSpec:
+        """The :class:`AttnSpec` the volume formulas take (of a layer with ``window``)."""
+        return AttnSpec(self.hidden, self.n_heads, self.n_kv_heads, self.head_dim, self.causal, window=window)
 
     def mlp_spec(self) -> MlpSpec:
         """The :class:`MlpSpec` the volume formulas take (the activation does not matter to them)."""
@@ -167,11 +186,19 @@ def dims_from_module(module: nn.Module, vocab: int | None = None) -> ModelDims:
     """The dimensions of a module parallelized by :func:`lightning_paradyse.parallel.parallelize`.
 
     ``vocab`` defaults to the largest ``num_embeddings`` of an ``nn.Embedding`` in the module. The
-    norm kind is RMS when a module whose class name contains ``RMS`` exists, else LayerNorm.
+    norm kind is RMS when a module whose class name contains ``RMS`` exists, else LayerNorm. Each layer's
+    sliding window is its attention dispatch module's (``AttnSpec.window``), so a model mixing sliding and
+    full layers is priced per layer.
     """
-    from lightning_paradyse.parallel import n_layers
+    from lightning_paradyse.dispatch import AttentionDispatch
+    from lightning_paradyse.parallel import dispatchers, n_layers
 
     attn, mlp = _ops(module)
+    layers = n_layers(module)
+    windows: list[int | None] = [None] * layers
+    for _, op in dispatchers(module):
+        if isinstance(op, AttentionDispatch) and op.layer < layers:
+            windows[op.layer] = op.spec.window
     a, m = attn.spec, mlp.spec
     if vocab is None:
         sizes = [e.num_embeddings for e in module.modules() if isinstance(e, nn.Embedding)]
@@ -184,7 +211,7 @@ def dims_from_module(module: nn.Module, vocab: int | None = None) -> ModelDims:
         a.n_kv_heads,
         a.head_dim,
         m.ffn,
-        n_layers(module),
+        layers,
         vocab,
         gated=m.gated,
         biases=attn.opt("bq") is not None,
@@ -192,6 +219,7 @@ def dims_from_module(module: nn.Module, vocab: int | None = None) -> ModelDims:
         rotary=attn.roles.program is not None,
         norm="rms" if rms else "layer",
         dtype_bytes=dtype_bytes,
+        windows=tuple(windows),
     )
 
 

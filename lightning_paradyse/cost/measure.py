@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lightning_paradyse.attention import block_backward, block_forward
+from lightning_paradyse.attention import block_backward, block_forward, in_window
 from lightning_paradyse.check import lm_loss_sum
 from lightning_paradyse.comm import (
     CommCounter,
@@ -152,14 +152,47 @@ def _sdpa_times(dims: ModelDims, settings: Any, p: int, s: int) -> tuple[float, 
     return flops, fwd, bwd
 
 
+def _band_times(dims: ModelDims, settings: Any, p: int, window: int) -> tuple[float, float, float]:
+    """``(attention FLOPs, forward seconds, backward seconds)`` of one query chunk of a sliding window in the SDPA
+    path (:func:`~lightning_paradyse.attention.full_attention`): ``w`` queries against the ``2w - 1`` keys they can
+    see, over ``n/p`` heads, with the band mask; all ``w(2w - 1)`` pairs counted, as the kernel computes them."""
+    b, heads, w = settings.batch, max(dims.n_heads // p, 1), window
+    make = functools.partial(torch.randn, dtype=_dtype(settings), device=_device(settings), requires_grad=True)
+    q, k, v = (
+        make(b, heads, w, dims.head_dim),
+        make(b, heads, 2 * w - 1, dims.head_dim),
+        make(b, heads, 2 * w - 1, dims.head_dim),
+    )
+    positions = torch.arange(2 * w - 1, device=_device(settings))
+    mask = in_window(positions[w - 1 :], positions, w)  # [w, 2w - 1]: a chunk away from the sequence's start
+    flops = 4 * b * dims.head_dim * heads * w * (2 * w - 1)
+    fwd = timed(lambda: F.scaled_dot_product_attention(q, k, v, mask), KERNEL_REPS, _kernel_seconds(settings))
+    dout = torch.randn(b, heads, w, dims.head_dim, dtype=_dtype(settings), device=_device(settings))
+
+    def both() -> None:
+        F.scaled_dot_product_attention(q, k, v, mask).backward(dout)
+
+    bwd = max(timed(both, KERNEL_REPS, _kernel_seconds(settings)) - fwd, 1e-9)
+    return flops, fwd, bwd
+
+
+def band_windows(dims: ModelDims, settings: Any) -> list[int]:
+    """The windows the band kernel is measured at: the model's, at most half the longest benchmarked length (a
+    longer window's rate is the nearest measured one)."""
+    cap = max(max(settings.kernel_lengths) // 2, 1)
+    return sorted({min(w, cap) for w in dims.windows if w is not None})
+
+
 def _tile_times(
-    dims: ModelDims, settings: Any, p: int, s: int, diagonal: bool, group: bool
+    dims: ModelDims, settings: Any, p: int, s: int, diagonal: bool, group: bool, masked: bool = False
 ) -> tuple[float, float, float]:
     """``(attention FLOPs, forward seconds, backward seconds)`` of one ring tile of length ``s``'s chunk.
 
     ``diagonal``: the causal tile on the diagonal (masked inside; all its pairs counted, as the ring
     computes it whole), which costs about twice a tile in the past on CPU. ``group``: over one head
     group (``n/p`` query heads and the kv heads they read), as ``metp`` calls it, else over all heads.
+    ``masked``: a tile in the past that a sliding window's edge crosses (half its pairs in the window, all counted),
+    which runs the explicit kernel with a mask.
     """
     b, c = settings.batch, tile_side(s, p, dims.causal)
     dtype = _dtype(settings)
@@ -167,13 +200,17 @@ def _tile_times(
     kv_heads = max(heads * dims.n_kv_heads // dims.n_heads, 1)
     q = torch.randn(b, heads, c, dims.head_dim, dtype=dtype, device=_device(settings))
     k, v = (torch.randn(b, kv_heads, c, dims.head_dim, dtype=dtype, device=_device(settings)) for _ in range(2))
+    positions = torch.arange(c, device=_device(settings))
+    allowed = in_window(positions + c, positions, c) if masked else None  # [c, c]: the window's edge on the diagonal
     flops = 4 * b * dims.head_dim * heads * c * c
-    fwd = timed(lambda: block_forward(q, k, v, diagonal), KERNEL_REPS, _kernel_seconds(settings))
-    out, lse = block_forward(q, k, v, diagonal)
+    fwd = timed(lambda: block_forward(q, k, v, diagonal, allowed=allowed), KERNEL_REPS, _kernel_seconds(settings))
+    out, lse = block_forward(q, k, v, diagonal, allowed=allowed)
     dout = torch.randn_like(out)
     delta = (dout * out).sum(-1)
     bwd = timed(
-        lambda: block_backward(dout, q, k, v, lse, delta, diagonal, out=out), KERNEL_REPS, _kernel_seconds(settings)
+        lambda: block_backward(dout, q, k, v, lse, delta, diagonal, allowed=allowed, out=out),
+        KERNEL_REPS,
+        _kernel_seconds(settings),
     )
     return flops, fwd, bwd
 
@@ -182,7 +219,9 @@ def bench_kernels(dims: ModelDims, settings: Any, p: int) -> dict[str, list[tupl
     """Rate curves ``{kernel: [(size, FLOP/s), ...]}`` of the GEMM, SDPA and ring tile kernels.
 
     Ring tiles come in four kinds: over all heads (``tile``, ring attention) or one head group
-    (``gtile``, ``metp``), each in the past or on the causal diagonal (``_diag``).
+    (``gtile``, ``metp``), each in the past or on the causal diagonal (``_diag``); for a model with sliding
+    windows also the tiles a window's edge crosses (``_mask``, the explicit kernel), and the SDPA path's query
+    chunks against a band mask (``sdpa_band``, at each window ``w``, size ``2w``).
 
     Measured at every length of ``settings.kernel_lengths`` (the profiled lengths and a few longer
     ones): single-kernel microbenchmarks, so that rates at lengths beyond the profiled ones (caches
@@ -195,13 +234,18 @@ def bench_kernels(dims: ModelDims, settings: Any, p: int) -> dict[str, list[tupl
         out.setdefault("sdpa_fwd", []).append((float(s), flops / fwd))
         out.setdefault("sdpa_bwd", []).append((float(s), 2.5 * flops / bwd))
         side = float(tile_side(s, p, dims.causal))
-        for kernel in ("tile", "tile_diag", "gtile", "gtile_diag"):
-            diagonal, group = kernel.endswith("_diag"), kernel.startswith("g")
+        kernels = ("tile", "tile_diag", "gtile", "gtile_diag") + (("tile_mask", "gtile_mask") if dims.windows else ())
+        for kernel in kernels:
+            diagonal, group, masked = kernel.endswith("_diag"), kernel.startswith("g"), kernel.endswith("_mask")
             if (diagonal and not dims.causal) or (group and p == 1):
                 continue
-            flops, fwd, bwd = _tile_times(dims, settings, p, s, diagonal, group)
+            flops, fwd, bwd = _tile_times(dims, settings, p, s, diagonal, group, masked)
             out.setdefault(f"{kernel}_fwd", []).append((side, flops / fwd))
             out.setdefault(f"{kernel}_bwd", []).append((side, 2.5 * flops / bwd))
+    for w in band_windows(dims, settings):
+        flops, fwd, bwd = _band_times(dims, settings, p, w)
+        out.setdefault("sdpa_band_fwd", []).append((float(2 * w), flops / fwd))
+        out.setdefault("sdpa_band_bwd", []).append((float(2 * w), 2.5 * flops / bwd))
     return out
 
 

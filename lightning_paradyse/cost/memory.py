@@ -20,6 +20,18 @@ calibrates only the latter with a multiplicative factor. The formulas were deriv
 on CPU: ``saved`` is exact for ``b = 1`` (float32), the transients are the dominant moments of each
 op and agree to about 10%. Symbols (all per rank): ``t = b*ceil(s/p)`` local tokens, ``T = b*s``,
 ``X = t*h*e`` a local hidden state, ``XG = T*h*e`` a gathered one, ``e`` the element size.
+
+A layer with a causal sliding window ``w`` shorter than the sequence (checked with the tracker at ``p = 2``):
+
+* the SDPA path (``tp_sp``, ``ulysses``) runs query chunks of ``w`` tokens with a band mask (see
+  :func:`~lightning_paradyse.cost.time.sdpa_chunks`). Each chunk's boolean mask becomes a ``[queries, keys]`` float
+  mask in the activations' dtype that the kernel keeps for backward, ``e`` bytes per pair of every chunk (once,
+  whatever ``b`` and the heads); ``tp_sp`` also keeps the chunks' outputs beside their concatenation (``T*q/p*e``;
+  ``ulysses`` copies its output for the all-to-all anyway). Building one chunk's mask holds :data:`BAND_BYTES`
+  per pair of the chunk (int64 position differences, three boolean masks, the previous chunk's mask).
+* ring attention runs a tile the window's edge crosses in the explicit kernel, which holds score tiles even where
+  unmasked tiles run the flash kernel, plus the tiles' boolean masks (one byte per pair, those of one source's
+  block at a time).
 """
 
 from __future__ import annotations
@@ -30,7 +42,12 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from lightning_paradyse.cost.dims import ModelDims
+from lightning_paradyse.cost.time import ring_tiles, sdpa_chunks, sdpa_pairs
 from lightning_paradyse.layout import SeqLayout
+
+BAND_BYTES = 12
+"""Bytes per (query, key) pair of one chunk while its band mask is built: the ``int64`` position differences, the
+two comparisons and their conjunction, and the previous chunk's boolean mask (see the module docstring)."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +97,8 @@ class _Shape:
     p: int
     flash: bool = False
     """Attention tiles run in a flash kernel (no score tile is materialised)."""
+    window: int | None = None
+    """The layer's causal sliding window (``None``: the whole sequence)."""
 
     @property
     def e(self) -> int:
@@ -135,11 +154,36 @@ class _Shape:
         """Tokens of one ring tile side: ``s/2p`` in the balanced layout, else ``s/p``."""
         return math.ceil(self.s / (2 * self.p)) if self.balanced else self.s_r
 
+    @cached_property
+    def masked_tiles(self) -> int:
+        """Ring tiles a sliding window masks, the most of one source's block (0 without a window)."""
+        return ring_tiles(self.s, self.p, self.d.causal, self.window).masked_tiles if self.window else 0
+
     def tile(self, heads: int) -> float:
-        """Bytes of one attention score tile ``[b, heads, chunk, chunk]`` in the accumulation dtype."""
-        if self.flash:
+        """Bytes of one attention score tile ``[b, heads, chunk, chunk]`` in the accumulation dtype: nothing in a
+        flash kernel, unless a sliding window masks tiles (they run in the explicit kernel)."""
+        if self.flash and not self.masked_tiles:
             return 0.0
         return self.b * heads * self.chunk * self.chunk * self.a
+
+    def tile_masks(self) -> float:
+        """The boolean ``[chunk, chunk]`` masks of one source's window-masked ring tiles."""
+        return self.masked_tiles * self.chunk * self.chunk
+
+    @property
+    def band(self) -> bool:
+        """The SDPA path runs query chunks against a band mask (a window shorter than the sequence)."""
+        return self.window is not None and self.s > self.window
+
+    def band_masks(self) -> float:
+        """The float band masks the SDPA kernel keeps for backward, ``e`` bytes per pair of every chunk."""
+        return sdpa_pairs(self.s, True, self.window) * self.e if self.band else 0.0
+
+    def band_build(self) -> float:
+        """Building one chunk's band mask: :data:`BAND_BYTES` per pair of the largest chunk."""
+        if not self.band or self.window is None:
+            return 0.0
+        return BAND_BYTES * max(q * k for q, k in sdpa_chunks(self.s, self.window))
 
     def rot(self, tokens: int) -> float:
         """The float32 cos/sin tables a rotary op saves (two per q and k) for ``tokens`` positions."""
@@ -196,23 +240,25 @@ def _full_attention_saved(c: _Shape, q_view_of: str) -> float:
 
 def _tp_sp_attention(c: _Shape) -> _Core:
     XG = c.XG
-    saved = XG + _full_attention_saved(c, "own") + c.rot(c.s) + c.index()
+    band = c.band_masks() + (c.T * c.qr * c.e if c.band else 0.0)  # masks; chunk outputs beside their concatenation
+    saved = XG + _full_attention_saved(c, "own") + c.rot(c.s) + c.index() + band
     after = XG if c.balanced else c.X  # the output re-ordered (balanced) or the reduce-scatter result
-    fwd = Mem(0.0, saved + XG + after + c.pad)
+    fwd = peak(Mem(0.0, saved + XG + after + c.pad), Mem(0.0, saved + c.band_build()))
     bwd = Mem(0.0, XG * (3 if c.balanced else 2) + c.pad)
-    fwd_rc = Mem(0.0, 2 * XG + after + c.T * (2 * c.qr + c.kvr) * c.e + c.pad)
+    attending = 2 * XG + c.T * (2 * c.qr + c.kvr) * c.e  # what a checkpointed forward holds inside the attention
+    fwd_rc = peak(Mem(0.0, attending + after + c.pad), Mem(0.0, attending + c.band_build()))
     return _Core(Mem(0.0, saved), False, fwd, bwd, fwd_rc)
 
 
 def _ulysses_attention(c: _Shape) -> _Core:
     d, t, T, e = c.d, c.t, c.T, c.e
-    saved = _full_attention_saved(c, "full") + c.rot(c.s) + c.index() + t * d.q_rows * e
+    saved = _full_attention_saved(c, "full") + c.rot(c.s) + c.index() + t * d.q_rows * e + c.band_masks()
     kv_sent = c.p * c.kvr  # kv width shipped, kv heads replicated when n_kv < p
     act = 2 * t * (d.q_rows + 2 * kv_sent) * e + T * (c.qr + 2 * c.kvr) * e + 2 * T * c.qr * e
     w_out = d.q_rows * d.hidden * e
-    fwd = Mem(w_out * (1 + 1 / c.p), saved + act)
+    fwd = peak(Mem(w_out * (1 + 1 / c.p), saved + act), Mem(0.0, saved + c.band_build()))
     bwd = peak(Mem(w_out * (2 + 1 / c.p), c.X), Mem(2 * w_out, 2 * T * c.qr * e))
-    rc = 2 * t * (d.q_rows + 2 * kv_sent) * e + T * (2 * c.qr + 3 * c.kvr) * e + t * d.q_rows * e
+    rc = 2 * t * (d.q_rows + 2 * kv_sent) * e + T * (2 * c.qr + 3 * c.kvr) * e + t * d.q_rows * e + c.band_build()
     return _Core(Mem(0.0, saved), True, fwd, bwd, Mem(w_out * (1 + 1 / c.p), rc))
 
 
@@ -220,11 +266,11 @@ def _ring_attention(c: _Shape) -> _Core:
     d, t, e, a = c.d, c.t, c.e, c.a
     q, kv, n = d.q_rows, d.kv_rows, d.n_heads
     saved = c.rot(c.s_r) + t * (q + 2 * kv) * e + 2 * t * q * e + c.b * n * c.s_r * a
-    tiles = Mem(0.0, saved - 2 * t * q * e + 4 * t * kv * e + 1.5 * t * q * a + 3 * c.tile(n))
+    tiles = Mem(0.0, saved - 2 * t * q * e + 4 * t * kv * e + 1.5 * t * q * a + 3 * c.tile(n) + c.tile_masks())
     w_max = max(q, kv) * d.hidden * e
     weights = Mem(w_max * (1 + 1 / c.p), saved + c.X)
     fwd = peak(tiles, weights)
-    ring = Mem(q * d.hidden * e / c.p, 5 * c.tile(n) + t * q * a + 6 * t * kv * a + c.X)
+    ring = Mem(q * d.hidden * e / c.p, 5 * c.tile(n) + c.tile_masks() + t * q * a + 6 * t * kv * a + c.X)
     bwd = peak(ring, Mem(w_max * (2 + 1 / c.p), c.X))
     return _Core(Mem(0.0, saved), True, fwd, bwd)
 
@@ -234,10 +280,10 @@ def _metp_attention(c: _Shape) -> _Core:
     qr, kvr, nr = c.qr, c.kvr, d.n_heads // c.p
     shard = d.attn_params() / c.p * e  # one head group's packed broadcast shard
     saved = t * d.q_rows * e + c.b * d.n_heads * c.s_r * a
-    group = 1.5 * t * (qr + 2 * kvr) * e + 4 * t * kvr * e + 1.5 * t * qr * a + 3 * c.tile(nr)
+    group = 1.5 * t * (qr + 2 * kvr) * e + 4 * t * kvr * e + 1.5 * t * qr * a + 3 * c.tile(nr) + c.tile_masks()
     fwd = Mem(2 * shard, c.X + saved + group)
     recompute = t * (qr + 2 * kvr) * e + c.rot(c.s_r) + t * qr * e + t * qr * a + 6 * t * kvr * a
-    bwd = Mem(4 * shard + qr * d.hidden * e, 2 * c.X + recompute + 5 * c.tile(nr))
+    bwd = Mem(4 * shard + qr * d.hidden * e, 2 * c.X + recompute + 5 * c.tile(nr) + c.tile_masks())
     return _Core(Mem(0.0, saved), True, fwd, bwd)
 
 
@@ -306,17 +352,26 @@ def _norm(c: _Shape) -> tuple[float, float]:
 
 
 def segment_memory(
-    mode: str, op: str, recompute: bool, seq_len: int, batch: int, p: int, dims: ModelDims, flash: bool = False
+    mode: str,
+    op: str,
+    recompute: bool,
+    seq_len: int,
+    batch: int,
+    p: int,
+    dims: ModelDims,
+    flash: bool = False,
+    window: int | None = None,
 ) -> SegmentMemory:
     """Bytes per rank of one segment (norm + ``op`` in ``mode``); see the module docstring.
 
     ``flash``: ring attention tiles run in a fused flash kernel (on CPU, tiles without a document mask), so no
     ``[b, heads, chunk, chunk]`` score tile is ever held; the explicit implementation materialises it.
+    ``window``: the layer's causal sliding window (``None``: the whole sequence; the MLP ignores it).
     """
     formula = _CORES.get((mode, op))
     if formula is None:
         raise ValueError(f"no memory formula for mode {mode!r}, op {op!r}")
-    c = _Shape(dims, seq_len, batch, p, flash)
+    c = _Shape(dims, seq_len, batch, p, flash, window if op == "attention" else None)
     core = formula(c)
     norm_saved, norm_alloc = _norm(c)
     before = Mem(0.0, norm_alloc)

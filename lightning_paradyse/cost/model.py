@@ -22,6 +22,11 @@ backward transient; the LM head and loss come after the last block; after the ba
 gradients and the replicated-gradient all-reduce. Parameters and optimizer state are static; under
 Lightning the previous step's gradients are alive through the forward (``grads_resident``).
 
+A model whose layers differ in their attention's sliding window (Gemma 3's sliding and full layers, Qwen2's
+``max_window_layers``: :attr:`~lightning_paradyse.cost.dims.ModelDims.windows`) gets one cost table row per
+distinct window, and every attention position reads the row of its layer's window: the planner prices and
+places each layer type by its own work.
+
 Switching between modes is free in this design (one layout, no data movement, no buffer pools), so
 ``switch_s`` and ``buffers`` default to zero; they exist so that a deployment with mode-specific
 persistent buffers or switch overheads is planned exactly.
@@ -130,11 +135,16 @@ class CostModel:
             return self.calibration[key]
         return OpCalibration(time_fixed=self.machine.op_overhead_s)
 
-    def op_cost(self, mode: str, op: str, recompute: bool, seq_len: int, batch: int) -> OpCost:
-        """Time and memory of one segment (the op and the norm before it)."""
+    def op_cost(
+        self, mode: str, op: str, recompute: bool, seq_len: int, batch: int, window: int | None = None
+    ) -> OpCost:
+        """Time and memory of one segment (the op and the norm before it); ``window``: the causal sliding window
+        of the layer's attention (``None``: the whole sequence)."""
         cal = self._cal(calibration_key(mode, op, recompute))
-        mem = segment_memory(mode, op, recompute, seq_len, batch, self.p, self.dims, self.machine.flash_tiles)
-        timing = op_time(mode, op, recompute, seq_len, batch, self.p, self.dims, self.machine)
+        window = window if op == "attention" else None
+        flash = self.machine.flash_tiles
+        mem = segment_memory(mode, op, recompute, seq_len, batch, self.p, self.dims, flash, window)
+        timing = op_time(mode, op, recompute, seq_len, batch, self.p, self.dims, self.machine, window)
         time_s = cal.time_fixed + timing.total(cal.time_scale)
         return OpCost(time_s, _bytes(mem.saved, cal.saved), _bytes(mem.fwd, cal.fwd), _bytes(mem.bwd, cal.bwd))
 
@@ -183,21 +193,44 @@ class CostModel:
         recompute: Sequence[bool] = (False, True),
         allowed: tuple[Sequence[str], Sequence[str]] | None = None,
     ) -> PlanProblem:
-        """The planner's cost tables for one batch shape (see the module docstring)."""
+        """The planner's cost tables for one batch shape (see the module docstring).
+
+        Rows: 0 the attention of the first layer's window, 1 the MLP, then one per further distinct window
+        (:meth:`op_rows`).
+        """
         choices = tuple(Choice(m, rc) for m in modes for rc in recompute)
         allowed = allowed if allowed is not None else self.allowed_modes(modes)
-        C = len(choices)
-        tables = {name: np.zeros((2, C), dtype=np.int64) for name in ("saved", "fwd", "bwd")}
-        times = np.zeros((2, C))
-        for op, o in OP_TYPES.items():
+        rows = self.op_rows()
+        C, R = len(choices), len(rows)
+        tables = {name: np.zeros((R, C), dtype=np.int64) for name in ("saved", "fwd", "bwd")}
+        times = np.zeros((R, C))
+        for o, (op, window) in enumerate(rows):
             for c, ch in enumerate(choices):
-                if ch.mode not in allowed[o]:
+                if ch.mode not in allowed[OP_TYPES[op]]:
                     continue
-                cost = self.op_cost(ch.mode, op, ch.recompute, seq_len, batch)
+                cost = self.op_cost(ch.mode, op, ch.recompute, seq_len, batch, window)
                 times[o, c] = cost.time_s * self.step_scale()
                 tables["saved"][o, c], tables["fwd"][o, c], tables["bwd"][o, c] = cost.saved, cost.fwd, cost.bwd
-        allowed_idx = tuple(tuple(c for c, ch in enumerate(choices) if ch.mode in allowed[o]) for o in (0, 1))
+        allowed_idx = tuple(
+            tuple(c for c, ch in enumerate(choices) if ch.mode in allowed[OP_TYPES[op]]) for op, _ in rows
+        )
         return self._assemble(seq_len, batch, choices, allowed_idx, times, tables)
+
+    def op_rows(self) -> list[tuple[str, int | None]]:
+        """``(op, window)`` of every row of the cost tables: the first layer's attention, the MLP, then the
+        attention of every further distinct window in layer order (two rows for a model without windows)."""
+        windows = [self.dims.window(layer) for layer in range(self.dims.n_layers)]
+        rows: list[tuple[str, int | None]] = [("attention", windows[0]), ("mlp", None)]
+        rows += [("attention", w) for i, w in enumerate(windows) if i and w not in windows[:i]]
+        return rows
+
+    def positions(self) -> tuple[int, ...]:
+        """The cost table row of every op position (attention, MLP per layer, in model order)."""
+        rows = self.op_rows()
+        attn = {w: o for o, (op, w) in enumerate(rows) if op == "attention"}
+        return tuple(
+            row for layer in range(self.dims.n_layers) for row in (attn[self.dims.window(layer)], OP_TYPES["mlp"])
+        )
 
     def _assemble(
         self,
@@ -209,10 +242,10 @@ class CostModel:
         tables: dict[str, np.ndarray],
     ) -> PlanProblem:
         K = 2 * self.dims.n_layers
-        ops = tuple(k % 2 for k in range(K))
+        ops = self.positions()
         stream = math.ceil(stream_bytes(seq_len, batch, self.p, self.dims))
         head = self.head_cost(seq_len, batch)
-        grads = [math.ceil(op_grad_bytes(OPS[o], self.p, self.dims)) for o in ops]
+        grads = [math.ceil(op_grad_bytes(OPS[k % 2], self.p, self.dims)) for k in range(K)]
         outer = math.ceil(outer_grad_bytes(self.dims))
         head_grads = math.ceil(self.dims.vocab * self.dims.hidden * self.dims.dtype_bytes)
         after = np.cumsum(grads[::-1])[::-1]  # grads of positions >= k

@@ -1,7 +1,8 @@
 """Exact search for the fastest per-op plan under a memory budget (a Pareto dynamic programme).
 
 The problem (:class:`PlanProblem`): ``K`` op positions in model order (attention, MLP, attention, ...),
-each taking one *choice* (a mode and a recompute flag) from those allowed for its op type. Position
+each taking one *choice* (a mode and a recompute flag) from those allowed for its op type (a row of the cost
+tables: attention and MLP, and the attention of layers with another sliding window, priced apart). Position
 ``k`` with choice ``c`` costs ``time[o_k][c]`` seconds and, for memory, keeps ``saved[o_k][c]`` bytes
 until its backward and needs ``need_k(c)`` bytes above what earlier positions keep:
 
@@ -78,17 +79,18 @@ class PlanProblem:
     choices: tuple[Choice, ...]
     """All choices; tables are indexed by ``[op type][choice index]``."""
     ops: tuple[int, ...]
-    """Op type (0 attention, 1 MLP) of every position, in model order."""
+    """Op type (table row: 0 attention, 1 MLP, further rows the attention of layers with another window) of every
+    position, in model order."""
     allowed: tuple[tuple[int, ...], ...]
     """Allowed choice indices per op type."""
     time: np.ndarray
-    """``[2, C]`` seconds per op and step."""
+    """``[R, C]`` seconds per op and step (``R`` op types, 2 without windows)."""
     saved: np.ndarray
-    """``[2, C]`` int64 bytes kept from the op's forward to its backward."""
+    """``[R, C]`` int64 bytes kept from the op's forward to its backward."""
     fwd: np.ndarray
-    """``[2, C]`` int64 forward transient bytes."""
+    """``[R, C]`` int64 forward transient bytes."""
     bwd: np.ndarray
-    """``[2, C]`` int64 backward transient bytes."""
+    """``[R, C]`` int64 backward transient bytes."""
     fwd_offset: np.ndarray
     """``[K]`` int64 bytes alive at each position's forward besides the saved prefix (the residual stream)."""
     bwd_offset: np.ndarray

@@ -24,6 +24,24 @@ FLOPs per rank (``t = b*s/p`` local tokens, ``T = b*s``, ``q = n*d``, ``kv = n_k
   heads and exactly the pairs of the tiles :func:`lightning_paradyse.modes.ring.tiles` computes (a
   diagonal tile is computed whole and masked, at its own measured rate: the mask makes it slower).
 
+Sliding windows (a layer's ``window`` ``w``, :attr:`~lightning_paradyse.cost.dims.ModelDims.windows`) are priced by
+the work each mode really does for them:
+
+* a causal window over ``s`` tokens has ``sum_i min(i+1, w) = s*w - w(w-1)/2`` (query, key) pairs for ``s > w``
+  (:func:`window_pairs`; per document with packing, :func:`attention_pairs`);
+* the SDPA path (``tp_sp``, ``ulysses``: :func:`lightning_paradyse.attention.full_attention`) runs a sequence longer
+  than the window by query chunks of ``w`` tokens, each against the ``<= 2w - 1`` keys it can see, with a band mask;
+  a chunk computes its whole rectangle (``w(2w-1)`` pairs, about twice the pairs in the window), at the rate of that
+  masked call (kernel ``sdpa_band``, measured per window when the model has windows; else the causal kernel's rate
+  over ``2w`` tokens, as many pairs, stands in) (:func:`sdpa_pairs`, :func:`sdpa_size`);
+* ring attention (``ring``, ``metp``: :func:`lightning_paradyse.modes.ring.doc_tiles`) skips a tile whose keys are
+  all older than the window and masks a tile the window's edge crosses; a masked tile is computed whole by the
+  explicit kernel (the fused one takes no mask), at its own rate (kernel ``tile_mask``/``gtile_mask``, measured
+  when the model has windows; else the diagonal tile's rate stands in, optimistic on CPU, where the explicit
+  kernel is several times slower) (:func:`ring_tiles`);
+* the traffic does not change: every key/value block still travels the whole ring (a skipped tile skips its
+  compute, not its hop), so less of that traffic hides behind attention.
+
 Rates come from a :class:`Machine`: measured on this machine by the profile (a GEMM, the SDPA kernel
 and the ring tile kernel at the model's head size, collectives of several sizes), or derived from a
 cluster description (:mod:`lightning_paradyse.cost.cluster`).
@@ -107,7 +125,8 @@ class Machine:
     """Fixed time per op and step when nothing is calibrated (kernel launches)."""
     curves: Mapping[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     """Measured ``{kernel: ((size, FLOP/s), ...)}`` for ``gemm`` (size: local tokens), ``sdpa_fwd``/``sdpa_bwd``
-    (sequence length), ``tile_fwd``/``tile_bwd`` and the causal diagonal ``tile_diag_fwd``/``tile_diag_bwd``
+    (sequence length), ``sdpa_band_fwd``/``sdpa_band_bwd`` (twice the window), ``tile_fwd``/``tile_bwd``, the causal
+    diagonal ``tile_diag_fwd``/``tile_diag_bwd`` and the window-masked ``tile_mask_fwd``/``tile_mask_bwd``
     (tile side); rates in between are interpolated in log-size,
     outside the measured sizes the nearest is used. Kernels without a curve use the scalar rates."""
 
@@ -163,33 +182,134 @@ class Machine:
         )
 
 
+@dataclass(frozen=True)
+class RingTiles:
+    """The ring attention tiles of one rank, by kind, in (query, key) pairs; every computed tile counted whole."""
+
+    pairs: int
+    """Pairs of every tile the rank computes."""
+    diag_pairs: int
+    """Of which in diagonal tiles run by the fused kernel (causal mask inside, no window mask)."""
+    masked_pairs: int = 0
+    """Of which in tiles a sliding window's edge crosses (run by the explicit kernel with a mask)."""
+    masked_tiles: int = 0
+    """The most window-masked tiles the rank computes against one source's block (their masks are built together)."""
+
+
 @functools.lru_cache(maxsize=4096)
+def ring_tiles(seq_len: int, p: int, causal: bool, window: int | None = None) -> RingTiles:
+    """The tiles the busiest rank (the most pairs) computes in ring attention, as
+    :func:`lightning_paradyse.modes.ring.doc_tiles` chooses them without packed documents.
+
+    A tile of query positions ``[q0, q1)`` and key positions ``[k0, k1)`` is skipped when its nearest pair is out
+    of the window (``q0 - (k1 - 1) >= w``) and masked when its farthest pair is (``q1 - 1 - k0 >= w``).
+    """
+    layout = SeqLayout.for_sequence(seq_len, p, causal)
+    most = RingTiles(0, 0)
+    for rank in range(p):
+        pairs = diag_pairs = masked_pairs = masked_tiles = 0
+        for src in range(p):
+            masked_here = 0
+            for (q0, q1), (k0, k1), diag in _segment_tiles(layout, rank, src, causal):
+                n = (q1 - q0) * (k1 - k0)
+                if window is not None and q0 - (k1 - 1) >= window:
+                    continue  # every key is older than the window
+                pairs += n
+                if window is not None and q1 - 1 - k0 >= window:
+                    masked_pairs, masked_here = masked_pairs + n, masked_here + 1
+                elif diag:
+                    diag_pairs += n
+            masked_tiles = max(masked_tiles, masked_here)
+        here = RingTiles(pairs, diag_pairs, masked_pairs, masked_tiles)
+        if (here.pairs, here.masked_pairs, here.diag_pairs) > (most.pairs, most.masked_pairs, most.diag_pairs):
+            most = here
+    return most
+
+
+def _segment_tiles(
+    layout: SeqLayout, rank: int, src: int, causal: bool
+) -> list[tuple[tuple[int, int], tuple[int, int], bool]]:
+    """:func:`~lightning_paradyse.modes.ring.tiles` as global ``((q0, q1), (k0, k1), diagonal)`` position spans."""
+    spans_q, spans_k = layout.segments(rank), layout.segments(src)
+    starts_q = _local_starts(spans_q)
+    starts_k = _local_starts(spans_k)
+    out = []
+    for q_sl, k_sl, diag in tiles(layout, rank, src, causal):
+        out.append((spans_q[starts_q[q_sl.start]], spans_k[starts_k[k_sl.start]], diag))
+    return out
+
+
+def _local_starts(spans: tuple[tuple[int, int], ...]) -> dict[int, int]:
+    """``{local start: segment index}`` of the segments a rank holds, in local order."""
+    out, at = {}, 0
+    for i, (start, stop) in enumerate(spans):
+        out[at] = i
+        at += stop - start
+    return out
+
+
 def ring_tile_pairs(seq_len: int, p: int, causal: bool) -> tuple[int, int]:
     """``(pairs, of which in diagonal tiles)`` the busiest rank computes in ring attention.
 
     Diagonal tiles are computed whole (and masked inside), so all their pairs count.
     """
-    layout = SeqLayout.for_sequence(seq_len, p, causal)
-    most = (0, 0)
-    for rank in range(p):
-        pairs = diag_pairs = 0
-        for src in range(p):
-            for q_sl, k_sl, diag in tiles(layout, rank, src, causal):
-                n = (q_sl.stop - q_sl.start) * (k_sl.stop - k_sl.start)
-                pairs += n
-                diag_pairs += n if diag else 0
-        most = max(most, (pairs, diag_pairs))
-    return most
+    tiles_ = ring_tiles(seq_len, p, causal)
+    return tiles_.pairs, tiles_.diag_pairs
 
 
-def ring_pairs(seq_len: int, p: int, causal: bool) -> int:
-    """(query, key) pairs the busiest rank computes in ring attention, diagonal tiles counted whole."""
-    return ring_tile_pairs(seq_len, p, causal)[0]
+def ring_pairs(seq_len: int, p: int, causal: bool, window: int | None = None) -> int:
+    """(query, key) pairs the busiest rank computes in ring attention, diagonal and masked tiles counted whole."""
+    return ring_tiles(seq_len, p, causal, window).pairs
 
 
 def full_pairs(seq_len: int, causal: bool) -> int:
     """(query, key) pairs of full-sequence attention: ``s(s+1)/2`` causal, ``s^2`` otherwise."""
     return seq_len * (seq_len + 1) // 2 if causal else seq_len * seq_len
+
+
+def window_pairs(seq_len: int, window: int) -> int:
+    """(query, key) pairs of a causal sliding window over ``s`` tokens: query ``i`` sees ``min(i + 1, w)`` keys,
+    ``s*w - w(w-1)/2`` in all when ``s > w``, ``s(s+1)/2`` (the whole causal sequence) otherwise."""
+    if seq_len <= window:
+        return full_pairs(seq_len, True)
+    return seq_len * window - window * (window - 1) // 2
+
+
+def attention_pairs(seq_len: int, causal: bool, window: int | None = None, docs: tuple[int, ...] | None = None) -> int:
+    """(query, key) pairs attention really relates: per packed document (``docs``: their lengths, summing to
+    ``seq_len``; ``None``: one document), causal or not, within the window if any."""
+    lengths = docs if docs is not None else (seq_len,)
+    if sum(lengths) != seq_len:
+        raise ValueError(f"document lengths {lengths} do not add up to the sequence length {seq_len}")
+    if window is None:
+        return sum(full_pairs(n, causal) for n in lengths)
+    if not causal:
+        raise ValueError("a sliding window needs causal attention")
+    return sum(window_pairs(n, window) for n in lengths)
+
+
+def sdpa_chunks(seq_len: int, window: int) -> list[tuple[int, int]]:
+    """``[(queries, keys), ...]`` of the query chunks :func:`lightning_paradyse.attention.full_attention` runs for one
+    document of ``s > w`` tokens: chunk ``[c0, c0 + w)`` against the keys ``[max(0, c0 - w + 1), c0 + w)``."""
+    out = []
+    for c0 in range(0, seq_len, window):
+        c1, k0 = min(c0 + window, seq_len), max(0, c0 - window + 1)
+        out.append((c1 - c0, c1 - k0))
+    return out
+
+
+def sdpa_pairs(seq_len: int, causal: bool, window: int | None = None) -> int:
+    """(query, key) pairs the SDPA path computes: a causal call's ``s(s+1)/2`` (``s^2`` bidirectional) when the
+    sequence fits the window, else every query chunk's whole ``[queries, keys]`` rectangle (:func:`sdpa_chunks`)."""
+    if window is None or seq_len <= window:
+        return full_pairs(seq_len, causal)
+    return sum(q * k for q, k in sdpa_chunks(seq_len, window))
+
+
+def sdpa_size(seq_len: int, window: int | None = None) -> int:
+    """The length the SDPA rate is looked up at: ``s``, or ``2w`` for query chunks (a ``[w, 2w - 1]`` rectangle has
+    the pairs of a causal call over ``2w`` tokens)."""
+    return seq_len if window is None or seq_len <= window else 2 * window
 
 
 @dataclass(frozen=True)
@@ -201,8 +321,9 @@ class Work:
     attn: float = 0.0
     """Attention FLOPs (``4*d`` per pair and head forward, ``10*d`` backward)."""
     kernel: str = ""
-    """``sdpa`` (full-sequence fused kernel), ``tile`` (ring attention tiles over all heads) or ``gtile``
-    (``metp``'s ring tiles over one head group, ``n/p`` heads)."""
+    """``sdpa`` (full-sequence fused kernel), ``sdpa_band`` (its query chunks against a sliding window's band mask),
+    ``tile`` (ring attention tiles over all heads) or ``gtile`` (``metp``'s ring tiles over one head group, ``n/p``
+    heads)."""
     hidden: str = ""
     """Which compute hides the overlapped transfers: ``attn`` or ``gemm`` (or nothing)."""
     gemm_size: float = 1.0
@@ -211,10 +332,15 @@ class Work:
     """Sequence length (``sdpa``) or tile side (``tile``) the attention rate is looked up at."""
     attn_diag: float = 0.0
     """The part of ``attn`` in diagonal (masked) ring tiles, timed at the ``tile_diag`` rate where measured."""
+    attn_masked: float = 0.0
+    """The part of ``attn`` in ring tiles a sliding window masks (explicit kernel), at the ``tile_mask`` rate."""
 
 
-def op_work(mode: str, op: str, seq_len: int, batch: int, p: int, dims: ModelDims) -> dict[str, Work]:
-    """``{forward, backward, recompute}`` compute of one op of one layer (see the module docstring)."""
+def op_work(
+    mode: str, op: str, seq_len: int, batch: int, p: int, dims: ModelDims, window: int | None = None
+) -> dict[str, Work]:
+    """``{forward, backward, recompute}`` compute of one op of one layer whose attention has the causal sliding
+    ``window`` (``None``: the whole sequence); see the module docstring."""
     d, b = dims, batch
     t = b * math.ceil(seq_len / p)
     if op == "mlp":
@@ -231,19 +357,23 @@ def op_work(mode: str, op: str, seq_len: int, batch: int, p: int, dims: ModelDim
         kv = p * d.kv_heads_per_rank(p) * d.head_dim if p > 1 else d.kv_rows
     qkv = 2 * t * d.hidden * (d.q_rows + 2 * kv)
     fwd = qkv + 2 * t * d.q_rows * d.hidden
-    diag = 0.0
-    if mode in ("tp_sp", "ulysses"):
-        kernel, attn, size = "sdpa", 4 * b * d.head_dim * (d.n_heads / p) * full_pairs(seq_len, d.causal), seq_len
+    diag = masked = 0.0
+    if mode in ("tp_sp", "ulysses"):  # query chunks against a band mask when the window is shorter ("sdpa_band")
+        pairs, size = sdpa_pairs(seq_len, d.causal, window), sdpa_size(seq_len, window)
+        kernel = "sdpa_band" if window is not None and seq_len > window else "sdpa"
+        attn = 4 * b * d.head_dim * (d.n_heads / p) * pairs
     else:  # metp runs the ring once per head group, on n/p heads at a time ("gtile")
-        pairs, diag_pairs = ring_tile_pairs(seq_len, p, d.causal)
-        kernel, attn = ("gtile" if mode == "metp" else "tile"), 4 * b * d.head_dim * d.n_heads * pairs
-        diag, size = 4 * b * d.head_dim * d.n_heads * diag_pairs, tile_side(seq_len, p, d.causal)
-    hidden = "attn" if kernel != "sdpa" else ""
+        ring = ring_tiles(seq_len, p, d.causal, window)
+        per_pair = 4 * b * d.head_dim * d.n_heads
+        kernel, attn = ("gtile" if mode == "metp" else "tile"), per_pair * ring.pairs
+        diag, masked = per_pair * ring.diag_pairs, per_pair * ring.masked_pairs
+        size = tile_side(seq_len, p, d.causal)
+    hidden = "" if kernel.startswith("sdpa") else "attn"
     extra = qkv if mode == "metp" else 0.0
     return {
-        "forward": Work(fwd, attn, kernel, hidden, t, size, diag),
-        "backward": Work(2 * fwd + extra, 2.5 * attn, kernel, hidden, t, size, 2.5 * diag),
-        "recompute": Work(fwd, attn, kernel, hidden, t, size, diag),
+        "forward": Work(fwd, attn, kernel, hidden, t, size, diag, masked),
+        "backward": Work(2 * fwd + extra, 2.5 * attn, kernel, hidden, t, size, 2.5 * diag, 2.5 * masked),
+        "recompute": Work(fwd, attn, kernel, hidden, t, size, diag, masked),
     }
 
 
@@ -254,26 +384,37 @@ def tile_side(seq_len: int, p: int, causal: bool) -> int:
     return math.ceil(seq_len / p)
 
 
-FALLBACK = {"gtile_diag": ("tile_diag", "gtile", "tile"), "tile_diag": ("tile",), "gtile": ("tile",)}
+FALLBACK = {
+    "gtile_diag": ("tile_diag", "gtile", "tile"),
+    "tile_diag": ("tile",),
+    "gtile": ("tile",),
+    "tile_mask": ("tile_diag", "tile"),
+    "gtile_mask": ("tile_mask", "gtile_diag", "tile_diag", "gtile", "tile"),
+    "sdpa_band": ("sdpa",),
+}
 """Kernels whose rate stands in where a kernel has no measured curve (e.g. a cluster file, an older profile)."""
 
 
 def kernel_rate(machine: Machine, kernel: str, direction: str, size: float) -> float:
-    """FLOP/s of ``kernel`` (``sdpa``, ``tile``, ``tile_diag``, ``gtile``, ``gtile_diag``), ``fwd``/``bwd``."""
+    """FLOP/s of ``kernel`` (``sdpa``, ``sdpa_band``, ``tile``, ``tile_diag``, ``tile_mask``, ``gtile``,
+    ``gtile_diag``, ``gtile_mask``), ``fwd``/``bwd``."""
     for name in (kernel, *FALLBACK.get(kernel, ())):
         if f"{name}_{direction}" in machine.curves:
             return machine.rate(f"{name}_{direction}", size)
-    base = "sdpa" if kernel == "sdpa" else "tile"
+    base = "sdpa" if kernel.startswith("sdpa") else "tile"
     return machine.rate(f"{base}_{direction}", size)
 
 
 def attn_seconds(machine: Machine, work: Work, backward: bool) -> float:
-    """Seconds of a phase's attention kernels; diagonal ring tiles at their own rate where it was measured."""
+    """Seconds of a phase's attention kernels; diagonal and window-masked ring tiles at their own rates where they
+    were measured."""
     direction = "bwd" if backward else "fwd"
-    full = work.attn - work.attn_diag
+    full = work.attn - work.attn_diag - work.attn_masked
     seconds = full / kernel_rate(machine, work.kernel, direction, work.attn_size) if full else 0.0
     if work.attn_diag:
         seconds += work.attn_diag / kernel_rate(machine, f"{work.kernel}_diag", direction, work.attn_size)
+    if work.attn_masked:
+        seconds += work.attn_masked / kernel_rate(machine, f"{work.kernel}_mask", direction, work.attn_size)
     return seconds
 
 
@@ -344,10 +485,19 @@ class OpTime:
 
 
 def op_time(
-    mode: str, op: str, recompute: bool, seq_len: int, batch: int, p: int, dims: ModelDims, machine: Machine
+    mode: str,
+    op: str,
+    recompute: bool,
+    seq_len: int,
+    batch: int,
+    p: int,
+    dims: ModelDims,
+    machine: Machine,
+    window: int | None = None,
 ) -> OpTime:
-    """Modelled time of one op of one layer for one step (forward + backward [+ recomputation])."""
-    work = op_work(mode, op, seq_len, batch, p, dims)
+    """Modelled time of one op of one layer for one step (forward + backward [+ recomputation]); ``window``: the
+    layer's causal sliding window (it changes the attention's work, not its traffic)."""
+    work = op_work(mode, op, seq_len, batch, p, dims, window)
     colls = op_collectives(mode, op, seq_len, batch, p, dims)
     names = ("forward", "backward", "recompute") if recompute else ("forward", "backward")
     phases = []
@@ -379,11 +529,18 @@ __all__ = [
     "Links",
     "Machine",
     "OpTime",
+    "RingTiles",
     "Work",
+    "attention_pairs",
     "attn_seconds",
     "kernel_rate",
     "op_time",
     "op_work",
     "ring_pairs",
     "ring_tile_pairs",
+    "ring_tiles",
+    "sdpa_chunks",
+    "sdpa_pairs",
+    "sdpa_size",
+    "window_pairs",
 ]

@@ -10,6 +10,11 @@ rest on the measured-exact volumes.
 Overlap follows the code: the key/value blocks of ring attention (``ring``, and ``metp``'s inner ring)
 and the weight shards of ``metp``'s MLP travel while the op computes; the gradient accumulators that
 follow them in backward are waited for at once, and every other collective is synchronous.
+
+A sliding window changes none of it: ring attention (``ring``, ``metp``) skips the tiles outside the window but
+still passes every key/value block (and its gradient accumulator) around the whole ring, and the other modes'
+collectives do not depend on the attention pattern. What the window changes is how much compute the ring's hops
+hide behind (:mod:`lightning_paradyse.cost.time`).
 """
 
 from __future__ import annotations
