@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from lightning_paradyse.comm import CommCounter
 from lightning_paradyse.cost.grid import GridPlanner
-from lightning_paradyse.dispatch import AttentionDispatch
+from lightning_paradyse.graph.dispatch import AttentionDispatch
 from lightning_paradyse.layout import SeqLayout
 from lightning_paradyse.models.st import SpatialTemporalTransformer, STConfig
 from lightning_paradyse.parallel import configure, dispatchers, parallelize

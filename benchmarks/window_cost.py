@@ -60,7 +60,7 @@ def _worker(rank: int, world: int, settings: Settings) -> dict[str, Any]:
 
     from lightning_paradyse.cost.measure import bench_kernels, measure_segment
     from lightning_paradyse.cost.profile import _build
-    from lightning_paradyse.dispatch import AttentionDispatch
+    from lightning_paradyse.graph.dispatch import AttentionDispatch
     from lightning_paradyse.layout import SeqLayout
     from lightning_paradyse.parallel import dispatchers
     from lightning_paradyse.spec import SeqContext

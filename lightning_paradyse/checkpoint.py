@@ -39,7 +39,7 @@ from torch.optim import Optimizer
 
 from lightning_paradyse import parallel
 from lightning_paradyse.comm import Group
-from lightning_paradyse.dispatch import ShardSource, join_pieces
+from lightning_paradyse.graph.dispatch import ShardSource, join_pieces
 
 LEGACY_FORMAT = "paradyse-consolidated-optimizer-v1"
 """Marker of the optimizer state of earlier versions (``state_dict["format"]``), keyed by plain parameter name."""

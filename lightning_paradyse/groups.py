@@ -51,7 +51,7 @@ from lightning_paradyse.comm import Group, all_gather_rows, all_to_all_rows, gro
 from lightning_paradyse.cost.dims import ModelDims
 from lightning_paradyse.cost.groups import Assignment, GroupCost
 from lightning_paradyse.cost.time import Machine
-from lightning_paradyse.dispatch import OpDispatch
+from lightning_paradyse.graph.dispatch import OpDispatch
 from lightning_paradyse.layout import split_offsets
 from lightning_paradyse.parallel import dispatchers, reduce_replicated_grads, shard_sources
 

@@ -34,12 +34,10 @@ from lightning_paradyse.comm import (
     all_reduce_sum,
     group_rank,
     group_size,
-    move_shard,
     no_counting,
 )
-from lightning_paradyse.dispatch import (
+from lightning_paradyse.graph.dispatch import (
     AttentionDispatch,
-    GridState,
     OpaqueDispatch,
     OpDispatch,
     ShardSource,
@@ -48,7 +46,7 @@ from lightning_paradyse.dispatch import (
 )
 from lightning_paradyse.graph.passes import RoleError
 from lightning_paradyse.graph.rewrite import rewrite_block
-from lightning_paradyse.layout import split_sizes
+from lightning_paradyse.modes.dsp import GridState
 from lightning_paradyse.plan import Plan
 from lightning_paradyse.slicing import IGNORE_INDEX, BatchSource, check_padding_targets
 from lightning_paradyse.spec import SeqContext, row_sizes, shard_rows
@@ -258,14 +256,8 @@ def _grid_before(first: bool) -> Any:
         if grid is None or ctx is None:
             raise RuntimeError("the grid model ran before lightning_paradyse.parallel.configure() set its layout")
         attn = next(m for m in block.modules() if isinstance(m, AttentionDispatch))
-        x = args[0]
-        if first:
-            grid.lengths[2] = int(x.shape[2])  # [b, T/p, S, h]: the patches are whole at the first block
-        if attn.op_plan is not None and attn.op_plan.mode == "dsp" and attn.attend_axis == grid.sharded:
-            src, dst = grid.sharded, grid.other()
-            x = move_shard(x, src, dst, split_sizes(grid.lengths[src], ctx.p), ctx.group)  # [.., n/p, .., m, ..]
-            grid.sharded = dst  # -> [.., n, .., m/p, ..]
-        return (x, *args[1:])
+        switch = attn.op_plan is not None and attn.op_plan.mode == "dsp" and attn.attend_axis == grid.sharded
+        return (grid.enter(args[0], switch, first, ctx.p, ctx.group), *args[1:])
 
     return hook
 
@@ -273,12 +265,7 @@ def _grid_before(first: bool) -> Any:
 def _grid_after(state: StepState, block: nn.Module, args: tuple[Any, ...], out: Any) -> Any:
     grid, ctx = state.grid, state.ctx
     assert grid is not None and ctx is not None
-    if grid.sharded == 1:
-        return out
-    src = grid.sharded
-    out = move_shard(out, src, 1, split_sizes(grid.lengths[src], ctx.p), ctx.group)  # back to [b, T/p, S, h]
-    grid.sharded = 1
-    return out
+    return grid.leave(out, ctx.p, ctx.group)
 
 
 def feasible_modes(module: nn.Module, p: int, modes: list[str]) -> list[tuple[list[str], list[str]]]:
@@ -574,7 +561,7 @@ def configure(module: nn.Module, ctx: SeqContext, plan: Plan) -> None:
                 "a grid model (axes=2) splits its frames in contiguous chunks and takes no packed documents: use "
                 "bidirectional attention (no causal mask) and one sequence of frames per batch row"
             )
-        state.grid.sharded, state.grid.lengths = 1, {1: ctx.layout.seq_len}
+        state.grid.reset(ctx.layout.seq_len)
     for _, op in dispatchers(module):
         layer = plan.layers[op.layer]
         op.configure(ctx, layer.attention if isinstance(op, AttentionDispatch) else layer.mlp)

@@ -487,7 +487,7 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
     def _grid_planner(self) -> Planner:
         """Grid models: per block, dimension switching or a sequence mode, whichever moves fewer bytes."""
         from lightning_paradyse.cost.grid import GridPlanner
-        from lightning_paradyse.dispatch import AttentionDispatch
+        from lightning_paradyse.graph.dispatch import AttentionDispatch
 
         p = group_size(self._group)
         ops = [op for _, op in parallel.dispatchers(self._module) if isinstance(op, AttentionDispatch)]

@@ -43,7 +43,7 @@ from lightning_paradyse.checkpoint import (
     load_optimizer_state,
     plain_targets,
 )
-from lightning_paradyse.dispatch import cut_piece
+from lightning_paradyse.graph.dispatch import cut_piece
 from lightning_paradyse.models import build_model
 from lightning_paradyse.spawn import run_distributed
 from tests.support.lightning import quiet_trainer, strategy_environment

@@ -45,7 +45,7 @@ from lightning_paradyse.comm import (
     scatter_seq,
     seq_to_heads,
 )
-from lightning_paradyse.dispatch import AttentionDispatch
+from lightning_paradyse.graph.dispatch import AttentionDispatch
 from lightning_paradyse.layout import SeqLayout, split_sizes
 from lightning_paradyse.models import build_model
 from lightning_paradyse.modes import MODES

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from lightning_paradyse.check import lm_loss_sum
 from lightning_paradyse.comm import CommCounter
-from lightning_paradyse.dispatch import AttentionDispatch, MlpDispatch
+from lightning_paradyse.graph.dispatch import AttentionDispatch, MlpDispatch
 from lightning_paradyse.layout import SeqLayout
 from lightning_paradyse.models import GPTConfig, LlamaConfig, build_model
 from lightning_paradyse.modes import MODES

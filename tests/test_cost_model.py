@@ -399,7 +399,7 @@ def test_masked_ring_tiles_are_timed_at_the_explicit_kernel_rate() -> None:
 def _windowed_segment(mode: str, s: int, window: int | None) -> tuple[int, int, int]:
     """``(saved, fwd, bwd)`` of layer 0's attention segment with ``window`` on one process, measured by the tracker."""
     from lightning_paradyse.cost.measure import memory_of, segment_fn
-    from lightning_paradyse.dispatch import AttentionDispatch
+    from lightning_paradyse.graph.dispatch import AttentionDispatch
     from lightning_paradyse.layout import SeqLayout
     from lightning_paradyse.parallel import dispatchers
     from lightning_paradyse.spec import SeqContext

@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_paradyse.dispatch import AttentionDispatch, MlpDispatch
+from lightning_paradyse.graph.dispatch import AttentionDispatch, MlpDispatch
 from lightning_paradyse.layout import SeqLayout
 from lightning_paradyse.models import build_model
 from lightning_paradyse.modes import MODES, get_mode

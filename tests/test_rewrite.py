@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lightning_paradyse.dispatch import AttentionDispatch, ColumnDispatch, MlpDispatch, RowDispatch
+from lightning_paradyse.graph.dispatch import AttentionDispatch, ColumnDispatch, MlpDispatch, RowDispatch
 from lightning_paradyse.graph.passes import RoleError, find_attention, find_mlp
 from lightning_paradyse.graph.rewrite import EXAMPLE_LEN, example_inputs, rewrite_block
 from lightning_paradyse.graph.trace import trace_block

@@ -171,7 +171,7 @@ def dims_from_config(config: LlamaConfig | GPTConfig, dtype_bytes: int = 4) -> M
 
 
 def _ops(module: nn.Module) -> tuple[Any, Any]:
-    from lightning_paradyse.dispatch import AttentionDispatch, MlpDispatch, OpaqueDispatch
+    from lightning_paradyse.graph.dispatch import AttentionDispatch, MlpDispatch, OpaqueDispatch
     from lightning_paradyse.parallel import dispatchers
 
     ops = [op for _, op in dispatchers(module)]
@@ -190,7 +190,7 @@ def dims_from_module(module: nn.Module, vocab: int | None = None) -> ModelDims:
     sliding window is its attention dispatch module's (``AttnSpec.window``), so a model mixing sliding and
     full layers is priced per layer.
     """
-    from lightning_paradyse.dispatch import AttentionDispatch
+    from lightning_paradyse.graph.dispatch import AttentionDispatch
     from lightning_paradyse.parallel import dispatchers, n_layers
 
     attn, mlp = _ops(module)

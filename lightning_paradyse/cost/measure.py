@@ -36,7 +36,7 @@ from lightning_paradyse.comm import (
 from lightning_paradyse.cost.dims import ModelDims
 from lightning_paradyse.cost.time import full_pairs, tile_side
 from lightning_paradyse.cost.tracker import MemoryTracker
-from lightning_paradyse.dispatch import AttentionDispatch, MlpDispatch
+from lightning_paradyse.graph.dispatch import AttentionDispatch, MlpDispatch
 from lightning_paradyse.layout import SeqLayout
 from lightning_paradyse.parallel import configure, dispatchers, is_causal, reduce_replicated_grads
 from lightning_paradyse.plan import OpPlan, Plan

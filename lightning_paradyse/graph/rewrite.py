@@ -29,29 +29,21 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_paradyse.comm import Group
-from lightning_paradyse.dispatch import (
+from lightning_paradyse.graph.dispatch import (
     AttentionDispatch,
     ColumnDispatch,
-    GridState,
     MlpDispatch,
     OpaqueDispatch,
     OpDispatch,
     RowDispatch,
 )
-from lightning_paradyse.graph.passes import (
-    SOFTMAX,
-    AttentionRoles,
-    MlpRoles,
-    RoleError,
-    find_attention,
-    find_mlp,
-    is_projection,
-    projection_weight,
-)
+from lightning_paradyse.graph.passes import SOFTMAX, RoleError, find_attention, find_mlp
 from lightning_paradyse.graph.program import PROBE_TOKENS, ProgramError, probe, probe_tail
+from lightning_paradyse.graph.roles import AttentionRoles, MlpRoles, is_projection, projection_weight
 from lightning_paradyse.graph.trace import trace_block
 from lightning_paradyse.layout import SeqLayout
 from lightning_paradyse.modes import GRID_MODES, MODES
+from lightning_paradyse.modes.dsp import GridState
 from lightning_paradyse.plan import OpPlan
 from lightning_paradyse.spec import SeqContext
 

@@ -14,13 +14,57 @@ weight gathers are the same as ``ulysses``'s.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from lightning_paradyse.attention import full_attention
+from lightning_paradyse.comm import Group, move_shard
+from lightning_paradyse.layout import split_sizes
 from lightning_paradyse.modes.base import Mode, add_bias, merge_heads, prepare_heads
 from lightning_paradyse.modes.ulysses import zero3_project
 from lightning_paradyse.modes.zero3 import zero3_linear_t, zero3_mlp
 from lightning_paradyse.spec import AttnSpec, AttnWeights, MlpSpec, MlpWeights, SeqContext
+
+
+@dataclass
+class GridState:
+    """The sharding of grid-shaped hidden states ``[b, T, S, h]`` (models with ``axes=2``) during one step.
+
+    ``sharded`` is the grid dimension (1: frames, 2: patches) split over the group right now; ``lengths`` the whole
+    length of each. The step starts sharded along the frames (:meth:`reset`); before a block whose attention runs
+    ``dsp`` along the sharded axis the shard moves to the other axis (:meth:`enter`), and after the last block it
+    returns to the frames (:meth:`leave`). :mod:`lightning_paradyse.parallel` calls these from its block hooks.
+    """
+
+    sharded: int = 1
+    lengths: dict[int, int] = field(default_factory=dict)
+
+    def other(self) -> int:
+        return 3 - self.sharded
+
+    def reset(self, frames: int) -> None:
+        """A new step: sharded along the frames, ``frames`` of them."""
+        self.sharded, self.lengths = 1, {1: frames}
+
+    def enter(self, x: torch.Tensor, switch: bool, first: bool, p: int, group: Group) -> torch.Tensor:
+        """Before a block: ``switch`` (its attention runs ``dsp`` along the sharded axis) moves the shard to the
+        other axis with one all-to-all."""
+        if first:
+            self.lengths[2] = int(x.shape[2])  # [b, T/p, S, h]: the patches are whole at the first block
+        if not switch:
+            return x
+        src, dst = self.sharded, self.other()
+        x = move_shard(x, src, dst, split_sizes(self.lengths[src], p), group)  # [.., n/p, .., m] -> [.., n, .., m/p]
+        self.sharded = dst
+        return x
+
+    def leave(self, out: torch.Tensor, p: int, group: Group) -> torch.Tensor:
+        """After the last block: the shard back on the frames, the layout the batch was split in."""
+        if self.sharded == 1:
+            return out
+        src, self.sharded = self.sharded, 1
+        return move_shard(out, src, 1, split_sizes(self.lengths[src], p), group)  # back to [b, T/p, S, h]
 
 
 class DimensionSwitch(Mode):

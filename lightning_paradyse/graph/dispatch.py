@@ -13,7 +13,7 @@ call, which is a table look-up: no weight moves.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -31,37 +31,16 @@ from lightning_paradyse.comm import (
     no_counting,
     scatter_seq,
 )
-from lightning_paradyse.graph.passes import (
-    AttentionRoles,
-    MlpRoles,
-    is_conv1d,
-    out_features,
-    projection_weight,
-)
 from lightning_paradyse.graph.program import Program
+from lightning_paradyse.graph.roles import AttentionRoles, MlpRoles, is_conv1d, out_features, projection_weight
 from lightning_paradyse.graph.trace import ArgRef
 from lightning_paradyse.layout import SeqLayout
 from lightning_paradyse.modes import GRID_MODES, get_mode
 from lightning_paradyse.modes.base import Autocast, add_bias
+from lightning_paradyse.modes.dsp import GridState
 from lightning_paradyse.modes.zero3 import zero3_linear, zero3_linear_t
 from lightning_paradyse.plan import OpPlan
 from lightning_paradyse.spec import AttnSpec, AttnWeights, MlpSpec, MlpWeights, SeqContext, row_sizes, shard_rows
-
-
-@dataclass
-class GridState:
-    """The sharding of grid-shaped hidden states ``[b, T, S, h]`` (models with ``axes=2``) during one step.
-
-    ``sharded`` is the grid dimension (1: frames, 2: patches) split over the group right now; ``lengths`` the
-    whole length of each. :mod:`lightning_paradyse.parallel` moves the shard between blocks (dimension
-    switching) and resets it at every :func:`~lightning_paradyse.parallel.configure`.
-    """
-
-    sharded: int = 1
-    lengths: dict[int, int] = field(default_factory=dict)
-
-    def other(self) -> int:
-        return 3 - self.sharded
 
 
 @dataclass(frozen=True)
