@@ -48,7 +48,7 @@ from lightning_paradyse.graph.passes import RoleError
 from lightning_paradyse.graph.rewrite import rewrite_block
 from lightning_paradyse.modes.dsp import GridState
 from lightning_paradyse.plan import Plan
-from lightning_paradyse.slicing import IGNORE_INDEX, BatchSource, check_padding_targets
+from lightning_paradyse.slicing import IGNORE_INDEX, PAD_MASK_KEYS, BatchSource, check_padding_targets
 from lightning_paradyse.spec import SeqContext, row_sizes, shard_rows
 
 
@@ -347,8 +347,10 @@ def _mask_hook(
         problem = "a dict of masks" if isinstance(mask, dict) else f"a {getattr(mask, 'dim', lambda: '?')()}D mask"
         ok = False
     else:
-        source = _trace(mask, state.sources)
-        ok = bool(mask.bool().all()) or (state.padding is not None and source is not None)
+        source = _trace(mask, state.sources)  # the batch's own mask, whose right padding the strategy validated
+        ok = bool(mask.bool().all()) or (
+            state.padding is not None and source is not None and source.key in PAD_MASK_KEYS
+        )
         problem = "a 2D mask that is not the batch's attention_mask"
     if state.sources and not _agree(ok, ctx, _device_of(args, kwargs, mod)):
         ok = False
@@ -619,8 +621,12 @@ def reduce_replicated_grads(module: nn.Module, group: Group) -> None:
 
     A gradient missing on some ranks (a rank that ran no forward, e.g. an idle group of
     :mod:`lightning_paradyse.groups`) counts as zero there; one missing on every rank stays ``None``. Every
-    rank sends the same-sized message, whatever gradients it holds.
+    rank sends the same-sized message, whatever gradients it holds. First, the shards of a mixture of experts that
+    no rank's tokens used lose their (zero) gradient (:meth:`~.graph.dispatch.OpaqueDispatch.settle_grads`).
     """
+    for _, op in dispatchers(module):
+        if isinstance(op, OpaqueDispatch):
+            op.settle_grads(group)
     params = [w for w in replicated_parameters(module) if w.requires_grad]
     if group_size(group) == 1 or not params:
         return

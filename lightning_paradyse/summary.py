@@ -8,6 +8,7 @@ parameter as the whole piece it is a shard of; the strategy swaps Lightning's su
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import lightning.pytorch as pl
@@ -25,7 +26,7 @@ def whole_sizes(module: nn.Module) -> dict[int, int]:
     sizes = {}
     for name, param in module.named_parameters():
         ref = shards.get(name)
-        sizes[id(param)] = param.numel() if ref is None else ref.source.rows * param[0].numel()
+        sizes[id(param)] = param.numel() if ref is None else ref.source.rows * math.prod(param.shape[1:])
     return sizes
 
 

@@ -39,7 +39,16 @@ from lightning_paradyse.plan import LayerPlan, OpPlan, Plan
 from lightning_paradyse.slicing import BatchSource
 from lightning_paradyse.spec import SeqContext
 from tests.support.dist import run_distributed
-from tests.support.families import HF_FAMILIES, BertLM, EncoderLM, ModernBertLM, hf_family, hf_granite, hf_llama
+from tests.support.families import (
+    HF_FAMILIES,
+    BertLM,
+    EncoderLM,
+    ListMoELM,
+    ModernBertLM,
+    hf_family,
+    hf_granite,
+    hf_llama,
+)
 
 pytest.importorskip("transformers")
 
@@ -85,6 +94,8 @@ def _build(kind: str, p: int) -> nn.Module:
         return BertLM().double()
     if kind == "modernbert":
         return ModernBertLM().double()
+    if kind == "list-moe":
+        return ListMoELM().double()
     if kind in HF_FAMILIES:  # float64: rounding ~1e-15, so the 1e-9 tolerance separates a wrong op from noise
         return hf_family(kind, n_kv_heads=6 if p == 3 else 4).double()
     if kind == "hf":
@@ -134,8 +145,11 @@ def _hf_worker(rank: int, world: int, kinds: list[str]) -> list[tuple[str, Any]]
 
 
 HF_CASES = {
-    2: [*HF_FAMILIES, "bert", "modernbert"],
-    3: ["qwen3", "olmo2", "phi", "gemma3", "gemma2", "mistral", "phi3", "gpt2", "neox", "bert", "mixtral", "qwen3moe"],
+    2: [*HF_FAMILIES, "bert", "modernbert", "list-moe"],
+    3: [
+        *("qwen3", "olmo2", "phi", "gemma3", "gemma2", "mistral", "phi3", "gpt2", "neox", "bert", "mixtral"),
+        *("qwen3moe", "list-moe"),
+    ],
 }
 """Families per group size; at 3 the lengths are not divisible by the group (and there are 6 kv heads)."""
 

@@ -292,3 +292,49 @@ def test_sequential_mlp_is_understood() -> None:
     ops = rewrite_block(block, "layers.0", 0, None)
     assert isinstance(ops[1], MlpDispatch) and ops[1].core_path == "mlp"
     assert operator.eq(ops[1].spec.ffn, 64)
+
+
+class _DropoutTailAttention(nn.Module):
+    """An attention whose module ends with functional dropout called positionally (``F.dropout(x, p, training)``)."""
+
+    def __init__(self, hidden: int = 24, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (nn.Linear(hidden, hidden) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, h = x.shape
+        q, k, v = (f(x).view(b, t, self.heads, -1).transpose(1, 2) for f in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, h)
+        return F.dropout(self.o(y), 0.5, self.training)
+
+
+class _DropoutTailBlock(nn.Module):
+    def __init__(self, hidden: int = 24) -> None:
+        super().__init__()
+        self.attn = _DropoutTailAttention(hidden)
+        self.up, self.down = nn.Linear(hidden, 2 * hidden), nn.Linear(2 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(x)
+        return x + self.down(F.gelu(self.up(x)))
+
+
+def test_functional_dropout_after_the_output_projection_follows_the_modules_mode() -> None:
+    """A tail's functional dropout, its ``training`` given positionally, is trained as the module is: random in
+    training mode, the identity in eval mode (never the mode the block happened to be traced in)."""
+    block = _DropoutTailBlock()
+    ops = rewrite_block(block, "block", 0, None)
+    attn = next(op for op in ops if isinstance(op, AttentionDispatch))
+    assert attn.roles.tail is not None and [s.kind for s in attn.roles.tail.steps] == ["dropout"]
+    from lightning_paradyse.layout import SeqLayout
+    from lightning_paradyse.plan import OpPlan
+    from lightning_paradyse.spec import SeqContext
+
+    for op in ops:
+        op.configure(SeqContext(SeqLayout(6, 1), None), OpPlan("tp_sp"))
+    x = torch.randn(1, 6, 24)
+    block.eval()
+    assert torch.equal(block(x), block(x))
+    block.train()
+    assert not torch.equal(block(x), block(x))

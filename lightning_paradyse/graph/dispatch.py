@@ -32,7 +32,14 @@ from lightning_paradyse.comm import (
     scatter_seq,
 )
 from lightning_paradyse.graph.program import Program
-from lightning_paradyse.graph.roles import AttentionRoles, MlpRoles, is_conv1d, out_features, projection_weight
+from lightning_paradyse.graph.roles import (
+    AttentionRoles,
+    MlpRoles,
+    is_conv1d,
+    no_activation,
+    out_features,
+    projection_weight,
+)
 from lightning_paradyse.graph.trace import ArgRef
 from lightning_paradyse.layout import SeqLayout
 from lightning_paradyse.modes import GRID_MODES, get_mode
@@ -463,15 +470,22 @@ class OpaqueDispatch(OpDispatch):
 
     def __init__(self, core: nn.Module, path: str, layer: int, group: Group) -> None:
         super().__init__(path, layer)
-        self.template = [core]  # not a sub-module: its parameters live here as shards
-        self.names: dict[str, str] = {}  # the module's parameter name -> this module's shard parameter
-        self.rows: dict[str, int] = {}
+        self.template = [core]  # not a sub-module: its parameters live here as shards (train/eval: see train())
+        self.names: dict[str, str] = {}
+        """The module's parameter name -> this module's shard parameter."""
+        self.shapes: dict[str, torch.Size] = {}
+        """The module's parameter name -> its whole shape (its first dimension is sharded)."""
+        self.visited: set[str] = set()
+        """Parameters whose gathered tensor received a gradient on this rank since the last :meth:`settle_grads`
+        (an expert no token visited receives none, as in one process)."""
+        if len({p.dtype for p in core.parameters()}) > 1:
+            raise ValueError(f"{path}: parameters of different dtypes are gathered as one; give them one dtype")
         for i, (name, param) in enumerate(core.named_parameters()):
             if param.dim() == 0:
                 raise ValueError(f"{path}.{name}: a scalar parameter cannot be sharded; it is not supported")
             shard = f"p{i}_{name.replace('.', '_')}"
             self.add_shard(shard, param, ShardSource(f"{path}.{name}", False, int(param.shape[0])), group)
-            self.names[name], self.rows[name] = shard, int(param.shape[0])
+            self.names[name], self.shapes[name] = shard, param.shape
         for name, buf in core.named_buffers():
             self.register_buffer(f"b_{name.replace('.', '_')}", buf, persistent=False)
         self.buffers_of = {name: f"b_{name.replace('.', '_')}" for name, _ in core.named_buffers()}
@@ -491,14 +505,52 @@ class OpaqueDispatch(OpDispatch):
         ctx, _ = self._state(x)
         return self._run(lambda inp: self._call(inp, ctx, args, kwargs), x)
 
+    def train(self, mode: bool = True) -> OpaqueDispatch:
+        super().train(mode)
+        self.template[0].train(mode)  # router noise and dropout follow the model's mode
+        return self
+
     def _call(self, x: torch.Tensor, ctx: SeqContext, args: Any, kwargs: Any) -> Any:
+        return torch.func.functional_call(self.template[0], self.gathered(ctx), (x, *args), kwargs, strict=True)
+
+    def gathered(self, ctx: SeqContext) -> dict[str, torch.Tensor]:
+        """Every parameter whole, from one all-gather of this rank's shards laid end to end (one collective whose
+        backward, one reduce-scatter, runs on every rank whichever experts its tokens visit)."""
         p = group_size(ctx.group)
+        per_row = {name: shape[1:].numel() for name, shape in self.shapes.items()}
+        counts = [[row_sizes(shape[0], p)[r] * per_row[n] for n, shape in self.shapes.items()] for r in range(p)]
+        flat = torch.cat([self.req(shard).reshape(-1) for shard in self.names.values()])  # this rank's shards [N_r]
+        whole = gather_weight(flat[:, None], [sum(c) for c in counts], ctx.group)[:, 0]  # [N_r, 1] -> [N], by rank
+        by_rank = [piece.split(c) for piece, c in zip(whole.split([sum(c) for c in counts]), counts)]
         params = {
-            name: gather_weight(self.req(shard), row_sizes(self.rows[name], p), ctx.group)  # [n/p, ...] -> [n, ...]
-            for name, shard in self.names.items()
+            name: torch.cat([by_rank[r][i] for r in range(p)]).view(shape)  # ranks' rows in order -> whole
+            for i, (name, shape) in enumerate(self.shapes.items())
         }
+        for name, tensor in params.items():
+            if tensor.requires_grad:
+                tensor.register_hook(self._visit(name))
         params.update({name: getattr(self, local) for name, local in self.buffers_of.items()})
-        return torch.func.functional_call(self.template[0], params, (x, *args), kwargs, strict=True)
+        return params
+
+    def _visit(self, name: str) -> Any:
+        def hook(grad: torch.Tensor) -> None:
+            self.visited.add(name)
+
+        return hook
+
+    def settle_grads(self, group: Group) -> None:
+        """After the backward (of the last micro-batch): the shards of parameters no rank's tokens used get no
+        gradient (``None``), as an expert no token visits gets none in one process (an optimizer then skips it:
+        no weight decay, no moment update). One small all-reduce over the group."""
+        names = list(self.names)
+        used = torch.tensor([name in self.visited for name in names], dtype=torch.float32)
+        self.visited.clear()
+        if group_size(group) > 1:
+            with no_counting():  # control flags, not mode traffic
+                used = all_reduce_sum(used.to(self.req(self.names[names[0]]).device), group)  # [n_params]
+        for name, count in zip(names, used.tolist()):
+            if count == 0:
+                self.req(self.names[name]).grad = None
 
 
 def _opaque_spec(core: nn.Module) -> MlpSpec:
@@ -512,11 +564,7 @@ def _opaque_spec(core: nn.Module) -> MlpSpec:
     hidden = attr("hidden_dim", attr("hidden_size", max(1, round((total / 3) ** 0.5))))
     experts = attr("num_experts", 1)
     ffn = max(1, total * attr("top_k", experts) // (experts * 3 * hidden))
-    return MlpSpec(hidden, ffn, _identity, gated=True)
-
-
-def _identity(x: torch.Tensor) -> torch.Tensor:
-    return x
+    return MlpSpec(hidden, ffn, no_activation, gated=True)
 
 
 _SPLIT_MODES = ("tp_sp", "ulysses", "ring")

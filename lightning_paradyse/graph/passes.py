@@ -28,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lightning_paradyse.graph.program import (
+    Extracted,
     FusedStart,
     ProgramError,
     extract,
@@ -36,7 +37,7 @@ from lightning_paradyse.graph.program import (
     piece_rows,
     split_pieces,
 )
-from lightning_paradyse.graph.roles import AttentionRoles, MlpRoles, is_projection, out_features
+from lightning_paradyse.graph.roles import AttentionRoles, MlpRoles, is_projection, no_activation, out_features
 from lightning_paradyse.graph.trace import ArgRef, BlockTrace, ModuleCall, _getitem
 
 
@@ -129,10 +130,15 @@ class _Eager:
     out: fx.Node
     """The ``probabilities @ v`` matmul, ``[b, n, t, d]``: stands for the attention call."""
     q: fx.Node
+    """The query ``[b, n, t, d]`` (first operand of ``q @ k^T``)."""
     k: fx.Node
+    """The key before its transpose (a grouped-query repeat of it included)."""
     v: fx.Node
+    """The value (second operand of ``probabilities @ v``)."""
     scale: float
+    """The factor on ``q @ k^T`` inside the soft-cap (the whole factor without one)."""
     softcap: float | None
+    """The soft-cap ``c`` of ``c * tanh(x / c)``, ``None`` without a ``tanh``."""
 
 
 SOFTMAX = (F.softmax, torch.softmax, torch.Tensor.softmax)
@@ -167,15 +173,17 @@ def _score_side(node: fx.Node) -> tuple[fx.Node, list[tuple[float, bool]], bool]
     return (x, factors, tanh_seen) if isinstance(x, fx.Node) else None
 
 
-def _probability_side(node: fx.Node) -> fx.Node | None:
+def _probability_side(trace: BlockTrace, node: fx.Node) -> fx.Node | None:
     """Walking forward from a softmax over casts and dropout at 0 to ``probabilities @ v``."""
     y = node
     while len(y.users) == 1:
         user = next(iter(y.users))
-        p = user.kwargs.get("p", user.args[1] if len(user.args) > 1 else 0.5)
-        if user.target is F.dropout and float(p) > 0:  # type: ignore[arg-type]
+        module = trace.module(str(user.target)) if user.op == "call_module" else None
+        given = user.kwargs.get("p", user.args[1] if len(user.args) > 1 else 0.5)
+        p = module.p if isinstance(module, nn.Dropout) else given
+        if (user.target is F.dropout or isinstance(module, nn.Dropout)) and float(p) > 0:  # type: ignore[arg-type]
             raise RoleError("attention dropout is not supported by the parallel modes; set it to 0")
-        if user.target in _CASTS or user.target is F.dropout:
+        if user.target in _CASTS or user.target is F.dropout or isinstance(module, nn.Dropout):
             y = user
         elif user.target in _MATMUL and user.args[0] is y and isinstance(user.args[1], fx.Node):
             return user
@@ -184,7 +192,7 @@ def _probability_side(node: fx.Node) -> fx.Node | None:
     return None
 
 
-def _eager(node: fx.Node) -> _Eager | None:
+def _eager(trace: BlockTrace, node: fx.Node) -> _Eager | None:
     """The eager attention whose softmax is ``node``, or ``None`` when ``node`` is another softmax."""
     if node.op != "call_function" or node.target not in SOFTMAX:
         return None
@@ -196,7 +204,7 @@ def _eager(node: fx.Node) -> _Eager | None:
     q, kt = m1.args[0], m1.args[1]
     if not (isinstance(kt, fx.Node) and kt.target in (torch.Tensor.transpose, torch.transpose)):
         return None
-    out = _probability_side(node)
+    out = _probability_side(trace, node)
     before = [f for f, inside in factors if inside or not tanh_seen]  # the tanh's argument (all: no tanh)
     after = [f for f, inside in factors if not inside and tanh_seen]
     if out is None:
@@ -215,7 +223,7 @@ def _attention_node(trace: BlockTrace) -> fx.Node | _Eager:
         if (n.op == "call_function" and n.target is F.scaled_dot_product_attention)
         or (n.op == "call_module" and isinstance(trace.module(str(n.target)), nn.MultiheadAttention))
     ]
-    calls += [e for e in map(_eager, trace.nodes()) if e is not None]
+    calls += [e for e in (_eager(trace, n) for n in trace.nodes()) if e is not None]
     if len(calls) != 1:
         raise RoleError(
             f"found {len(calls)} attention calls (scaled_dot_product_attention, MultiheadAttention or an eager "
@@ -280,9 +288,10 @@ def find_attention(trace: BlockTrace) -> AttentionRoles:
         raise RoleError(f"{core}: q, k and v must project the sub-module's input directly")
     head_dim = int(node.meta["shape"][-1])
     if isinstance(found, _Eager):
-        causal = getattr(trace.module(core), "is_causal", None)
-        if not isinstance(causal, bool):
-            raise RoleError(f"{core}: its attention is written out (eager) and the module has no is_causal flag")
+        flags = {f for m in trace.module(core).modules() if isinstance(f := getattr(m, "is_causal", None), bool)}
+        if len(flags) != 1:
+            raise RoleError(f"{core}: its attention is written out (eager) and no single is_causal flag says how")
+        causal: bool | None = flags.pop()
         scale = None if math.isclose(found.scale, head_dim**-0.5, rel_tol=1e-12) else found.scale
     else:
         causal, scale = _check_sdpa(node, head_dim)
@@ -337,6 +346,10 @@ def _starts(
         set(a.rows) & set(b.rows) for i, a in enumerate(fused) for b in fused[i + 1 :]
     ):
         raise ProgramError("the parts of its fused q/k/v projection overlap")
+    for lin in {lin for lin in lins if lins.count(lin) > 1}:
+        rows = {r for s, part in zip(out, lins) if part is lin and isinstance(s, FusedStart) for r in s.rows}
+        if rows != set(range(int(lin.meta["shape"][-1]))):
+            raise ProgramError(f"q, k and v use only some of {lin.target}'s outputs (the rest would not be trained)")
     return tuple(out)
 
 
@@ -425,7 +438,7 @@ def find_mlp(trace: BlockTrace, attention: AttentionRoles) -> MlpRoles:
     ]
     moe = expert_core(trace, attention)
     if moe is not None:
-        return MlpRoles(core=moe, up="", down="", gate=None, act=_no_activation, opaque=True)
+        return MlpRoles(core=moe, up="", down="", gate=None, act=no_activation, opaque=True)
     if len(linears) not in (2, 3):
         raise RoleError(f"expected 2 or 3 MLP projections (nn.Linear) outside the attention, found {len(linears)}")
     down = next((n for n in linears if any(a in _ancestors(n, lambda _: False) for a in linears if a is not n)), None)
@@ -445,6 +458,8 @@ def find_mlp(trace: BlockTrace, attention: AttentionRoles) -> MlpRoles:
             rows = (piece_rows(ins[0], up_piece), piece_rows(ins[0], gate_piece))
         except ProgramError as err:
             raise RoleError(f"the fused gate/up projection: {err}") from None
+        if set(rows[0]) | set(rows[1]) != set(range(int(ins[0].meta["shape"][-1]))) or set(rows[0]) & set(rows[1]):
+            raise RoleError(f"the fused gate/up projection {ins[0].target} is not cut into two disjoint halves")
         up, gate = ins[0], ins[0]
         act = _activation(trace, gate_piece, down)
     elif len(ins) == 1:
@@ -473,10 +488,6 @@ def find_mlp(trace: BlockTrace, attention: AttentionRoles) -> MlpRoles:
     )
 
 
-def _no_activation(x: torch.Tensor) -> torch.Tensor:
-    return x
-
-
 def expert_core(trace: BlockTrace, attention: AttentionRoles) -> str | None:
     """The sub-module holding a block's experts and their router (Mixtral's ``mlp``: ``mlp.gate``,
     ``mlp.experts``), or ``None`` when the block has no module named for experts."""
@@ -495,6 +506,10 @@ def expert_core(trace: BlockTrace, attention: AttentionRoles) -> str | None:
     call = trace.call_of(core)
     if call is None or not call.args or not isinstance(call.args[0], fx.Node) or len(call.args[0].meta["shape"]) != 3:
         raise RoleError(f"{core}: a mixture of experts must be called with the hidden states [b, t, h] first")
+    module = trace.module(core)
+    kept = sorted(set(module.state_dict()) - {n for n, _ in module.named_parameters()})
+    if kept:
+        raise RoleError(f"{core}: an MoE module with persistent buffers ({', '.join(kept)}) is not supported yet")
     return core
 
 
@@ -509,7 +524,9 @@ def _activation_follows(trace: BlockTrace, lin: fx.Node, down: fx.Node) -> bool:
     )
 
 
-def _check_mlp_core(trace: BlockTrace, core: str, call: ModuleCall, first: fx.Node, down: fx.Node) -> Any:
+def _check_mlp_core(
+    trace: BlockTrace, core: str, call: ModuleCall, first: fx.Node, down: fx.Node
+) -> Extracted | None:
     """The MLP module's tail (code after its down projection), after checking how the module is called."""
     if _find_ref(call, first.args[0]) is None:  # type: ignore[arg-type]
         raise RoleError(f"{core} must take the MLP input as an argument")

@@ -234,6 +234,7 @@ class FusedStart:
     rows: tuple[int, ...]
     """Rows of the fused weight (output features) of this part, head by head: its own ``[heads * d, in]`` weight."""
     heads: int
+    """Heads of this part (query heads for q, key/value heads for k and v)."""
     token_dim: int
     """1 (``[b, t, heads, d]``) or 2 (``[b, heads, t, d]``)."""
 
@@ -440,8 +441,11 @@ def _step(trace: BlockTrace, node: fx.Node, slots: dict[fx.Node, int], pre: str,
             raise ProgramError(f"it passes through {path}, a module outside {pre[:-1]}")
         modules.add(path[len(pre) :])
         return Step("module", path[len(pre) :], args, kwargs)
-    if node.target is F.dropout:
-        return Step("dropout", node.target, args, {k: v for k, v in kwargs.items() if k != "training"})
+    if node.target is F.dropout:  # (input, p, training, inplace): training follows the owner at run time
+        names = ("input", "p", "training", "inplace")
+        bound = {**dict(zip(names, args)), **kwargs}
+        rest = {k: v for k, v in bound.items() if k not in ("input", "training")}
+        return Step("dropout", node.target, (bound["input"],), rest)
     shapes = None
     if node.target in _RESHAPES:
         source = node.args[0]

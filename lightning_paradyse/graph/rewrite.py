@@ -50,7 +50,6 @@ from lightning_paradyse.spec import SeqContext
 EXAMPLE_LEN = 7
 """Tokens in the example input: a size no other dimension of the tiny example has."""
 EXAMPLE_GRID = (7, 5)
-
 """Frames and patches of the example input of a grid model (``axes=2``): ``[1, 7, 5, h]``."""
 
 
@@ -129,7 +128,15 @@ def find_roles(
 
 
 def install(block: nn.Module, attention: AttentionRoles, mlp: MlpRoles, layer: int, group: Group) -> list[OpDispatch]:
-    """Replace the op sub-modules of ``block`` by dispatch modules holding this rank's shards."""
+    """Replace the op sub-modules of ``block`` by dispatch modules holding this rank's shards (in the block's
+    training mode: their tails' dropout follows it)."""
+    ops = _install(block, attention, mlp, layer, group)
+    for op in ops:
+        op.train(block.training)
+    return ops
+
+
+def _install(block: nn.Module, attention: AttentionRoles, mlp: MlpRoles, layer: int, group: Group) -> list[OpDispatch]:
     attn = AttentionDispatch(block.get_submodule(attention.core), attention, layer, group)
     block.set_submodule(attention.core, attn)
     if mlp.opaque:

@@ -76,6 +76,7 @@ class MlpRoles:
     tail: Program | None = None
     """The code after the down projection inside the MLP's module (GPT-2's dropout)."""
     tail_values: tuple[ArgRef, ...] = ()
+    """The tail's inputs from the MLP module's call."""
 
 
 def is_projection(module: nn.Module) -> bool:
@@ -97,3 +98,8 @@ def projection_weight(module: nn.Module) -> torch.Tensor:
 
 def out_features(module: nn.Module) -> int:
     return int(projection_weight(module).shape[0])
+
+
+def no_activation(x: torch.Tensor) -> torch.Tensor:
+    """The activation of an MLP the rewrite does not split (a mixture of experts runs its own)."""
+    return x

@@ -75,6 +75,11 @@ HF_FAMILIES: dict[str, tuple[str, str, dict[str, object]]] = {
         "GPT2LMHeadModel",
         {"n_inner": 192, "attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0},
     ),
+    "gpt2-eager": (
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        {"n_inner": 192, "attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_implementation": "eager"},
+    ),
     "neox": (
         "GPTNeoXConfig",
         "GPTNeoXForCausalLM",
@@ -125,6 +130,7 @@ HF_FAMILIES: dict[str, tuple[str, str, dict[str, object]]] = {
 * ``phi3``: one fused ``qkv_proj`` laid out ``[Q | K | V]`` and one fused ``gate_up_proj``;
 * ``gpt2``: ``Conv1D`` projections (weights stored ``[in, out]``), a fused ``c_attn`` cut by ``split``, learned
   absolute positions, dropout modules after the output projections;
+* ``gpt2-eager``: the same with ``attn_implementation="eager"`` (the attention written out, its dropout a module);
 * ``neox``: a fused ``query_key_value`` interleaved head by head (``[q_h | k_h | v_h]`` per head), half of each head
   rotated, parallel residual, biases;
 * ``starcoder2``: functional dropout after the output projection, a sliding window shorter than the sequence,
@@ -203,6 +209,70 @@ class ModernBertLM(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.bert(input_ids=x).last_hidden_state)  # type: ignore[no-any-return]
+
+
+class _ListExperts(nn.Module):
+    """A top-1 mixture of experts kept as a ``ModuleList`` whose forward runs only the experts some token visits (as
+    transformers 4.x and many users' MoEs do): on a slice of the sequence, a rank may use fewer experts than another."""
+
+    def __init__(self, hidden: int, n_experts: int = 16) -> None:
+        super().__init__()
+        self.router = nn.Linear(hidden, n_experts, bias=False)
+        self.experts = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(n_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # [b, t, h] -> [b*t, h]
+        probs = torch.softmax(self.router(flat), dim=-1)
+        weight, choice = probs.max(dim=-1)
+        out = torch.zeros_like(flat)
+        for e in choice.unique().tolist():  # only the experts visited here
+            rows = (choice == e).nonzero().squeeze(1)
+            out = out.index_add(0, rows, self.experts[e](flat[rows]) * weight[rows, None])
+        return out.reshape(x.shape)
+
+
+class _ListMoEBlock(nn.Module):
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.attn_norm, self.mlp_norm = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.attn = _CausalAttention(hidden, heads)
+        self.mlp = _ListExperts(hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class _CausalAttention(nn.Module):
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.num_heads = heads
+        self.q, self.k, self.v, self.o = (nn.Linear(hidden, hidden) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, h = x.shape
+        q, k, v = (f(x).view(b, t, self.num_heads, -1).transpose(1, 2) for f in (self.q, self.k, self.v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, n, t, d]
+        return self.o(y.transpose(1, 2).reshape(b, t, h))  # type: ignore[no-any-return]
+
+
+class ListMoELM(nn.Module):
+    """Two blocks whose MLP is :class:`_ListExperts`, with learned positions and a token head."""
+
+    def __init__(self, vocab: int = 128, hidden: int = 48, layers: int = 2) -> None:
+        super().__init__()
+        self.emb, self.pos = nn.Embedding(vocab, hidden), nn.Embedding(1024, hidden)
+        self.layers = nn.ModuleList(_ListMoEBlock(hidden, 6) for _ in range(layers))
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        if positions is None:
+            positions = torch.arange(x.shape[1], device=x.device)
+        h = self.emb(x) + self.pos(positions)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)  # type: ignore[no-any-return]
 
 
 class EncoderLM(nn.Module):
