@@ -22,7 +22,7 @@ from lightning_paradyse.graph.rewrite import EXAMPLE_LEN, example_inputs, rewrit
 from lightning_paradyse.graph.trace import trace_block
 from lightning_paradyse.models import build_model
 from lightning_paradyse.parallel import consolidated, find_blocks, parallelize
-from tests.support.families import EncoderLM, hf_llama
+from tests.support.families import CausalAttention, EncoderLM, hf_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -294,25 +294,17 @@ def test_sequential_mlp_is_understood() -> None:
     assert operator.eq(ops[1].spec.ffn, 64)
 
 
-class _DropoutTailAttention(nn.Module):
+class _DropoutTailAttention(CausalAttention):
     """An attention whose module ends with functional dropout called positionally (``F.dropout(x, p, training)``)."""
 
-    def __init__(self, hidden: int = 24, heads: int = 4) -> None:
-        super().__init__()
-        self.heads = heads
-        self.q, self.k, self.v, self.o = (nn.Linear(hidden, hidden) for _ in range(4))
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, h = x.shape
-        q, k, v = (f(x).view(b, t, self.heads, -1).transpose(1, 2) for f in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, h)
-        return F.dropout(self.o(y), 0.5, self.training)
+        return F.dropout(super().forward(x), 0.5, self.training)
 
 
 class _DropoutTailBlock(nn.Module):
     def __init__(self, hidden: int = 24) -> None:
         super().__init__()
-        self.attn = _DropoutTailAttention(hidden)
+        self.attn = _DropoutTailAttention(hidden, 4)
         self.up, self.down = nn.Linear(hidden, 2 * hidden), nn.Linear(2 * hidden, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -330,6 +330,7 @@ def find_attention(trace: BlockTrace) -> AttentionRoles:
         rows=rows,  # type: ignore[arg-type]
         tail=None if tail is None else tail.program,
         tail_values=() if tail is None else tail.positions,
+        tail_token_dims=() if tail is None else tail.token_dims,
         softcap=found.softcap if isinstance(found, _Eager) else None,
     )
 
@@ -485,6 +486,7 @@ def find_mlp(trace: BlockTrace, attention: AttentionRoles) -> MlpRoles:
         rows=rows,
         tail=None if tail is None else tail.program,
         tail_values=() if tail is None else tail.positions,
+        tail_token_dims=() if tail is None else tail.token_dims,
     )
 
 
@@ -524,9 +526,7 @@ def _activation_follows(trace: BlockTrace, lin: fx.Node, down: fx.Node) -> bool:
     )
 
 
-def _check_mlp_core(
-    trace: BlockTrace, core: str, call: ModuleCall, first: fx.Node, down: fx.Node
-) -> Extracted | None:
+def _check_mlp_core(trace: BlockTrace, core: str, call: ModuleCall, first: fx.Node, down: fx.Node) -> Extracted | None:
     """The MLP module's tail (code after its down projection), after checking how the module is called."""
     if _find_ref(call, first.args[0]) is None:  # type: ignore[arg-type]
         raise RoleError(f"{core} must take the MLP input as an argument")

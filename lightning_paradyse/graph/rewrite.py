@@ -214,13 +214,12 @@ def probe_program(block: nn.Module, attention: AttentionRoles, mlp: MlpRoles, ex
     try:
         if attention.tail is not None:
             values = [ref.get(args, kwargs) for ref in attention.tail_values]
-            dims = tuple(None if not isinstance(v, torch.Tensor) or v.dim() < 2 else 1 for v in values)
-            probe_tail(attention.tail, reference.get_submodule(attention.core), seen["o"], values, dims)
+            core = reference.get_submodule(attention.core)
+            probe_tail(attention.tail, core, seen["o"], values, attention.tail_token_dims)
         if mlp.core is not None and mlp.tail is not None:
             m_args, m_kwargs = seen["call_mlp"]
             values = [ref.get(m_args, m_kwargs) for ref in mlp.tail_values]
-            dims = tuple(None if not isinstance(v, torch.Tensor) or v.dim() < 2 else 1 for v in values)
-            probe_tail(mlp.tail, reference.get_submodule(mlp.core), seen["down"], values, dims)
+            probe_tail(mlp.tail, reference.get_submodule(mlp.core), seen["down"], values, mlp.tail_token_dims)
     except ProgramError as err:
         raise RoleError(f"the code after the output projection: {err}") from None
     if attention.program is None:

@@ -55,6 +55,8 @@ class AttentionRoles:
     """The block's code after the output projection inside the op's module (:func:`~.program.extract_tail`)."""
     tail_values: tuple[ArgRef, ...] = ()
     """The tail's inputs from the op module's call (a residual)."""
+    tail_token_dims: tuple[int | None, ...] = ()
+    """The token dimension of each tail input (``None``: not per token)."""
     softcap: float | None = None
     """Logit soft-capping of a written-out (eager) attention (Gemma 2)."""
 
@@ -77,6 +79,8 @@ class MlpRoles:
     """The code after the down projection inside the MLP's module (GPT-2's dropout)."""
     tail_values: tuple[ArgRef, ...] = ()
     """The tail's inputs from the MLP module's call."""
+    tail_token_dims: tuple[int | None, ...] = ()
+    """The token dimension of each tail input (``None``: not per token)."""
 
 
 def is_projection(module: nn.Module) -> bool:

@@ -236,7 +236,7 @@ class _ListMoEBlock(nn.Module):
         super().__init__()
         self.heads = heads
         self.attn_norm, self.mlp_norm = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
-        self.attn = _CausalAttention(hidden, heads)
+        self.attn = CausalAttention(hidden, heads)
         self.mlp = _ListExperts(hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -244,7 +244,9 @@ class _ListMoEBlock(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-class _CausalAttention(nn.Module):
+class CausalAttention(nn.Module):
+    """q/k/v/o linears around one causal SDPA call: the plainest attention the rewrite reads."""
+
     def __init__(self, hidden: int, heads: int) -> None:
         super().__init__()
         self.num_heads = heads
