@@ -229,9 +229,17 @@ def shifted_labels(labels: Tensor) -> Tensor:
 
 
 def describe_batch(
-    batch: Any, p: int, rank: int, causal: bool, max_seq_len: int | None = None, mean_loss: bool = True
+    batch: Any,
+    p: int,
+    rank: int,
+    causal: bool,
+    max_seq_len: int | None = None,
+    mean_loss: bool = True,
+    require_targets: bool = True,
 ) -> BatchInfo:
     """Validate a global batch for ``p`` ranks and describe it (no collective: raises alike on every rank).
+
+    ``require_targets=False`` accepts a batch without a real target (a group's share of a batch that has some).
 
     Raises:
         ValueError: For a batch longer than ``max_seq_len``, shorter than ``p``, without real targets, or with
@@ -249,7 +257,7 @@ def describe_batch(
     layout = SeqLayout.for_sequence(s, p, causal)
     key, targets = find_targets(batch)
     counts = target_counts(targets, layout, b, s)
-    if sum(counts) == 0:
+    if require_targets and sum(counts) == 0:
         raise ValueError(f"a batch of length {s} has no real target token (all targets are -100)")
     padding = find_padding(batch, b, s, causal)
     if padding is not None and targets is not None and tuple(targets.shape[:2]) == (b, s):

@@ -71,6 +71,8 @@ from typing_extensions import override
 from lightning_paradyse import guards, hf_checkpointing, parallel
 from lightning_paradyse.checkpoint import PlainModel, consolidate_optimizer_state, load_optimizer_state, recorded
 from lightning_paradyse.comm import Group, all_gather_rows, all_reduce_sum, broadcast_from, group_size
+from lightning_paradyse.groups.runner import GroupRunner, imbalance
+from lightning_paradyse.groups.units import Units
 from lightning_paradyse.guards import ClipInterception, check_optimizers, rank_rng
 from lightning_paradyse.plan import Plan, parse_plan, uniform_plan
 from lightning_paradyse.policy import (
@@ -93,7 +95,6 @@ from lightning_paradyse.step import (
     plan_digest,
     plan_metrics,
 )
-from lightning_paradyse.strategy_groups import GroupSteps
 from lightning_paradyse.summary import summarize_whole_model
 
 START_METHODS = ("spawn", "fork", "forkserver", "popen")
@@ -147,7 +148,7 @@ class _SpawnLauncher(_MultiProcessingLauncher):
         return _WorkerOutput(best, weights_path, trainer.state, results, self.get_extra_results(trainer))
 
 
-class ParaDySeStrategy(GroupSteps, ParallelStrategy):
+class ParaDySeStrategy(ParallelStrategy):
     """Sequence-parallel training that switches the parallel mode per batch, per layer and per op.
 
     Every process of the run belongs to one group that shares each sequence; all of them see the same
@@ -180,11 +181,14 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
             warning (counted in ``skipped_batches``).
         loss_reduction: ``"mean"`` if the module's loss is a mean over its local real tokens (rescaled by
             ``n_r / N``), ``"sum"`` if it is already a sum over them.
-        groups: Train each packed batch (``doc_ids``) on groups of different power-of-two sizes at once
-            (FlexSP-style, :mod:`lightning_paradyse.groups`): per step the ranks are split into groups and the
-            documents assigned to them so that the slowest group is fastest on the cost model, attention cost
-            counted per document; each group runs its own plan. Other batches, validation and test use one
-            group of every rank.
+        groups: Train each training batch of several sequences (rows, padded on the right or not) or documents
+            (a packed batch, ``doc_ids``) on groups of different power-of-two sizes at once
+            (:mod:`lightning_paradyse.groups`):
+            per step the ranks are split into groups (``P`` groups of one is data parallelism, one group of ``P``
+            sequence parallelism) and the sequences assigned to them so that the slowest group is fastest on the
+            cost model, attention counted per document; each group runs its own plan. ``None`` (default): on with
+            ``plan="auto"``, off with a fixed plan. A single sequence, validation and test use one group of every
+            rank.
         elementwise_optimizers: Class names of optimizers the user vouches update every entry from that entry's
             gradient and state alone (as AdamW does), beyond PyTorch's own element-wise ones; others are refused
             (:func:`~lightning_paradyse.guards.check_optimizers`).
@@ -237,7 +241,7 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
         loss_reduction: Literal["mean", "sum"] = "mean",
         on_infeasible: Literal["error", "skip"] = "error",
         plan_bucket: int = 512,
-        groups: bool = False,
+        groups: bool | None = None,
         axes: int = 1,
         elementwise_optimizers: Sequence[str] = (),
         check_replicas_every: int = 50,
@@ -247,7 +251,7 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
         if axes not in (1, 2):
             raise ValueError(f"axes={axes!r}: use 1 (language models, [b, s, h]) or 2 (a grid, [b, T, S, h])")
         if axes == 2 and groups:
-            raise ValueError("groups=True works on packed language-model batches; use it with axes=1")
+            raise ValueError("groups=True works on language-model batches ([b, s]); use it with axes=1")
         self.axes = axes
         self.modes = validate_modes(modes)
         if axes == 2 and "dsp" not in self.modes:
@@ -266,7 +270,11 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
         self.start_method = _validate_choice("start_method", start_method, START_METHODS)
         self.timeout = _validate_timeout(timeout)
         self.loss_reduction = _validate_choice("loss_reduction", loss_reduction, ("mean", "sum"))
-        self._init_groups(_validate_flag("groups", groups))
+        if groups is None:
+            groups = plan == "auto" and axes == 1
+        self.groups = _validate_flag("groups", groups)
+        self._runner = GroupRunner(self.plan_bucket, self.on_infeasible)
+        """Steps on groups of different sizes (the collaborator that owns that feature's state)."""
         self.elementwise_optimizers = _validate_names("elementwise_optimizers", elementwise_optimizers)
         self.check_replicas_every = _validate_every("check_replicas_every", check_replicas_every)
         self.check_step = _validate_flag("check_step", check_step)
@@ -275,6 +283,7 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
         real target)."""
         self._plan: Plan | None = None
         self._last_plan: Plan | None = None
+        self._last_groups: Any = None
         self.step_record: StepRecord | None = None
         """What the last batch ran with (the callback logs it)."""
         self.history: deque[PlanRecord] = deque(maxlen=HISTORY_LIMIT)
@@ -386,7 +395,12 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
         self._parallelize()
         self.planner = self._make_planner()
         if self.groups and group_size(self._group) > 1:
-            self._setup_groups()
+            exchange = self._runner.setup(self._module, self._group, self.planner)
+            if exchange is not None:
+                rank_zero_info(
+                    f"[paradyse] groups: exchanging the weights takes {exchange[0] * 1e3:.1f} ms (predicted "
+                    f"{exchange[1] * 1e3:.1f} ms); the group cost uses the measurement"
+                )
         _ensure_switcher(trainer)
         summarize_whole_model(trainer.callbacks)  # type: ignore[attr-defined]  # whole parameter counts, not shards
         _keep_user_samplers(trainer)
@@ -553,15 +567,68 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
         Raises (identically on every rank, before any collective of the step): for a bad batch, a plan that
         cannot run, or ranks that disagree.
         """
-        self.group_times = ()
         self._checkpointed = hf_checkpointing.checkpointed_layers(self._module, self._block_names)
         info = self.inspect_batch(batch)
-        if self.uses_groups(info, stage):
-            record = self._begin_groups(batch, info, stage)
+        units = self._grouped_units(info, stage)
+        if units is not None:
+            record = self._begin_groups(batch, info, units, stage)
         else:
             record = self._begin_plan(info, stage)
         self.step_record = record
         return record
+
+    @property
+    def group_times(self) -> tuple[float, ...]:
+        """Measured seconds of every group's forward and backward in the last grouped step (``()``: not grouped)."""
+        return self._runner.times
+
+    def _grouped_units(self, info: BatchInfo, stage: str) -> Units | None:
+        """The units (rows or documents) a training batch shares out among groups; ``None``: one group of every
+        rank (a single sequence, evaluation, ``groups=False``, or the first batches while the one-time step check
+        of :meth:`_check_step` is pending, which runs on the whole group)."""
+        self._runner.times = ()
+        if not self._runner.ready or stage != "train":
+            return None
+        module = self.lightning_module
+        checking = self.check_step and self._step_checks_left > 0 and info.doc_ids is None
+        if checking and module is not None and module.automatic_optimization:
+            return None
+        return Units.of(info)
+
+    def _begin_groups(self, batch: Any, info: BatchInfo, units: Units, stage: str) -> StepRecord:
+        """A training batch on groups of different sizes: split, verify, enter; the record to log."""
+        step = self._runner.decide(
+            batch,
+            info,
+            units,
+            self.global_rank,
+            parallel.is_causal(self._module),
+            self.loss_reduction == "mean",
+            self.with_checkpointing,
+        )
+        if step is None:  # decided alike on every rank, which the digest checks
+            self.verify_ranks(batch_digest(info.seq_len, info.batch, info.checksum))
+            self.skip(info, "no split of the ranks into groups fits the memory budget")
+            return StepRecord(stage, info.seq_len, info.batch, None)
+        self.verify_ranks(step.digest(info.checksum))
+        self._runner.enter(step)
+        self._pending, self._plan = step.info, step.plan
+        self.record_plan(PlanRecord(stage, step.info.seq_len, step.info.batch, step.plan))
+        found = step.assignment
+        metrics = plan_metrics(step.plan, self.modes, stage) | {
+            "groups/count": float(len(found.sizes)),
+            "groups/own_size": float(step.size),
+            "groups/largest_size": float(found.sizes[0]),
+            "groups/predicted_time_s": float(found.time),
+            "groups/predicted_imbalance": imbalance(found.times),
+            "groups/solve_s": step.solve_s,
+        }
+        line, key = None, (found.sizes, step.plans)
+        if key != self._last_groups:
+            sizes = "+".join(map(str, found.sizes))
+            line = f"[paradyse] {stage} length {info.seq_len}: groups {sizes}, rank 0's plan {describe(step.plans[0])}"
+            self._last_groups = key
+        return StepRecord(stage, step.info.seq_len, step.info.batch, step.plan, metrics, line)
 
     def _begin_plan(self, info: BatchInfo, stage: str) -> StepRecord:
         from lightning_paradyse.cost.planner import PlanSkipped
@@ -628,13 +695,13 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
         info = self._take_pending(hook)
         if info.skip:
             return info, args, kwargs
-        step = self._group_step
+        step = self._runner.step
         rank = self.global_rank if step is None else step.rank
         if args or "batch" in kwargs:
             given = args[0] if args else kwargs["batch"]
             local, sources = shard_batch(given if step is None else step.batch, info, rank)
-            if step is not None:  # labels are shifted over the whole batch, not the group's documents
-                shifts = self._group_shifts
+            if step is not None:  # labels are shifted over the whole batch, not the group's units
+                shifts = step.shifts
                 sources = tuple(
                     replace(src, shifted=shifts[src.key][0], n_items=shifts[src.key][1]) if src.key in shifts else src
                     for src in sources
@@ -690,15 +757,15 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
             return self._skipped_loss()
         with self._rank_rng():  # dropout masks independent across ranks
             output = super().training_step(*args, **kwargs)
-        if self._group_step is not None and guards.step_loss(output) is None:  # no backward will hand shards back
-            self.finish_group_step()
+        if self._runner.step is not None and guards.step_loss(output) is None:  # no backward hands shards back
+            self._runner.finish(self._accumulating())
         return self._global(output, info)  # type: ignore[no-any-return]
 
     def _step_unchecked(self) -> bool:
         pending, module = self._pending, self.lightning_module
         if not self.check_step or self._step_checks_left <= 0 or self.world_size == 1 or pending is None:
             return False
-        plain_batch = pending.doc_ids is None and self.axes == 1 and self._group_step is None
+        plain_batch = pending.doc_ids is None and self.axes == 1 and self._runner.step is None
         return plain_batch and not pending.skip and module is not None and module.automatic_optimization
 
     def _check_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -706,7 +773,7 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
         whole on every rank (a group of one holding every weight), must give the same loss; otherwise the step
         computes across the tokens of its slice and the run stops on every rank (:func:`guards.check_step_losses`).
         The extra calls leave no trace (:func:`guards.side_effects_undone`)."""
-        from lightning_paradyse.groups import enter_group
+        from lightning_paradyse.groups.exchange import enter_group
 
         info, plan, module, trainer = self._pending, self._plan, self._module, self._trainer
         assert info is not None and plan is not None and trainer is not None
@@ -846,8 +913,8 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
         With gradient accumulation (automatic optimization) the sum waits for the micro-batch that steps, as
         DDP's ``no_sync`` does; with manual optimization it follows every backward.
         """
-        if self._group_step is not None:
-            self.finish_group_step()
+        if self._runner.step is not None:
+            self._runner.finish(self._accumulating())
         elif not self._accumulating():
             parallel.reduce_replicated_grads(self._module, self._group)
 
@@ -969,7 +1036,7 @@ class ParaDySeStrategy(GroupSteps, ParallelStrategy):
                 op.ctx = None
         world = None if self._group is None else weakref.ref(self._group)
         self._group = None
-        self._group_set, self._group_step = None, None  # groups=True: the sub-groups
+        self._runner.teardown()  # the groups' process groups
         gc.collect()  # e.g. a step's autograd graph (its nodes keep the group) left in a reference cycle
         if _distributed_is_initialized():
             dist.destroy_process_group()

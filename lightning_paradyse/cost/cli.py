@@ -255,25 +255,25 @@ def _print_text(header: dict[str, Any], entries: list[dict[str, Any]], longest: 
 def group_step(model: CostModel, budget: int, args: argparse.Namespace) -> dict[str, Any]:
     """The group sizes and the sequences of each group for one packed step of ``args.lengths``.
 
-    As ``ParaDySeStrategy(groups=True)`` runs it (see ``lightning_paradyse/groups.py``): each group packs its
+    As ``ParaDySeStrategy(groups=True)`` runs a packed batch (see ``lightning_paradyse/groups/``): each group packs its
     sequences into one, attention counted per sequence, plus the weight gather and gradient scatter over the
     world that a group smaller than the world pays; every group gets at least one sequence.
     """
-    from lightning_paradyse.cost.groups import assign, layouts
-    from lightning_paradyse.groups import packed_cost, regroup_seconds
+    from lightning_paradyse.groups.cost import exchange_seconds, packed_cost
+    from lightning_paradyse.groups.solver import assign, layouts
 
     rc = (False,) if args.no_recompute else (False, True)
     world = model.p
     sizes = sorted({g for layout in layouts(world) for g in layout})
     planners = {g: CostPlanner(dataclasses.replace(model, p=g), budget, args.modes, rc) for g in sizes}
 
-    def seq_cost(s: int, g: int) -> float | None:
+    def step_time(s: int, b: int, g: int) -> float | None:
         try:
-            return planners[g].step(s, 1).time_s
+            return planners[g].step(s, b).time_s
         except PlanInfeasible:
             return None
 
-    cost = packed_cost(model.dims, seq_cost, lambda g: regroup_seconds(model.dims, model.machine, world, g))
+    cost = packed_cost(model.dims, step_time, lambda g: exchange_seconds(model.dims, model.machine, world, g))
     found = assign(args.lengths, world, cost, all_busy=True)
     one = cost(tuple(args.lengths), world)
     out: dict[str, Any] = {"world": world, "lengths": list(args.lengths), "one_group_time_s": one}

@@ -198,9 +198,7 @@ def _group_backward(
     o_t = bc["o_t"]
     dout = split_heads(dy @ o_t.t(), spec.head_dim)  # [b, s_r, h] -> [b, s_r, n/p*d] -> [b, n/p, s_r, d]
     d_o_t = merge_heads(out).flatten(0, 1).t() @ dy.flatten(0, 1)  # [n/p*d, b*s_r] @ [b*s_r, h]
-    dq, dk, dv = ring_backward(
-        dout, q.detach(), k.detach(), v.detach(), out, lse, ctx, spec.scores()
-    )
+    dq, dk, dv = ring_backward(dout, q.detach(), k.detach(), v.detach(), out, lse, ctx, spec.scores())
     inputs = [xl, *leaves.values(), *([] if kv_full is None else [kv_full])]
     extra = list(spec.prepare_params)  # the model's own parameters between projections and attention (q/k norms)
     grads = torch.autograd.grad((q, k, v), inputs + extra, (dq, dk, dv), allow_unused=True)

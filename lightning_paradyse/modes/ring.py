@@ -238,9 +238,7 @@ class Ring(Mode):
             spec,
             ctx.positions(x.device),  # the model's code at the global positions of the local tokens
         )  # -> [b, n, s_r, d], [b, n_kv, s_r, d], [b, n_kv, s_r, d]
-        o = merge_heads(
-            ring_attention(q, k, v, ctx, spec.scores())
-        )  # [b, n, s_r, d] -> [b, s_r, n*d]
+        o = merge_heads(ring_attention(q, k, v, ctx, spec.scores()))  # [b, n, s_r, d] -> [b, s_r, n*d]
         y = zero3_linear_t(o, w.o_t, spec.q_rows, ctx.group)  # [b, s_r, n*d] -> [b, s_r, h]
         return add_bias(y, w.bo)
 

@@ -24,7 +24,7 @@ from typing_extensions import override
 
 from lightning_paradyse import ParaDySeStrategy
 from lightning_paradyse.batching import pack_documents
-from lightning_paradyse.cost.groups import Assignment
+from lightning_paradyse.groups.solver import Assignment
 from lightning_paradyse.models import build_model
 from lightning_paradyse.spawn import run_distributed
 from tests.support.dist import free_ports
@@ -109,7 +109,7 @@ def fit(devices: int, groups: bool, accumulate: int = 1) -> dict[str, Any]:
 
 
 def worker(rank: int, world: int, ports: tuple[int, ...]) -> bytes:
-    import lightning_paradyse.cost.groups as solver
+    import lightning_paradyse.groups.solver as solver
 
     strategy_environment(rank, world)
     out = {}

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_paradyse.cost.groups import (
+from lightning_paradyse.cost.planner import PlanInfeasible, make_planner
+from lightning_paradyse.groups.solver import (
     Assignment,
     assign,
     assign_exact,
@@ -17,7 +18,6 @@ from lightning_paradyse.cost.groups import (
     layouts,
     sequential_cost,
 )
-from lightning_paradyse.cost.planner import PlanInfeasible, make_planner
 from lightning_paradyse.models import CONFIGS
 
 CLUSTER = Path(__file__).resolve().parents[1] / "configs" / "clusters" / "a100-80gb-nvlink-8.yaml"

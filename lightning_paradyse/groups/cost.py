@@ -1,0 +1,223 @@
+"""What a group costs: the seconds a group of ``g`` ranks needs for its share of a step's sequences.
+
+The solver (:mod:`~lightning_paradyse.groups.solver`) minimises the slowest group's cost. A step holds *units*,
+the things dealt to groups:
+
+* the rows of an ordinary batch ``[b, s]`` (padded on the right or not): a group trains its rows as a batch
+  ``[b_g, s_g]``, cut to its longest row (right padding past it is never computed, which is exact for a causal
+  model: no real token attends to a later one);
+* the documents of a packed batch (``doc_ids``): a group trains its documents packed into one sequence, and
+  attention is counted per document (Hydraulis-style: documents never attend to each other, so short documents
+  packed together cost their tokens, not the square of their total).
+
+With a cost model, a group's time is the planner's predicted step time for the group's shape (planned once per
+length bucket) rescaled from the bucket to the real lengths by the FLOP count (:func:`flop_weights`), times the
+measured correction of its group size (:class:`StepScales`), plus the weight exchange (:func:`exchange_seconds`);
+without one (a fixed plan or thresholds) it is the FLOPs per rank. Every cost is monotone: adding a unit never
+makes a group faster, as the solver's bound needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_paradyse.cost.dims import ModelDims
+from lightning_paradyse.cost.time import Machine
+from lightning_paradyse.groups.solver import GroupCost
+
+StepTime = Callable[[int, int, int], "float | None"]
+"""``step_time(s, b, g)``: predicted seconds of ``b`` sequences of ``s`` tokens on ``g`` ranks; ``None``: no plan
+fits the memory budget."""
+
+
+def flop_weights(dims: ModelDims) -> tuple[float, float]:
+    """``(per token, per attended pair)`` training FLOPs of the blocks: the linear and the quadratic term."""
+    q, kv, f = dims.n_heads * dims.head_dim, dims.n_kv_heads * dims.head_dim, dims.ffn
+    linear = 2 * dims.hidden * (2 * q + 2 * kv + (3 if dims.gated else 2) * f)  # q, o, k, v, MLP projections
+    pair = 4 * dims.n_heads * dims.head_dim * (0.5 if dims.causal else 1.0)  # scores and weighted values
+    return 3 * dims.n_layers * linear, 3 * dims.n_layers * pair  # forward + backward = 3x forward
+
+
+def attention_crossover(dims: ModelDims) -> int:
+    """The sequence length at which attention costs as many FLOPs as the rest of the blocks (for
+    :attr:`~lightning_paradyse.batching.BatchingConfig.attention_len`)."""
+    per_token, per_pair = flop_weights(dims)
+    return max(1, round(per_token / per_pair))
+
+
+def packed_cost(
+    dims: ModelDims,
+    step_time: StepTime | None = None,
+    fixed: Callable[[int], float] | None = None,
+) -> GroupCost:
+    """The cost of a group training documents packed into one sequence of ``L = sum(l_i)`` tokens.
+
+    With ``step_time`` the packed step costs ``step_time(L, 1, g)`` with its attention share rescaled from ``L^2``
+    to ``sum(l_i^2)``; memory is that of one sequence of ``L`` tokens (an upper bound). Without it the cost is
+    the FLOPs per rank, ``(a L + c sum(l_i^2)) / g``. ``fixed(g)`` adds seconds per step that do not depend on the
+    documents (e.g. the weight exchange). A group needs at least ``g`` tokens.
+    """
+    a, c = flop_weights(dims)
+
+    def cost(lengths: tuple[int, ...], g: int) -> float | None:
+        total, squares = sum(lengths), sum(n * n for n in lengths)
+        if total < g:
+            return None
+        if step_time is None:
+            return (a * total + c * squares) / g
+        whole = step_time(total, 1, g)
+        if whole is None:
+            return None
+        extra = fixed(g) if fixed is not None else 0.0
+        return whole * (a * total + c * squares) / (a * total + c * total * total) + extra
+
+    return cost
+
+
+def rows_cost(
+    dims: ModelDims,
+    step_time: StepTime | None = None,
+    fixed: Callable[[int], float] | None = None,
+) -> GroupCost:
+    """The cost of a group training rows (real lengths ``l_i``) as one batch ``[b_g, s_g]``, ``s_g = max(l_i)``.
+
+    With ``step_time`` it is ``step_time(s_g, b_g, g)``; without it the FLOPs per rank,
+    ``b_g (a s_g + c s_g^2) / g``. ``fixed(g)`` as in :func:`packed_cost`. A group needs ``s_g >= g``.
+    """
+    a, c = flop_weights(dims)
+
+    def cost(lengths: tuple[int, ...], g: int) -> float | None:
+        s, b = max(lengths), len(lengths)
+        if s < g:
+            return None
+        if step_time is None:
+            return b * (a * s + c * s * s) / g
+        t = step_time(s, b, g)
+        if t is None:
+            return None
+        return t + (fixed(g) if fixed is not None else 0.0)
+
+    return cost
+
+
+def planner_step_time(
+    dims: ModelDims, planner_for: Callable[[int], Any], scales: Mapping[int, float] | None = None
+) -> StepTime:
+    """:data:`StepTime` from the cost planner of each group size: the step planned at the length's bucket, its
+    time rescaled from the bucket's length to the real one by the FLOP count, times ``scales[g]``."""
+    from lightning_paradyse.cost.planner import PlanInfeasible
+
+    a, c = flop_weights(dims)
+    scales = scales or {}
+
+    def step_time(s: int, b: int, g: int) -> float | None:
+        planner = planner_for(g)
+        try:
+            planned = planner.step(s, b)
+        except PlanInfeasible:
+            return None
+        top = max(planned.seq_len, s)
+        return float(planned.time_s) * (a * s + c * s * s) / (a * top + c * top * top) * scales.get(g, 1.0)
+
+    return step_time
+
+
+def group_cost(
+    dims: ModelDims,
+    world: int,
+    planner_for: Callable[[int], Any],
+    packed: bool,
+    exchange_scale: float = 1.0,
+    step_scale: Mapping[int, float] | None = None,
+    exchange: bool = True,
+) -> GroupCost:
+    """The strategy's group cost: :func:`packed_cost` or :func:`rows_cost` on the planner of each group size,
+    times the measured correction ``step_scale[g]`` (:class:`StepScales`), plus :func:`exchange_seconds` times
+    ``exchange_scale`` (measured over predicted; left out with ``exchange=False``); the FLOP cost when the
+    planners have no cost model (a fixed plan or thresholds)."""
+    from lightning_paradyse.cost.planner import CostPlanner
+
+    shape = packed_cost if packed else rows_cost
+    if not isinstance(planner_for(world), CostPlanner):
+        return shape(dims)
+
+    def exchange_time(g: int) -> float:
+        model = planner_for(g).model
+        return exchange_scale * exchange_seconds(model.dims, model.machine, world, g)
+
+    return shape(dims, planner_step_time(dims, planner_for, step_scale), exchange_time if exchange else None)
+
+
+@dataclass
+class StepScales:
+    """Measured over predicted step time per group size, learned from the steps run (online calibration).
+
+    After every grouped step each rank knows every group's measured forward and backward (all-gathered) and
+    its prediction, so every rank updates the same factors: an exponential average of ``measured /
+    predicted`` over the groups of each size, clamped to ``[0.1, 10]``. Group sizes never run keep 1.0.
+    """
+
+    weight: float = 0.3
+    """Weight of the newest step in the average."""
+    scales: dict[int, float] = field(default_factory=dict)
+
+    def update(self, sizes: Sequence[int], predicted: Sequence[float], measured: Sequence[float]) -> None:
+        ratios: dict[int, list[float]] = {}
+        for g, pred, meas in zip(sizes, predicted, measured):
+            if pred > 0 and meas > 0:
+                ratios.setdefault(g, []).append(min(10.0, max(0.1, meas / pred)))
+        for g, values in sorted(ratios.items()):
+            ratio = sum(values) / len(values)
+            old = self.scales.get(g)
+            self.scales[g] = ratio if old is None else (1 - self.weight) * old + self.weight * ratio
+
+
+def exchange_seconds(dims: ModelDims, machine: Machine, world: int, g: int) -> float:
+    """Predicted seconds of the weight exchange (:func:`~lightning_paradyse.groups.exchange.enter_group` and
+    :func:`~lightning_paradyse.groups.exchange.exit_group`) for a rank in a group of ``g`` of ``world``.
+
+    One all-to-all each way for the whole model, each rank receiving (and, on the way back, sending) the
+    ``1/g - 1/world`` of the weights it reads but does not own; nothing when the group is the world. The
+    all-to-all is over every rank, so a step waits for its smallest group's exchange (the solver charges each
+    group its own, a slight under-estimate for the larger groups of a mixed split).
+    """
+    if g >= world:
+        return 0.0
+    weights = dims.n_layers * (dims.attn_params() + dims.mlp_params()) * dims.dtype_bytes
+    volume = weights * (1 / g - 1 / world)
+    return 2 * machine.collective("all_to_all", world).time(1, volume)
+
+
+def machine_for_groups(machine: Machine, world: int) -> Machine:
+    """``machine`` with a collective model for every power-of-two group size up to ``world``.
+
+    Sizes that were not measured take the nearest measured size's alpha-beta (an approximation: on one
+    host or one fast network the per-byte cost changes little with the group size); a described network
+    (:attr:`Machine.links`) needs nothing.
+    """
+    if machine.links is not None:
+        return machine
+    sizes = [1 << k for k in range(world.bit_length()) if 1 << k <= world]
+    table: dict[str, dict[int, Any]] = {}
+    for kind, measured in machine.collectives.items():
+        if not measured:
+            continue
+        table[kind] = {g: measured.get(g) or measured[min(measured, key=lambda q: (abs(q - g), q))] for g in sizes}
+    return dataclasses.replace(machine, collectives=table)
+
+
+__all__ = [
+    "StepScales",
+    "StepTime",
+    "attention_crossover",
+    "exchange_seconds",
+    "flop_weights",
+    "group_cost",
+    "machine_for_groups",
+    "packed_cost",
+    "planner_step_time",
+    "rows_cost",
+]

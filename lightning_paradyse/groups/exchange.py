@@ -1,0 +1,293 @@
+"""The weight exchange of a step on groups: every rank's ``1/g`` shards in, their gradients back out.
+
+The world of ``P`` ranks holds the ``1/P`` row shards of the unified layout: no weight is stored twice at rest.
+A step split into groups (aligned power-of-two blocks of ranks, largest first: ``8 = 4 + 2 + 1 + 1`` is ranks
+0-3, 4-5, 6, 7) runs each group's modes on the ``1/g`` shards a group of ``g`` would hold. In one documented
+order per step:
+
+1. :func:`enter_group`: every rank obtains the ``1/g`` shards of its group. The rows of a ``1/g`` shard are owned
+   by ``P/g`` ranks (in this rank's group or in others); ONE all-to-all over the world for the whole model
+   (every op's pieces in one buffer, in model order on every rank, outside autograd) moves exactly the rows this
+   rank lacks; they are kept as leaf tensors the dispatch modules read instead of their ``1/P`` parameters. A
+   split into one group of ``P`` uses the parameters themselves; a group of 1 holds the whole weights.
+2. Forward and backward of the group's sequences (only the group's own collectives run).
+3. :func:`exit_group`: the reverse all-to-all (again one for the model) returns the gradients of the ``1/g``
+   shards to the owners of the rows, which add one contribution per group; replicated gradients are summed over
+   the world; the ``1/g`` shards are dropped.
+
+A data-parallel step (``P`` groups of one) therefore moves what DDP moves: one weight gather
+(``(1 - 1/P)`` of the weights per rank) and one gradient reduce-scatter, the two halves of DDP's all-reduce.
+Every world collective happens outside autograd at fixed points, so groups whose plans differ cannot interleave
+them differently. An idle group still takes part in both exchanges and contributes zero gradients.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from lightning_paradyse.comm import Group, all_gather_rows, all_to_all_rows, group_rank, group_size
+from lightning_paradyse.graph.dispatch import OpDispatch
+from lightning_paradyse.layout import split_offsets
+from lightning_paradyse.parallel import dispatchers, reduce_replicated_grads, shard_sources
+
+
+def check_sizes(sizes: Sequence[int], world: int) -> None:
+    """Raise a ``ValueError`` unless ``sizes`` are powers of two, largest first, summing to ``world``."""
+    if not sizes or any(g < 1 or g & (g - 1) for g in sizes):
+        raise ValueError(f"group sizes {tuple(sizes)} must be powers of two (1, 2, 4, ...)")
+    if sum(sizes) != world:
+        raise ValueError(f"group sizes {tuple(sizes)} sum to {sum(sizes)}, not to the world size {world}")
+    if list(sizes) != sorted(sizes, reverse=True):
+        raise ValueError(f"group sizes {tuple(sizes)} must be given largest first (aligned blocks of ranks)")
+
+
+def blocks(sizes: Sequence[int]) -> list[range]:
+    """The ranks of each group: consecutive aligned blocks, ``(2, 1, 1) -> [0:2], [2:3], [3:4]``."""
+    out, start = [], 0
+    for g in sizes:
+        out.append(range(start, start + g))
+        start += g
+    return out
+
+
+@dataclass
+class GroupSet:
+    """The process groups of every aligned power-of-two block of the world, created once.
+
+    ``torch.distributed.new_group`` is collective over the whole job, so every rank creates every block,
+    in the same order (here: at construction). Groups of one rank are ``None`` (no collective).
+    """
+
+    world: Group
+    """The ranks that hold the weight shards (the group the model was parallelized with)."""
+    _groups: dict[tuple[int, int], Group] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        p = group_size(self.world)
+        ranks = list(range(p)) if self.world is None else dist.get_process_group_ranks(self.world)
+        g = 2
+        while g <= p:
+            for start in range(0, p - g + 1, g):
+                members = ranks[start : start + g]
+                self._groups[(start, g)] = self.world if g == p else dist.new_group(members)
+            g *= 2
+
+    @property
+    def p(self) -> int:
+        return group_size(self.world)
+
+    @property
+    def rank(self) -> int:
+        return group_rank(self.world)
+
+    def mine(self, sizes: Sequence[int]) -> tuple[int, Group]:
+        """``(index of this rank's group, its process group)`` for the split ``sizes``."""
+        check_sizes(sizes, self.p)
+        for index, members in enumerate(blocks(sizes)):
+            if self.rank in members:
+                g = len(members)
+                return index, None if g == 1 else self._groups[(members.start, g)]
+        raise AssertionError("unreachable: the blocks cover every rank")
+
+
+def _op_pieces(op: OpDispatch) -> list[tuple[str, torch.Tensor, int]]:
+    """``(name, parameter, rows)`` of an op's shard parameters, in registration order."""
+    return [(name, op.get_parameter(name), src.rows) for name, src in op.sources.items()]
+
+
+def _wanted(rows: int, sizes: Sequence[int], rank: int) -> tuple[int, int]:
+    """``[start, stop)``: the rows of a weight with ``rows`` rows that ``rank`` reads in the split ``sizes``."""
+    for members in blocks(sizes):
+        if rank in members:
+            offsets = split_offsets(rows, len(members))
+            local = rank - members.start
+            return offsets[local], offsets[local + 1]
+    raise AssertionError("unreachable: the blocks cover every rank")
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+    lo, hi = max(a[0], b[0]), min(a[1], b[1])
+    return (lo, max(lo, hi))
+
+
+@dataclass(frozen=True)
+class _Exchange:
+    """Which rows of an op's pieces (weights of ``rows_n`` rows) move between which ranks for one split."""
+
+    sends: tuple[tuple[tuple[int, int], ...], ...]
+    """Per piece, per rank ``j``: the local rows ``[lo, hi)`` of this rank's ``1/P`` shard that ``j`` reads."""
+    recvs: tuple[tuple[int, ...], ...]
+    """Per piece, per rank ``i``: rows of this rank's ``1/g`` shard that come from ``i`` (in row order)."""
+    widths: tuple[int, ...]
+    """Elements per row of each piece."""
+
+    @classmethod
+    def of(cls, pieces: list[tuple[str, torch.Tensor, int]], p: int, sizes: Sequence[int], rank: int) -> _Exchange:
+        sends, recvs = [], []
+        for _, _, rows in pieces:
+            owned = split_offsets(rows, p)
+            mine, want = (owned[rank], owned[rank + 1]), _wanted(rows, sizes, rank)
+            spans = [_overlap(mine, _wanted(rows, sizes, j)) for j in range(p)]
+            sends.append(tuple((lo - mine[0], hi - mine[0]) for lo, hi in spans))
+            recvs.append(tuple(hi - lo for lo, hi in (_overlap((owned[i], owned[i + 1]), want) for i in range(p))))
+        widths = tuple(math.prod(w.shape[1:]) for _, w, _ in pieces)
+        return cls(tuple(sends), tuple(recvs), widths)
+
+    def sent(self, j: int) -> list[int]:
+        """Elements of each piece this rank's shard sends to rank ``j``."""
+        return [(s[j][1] - s[j][0]) * k for s, k in zip(self.sends, self.widths)]
+
+    def received(self, i: int) -> list[int]:
+        """Elements of each piece this rank's ``1/g`` shard gets from rank ``i``."""
+        return [r[i] * k for r, k in zip(self.recvs, self.widths)]
+
+
+@dataclass(frozen=True)
+class _Route:
+    """One op's pieces and what of them moves for a split (the unit of the flat exchange)."""
+
+    op: OpDispatch
+    pieces: list[tuple[str, torch.Tensor, int]]
+    ex: _Exchange
+
+    def sent(self, j: int) -> int:
+        return sum(self.ex.sent(j))
+
+    def received(self, i: int) -> int:
+        return sum(self.ex.received(i))
+
+
+def _routes(module: nn.Module, p: int, sizes: Sequence[int], rank: int) -> dict[torch.dtype, list[_Route]]:
+    """Every op's route for the split ``sizes``, in model order, bucketed by the pieces' dtype (one exchange per
+    dtype; a model has one)."""
+    out: dict[torch.dtype, list[_Route]] = {}
+    for _, op in dispatchers(module):
+        pieces = _op_pieces(op)
+        if not pieces:
+            continue
+        dtypes = {w.dtype for _, w, _ in pieces}
+        if len(dtypes) != 1:
+            raise TypeError(f"the shard parameters of one op have several dtypes {sorted(map(str, dtypes))}")
+        out.setdefault(pieces[0][1].dtype, []).append(_Route(op, pieces, _Exchange.of(pieces, p, sizes, rank)))
+    return out
+
+
+def enter_group(module: nn.Module, world: Group, sizes: Sequence[int]) -> None:
+    """Step 1 of the module docstring: give every dispatch module this rank's ``1/g`` shards for the split
+    ``sizes`` (every rank's group is known from it).
+
+    One all-to-all over the world (per parameter dtype) moves exactly the rows each rank reads and lacks: rank
+    ``j`` receives from every owner the part of its ``1/P`` shard that lies in ``j``'s ``1/g`` rows (``(1/g -
+    1/P)`` of the weights per rank; nothing when the split is the world).
+    """
+    p, rank = group_size(world), group_rank(world)
+    check_sizes(sizes, p)
+    for _, op in dispatchers(module):
+        if op.group_shards is not None:
+            raise RuntimeError("enter_group called twice without exit_group")
+        op.group_shards = {}
+    if len(sizes) == 1:
+        return
+    for routes in _routes(module, p, sizes, rank).values():
+        with torch.no_grad():
+            send = [
+                w.detach()[spans[j][0] : spans[j][1]].reshape(-1)
+                for j in range(p)
+                for route in routes
+                for (_, w, _), spans in zip(route.pieces, route.ex.sends)
+            ]  # destination rank, then model order, then the op's pieces
+            in_sizes = [sum(r.sent(j) for r in routes) for j in range(p)]
+            out_sizes = [sum(r.received(i) for r in routes) for i in range(p)]
+            recv = all_to_all_rows(torch.cat(send), in_sizes, out_sizes, world)  # [numel] -> [numel']
+            parts = [  # per source rank, per route, per piece
+                [
+                    torch.split(x, r.ex.received(i))
+                    for r, x in zip(routes, torch.split(chunk, [r.received(i) for r in routes]))
+                ]
+                for i, chunk in enumerate(torch.split(recv, out_sizes))
+            ]
+        for k, route in enumerate(routes):
+            for n, (name, w, _) in enumerate(route.pieces):
+                shard = torch.cat([parts[i][k][n].view(-1, *w.shape[1:]) for i in range(p)])  # [rows/g, ...]
+                route.op.group_shards[name] = shard.requires_grad_(w.requires_grad)  # type: ignore[index]
+
+
+def exit_group(module: nn.Module, world: Group, sizes: Sequence[int], replicated: bool = True) -> None:
+    """Step 3 of the module docstring: the ``1/g`` gradients onto the ``1/P`` shards, replicated ones summed.
+
+    The reverse of :func:`enter_group` (one all-to-all per dtype): every rank returns to each owner the gradient of
+    the rows it read, and the owner adds what every group sent (one contribution per group that read the row).
+    Shard gradients are added to what the parameters hold (gradient accumulation works). With
+    ``replicated=False`` the replicated gradients are left for one
+    :func:`~lightning_paradyse.parallel.reduce_replicated_grads` call before the optimizer step (needed when
+    several micro-batches accumulate).
+    """
+    p, rank = group_size(world), group_rank(world)
+    shards: dict[int, dict[str, torch.Tensor]] = {}
+    for _, op in dispatchers(module):
+        if op.group_shards is None:
+            raise RuntimeError("exit_group called without enter_group")
+        shards[id(op)], op.group_shards = op.group_shards, None
+    if len(sizes) > 1:
+        for routes in _routes(module, p, sizes, rank).values():
+            _return_grads(routes, shards, p, world)
+    if replicated:
+        reduce_replicated_grads(module, world)
+
+
+def _return_grads(routes: list[_Route], shards: dict[int, dict[str, torch.Tensor]], p: int, world: Group) -> None:
+    with torch.no_grad():
+        grads = []  # per route, per piece: the gradient rows that came from each owner
+        for route in routes:
+            held = shards[id(route.op)]
+            per_piece = []
+            for (name, _, _), recvs in zip(route.pieces, route.ex.recvs):
+                grad = held[name].grad
+                per_piece.append(torch.split(grad if grad is not None else torch.zeros_like(held[name]), list(recvs)))
+            grads.append(per_piece)
+        send = [
+            piece[i].reshape(-1) for i in range(p) for per_piece in grads for piece in per_piece
+        ]  # owner rank, then model order, then the op's pieces
+        in_sizes = [sum(r.received(i) for r in routes) for i in range(p)]
+        out_sizes = [sum(r.sent(j) for r in routes) for j in range(p)]
+        recv = all_to_all_rows(torch.cat(send), in_sizes, out_sizes, world)  # [numel'] -> [numel]
+        for j, chunk in enumerate(torch.split(recv, out_sizes)):  # rank j's gradient of the rows it read here
+            for route, part in zip(routes, torch.split(chunk, [r.sent(j) for r in routes])):
+                for (_, w, _), spans, piece in zip(route.pieces, route.ex.sends, torch.split(part, route.ex.sent(j))):
+                    lo, hi = spans[j]
+                    if hi == lo or not w.requires_grad:
+                        continue
+                    if w.grad is None:
+                        w.grad = torch.zeros_like(w)
+                    w.grad[lo:hi] += piece.view(hi - lo, *w.shape[1:])
+
+
+def measure_regroup(module: nn.Module, world: Group, reps: int = 3) -> float:
+    """Seconds of :func:`enter_group` + :func:`exit_group` into groups of one rank (the largest exchange),
+    the median of ``reps`` on every rank and the slowest rank's (collective; gradients are left as they were)."""
+    p = group_size(world)
+    if p == 1:
+        return 0.0
+    sharded = set(shard_sources(module))
+    shards = [w for name, w in module.named_parameters() if name in sharded]
+    before = [w.grad for w in shards]
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        enter_group(module, world, (1,) * p)
+        exit_group(module, world, (1,) * p, replicated=False)
+        times.append(time.perf_counter() - start)
+    for w, grad in zip(shards, before):
+        w.grad = grad
+    mine = torch.tensor([sorted(times)[len(times) // 2]], dtype=torch.float64)
+    return float(all_gather_rows(mine, [1] * p, world).max())  # [1] -> [p]
+
+
+__all__ = ["GroupSet", "blocks", "check_sizes", "enter_group", "exit_group", "measure_regroup"]

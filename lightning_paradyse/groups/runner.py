@@ -1,0 +1,272 @@
+"""The step runner: a training batch of several sequences or documents on groups of different sizes.
+
+:class:`GroupRunner` is the collaborator the strategy owns (``ParaDySeStrategy(groups=...)``). Per training batch
+the strategy calls, in order:
+
+1. :meth:`GroupRunner.decide`: the batch's units (:class:`~lightning_paradyse.groups.units.Units`: rows or
+   documents), the split of the ranks into groups and the units of each group
+   (:func:`~lightning_paradyse.groups.solver.assign` on :func:`~lightning_paradyse.groups.cost.group_cost`), every
+   group's batch cut out and its plan checked, on every rank alike and before any collective;
+2. :meth:`GroupRunner.enter`: this rank's ``1/g`` shards (:func:`~lightning_paradyse.groups.exchange.enter_group`,
+   one all-to-all), then the group's layout and plan;
+3. the module's training step on this rank's tokens of its group's batch (the strategy's ``_shard_step``);
+4. :meth:`GroupRunner.finish` after the backward: the measured group times (all-gathered, they teach
+   :class:`~lightning_paradyse.groups.cost.StepScales`), the gradients back onto the ``1/P`` shards
+   (:func:`~lightning_paradyse.groups.exchange.exit_group`) and the replicated gradients summed over every rank
+   when no micro-batch is left to accumulate.
+
+The exchange's real cost is measured once at setup (:meth:`GroupRunner.setup`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from lightning_paradyse import parallel
+from lightning_paradyse.comm import Group, all_gather_rows, group_size
+from lightning_paradyse.groups.cost import StepScales, exchange_seconds, group_cost, machine_for_groups
+from lightning_paradyse.groups.exchange import GroupSet, blocks, enter_group, exit_group, measure_regroup
+from lightning_paradyse.groups import solver
+from lightning_paradyse.groups.solver import Assignment
+from lightning_paradyse.groups.units import Units
+from lightning_paradyse.plan import Plan
+from lightning_paradyse.policy import Planner
+from lightning_paradyse.slicing import BatchInfo, describe_batch
+from lightning_paradyse.spec import SeqContext
+
+
+@dataclass(frozen=True)
+class GroupStep:
+    """One training step of this rank on its group: what the strategy configures and runs."""
+
+    assignment: Assignment
+    """Group sizes and the units of each group (the same on every rank)."""
+    units: Units
+    """The batch's rows or documents."""
+    index: int
+    """This rank's group."""
+    group: Group
+    """Its process group (``None`` for a group of one)."""
+    rank: int
+    """This rank's rank inside the group."""
+    batch: Any
+    """The group's batch (its rows or documents)."""
+    info: BatchInfo
+    """This rank's description of its group's batch (``n_global`` of the whole batch)."""
+    plans: tuple[Plan, ...]
+    """Every group's plan."""
+    shifts: dict[str, tuple[Tensor, int]]
+    """Per ``[b, s]`` entry of a dict batch: the whole batch's shifted labels cut to this group, and their real
+    count in the whole batch (labels handed to a Hugging Face model are shifted over the batch)."""
+    predicted: tuple[float, ...] = ()
+    """Every group's predicted forward and backward (without the exchange or the learned correction)."""
+    solve_s: float = 0.0
+    """Seconds the decision took."""
+
+    @property
+    def size(self) -> int:
+        return self.assignment.sizes[self.index]
+
+    @property
+    def plan(self) -> Plan:
+        """This rank's group's plan."""
+        return self.plans[self.index]
+
+    def digest(self, checksum: int) -> int:
+        """A signed 64-bit hash of the assignment, the plans and the batch, equal across ranks that agree."""
+        text = repr((self.assignment.sizes, self.assignment.groups, tuple(map(str, self.plans)), checksum)).encode()
+        return int.from_bytes(hashlib.sha256(text).digest()[:8], "little", signed=True)
+
+
+def imbalance(times: Sequence[float]) -> float:
+    """Slowest over mean of the groups' times (1.0: perfectly balanced)."""
+    busy = [t for t in times if t > 0]
+    return max(busy) / (sum(busy) / len(busy)) if busy else 1.0
+
+
+class GroupRunner:
+    """Steps on groups of different sizes for :class:`~lightning_paradyse.strategy.ParaDySeStrategy` (see the
+    module docstring). Holds the per-run state of the feature: the aligned process groups, the planner of every
+    group size, the learned corrections and the step in flight."""
+
+    def __init__(self, plan_bucket: int, on_infeasible: str) -> None:
+        self.plan_bucket = plan_bucket
+        self.on_infeasible = on_infeasible
+        self._world: Group = None
+        self._module: nn.Module | None = None
+        self._set: GroupSet | None = None
+        self._dims: Any = None
+        self._planner: Planner | None = None
+        self._planners: dict[int, Planner] = {}
+        self._runs: dict[tuple[int, Plan], bool] = {}
+        self.exchange_scale = 1.0
+        """Measured over predicted seconds of the weight exchange (measured once at setup)."""
+        self.scales = StepScales()
+        self.step: GroupStep | None = None
+        """The grouped step in flight (between :meth:`enter` and :meth:`finish`)."""
+        self._started = 0.0
+        self.times: tuple[float, ...] = ()
+        """Measured seconds of every group's forward and backward (its slowest rank) in the last grouped step."""
+
+    @property
+    def ready(self) -> bool:
+        return self._set is not None
+
+    def setup(self, module: nn.Module, world: Group, planner: Planner) -> tuple[float, float] | None:
+        """The aligned process groups (``new_group`` is collective: every rank, once, here) and the measured cost of
+        the weight exchange, which corrects the cost model's prediction of it: returns ``(measured, predicted)``
+        seconds of the largest exchange (``None`` without a cost model)."""
+        from lightning_paradyse.cost.dims import dims_from_module
+        from lightning_paradyse.cost.planner import CostPlanner
+
+        self._module, self._world, self._planner = module, world, planner
+        p = group_size(world)
+        self._set = GroupSet(world)
+        self._dims = dims_from_module(module)
+        if isinstance(planner, CostPlanner):
+            predicted = exchange_seconds(self._dims, planner.model.machine, p, 1)
+            measured = measure_regroup(module, world)
+            self.exchange_scale = measured / predicted if predicted > 0 else 1.0
+            return measured, predicted
+        return None
+
+    def teardown(self) -> None:
+        """Drop the process groups and the model (the strategy destroys the world group next)."""
+        self._set, self.step, self._planners, self._runs = None, None, {}, {}
+        self._world, self._module, self._planner = None, None, None
+
+    def planner_for(self, g: int) -> Planner:
+        """The planner of a group of ``g`` ranks (the cost model's machine, collectives for every size)."""
+        if g not in self._planners:
+            from lightning_paradyse.cost.planner import CostPlanner, make_planner
+
+            planner = self._planner
+            if isinstance(planner, CostPlanner):
+                assert self._module is not None
+                if g == group_size(self._world):
+                    self._planners[g] = planner
+                else:
+                    self._planners[g] = make_planner(
+                        self._module,
+                        g,
+                        planner.budget,
+                        machine_for_groups(planner.model.machine, group_size(self._world)),
+                        planner.modes,
+                        bucket_tokens=self.plan_bucket,
+                        recompute=planner.recompute,
+                    )
+            else:  # a fixed plan (or thresholds): the same planner on every group
+                assert planner is not None
+                self._planners[g] = planner
+        return self._planners[g]
+
+    def decide(
+        self,
+        batch: Any,
+        info: BatchInfo,
+        units: Units,
+        rank: int,
+        causal: bool,
+        mean_loss: bool,
+        finish_plan: Callable[[Plan], Plan],
+    ) -> GroupStep | None:
+        """The split of a batch among groups, this rank's part of it, every group's plan checked; ``None`` when no
+        split fits the memory budget and ``on_infeasible="skip"``.
+
+        Everything is decided from the batch alone, alike on every rank, before any collective. ``finish_plan``
+        completes a planned plan (the model's own gradient checkpointing).
+        """
+        assert self._set is not None and self._module is not None
+        started = time.perf_counter()
+        p = group_size(self._world)
+        modelled = group_cost(self._dims, p, self.planner_for, units.packed, self.exchange_scale, self.scales.scales)
+
+        def cost(lengths: tuple[int, ...], g: int) -> float | None:
+            return modelled(lengths, g) if self._runs_on(g, lengths, units.packed) else None
+
+        found = solver.assign(units.lengths, p, cost, all_busy=True)
+        if found is None and self.on_infeasible == "skip":
+            return None
+        if found is None:
+            kind = "documents" if units.packed else "sequences"
+            raise ValueError(
+                f"no split of the {p} ranks into groups fits the batch of {len(units.lengths)} {kind} "
+                f"({info.seq_len} tokens) in the memory budget; use groups=False, a larger memory_budget or shorter "
+                f"batches"
+            )
+        plans = []
+        for g, members in zip(found.sizes, found.groups):  # every group's plan checked on every rank
+            plan = finish_plan(self.planner_for(g).plan(units.length(members), len(members) if not units.packed else 1))
+            parallel.check_plan(self._module, plan, g)
+            plans.append(plan)
+        index, pg = self._set.mine(found.sizes)
+        local_rank = rank - blocks(found.sizes)[index].start
+        members = found.groups[index]
+        sub = units.cut(batch, members)
+        mine = describe_batch(sub, found.sizes[index], local_rank, causal, mean_loss=mean_loss, require_targets=False)
+        mine = replace(mine, n_global=info.n_global, checksum=info.checksum)
+        bare = group_cost(self._dims, p, self.planner_for, units.packed, exchange=False)  # what the scales correct
+        predicted = tuple(bare(tuple(units.lengths[i] for i in m), g) or 0.0 for g, m in zip(found.sizes, found.groups))
+        shifts = units.shifted_sources(batch, members)
+        solve_s = time.perf_counter() - started
+        return GroupStep(found, units, index, pg, local_rank, sub, mine, tuple(plans), shifts, predicted, solve_s)
+
+    def _runs_on(self, g: int, lengths: tuple[int, ...], packed: bool) -> bool:
+        """Whether the plan a group of ``g`` gets for ``lengths`` can run on ``g`` ranks (a fixed plan's mode may
+        need heads divisible by ``g``; the cost planner only plans feasible modes). Cached per plan."""
+        from lightning_paradyse.cost.planner import CostPlanner, PlanInfeasible
+
+        planner = self.planner_for(g)
+        if isinstance(planner, CostPlanner):
+            return True
+        s, b = (sum(lengths), 1) if packed else (max(lengths), len(lengths))
+        try:
+            plan = planner.plan(s, b)
+        except PlanInfeasible:
+            return False
+        key = (g, plan)
+        if key not in self._runs:
+            assert self._module is not None
+            try:
+                parallel.check_plan(self._module, plan, g)
+                self._runs[key] = True
+            except ValueError:
+                self._runs[key] = False
+        return self._runs[key]
+
+    def enter(self, step: GroupStep) -> None:
+        """This rank's ``1/g`` shards (a collective over every rank), then its group's layout and plan."""
+        module = self._module
+        assert module is not None
+        enter_group(module, self._world, step.assignment.sizes)
+        doc_ids = step.info.doc_ids
+        parallel.configure(module, SeqContext(step.info.layout, step.group, doc_ids), step.plan)
+        self.step = step
+        self._started = time.perf_counter()
+
+    def finish(self, accumulating: bool) -> None:
+        """The ``1/g`` gradients back onto the ``1/P`` shards (a collective over every rank); the replicated
+        gradients summed over every rank when no micro-batch is left to accumulate."""
+        step, self.step = self.step, None
+        if step is None:
+            return
+        module = self._module
+        assert module is not None
+        elapsed = torch.tensor([time.perf_counter() - self._started], dtype=torch.float64)
+        per_rank = all_gather_rows(elapsed, [1] * group_size(self._world), self._world).tolist()  # [1] -> [P]
+        self.times = tuple(max(per_rank[r] for r in block) for block in blocks(step.assignment.sizes))
+        self.scales.update(step.assignment.sizes, step.predicted, self.times)  # alike on every rank
+        exit_group(module, self._world, step.assignment.sizes, replicated=False)
+        if not accumulating:
+            parallel.reduce_replicated_grads(module, self._world)
+
+
+__all__ = ["GroupRunner", "GroupStep", "imbalance"]

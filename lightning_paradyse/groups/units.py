@@ -1,0 +1,116 @@
+"""The units of a training batch that groups share out: its rows, or the documents of a packed batch.
+
+An ordinary batch ``[b, s, ...]`` of several sequences (padded on the right or not) is dealt row by row: a group
+trains the batch of its rows, cut to its longest row's real tokens. A packed batch (``doc_ids``, batch size 1) is
+dealt document by document: a group trains its documents packed into one sequence. :class:`Units` describes
+either and cuts a group's batch out of the global one; every rank computes the same from the batch alone.
+
+Cutting is exact: rows are independent sequences; right padding past a group's longest row is never computed,
+which changes no real token of a causal model (refused otherwise by :func:`~lightning_paradyse.slicing.find_padding`)
+and drops only padding, whose targets are ignored (checked by
+:func:`~lightning_paradyse.slicing.check_padding_targets`). Labels a model shifts itself are shifted over the
+global batch first, then cut (:meth:`Units.shifted_sources`): a row's last kept token keeps its target.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor
+
+from lightning_paradyse.slicing import IGNORE_INDEX, TOKEN_1D_KEYS, BatchInfo, shifted_labels
+from lightning_paradyse.spec import document_bounds
+
+
+@dataclass(frozen=True)
+class Units:
+    """The rows or documents of one global batch ``[b, s]``, with their real lengths."""
+
+    packed: bool
+    """Documents of a packed batch (``True``) or rows of a batch of sequences (``False``)."""
+    lengths: tuple[int, ...]
+    """Real tokens of every unit (a row's tokens before its right padding; a document's tokens)."""
+    spans: tuple[tuple[int, int], ...]
+    """Packed: every document's ``(start, stop)`` in the sequence. Rows: ``(0, length)`` per row."""
+    b: int
+    s: int
+
+    @classmethod
+    def of(cls, info: BatchInfo) -> Units | None:
+        """The batch's units, or ``None`` when it holds a single sequence or document (nothing to share out)."""
+        if info.doc_ids is not None:
+            spans = tuple(document_bounds(info.doc_ids, info.seq_len))
+            if len(spans) < 2:
+                return None
+            return cls(True, tuple(b - a for a, b in spans), spans, 1, info.seq_len)
+        if info.batch < 2:
+            return None
+        if info.padding is None:
+            lengths = (info.seq_len,) * info.batch
+        else:
+            real = (~info.padding).sum(dim=1).tolist()  # right padding: the real tokens come first
+            lengths = tuple(max(1, int(n)) for n in real)
+        return cls(False, lengths, tuple((0, n) for n in lengths), info.batch, info.seq_len)
+
+    def length(self, members: Sequence[int]) -> int:
+        """The sequence length of the group's batch: its documents' total, or its longest row."""
+        picked = [self.lengths[i] for i in members]
+        return sum(picked) if self.packed else max(picked)
+
+    def cut(self, batch: Any, members: Sequence[int]) -> Any:
+        """The group's batch: packed, its documents in the order ``members`` (every ``[1, s, ...]`` and per-token
+        ``[s]`` tensor cut); rows, its rows (every tensor whose first dimension is ``b``) cut to
+        :meth:`length` tokens (also the per-token ``[s]`` entries of a dict)."""
+        if self.packed:
+            index = torch.cat([torch.arange(*self.spans[d]) for d in members])  # [s_group] token indices
+            return _cut(batch, self.b, self.s, lambda t, dim: t.index_select(dim, index.to(t.device)), None)
+        rows = torch.tensor(list(members), dtype=torch.long)
+        n = self.length(members)
+        return _cut(batch, self.b, self.s, lambda t, dim: t.narrow(dim, 0, n), rows)
+
+    def shifted_sources(self, batch: Any, members: Sequence[int]) -> dict[str, tuple[Tensor, int]]:
+        """Per ``[b, s]`` entry of a dict batch: the global batch's labels shifted left by one (as a label-shifting
+        model computes them) cut to the group, and their real count in the whole batch."""
+        if not isinstance(batch, Mapping):
+            return {}
+        whole = {
+            str(k): v
+            for k, v in batch.items()
+            if isinstance(v, Tensor) and v.dim() == 2 and tuple(v.shape) == (self.b, self.s)
+        }
+        shifted = {k: shifted_labels(v) for k, v in whole.items()}  # shifted over the whole batch, then cut
+        cut = self.cut(shifted, members)
+        return {k: (cut[k].contiguous(), int((shifted[k] != IGNORE_INDEX).sum())) for k in shifted}
+
+
+def _cut(batch: Any, b: int, s: int, tokens: Any, rows: Tensor | None) -> Any:
+    """Every ``[b, s, ...]`` tensor: rows picked (``rows``), then its tokens cut by ``tokens(t, dim)``; the per-token
+    ``[s]`` entries of a dict (:data:`~lightning_paradyse.slicing.TOKEN_1D_KEYS`) cut alike; with ``rows``, other
+    tensors whose first dimension is ``b`` lose the other rows. Slices are contiguous (a step may ``view`` them)."""
+
+    def cut(t: Tensor) -> Tensor:
+        if rows is not None and t.dim() >= 1 and t.shape[0] == b:
+            t = t.index_select(0, rows.to(t.device))  # [b, ...] -> [b_g, ...]
+            if t.dim() >= 2 and t.shape[1] == s:
+                t = tokens(t, 1)  # [b_g, s, ...] -> [b_g, s_g, ...]
+            return t.contiguous()
+        if rows is None and t.dim() >= 2 and tuple(t.shape[:2]) == (b, s):
+            return tokens(t, 1).contiguous()  # [1, s, ...] -> [1, s_g, ...]
+        return t
+
+    if isinstance(batch, Mapping):
+        out = {}
+        for k, v in batch.items():
+            if k in TOKEN_1D_KEYS and isinstance(v, Tensor) and tuple(v.shape) == (s,):
+                out[k] = tokens(v, 0).contiguous()  # [s] -> [s_g]
+            else:
+                out[k] = apply_to_collection(v, Tensor, cut)
+        return type(batch)(out) if not isinstance(batch, dict) else out
+    return apply_to_collection(batch, Tensor, cut)
+
+
+__all__ = ["Units"]
