@@ -50,8 +50,10 @@ class Batches(Dataset[Any]):
         return self.make(torch.randint(0, 128, (self.rows, self.lengths[i] + 1), generator=gen))
 
 
-def loader(make: Callable[[Tensor], dict[str, Tensor]], lengths: tuple[int, ...] = LENGTHS) -> DataLoader[Any]:
-    return DataLoader(Batches(make, lengths), batch_size=None)
+def loader(
+    make: Callable[[Tensor], dict[str, Tensor]], lengths: tuple[int, ...] = LENGTHS, rows: int = 2
+) -> DataLoader[Any]:
+    return DataLoader(Batches(make, lengths, rows), batch_size=None)
 
 
 def shifted_targets(window: Tensor) -> dict[str, Tensor]:
@@ -101,6 +103,29 @@ def padded(side: str) -> Callable[[Tensor], dict[str, Tensor]]:
         labels = ids.clone()
         labels[mask == 0] = -100
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+    return make
+
+
+def ragged(labels: str) -> Callable[[Tensor], dict[str, Tensor]]:
+    """Rows of different real lengths, right-padded with an ``attention_mask`` (a data collator's batch): row ``r``
+    keeps ``s - r s / (2 b)`` tokens; targets of padding are -100. ``labels``: ``"labels"`` (Hugging Face, the model
+    shifts them) or ``"targets"`` (shifted in the data)."""
+
+    def make(window: Tensor) -> dict[str, Tensor]:
+        ids = window[:, :-1].clone()
+        b, s = ids.shape
+        mask = torch.ones_like(ids)
+        for r in range(b):
+            mask[r, s - (r * s) // (2 * b) :] = 0
+        ids[mask == 0] = 0
+        if labels == "labels":
+            target = ids.clone()
+        else:
+            target = window[:, 1:].clone()
+            target[:, :-1][mask[:, 1:] == 0] = -100  # the last real token predicts nothing (no next token)
+        target[mask == 0] = -100
+        return {"input_ids": ids, "attention_mask": mask, labels: target}
 
     return make
 
@@ -384,7 +409,60 @@ def cases_p2() -> dict[str, Case]:
         "lamb": Case(tiny(optimizer="lamb"), lambda: loader(shifted_targets), refused="Lamb"),
         "dropout": Case(DropoutLM, lambda: loader(shifted_targets), strategy=dict(plan=MIXED), compare=False),
         "self-shift": Case(SelfShift, lambda: loader(tokens_only), refused="computes something across the tokens"),
+    } | group_cases(2)
+
+
+DP = ((1, 1),)
+"""Every grouped step data parallel (2 ranks)."""
+SPLITS_2 = ((1, 1), (2,))
+"""Data parallel and sequence parallel in turn (2 ranks)."""
+SPLITS_4 = ((1, 1, 1, 1), (2, 1, 1), (2, 2), (4,))
+"""Every kind of split of 4 ranks in turn."""
+
+
+def group_cases(p: int) -> dict[str, Case]:
+    """Ordinary batches of several sequences (rows, ragged and right-padded or not) on groups of different sizes:
+    every mode in every group, mixed plans with recomputation, accumulation, Hugging Face labels."""
+    tiny = lambda: TinyLM()  # noqa: E731
+    hf = lambda call: lambda: HFModule(call)  # noqa: E731
+    rows = 2 * p - 1  # uneven over the groups
+    splits = SPLITS_2 if p == 2 else SPLITS_4
+    grouped = dict(groups=True, check_step=False)
+    cases = {
+        f"groups-{mode}": Case(
+            tiny, lambda: loader(ragged("targets"), rows=rows), strategy=grouped | dict(plan=mode), splits=splits
+        )
+        for mode in ("tp_sp", "ulysses", "ring", "metp")
     }
+    cases |= {
+        "groups-dp": Case(
+            tiny, lambda: loader(shifted_targets, rows=rows), strategy=grouped | dict(plan="tp_sp"), splits=(splits[0],)
+        ),
+        "groups-mixed-accumulate": Case(
+            tiny,
+            lambda: loader(ragged("targets"), rows=rows),
+            trainer=dict(accumulate_grad_batches=2),
+            strategy=grouped | dict(plan=MIXED),
+            splits=splits[::-1],
+        ),
+        "groups-hf-ragged": Case(
+            hf("masked"),
+            lambda: loader(ragged("labels"), rows=rows),
+            strategy=grouped | dict(plan=MIXED),
+            splits=splits,
+        ),
+        "groups-hf-labels": Case(
+            hf("labels-key"), lambda: loader(hf_labels, rows=rows), strategy=dict(plan="auto"), splits=splits[:2]
+        ),
+        "groups-auto": Case(lm_main, lambda: loader(ragged("targets"), rows=2 * p)),
+        "groups-auto-again": Case(lm_main, lambda: loader(ragged("targets"), rows=2 * p)),
+    }
+    return cases
+
+
+def cases_p4() -> dict[str, Case]:
+    """Groups of different sizes on 4 ranks."""
+    return group_cases(4)
 
 
 GRAD_CKPT_EVERY_2 = {"every_n_layers": 2, "gradient_checkpointing_kwargs": {"use_reentrant": True}}

@@ -18,12 +18,13 @@ dict, the optimizer state, the schedulers). A case that must be refused records 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import socket
 import tempfile
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +59,9 @@ class Case:
     """Compare with plain Lightning (``False``: random ops such as dropout; the case must only train)."""
     plans: tuple[str, ...] | None = None
     """The plan of every training step under the strategy, in order (``str(plan)``); ``None``: not checked."""
+    splits: tuple[tuple[int, ...], ...] | None = None
+    """Force the split of the ranks into groups of each grouped step (in turn; units dealt round robin) instead of
+    the solver's: exactness must hold whatever the solver picks. ``None``: the solver decides."""
 
 
 @dataclass
@@ -67,6 +71,8 @@ class Result:
     test_losses: list[float] = field(default_factory=list)
     plans: list[str] = field(default_factory=list)
     """The plan of every training step (under the strategy)."""
+    groups: list[int] = field(default_factory=list)
+    """The number of groups of every training step (under the strategy; 0: one group of every rank)."""
     checkpoint: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
 
@@ -82,6 +88,7 @@ class _Record(pl.Callback):
         record = getattr(trainer.strategy, "step_record", None)
         if record is not None:
             self.result.plans.append(str(record.plan))
+            self.result.groups.append(int(record.metrics.get("groups/count", 0)))
 
     @override
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, *a: Any, **k: Any) -> None:
@@ -153,9 +160,37 @@ def _worker(rank: int, world: int, make: Callable[[], dict[str, Case]], store_pa
             return int(store.get(key))
 
         os.environ["MASTER_PORT"] = str(port("fit"))
-        result = run(case, world, ParaDySeStrategy(**({"timeout": 60.0} | case.strategy)), port)
+        with dealt_splits(case.splits):
+            result = run(case, world, ParaDySeStrategy(**({"timeout": 60.0} | case.strategy)), port)
         out[name] = _portable(result) if rank == 0 else Result(error=result.error)
     return out
+
+
+@contextlib.contextmanager
+def dealt_splits(splits: tuple[tuple[int, ...], ...] | None) -> Iterator[None]:
+    """Within the block, grouped steps split the ranks as ``splits`` say, in turn, the units dealt round robin."""
+    from lightning_paradyse.groups import solver
+
+    if splits is None:
+        yield
+        return
+    calls = [0]
+
+    def deal(lengths: Any, world: int, cost: Any, **kwargs: Any) -> solver.Assignment:
+        sizes = splits[calls[0] % len(splits)]
+        calls[0] += 1
+        members: list[list[int]] = [[] for _ in sizes]
+        for i in range(len(lengths)):
+            members[i % len(sizes)].append(i)
+        times = tuple(float(cost(tuple(lengths[i] for i in m), g) or 0.0) for m, g in zip(members, sizes))
+        return solver.Assignment(sizes, tuple(tuple(m) for m in members), times)
+
+    real = solver.assign
+    solver.assign = deal  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        solver.assign = real
 
 
 def _portable(result: Result) -> Result:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.exact.cases import cases_launched, cases_p2, cases_p3
+from tests.exact.cases import cases_launched, cases_p2, cases_p3, cases_p4
 from tests.exact.harness import Case, Result, differences, run_launched, run_parallel, run_plain
 
 pytestmark = pytest.mark.dist
@@ -28,6 +28,12 @@ def _check(name: str, case: Case, ours: Result) -> list[str]:
         return [f"{name}: {ours.error}"]
     if not case.compare:
         return [] if len(ours.losses) == 4 else [f"{name}: trained {len(ours.losses)} steps, not 4"]
+    if case.splits is not None and [n for n in ours.groups if n] != [
+        len(case.splits[i % len(case.splits)]) for i in range(sum(1 for n in ours.groups if n))
+    ]:
+        return [f"{name}: ran the group counts {ours.groups}, not the splits {list(case.splits)} in turn"]
+    if case.splits is not None and not any(ours.groups):
+        return [f"{name}: no step ran on groups"]
     if case.plans is not None and tuple(ours.plans) != case.plans:
         return [f"{name}: ran the plans {ours.plans}, not {list(case.plans)}"]
     if not ours.losses or not ours.checkpoint:
@@ -48,6 +54,11 @@ def results_p3() -> dict[str, Any]:
     return run_parallel(cases_p3, 3, timeout=600)
 
 
+@pytest.fixture(scope="module")
+def results_p4() -> dict[str, Any]:
+    return run_parallel(cases_p4, 4, timeout=900)
+
+
 @pytest.mark.parametrize("name", list(cases_p2()))
 def test_two_processes_equal_plain_lightning(name: str, results_p2: dict[str, Result]) -> None:
     bad = _check(name, cases_p2()[name], results_p2[name])
@@ -58,6 +69,23 @@ def test_two_processes_equal_plain_lightning(name: str, results_p2: dict[str, Re
 def test_three_processes_equal_plain_lightning(name: str, results_p3: dict[str, Result]) -> None:
     bad = _check(name, cases_p3()[name], results_p3[name])
     assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("name", list(cases_p4()))
+def test_four_processes_on_groups_equal_plain_lightning(name: str, results_p4: dict[str, Result]) -> None:
+    bad = _check(name, cases_p4()[name], results_p4[name])
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("results", ["results_p2", "results_p4"])
+def test_the_default_auto_decides_alike_in_two_runs(results: str, request: pytest.FixtureRequest) -> None:
+    """``plan="auto"`` without a profile measures the machine once and caches it: a second run of the same job
+    runs the same plans on the same group splits."""
+    runs = request.getfixturevalue(results)
+    first, again = runs["groups-auto"], runs["groups-auto-again"]
+    assert first.error is None and again.error is None, (first.error, again.error)
+    assert any(first.groups), f"the default never split the ranks into groups: {first.groups}"
+    assert (first.plans, first.groups) == (again.plans, again.groups)
 
 
 @pytest.mark.timeout(180)
