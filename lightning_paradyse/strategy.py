@@ -284,6 +284,8 @@ class ParaDySeStrategy(ParallelStrategy):
         self._plan: Plan | None = None
         self._last_plan: Plan | None = None
         self._last_groups: Any = None
+        self._exchange_s: float | None = None
+        """Measured seconds of the largest weight exchange, kept with the machine measured at setup (or ``None``)."""
         self.step_record: StepRecord | None = None
         """What the last batch ran with (the callback logs it)."""
         self.history: deque[PlanRecord] = deque(maxlen=HISTORY_LIMIT)
@@ -395,7 +397,7 @@ class ParaDySeStrategy(ParallelStrategy):
         self._parallelize()
         self.planner = self._make_planner()
         if self.groups and group_size(self._group) > 1:
-            exchange = self._runner.setup(self._module, self._group, self.planner)
+            exchange = self._runner.setup(self._module, self._group, self.planner, self._exchange_s)
             if exchange is not None:
                 rank_zero_info(
                     f"[paradyse] groups: exchanging the weights takes {exchange[0] * 1e3:.1f} ms (predicted "
@@ -481,11 +483,14 @@ class ParaDySeStrategy(ParallelStrategy):
         source: Any = self.profile
         if source is None:  # measure this machine now (every rank, then agreed: the same model everywhere)
             from lightning_paradyse.cost.dims import dims_from_module
-            from lightning_paradyse.cost.quick import quick_machine
+            from lightning_paradyse.cost.quick import cached_quick_machine
 
             dtype = next(self._module.parameters()).dtype
             dims = dims_from_module(self._module)
-            source = quick_machine(dims, group_size(self._group), self._group, self.root_device, dtype)
+            p = group_size(self._group)
+            extra = self._measure_exchange if self.groups and p > 1 else None
+            source, extras, _ = cached_quick_machine(dims, p, self._group, self.root_device, dtype, extra)
+            self._exchange_s = extras.get("exchange_s")
             rank_zero_info(f"[paradyse] cost model: {source.name}; run `python cli.py profile` for a calibrated one")
         return make_planner(  # type: ignore[no-any-return]
             self._module,
@@ -496,7 +501,14 @@ class ParaDySeStrategy(ParallelStrategy):
             on_infeasible="skip" if self.on_infeasible == "skip" else "raise",
             bucket_tokens=self.plan_bucket,
             recompute=(True,) if len(self._checkpointed) == n else (False, True),  # every layer checkpointed by HF
+            prefer_tp_sp=0.25 if self.profile is None else 0.0,  # the quick model leaves per-op overheads out
         )
+
+    def _measure_exchange(self, machine: Any) -> dict[str, float]:
+        """The measured seconds of the largest weight exchange (kept with the measured machine)."""
+        from lightning_paradyse.groups.exchange import measure_regroup
+
+        return {"exchange_s": measure_regroup(self._module, self._group)}
 
     def _grid_planner(self) -> Planner:
         """Grid models: per block, dimension switching or a sequence mode, whichever moves fewer bytes."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Iterator
 
 import pytest
@@ -9,6 +11,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_paradyse.spawn import use_forkserver
+
+# Machines measured by plan="auto" are kept for the test session only (set before the fork server starts).
+os.environ.setdefault("PARADYSE_CACHE_DIR", tempfile.mkdtemp(prefix="paradyse-cache-"))
 
 # Spawned gloo jobs fork from one server that imported these once: a job starts in ~0.2 s instead of 3-6 s.
 use_forkserver(

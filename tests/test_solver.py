@@ -125,17 +125,3 @@ def test_on_the_cost_model_short_sequences_get_groups_of_their_own() -> None:
     assert found is not None and one_group is not None and found.time < 0.8 * one_group, (found, one_group)
     assert len(found.sizes) > 1 and max(found.sizes) < 8, found
     print(found, f"one group of 8: {one_group:.3f} s")
-
-
-def test_step_scales_learn_measured_over_predicted() -> None:
-    from lightning_paradyse.groups import StepScales, imbalance
-
-    scales = StepScales(weight=0.5)
-    scales.update((2, 1, 1), (1.0, 0.5, 0.5), (3.0, 0.5, 1.0))
-    assert scales.scales == {2: 3.0, 1: 1.5}  # first step: the ratio itself (mean over groups of a size)
-    scales.update((4,), (2.0,), (2.0,))
-    scales.update((2, 2), (1.0, 1.0), (1.0, 1.0))
-    assert scales.scales == {1: 1.5, 2: 2.0, 4: 1.0}  # 0.5 * 3.0 + 0.5 * 1.0
-    scales.update((4,), (1.0,), (1000.0,))
-    assert scales.scales[4] == pytest.approx(5.5)  # a ratio is clamped to 10 before averaging
-    assert imbalance([2.0, 1.0, 0.0]) == pytest.approx(2.0 / 1.5) and imbalance([]) == 1.0

@@ -35,7 +35,7 @@ from lightning_paradyse.cost.model import CostModel
 from lightning_paradyse.cost.search import PlanProblem, Solution, min_peak, solve
 from lightning_paradyse.models import ModelConfig
 from lightning_paradyse.modes import MODES
-from lightning_paradyse.plan import LayerPlan, OpPlan, Plan
+from lightning_paradyse.plan import LayerPlan, OpPlan, Plan, uniform_plan
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,10 @@ class CostPlanner:
             dimensions; pass ``lightning_paradyse.parallel.feasible_modes`` for a parallelized module).
         bucket_tokens: Width of a length bucket.
         on_infeasible: ``raise`` (:class:`PlanInfeasible`) or ``skip`` (:class:`PlanSkipped`, counted).
+        prefer_tp_sp: Take ``tp_sp`` everywhere (no recomputation) when it fits and is predicted at most this
+            fraction slower than the fastest plan. The uncalibrated model measured at setup leaves the per-op
+            overheads out, which are largest for ``ring`` and ``metp`` (many small calls): without a profile the
+            strategy sets 0.25 so that a short batch is not given a mode that only looks faster on paper.
     """
 
     def __init__(
@@ -113,6 +117,7 @@ class CostPlanner:
         allowed: tuple[Sequence[str], Sequence[str]] | None = None,
         bucket_tokens: int = 512,
         on_infeasible: str = "raise",
+        prefer_tp_sp: float = 0.0,
     ) -> None:
         if on_infeasible not in ("raise", "skip"):
             raise ValueError(f"on_infeasible must be 'raise' or 'skip', got {on_infeasible!r}")
@@ -129,6 +134,7 @@ class CostPlanner:
         if not self.allowed[0] or not self.allowed[1]:
             raise ValueError(f"no allowed mode can run the attention {self.allowed[0]} / MLP {self.allowed[1]}")
         self.bucket_tokens, self.on_infeasible = bucket_tokens, on_infeasible
+        self.prefer_tp_sp = float(prefer_tp_sp)
         self.skipped = 0
         """Batches skipped because no plan fit (``on_infeasible="skip"``)."""
         self._cache: dict[tuple[int, int], PlannedStep] = {}
@@ -136,7 +142,10 @@ class CostPlanner:
         self._least: dict[tuple[int, int], int | None] = {}
 
     def bucket(self, seq_len: int) -> int:
-        """The upper end of ``seq_len``'s bucket."""
+        """The upper end of ``seq_len``'s bucket: the next power of two up to ``bucket_tokens`` (a short batch is not
+        planned as if it were ``bucket_tokens`` long: its best mode differs), multiples of ``bucket_tokens`` beyond."""
+        if seq_len <= self.bucket_tokens:
+            return min(self.bucket_tokens, 1 << max(0, seq_len - 1).bit_length())
         return math.ceil(seq_len / self.bucket_tokens) * self.bucket_tokens
 
     def problem(self, seq_len: int, batch: int, modes: Sequence[str] | None = None) -> PlanProblem:
@@ -173,7 +182,13 @@ class CostPlanner:
         found = solve(problem, self.budget)
         if found is None:
             return None
-        return PlannedStep(to_plan(problem, found.seq), found.time, found.peak, seq_len)
+        best = PlannedStep(to_plan(problem, found.seq), found.time, found.peak, seq_len)
+        if self.prefer_tp_sp > 0 and all("tp_sp" in ops for ops in self.allowed) and False in self.recompute:
+            simple = uniform_plan("tp_sp", self.model.dims.n_layers)
+            time_s, peak = self.model.plan_cost(simple, seq_len, batch)
+            if peak <= self.budget and time_s <= found.time * (1 + self.prefer_tp_sp):
+                return PlannedStep(simple, time_s, peak, seq_len)
+        return best
 
     def minimum(self, seq_len: int, batch: int, modes: Sequence[str] | None = None) -> Solution | None:
         """The plan needing the least memory (its peak is the smallest any plan needs)."""
@@ -246,12 +261,12 @@ def make_planner(
     (e.g. :func:`~lightning_paradyse.cost.quick.quick_machine`), or a path to a JSON profile or a cluster file.
     For a parallelized module the dimensions come from its dispatch modules' specs and the allowed
     modes per op from :func:`lightning_paradyse.parallel.feasible_modes` (every layer must allow them).
-    ``kwargs`` go to :class:`CostPlanner` (``recompute``, ``bucket_tokens``, ``on_infeasible``) or to
+    ``kwargs`` go to :class:`CostPlanner` (``recompute``, ``bucket_tokens``, ``on_infeasible``, ``prefer_tp_sp``) or to
     :class:`~lightning_paradyse.cost.model.CostModel` (``optimizer_bytes_per_param``, ``switch_s``, ...).
     """
     from lightning_paradyse.parallel import feasible_modes
 
-    planner_keys = {"recompute", "bucket_tokens", "on_infeasible"}
+    planner_keys = {"recompute", "bucket_tokens", "on_infeasible", "prefer_tp_sp"}
     planner_kwargs = {k: v for k, v in kwargs.items() if k in planner_keys}
     model_kwargs = {k: v for k, v in kwargs.items() if k not in planner_keys}
     allowed = None

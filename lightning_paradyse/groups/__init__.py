@@ -14,7 +14,6 @@ slowest group (FlexSP; Megatron's dynamic context parallelism). One name per ide
 """
 
 from lightning_paradyse.groups.cost import (
-    StepScales,
     attention_crossover,
     exchange_seconds,
     flop_weights,
@@ -33,7 +32,6 @@ __all__ = [
     "GroupRunner",
     "GroupSet",
     "GroupStep",
-    "StepScales",
     "Units",
     "assign",
     "attention_crossover",

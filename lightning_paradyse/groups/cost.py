@@ -12,7 +12,7 @@ the things dealt to groups:
 
 With a cost model, a group's time is the planner's predicted step time for the group's shape (planned once per
 length bucket) rescaled from the bucket to the real lengths by the FLOP count (:func:`flop_weights`), times the
-measured correction of its group size (:class:`StepScales`), plus the weight exchange (:func:`exchange_seconds`);
+correction ``scales[g]`` of its group size when given, plus the weight exchange (:func:`exchange_seconds`);
 without one (a fixed plan or thresholds) it is the FLOPs per rank. Every cost is monotone: adding a unit never
 makes a group faster, as the solver's bound needs.
 """
@@ -20,8 +20,7 @@ makes a group faster, as the solver's bound needs.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from lightning_paradyse.cost.dims import ModelDims
@@ -135,7 +134,8 @@ def group_cost(
     exchange: bool = True,
 ) -> GroupCost:
     """The strategy's group cost: :func:`packed_cost` or :func:`rows_cost` on the planner of each group size,
-    times the measured correction ``step_scale[g]`` (:class:`StepScales`), plus :func:`exchange_seconds` times
+    times the correction ``step_scale[g]`` (none by default: decisions depend on the measured machine alone, so
+    a rerun decides alike), plus :func:`exchange_seconds` times
     ``exchange_scale`` (measured over predicted; left out with ``exchange=False``); the FLOP cost when the
     planners have no cost model (a fixed plan or thresholds)."""
     from lightning_paradyse.cost.planner import CostPlanner
@@ -149,30 +149,6 @@ def group_cost(
         return exchange_scale * exchange_seconds(model.dims, model.machine, world, g)
 
     return shape(dims, planner_step_time(dims, planner_for, step_scale), exchange_time if exchange else None)
-
-
-@dataclass
-class StepScales:
-    """Measured over predicted step time per group size, learned from the steps run (online calibration).
-
-    After every grouped step each rank knows every group's measured forward and backward (all-gathered) and
-    its prediction, so every rank updates the same factors: an exponential average of ``measured /
-    predicted`` over the groups of each size, clamped to ``[0.1, 10]``. Group sizes never run keep 1.0.
-    """
-
-    weight: float = 0.3
-    """Weight of the newest step in the average."""
-    scales: dict[int, float] = field(default_factory=dict)
-
-    def update(self, sizes: Sequence[int], predicted: Sequence[float], measured: Sequence[float]) -> None:
-        ratios: dict[int, list[float]] = {}
-        for g, pred, meas in zip(sizes, predicted, measured):
-            if pred > 0 and meas > 0:
-                ratios.setdefault(g, []).append(min(10.0, max(0.1, meas / pred)))
-        for g, values in sorted(ratios.items()):
-            ratio = sum(values) / len(values)
-            old = self.scales.get(g)
-            self.scales[g] = ratio if old is None else (1 - self.weight) * old + self.weight * ratio
 
 
 def exchange_seconds(dims: ModelDims, machine: Machine, world: int, g: int) -> float:
@@ -210,7 +186,6 @@ def machine_for_groups(machine: Machine, world: int) -> Machine:
 
 
 __all__ = [
-    "StepScales",
     "StepTime",
     "attention_crossover",
     "exchange_seconds",

@@ -10,8 +10,8 @@ the strategy calls, in order:
 2. :meth:`GroupRunner.enter`: this rank's ``1/g`` shards (:func:`~lightning_paradyse.groups.exchange.enter_group`,
    one all-to-all), then the group's layout and plan;
 3. the module's training step on this rank's tokens of its group's batch (the strategy's ``_shard_step``);
-4. :meth:`GroupRunner.finish` after the backward: the measured group times (all-gathered, they teach
-   :class:`~lightning_paradyse.groups.cost.StepScales`), the gradients back onto the ``1/P`` shards
+4. :meth:`GroupRunner.finish` after the backward: the measured group times (all-gathered, logged against the
+   predictions), the gradients back onto the ``1/P`` shards
    (:func:`~lightning_paradyse.groups.exchange.exit_group`) and the replicated gradients summed over every rank
    when no micro-batch is left to accumulate.
 
@@ -32,9 +32,9 @@ from torch import Tensor
 
 from lightning_paradyse import parallel
 from lightning_paradyse.comm import Group, all_gather_rows, group_size
-from lightning_paradyse.groups.cost import StepScales, exchange_seconds, group_cost, machine_for_groups
-from lightning_paradyse.groups.exchange import GroupSet, blocks, enter_group, exit_group, measure_regroup
 from lightning_paradyse.groups import solver
+from lightning_paradyse.groups.cost import exchange_seconds, group_cost, machine_for_groups
+from lightning_paradyse.groups.exchange import GroupSet, blocks, enter_group, exit_group, measure_regroup
 from lightning_paradyse.groups.solver import Assignment
 from lightning_paradyse.groups.units import Units
 from lightning_paradyse.plan import Plan
@@ -67,7 +67,7 @@ class GroupStep:
     """Per ``[b, s]`` entry of a dict batch: the whole batch's shifted labels cut to this group, and their real
     count in the whole batch (labels handed to a Hugging Face model are shifted over the batch)."""
     predicted: tuple[float, ...] = ()
-    """Every group's predicted forward and backward (without the exchange or the learned correction)."""
+    """Every group's predicted forward and backward (without the exchange)."""
     solve_s: float = 0.0
     """Seconds the decision took."""
 
@@ -109,7 +109,6 @@ class GroupRunner:
         self._runs: dict[tuple[int, Plan], bool] = {}
         self.exchange_scale = 1.0
         """Measured over predicted seconds of the weight exchange (measured once at setup)."""
-        self.scales = StepScales()
         self.step: GroupStep | None = None
         """The grouped step in flight (between :meth:`enter` and :meth:`finish`)."""
         self._started = 0.0
@@ -120,10 +119,13 @@ class GroupRunner:
     def ready(self) -> bool:
         return self._set is not None
 
-    def setup(self, module: nn.Module, world: Group, planner: Planner) -> tuple[float, float] | None:
+    def setup(
+        self, module: nn.Module, world: Group, planner: Planner, measured: float | None = None
+    ) -> tuple[float, float] | None:
         """The aligned process groups (``new_group`` is collective: every rank, once, here) and the measured cost of
-        the weight exchange, which corrects the cost model's prediction of it: returns ``(measured, predicted)``
-        seconds of the largest exchange (``None`` without a cost model)."""
+        the weight exchange (``measured`` seconds of the largest one, e.g. kept with the machine's measurement; else
+        measured here), which corrects the cost model's prediction of it: returns ``(measured, predicted)``
+        seconds (``None`` without a cost model)."""
         from lightning_paradyse.cost.dims import dims_from_module
         from lightning_paradyse.cost.planner import CostPlanner
 
@@ -133,7 +135,8 @@ class GroupRunner:
         self._dims = dims_from_module(module)
         if isinstance(planner, CostPlanner):
             predicted = exchange_seconds(self._dims, planner.model.machine, p, 1)
-            measured = measure_regroup(module, world)
+            if measured is None:
+                measured = measure_regroup(module, world)
             self.exchange_scale = measured / predicted if predicted > 0 else 1.0
             return measured, predicted
         return None
@@ -162,6 +165,7 @@ class GroupRunner:
                         planner.modes,
                         bucket_tokens=self.plan_bucket,
                         recompute=planner.recompute,
+                        prefer_tp_sp=planner.prefer_tp_sp,
                     )
             else:  # a fixed plan (or thresholds): the same planner on every group
                 assert planner is not None
@@ -187,7 +191,7 @@ class GroupRunner:
         assert self._set is not None and self._module is not None
         started = time.perf_counter()
         p = group_size(self._world)
-        modelled = group_cost(self._dims, p, self.planner_for, units.packed, self.exchange_scale, self.scales.scales)
+        modelled = group_cost(self._dims, p, self.planner_for, units.packed, self.exchange_scale)
 
         def cost(lengths: tuple[int, ...], g: int) -> float | None:
             return modelled(lengths, g) if self._runs_on(g, lengths, units.packed) else None
@@ -213,7 +217,7 @@ class GroupRunner:
         sub = units.cut(batch, members)
         mine = describe_batch(sub, found.sizes[index], local_rank, causal, mean_loss=mean_loss, require_targets=False)
         mine = replace(mine, n_global=info.n_global, checksum=info.checksum)
-        bare = group_cost(self._dims, p, self.planner_for, units.packed, exchange=False)  # what the scales correct
+        bare = group_cost(self._dims, p, self.planner_for, units.packed, exchange=False)  # the groups' compute
         predicted = tuple(bare(tuple(units.lengths[i] for i in m), g) or 0.0 for g, m in zip(found.sizes, found.groups))
         shifts = units.shifted_sources(batch, members)
         solve_s = time.perf_counter() - started
@@ -263,7 +267,6 @@ class GroupRunner:
         elapsed = torch.tensor([time.perf_counter() - self._started], dtype=torch.float64)
         per_rank = all_gather_rows(elapsed, [1] * group_size(self._world), self._world).tolist()  # [1] -> [P]
         self.times = tuple(max(per_rank[r] for r in block) for block in blocks(step.assignment.sizes))
-        self.scales.update(step.assignment.sizes, step.predicted, self.times)  # alike on every rank
         exit_group(module, self._world, step.assignment.sizes, replicated=False)
         if not accumulating:
             parallel.reduce_replicated_grads(module, self._world)
