@@ -9,7 +9,8 @@ on the training device and process group, what the uncalibrated model needs:
   :data:`QUICK_LENGTHS` (rates in between are interpolated, beyond them the nearest is used);
 * every collective kind at two sizes, fitted to ``alpha + bytes / beta``.
 
-Every rank measures, :data:`QUICK_ROUNDS` times (the median of each point smooths noisy measurements); the ranks
+Every rank measures, :data:`QUICK_ROUNDS` times (the median of each kernel point, the least of each collective
+point, smooth noisy measurements); the ranks
 then agree on the slowest rank's rates and times (one all-reduce each), so that every rank builds the same model
 and the planner chooses the same plan everywhere. :func:`cached_quick_machine` measures once per machine, model
 shape, world size and dtype and keeps the result in a file (:func:`cache_dir`): later runs of the same job read
@@ -83,7 +84,9 @@ def quick_machine(dims: ModelDims, p: int, group: Any, device: torch.device, dty
     collectives: dict[str, list[tuple[float, float]]] = {}
     if p > 1:
         measured = [bench_collectives(p, 2, group, device, QUICK_COLLECTIVE_SIZES) for _ in range(QUICK_ROUNDS)]
-        collectives = _agree(combine_curves(measured, statistics.median), dist.ReduceOp.MAX, group, device)
+        # the least of the rounds' medians: a round where a rank was descheduled (2 ranks on 2 busy cores) can
+        # measure a small collective 10x slower than it runs in training, which would then price it absurdly
+        collectives = _agree(combine_curves(measured, min), dist.ReduceOp.MAX, group, device)
     raw = {"kernels": kernels, "collectives": collectives, "overlap": QUICK_OVERLAP, "flash_tiles": fused_tiles(device)}
     machine = fit_machine(raw, dims, p)
     return dataclasses.replace(machine, name=f"measured at setup ({p} ranks, {device.type})")
