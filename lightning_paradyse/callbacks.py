@@ -8,7 +8,9 @@ The strategy decides per batch (validate, plan, verify that every rank holds the
   group split) through the LightningModule's logger, with the measured step time and, on CUDA (or on CPU with
   ``track_memory``), the measured peak memory;
 * each plan change on a console line of its own (through the progress bar when one is shown);
-* the plans executed, in :attr:`history`.
+* the plans executed, in :attr:`history`;
+* at the end of a fit, a picture of every training step (:mod:`lightning_paradyse.plot`: the plan per layer, the
+  group split, predicted against measured time) and the same numbers as CSV, in the run's log folder.
 
 The strategy adds a switcher when the user did not (the only import between the two modules: this one imports
 nothing of the strategy; both share :mod:`lightning_paradyse.step`).
@@ -17,6 +19,7 @@ nothing of the strategy; both share :mod:`lightning_paradyse.step`).
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -24,6 +27,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_paradyse.plot import StepPoint, steps_svg
 from lightning_paradyse.step import PlanRecord, StepRecord, plan_digest
 
 
@@ -47,6 +51,8 @@ class ParaDySeSwitcher(pl.Callback):
         track_memory: Also measure every training step's peak memory on CPU (live tensor storage, through a
             dispatch mode: slower steps) and log it as ``plan/measured_peak_mib``; CUDA always logs the
             allocator's peak.
+        plot: At the end of a fit, write ``paradyse_steps.svg`` and ``paradyse_steps.csv`` into the trainer's log
+            folder (``trainer.log_dir``; nothing without a logger), on rank 0.
 
     Raises:
         TypeError: When the Trainer's strategy does not decide plans per batch (not a ``ParaDySeStrategy``).
@@ -56,9 +62,14 @@ class ParaDySeSwitcher(pl.Callback):
         trainer = Trainer(strategy=ParaDySeStrategy(plan="auto"), callbacks=[ParaDySeSwitcher(track_memory=True)])
     """
 
-    def __init__(self, log_plan: bool = True, track_memory: bool = False) -> None:
+    def __init__(self, log_plan: bool = True, track_memory: bool = False, plot: bool = True) -> None:
         self.log_plan = log_plan
         self.track_memory = track_memory
+        self.plot = plot
+        self.points: list[StepPoint] = []
+        """Every training step of the current fit as the picture shows it."""
+        self.plot_path: Path | None = None
+        """Where the last fit's picture was written (rank 0), or ``None``."""
         self._tracker: Any = None
         self._strategy: Any = None
         self._started: float | None = None
@@ -110,15 +121,20 @@ class ParaDySeSwitcher(pl.Callback):
             tracker.__exit__(None, None, None)
         started, self._started = self._started, None
         record = self._report(trainer, pl_module)
-        if started is None or record is None or not self.log_plan:
+        if started is None or record is None:
+            return
+        elapsed = time.perf_counter() - started
+        predicted = record.metrics.get("groups/predicted_time_s", record.metrics.get("plan/predicted_time_s"))
+        self.points.append(StepPoint(trainer.global_step, record.plan, record.split, predicted, elapsed))
+        if not self.log_plan:
             return
         measured = {
-            "plan/measured_time_s": time.perf_counter() - started,
+            "plan/measured_time_s": elapsed,
             "plan/skipped_batches": float(getattr(trainer.strategy, "skipped_batches", 0)),
         }
         times = getattr(trainer.strategy, "group_times", ())
         if times:
-            from lightning_paradyse.groups import imbalance
+            from lightning_paradyse.groups.runner import imbalance
 
             measured["groups/measured_imbalance"] = imbalance(times)
         device = trainer.strategy.root_device
@@ -127,6 +143,33 @@ class ParaDySeSwitcher(pl.Callback):
         elif tracker is not None:
             measured["plan/measured_peak_mib"] = tracker.peak / 2**20
         pl_module.log_dict(measured, on_step=True, on_epoch=False, batch_size=1)
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.points = []
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Rank 0 writes the picture of the fit's training steps and their numbers into the log folder."""
+        if not self.plot or trainer.global_rank != 0 or not self.points or not trainer.loggers or not trainer.log_dir:
+            return
+        folder = Path(trainer.log_dir)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            path = folder / "paradyse_steps.svg"
+            path.write_text(steps_svg(self.points, trainer.world_size))
+            rows = ["step,plan,groups,predicted_s,measured_s"]
+            rows += [
+                f'{p.step},"{"" if p.plan is None else p.plan}",{"+".join(map(str, p.split))},'
+                f"{'' if p.predicted_s is None else p.predicted_s},{'' if p.measured_s is None else p.measured_s}"
+                for p in self.points
+            ]
+            (folder / "paradyse_steps.csv").write_text("\n".join(rows) + "\n")
+        except OSError as err:
+            rank_zero_info(f"[paradyse] could not write the picture of the fit into {folder}: {err}")
+            return
+        self.plot_path = path
+        announce(trainer, f"[paradyse] plan per layer, group split and step times of this fit: {path}")
 
     @override
     def on_validation_batch_end(

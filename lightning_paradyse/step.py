@@ -43,6 +43,8 @@ class StepRecord:
     """Numbers to log for this batch (layers per op and mode, predictions, group split)."""
     line: str | None = None
     """A console line when the plan (or the group split) changed, else ``None``."""
+    split: tuple[int, ...] = ()
+    """The group sizes of a step on groups, largest first (``()``: one group of every rank)."""
 
 
 def plan_digest(plan: Plan, *extra: int) -> int:

@@ -640,7 +640,7 @@ class ParaDySeStrategy(ParallelStrategy):
             sizes = "+".join(map(str, found.sizes))
             line = f"[paradyse] {stage} length {info.seq_len}: groups {sizes}, rank 0's plan {describe(step.plans[0])}"
             self._last_groups = key
-        return StepRecord(stage, step.info.seq_len, step.info.batch, step.plan, metrics, line)
+        return StepRecord(stage, step.info.seq_len, step.info.batch, step.plan, metrics, line, found.sizes)
 
     def _begin_plan(self, info: BatchInfo, stage: str) -> StepRecord:
         from lightning_paradyse.cost.planner import PlanSkipped

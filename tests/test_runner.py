@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import io
 import os
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor
 from torch.utils.data import DataLoader
 from typing_extensions import override
@@ -103,9 +106,19 @@ def fit(devices: int, groups: bool, accumulate: int = 1) -> dict[str, Any]:
     pl.seed_everything(0, verbose=False)
     record = Record()
     strategy = ParaDySeStrategy(groups=groups, timeout=60)
-    trainer = quiet_trainer(devices, strategy, [record], max_steps=6 // accumulate, accumulate_grad_batches=accumulate)
-    trainer.fit(PackedLM(), train_dataloaders=DataLoader(packed_batches(), batch_size=None))
-    return {"losses": record.losses, "state": record.state, "imbalance": record.imbalance, "splits": record.splits}
+    with tempfile.TemporaryDirectory() as logs:
+        trainer = quiet_trainer(
+            devices,
+            strategy,
+            [record],
+            max_steps=6 // accumulate,
+            accumulate_grad_batches=accumulate,
+            logger=CSVLogger(logs),
+        )
+        trainer.fit(PackedLM(), train_dataloaders=DataLoader(packed_batches(), batch_size=None))
+        pictures = sorted(p.name for p in Path(logs).rglob("paradyse_steps.*"))
+    out = {"losses": record.losses, "state": record.state, "imbalance": record.imbalance, "splits": record.splits}
+    return out | {"pictures": pictures}
 
 
 def worker(rank: int, world: int, ports: tuple[int, ...]) -> bytes:
@@ -146,3 +159,4 @@ def test_groups_of_different_sizes_train_like_one_process(reference: dict[str, d
     assert [count for count, _ in dealt_run["splits"]] == [len(s) for s in SPLITS]
     assert len(dealt_run["imbalance"]) == 6  # logged every grouped step: predicted and measured
     assert all(pred >= 1.0 and meas >= 1.0 for pred, meas in dealt_run["imbalance"])
+    assert dealt_run["pictures"] == ["paradyse_steps.csv", "paradyse_steps.svg"]  # rank 0, in the logger's folder
