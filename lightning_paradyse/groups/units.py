@@ -109,7 +109,7 @@ def _cut(batch: Any, b: int, s: int, tokens: Any, rows: Tensor | None) -> Any:
                 out[k] = tokens(v, 0).contiguous()  # [s] -> [s_g]
             else:
                 out[k] = apply_to_collection(v, Tensor, cut)
-        return type(batch)(out) if not isinstance(batch, dict) else out
+        return out  # as shard_batch hands a mapping on: a dict
     return apply_to_collection(batch, Tensor, cut)
 
 
