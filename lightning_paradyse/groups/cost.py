@@ -168,7 +168,7 @@ def exchange_seconds(dims: ModelDims, machine: Machine, world: int, g: int) -> f
 
 
 def machine_for_groups(machine: Machine, world: int) -> Machine:
-    """``machine`` with a collective model for every power-of-two group size up to ``world``.
+    """``machine`` with a collective model for every power-of-two group size up to ``world``, and for ``world``.
 
     Sizes that were not measured take the nearest measured size's alpha-beta (an approximation: on one
     host or one fast network the per-byte cost changes little with the group size); a described network
@@ -176,7 +176,7 @@ def machine_for_groups(machine: Machine, world: int) -> Machine:
     """
     if machine.links is not None:
         return machine
-    sizes = [1 << k for k in range(world.bit_length()) if 1 << k <= world]
+    sizes = sorted({world, *(1 << k for k in range(world.bit_length()) if 1 << k <= world)})  # the world: exchanges
     table: dict[str, dict[int, Any]] = {}
     for kind, measured in machine.collectives.items():
         if not measured:
