@@ -34,7 +34,7 @@ device per layer, forward + backward, ``b = 1``) and how each is generalised her
   backward): attention sends ``p`` broadcasts of the packed per-head-group shard forward, ``p``
   again and ``p`` reduces of its gradient backward, ``3*W*(p-1)/p`` with ``W`` every sharded
   element of the op, biases included (when ``n_kv % p != 0`` the k/v part is all-gathered twice
-  and reduce-scattered once instead: the same volume), plus per head group the K/V ring of
+  and reduce-scattered once instead: the same volume), plus per head shard the K/V ring of
   ``ring`` over that group's kv heads (``h_kv`` as for Ulysses). The MLP's packed
   ``[up | gate | down | biases]`` shard makes ``p-1`` ring hops forward, ``p-1`` weight hops and
   ``p-1`` gradient-accumulator hops backward: ``3*W*(p-1)/p``.

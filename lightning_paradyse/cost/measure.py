@@ -218,7 +218,7 @@ def _tile_times(
 def bench_kernels(dims: ModelDims, settings: Any, p: int) -> dict[str, list[tuple[float, float]]]:
     """Rate curves ``{kernel: [(size, FLOP/s), ...]}`` of the GEMM, SDPA and ring tile kernels.
 
-    Ring tiles come in four kinds: over all heads (``tile``, ring attention) or one head group
+    Ring tiles come in four kinds: over all heads (``tile``, ring attention) or one head shard
     (``gtile``, ``metp``), each in the past or on the causal diagonal (``_diag``); for a model with sliding
     windows also the tiles a window's edge crosses (``_mask``, the explicit kernel), and the SDPA path's query
     chunks against a band mask (``sdpa_band``, at each window ``w``, size ``2w``).

@@ -278,7 +278,7 @@ def _ring_attention(c: _Shape) -> _Core:
 def _metp_attention(c: _Shape) -> _Core:
     d, t, e, a = c.d, c.t, c.e, c.a
     qr, kvr, nr = c.qr, c.kvr, d.n_heads // c.p
-    shard = d.attn_params() / c.p * e  # one head group's packed broadcast shard
+    shard = d.attn_params() / c.p * e  # one head shard's packed broadcast shard
     saved = t * d.q_rows * e + c.b * d.n_heads * c.s_r * a
     group = 1.5 * t * (qr + 2 * kvr) * e + 4 * t * kvr * e + 1.5 * t * qr * a + 3 * c.tile(nr) + c.tile_masks()
     fwd = Mem(2 * shard, c.X + saved + group)

@@ -15,7 +15,7 @@ weight ring behind the MLP matmuls.
 FLOPs per rank (``t = b*s/p`` local tokens, ``T = b*s``, ``q = n*d``, ``kv = n_kv*d``):
 
 * projections: ``2*t*h*(q + 2*kv) + 2*t*q*h`` (``tp_sp`` computes the kv heads its query heads read,
-  ``metp`` each head group's, which differs only with fewer kv heads than ranks); MLP ``2*t*h*f*(B+1)``
+  ``metp`` each head shard's, which differs only with fewer kv heads than ranks); MLP ``2*t*h*f*(B+1)``
   with ``B`` input branches. Backward is twice the forward; ``metp`` recomputes its projections (and
   the MLP step) inside backward, once more.
 * attention: ``4*d`` FLOPs per (query, key) pair and head, forward; backward ``2.5x`` (five products
@@ -322,7 +322,7 @@ class Work:
     """Attention FLOPs (``4*d`` per pair and head forward, ``10*d`` backward)."""
     kernel: str = ""
     """``sdpa`` (full-sequence fused kernel), ``sdpa_band`` (its query chunks against a sliding window's band mask),
-    ``tile`` (ring attention tiles over all heads) or ``gtile`` (``metp``'s ring tiles over one head group, ``n/p``
+    ``tile`` (ring attention tiles over all heads) or ``gtile`` (``metp``'s ring tiles over one head shard, ``n/p``
     heads)."""
     hidden: str = ""
     """Which compute hides the overlapped transfers: ``attn`` or ``gemm`` (or nothing)."""
@@ -362,7 +362,7 @@ def op_work(
         pairs, size = sdpa_pairs(seq_len, d.causal, window), sdpa_size(seq_len, window)
         kernel = "sdpa_band" if window is not None and seq_len > window else "sdpa"
         attn = 4 * b * d.head_dim * (d.n_heads / p) * pairs
-    else:  # metp runs the ring once per head group, on n/p heads at a time ("gtile")
+    else:  # metp runs the ring once per head shard, on n/p heads at a time ("gtile")
         ring = ring_tiles(seq_len, p, d.causal, window)
         per_pair = 4 * b * d.head_dim * d.n_heads
         kernel, attn = ("gtile" if mode == "metp" else "tile"), per_pair * ring.pairs

@@ -4,7 +4,7 @@ The activations stay sequence-sharded, ``[b, s_r, h]``, and the weights stay in 
 instead of gathering either, METP moves *one weight shard at a time* past the local tokens, so no
 full-width intermediate ever exists (ParaDySe reference, section 4).
 
-Attention (two-level loop). For head group ``j = 0..p-1``, rank ``j`` broadcasts its packed shard
+Attention (two-level loop). For head shard ``j = 0..p-1``, rank ``j`` broadcasts its packed shard
 ``[q_j | k_j | v_j | o_t_j | biases]`` (one flat message, ``4h^2/p`` elements for multi-head
 attention); every rank projects its ``s_r`` tokens to the ``n/p`` query heads of group ``j`` and the
 key/value heads they read, runs ring attention over the sequence for those heads (the inner loop,
@@ -102,7 +102,7 @@ def _leaves(parts: Parts) -> Parts:
 
 
 # --------------------------------------------------------------------------------------------------
-# Attention: broadcast one head group's shard at a time, ring attention inside the group
+# Attention: broadcast one head shard at a time, ring attention inside the group
 # --------------------------------------------------------------------------------------------------
 
 
@@ -149,7 +149,7 @@ def _kv_of_group(kv_full: torch.Tensor, widths: list[int], names: list[str], j: 
 def _project(
     x: torch.Tensor, g: Parts, spec: AttnSpec, positions: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Queries, keys, values of one head group for the local tokens, rotated at global positions."""
+    """Queries, keys, values of one head shard for the local tokens, rotated at global positions."""
     return prepare_heads(
         F.linear(x, g["q"], g.get("bq")),  # [b, s_r, h] -> [b, s_r, n/p*d]
         F.linear(x, g["k"], g.get("bk")),  # [b, s_r, h] -> [b, s_r, m*d]
@@ -160,7 +160,7 @@ def _project(
 
 
 class _Groups:
-    """Per-call helper: the head groups' weights as each one is broadcast, in group order."""
+    """Per-call helper: the head shards' weights as each one is broadcast, in group order."""
 
     def __init__(self, w: AttnWeights, spec: AttnSpec, ctx: SeqContext, x: torch.Tensor) -> None:
         self.spec, self.ctx = spec, ctx
@@ -187,7 +187,7 @@ class _Groups:
 def _group_backward(
     x: torch.Tensor, dy: torch.Tensor, groups: _Groups, j: int, bc: Parts, out: torch.Tensor, lse: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, Any, tuple[torch.Tensor | None, ...]]:
-    """``(dx_j, packed dW_j of the broadcast shard, d kv_full or None, d prepare_params)`` for head group ``j``."""
+    """``(dx_j, packed dW_j of the broadcast shard, d kv_full or None, d prepare_params)`` for head shard ``j``."""
     spec, ctx = groups.spec, groups.ctx
     with torch.enable_grad():
         leaves = _leaves({n: t for n, t in bc.items() if n != "o_t"})
@@ -229,7 +229,7 @@ class _MetpAttention(torch.autograd.Function):
             saved += [out, lse]
         fctx.save_for_backward(x, *weights, *saved)
         fctx.spec, fctx.ctx = spec, ctx
-        return y.to(x.dtype)  # the summed head groups, in the compute dtype like a plain projection's output
+        return y.to(x.dtype)  # the summed head shards, in the compute dtype like a plain projection's output
 
     @staticmethod
     def backward(fctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
@@ -247,7 +247,7 @@ def _attention_backward(
     """``(dx in the input's dtype, {name: gradient of this rank's shard}, gradients of spec.prepare_params from
     this rank's tokens)`` of :class:`_MetpAttention`.
 
-    ``x`` is the saved input (compute dtype), ``saved`` every head group's ``out, lse``.
+    ``x`` is the saved input (compute dtype), ``saved`` every head shard's ``out, lse``.
     """
     ctx: SeqContext = fctx.ctx
     groups = _Groups(AttnWeights(*weights), fctx.spec, ctx, x)
@@ -376,7 +376,7 @@ def _mlp_backward(
 
 
 class MemoryEfficientTensorParallel(Mode):
-    """Weight shards travel (broadcast per head group, ring for the MLP); no full-width intermediate."""
+    """Weight shards travel (broadcast per head shard, ring for the MLP); no full-width intermediate."""
 
     name = "metp"
 
