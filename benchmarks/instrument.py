@@ -13,6 +13,9 @@
   ``_c10d_functional`` ops: Lightning's DDP reducer, FSDP2, DTensor and ParaDySe's own calls alike) and counts
   the bytes each rank sends with the conventions of :class:`lightning_paradyse.comm.CommCounter` (the
   bandwidth-optimal algorithm's volume); ParaDySe runs also report the package's ``CommCounter``.
+* **Groups**: for a ParaDySe step on groups the strategy's step record gives the split (group sizes), the
+  decision's seconds (``groups/solve_s``: split, assignment and every group's plan), the predicted time, and the
+  measured imbalance of the groups (slowest over mean, :func:`lightning_paradyse.groups.imbalance`).
 * Memory and communication are instrumented in a separate pass: both are Python dispatch modes, whose
   per-op cost would distort the timed passes (by up to several times for modes with many small ops).
 """
@@ -212,8 +215,8 @@ def _sync(device: torch.device) -> None:
 
 
 class StepRecorder(pl.Callback):
-    """Records every training step of a fit: length, seconds, planner seconds and, when ``instrumented``,
-    the absolute peak bytes and the bytes sent.
+    """Records every training step of a fit: rows and length of this rank's batch, seconds, the decision's
+    seconds, the group split and, when ``instrumented``, the absolute peak bytes and the bytes sent.
 
     Args:
         instrumented: Track memory and communication (slower steps: use for the measurement pass only).
@@ -236,6 +239,7 @@ class StepRecorder(pl.Callback):
         self._resident = 0
         self._ooms = 0
         self._plans = 0
+        self._planned = 0
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -249,6 +253,7 @@ class StepRecorder(pl.Callback):
         device = trainer.strategy.root_device
         self._ooms = int(getattr(pl_module, "oom_steps", 0))
         self._plans = self.switcher.plans_executed if self.switcher is not None else 0
+        self._planned = len(self._planner.seconds) if self._planner is not None else 0
         if self.instrumented and idx >= self.warmup:
             state = state_tensors(pl_module, trainer.optimizers)
             tracker, absolute = make_tracker(device, state)
@@ -268,10 +273,13 @@ class StepRecorder(pl.Callback):
         seconds = time.perf_counter() - self._start
         if idx < self.warmup:
             return
-        step: dict[str, Any] = {"len": int(batch["input_ids"].shape[1]), "seconds": seconds}
-        step["plan_s"] = self._planner.seconds[-1] if self._planner and self._planner.seconds else None
+        rows, length = (int(n) for n in batch["input_ids"].shape[:2])
+        step: dict[str, Any] = {"rows": rows, "len": length, "seconds": seconds}
+        calls = self._planner.seconds[self._planned :] if self._planner is not None else []
+        step["plan_s"] = sum(calls) if calls else None  # None: the planner was not asked (e.g. a step on groups)
         step["cuda_oom"] = int(getattr(pl_module, "oom_steps", 0)) > self._ooms
-        step.update(self._plan_of_step(step["len"]))
+        step.update(self._plan_of_step(length, rows))
+        step.update(self._groups_of_step(trainer, step))
         if self.instrumented:
             for mode in reversed(self._modes):
                 mode.__exit__(None, None, None)
@@ -285,9 +293,9 @@ class StepRecorder(pl.Callback):
         if self.on_step is not None:
             self.on_step()
 
-    def _plan_of_step(self, length: int) -> dict[str, Any]:
-        """The step's plan (``[[attention, mlp], ...]`` per layer), whether it was skipped, and the cost model's
-        predicted time and peak when the planner has them."""
+    def _plan_of_step(self, length: int, rows: int) -> dict[str, Any]:
+        """The step's plan (``[[attention, mlp], ...]`` per layer; on groups: this rank's group's), whether it was
+        skipped, and the cost model's predicted time and peak when the planner has them."""
         if self.switcher is None:
             return {"plan": None, "skipped": False}
         last = self.switcher.last_plan
@@ -296,9 +304,29 @@ class StepRecorder(pl.Callback):
         plan = last.plan
         out: dict[str, Any] = {"plan": [[str(x.attention), str(x.mlp)] for x in plan.layers], "skipped": False}
         cost = getattr(getattr(self._planner, "model", None), "plan_cost", None)
-        if cost is not None:  # the cost model at this exact length (the planner plans per length bucket)
-            seconds, peak = cost(plan, length, 1)
+        if cost is not None and last.seq_len == length and last.batch == rows:  # one group: the whole batch
+            seconds, peak = cost(plan, length, rows)  # at this exact length (the planner plans per length bucket)
             out.update(pred_time_s=float(seconds), pred_peak=int(peak))
+        return out
+
+    def _groups_of_step(self, trainer: pl.Trainer, step: dict[str, Any]) -> dict[str, Any]:
+        """ParaDySe runs: the group split of the step (``[p]``: one group of every rank), the decision's seconds
+        (on groups: ``groups/solve_s``; else the planner's), the predicted time of a step on groups when the cost
+        model predicts it, and the measured imbalance of the groups."""
+        if self.switcher is None or step["skipped"]:
+            return {}
+        record = getattr(trainer.strategy, "step_record", None)
+        world = trainer.world_size
+        if record is None or not record.split:
+            return {"split": [world], "decide_s": step["plan_s"]}
+        out: dict[str, Any] = {"split": list(record.split), "decide_s": record.metrics.get("groups/solve_s")}
+        if getattr(self._planner, "model", None) is not None:  # the cost model's seconds (else a FLOP count)
+            out["pred_time_s"] = record.metrics.get("groups/predicted_time_s")
+        times = getattr(trainer.strategy, "group_times", ())
+        if times:
+            from lightning_paradyse.groups.runner import imbalance
+
+            out["imbalance"] = imbalance(times)
         return out
 
     @override

@@ -1,9 +1,11 @@
 """PNG plots of a benchmark report (matplotlib, the optional ``bench`` extra: ``pip install -e ".[bench]"``).
 
-* ``cumulative-<trace>.png``: cumulative training time against sequence length for every run, the trace
-  sorted shortest first as in the paper's figures; a curve stops at its first OOM step, marked ``x``.
+* ``cumulative-<trace>.png``: cumulative training time against the global batch's longest row for every run
+  (the trace sorted shortest first as in the paper's figures; against the step for a shuffled trace); a curve
+  stops at its first OOM step, marked ``x``.
 * ``plan-<trace>.png``: the adaptive run's plan as a heat map, one row per (layer, op), one column per
-  batch, the colour the mode (lighter: with recomputation).
+  batch (on groups: rank 0's group's plan; the split under the batch's length), the colour the mode (lighter:
+  with recomputation).
 
 Without matplotlib, :func:`write_plots` prints a note and returns no paths: plots are never required.
 """
@@ -34,7 +36,9 @@ def _style(run: dict[str, Any]) -> dict[str, Any]:
         return {"color": "black", "linewidth": 2.6, "linestyle": "-", "zorder": 5}
     if run["family"] == "lightning":
         return {"color": BUILTIN_COLOURS.get(name, "grey"), "linewidth": 1.6, "linestyle": ":"}
-    mode = name.removeprefix("static-").removesuffix("+rc")
+    mode = name.removeprefix(f"{run['family']}-").removesuffix("+rc")
+    if run["family"] == "groups":
+        return {"color": MODE_COLOURS.get(mode, "grey"), "linewidth": 2.2, "linestyle": "-.", "zorder": 4}
     dashed = name.endswith("+rc")
     return {"color": MODE_COLOURS.get(mode, "grey"), "linewidth": 1.4, "linestyle": "--" if dashed else "-"}
 
@@ -45,22 +49,27 @@ def cumulative_plot(runs: list[dict[str, Any]], trace: str, budget_mib: float, p
     from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     fig, ax = plt.subplots(figsize=(9, 5.5))
+    lengths = next((run["step_lengths"] for run in runs if "error" not in run), [])
+    by_length = all(a <= b for a, b in itertools.pairwise(lengths))  # sorted trace: x is the length, else the step
     for run in runs:
         if "error" in run:
             continue
         stop = run["first_oom_step"] if run["first_oom_step"] is not None else len(run["step_time_s"])
-        x = run["step_lengths"][:stop]
+        xs = run["step_lengths"] if by_length else list(range(1, len(run["step_time_s"]) + 1))
         y = list(itertools.accumulate(run["step_time_s"][:stop]))
         style = _style(run)
-        ax.plot(x, y, label=run["name"], **style)
+        ax.plot(xs[:stop], y, label=run["name"], **style)
         if run["first_oom_step"] is not None:
-            ax.plot(run["step_lengths"][stop], y[-1] if y else 0.0, marker="x", markersize=10, color=style["color"])
-    lengths = [n for run in runs if "error" not in run for n in run["step_lengths"]]
-    if lengths and max(lengths) >= 10 * min(lengths):
+            ax.plot(xs[stop], y[-1] if y else 0.0, marker="x", markersize=10, color=style["color"])
+    if by_length and lengths and max(lengths) >= 10 * min(lengths):
         ax.set_xscale("log")
         ax.xaxis.set_major_formatter(ScalarFormatter())
         ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.set_xlabel("sequence length (tokens; trace sorted shortest first)")
+    ax.set_xlabel(
+        "longest row of the global batch (tokens; trace sorted shortest first)"
+        if by_length
+        else "global batch (shuffled trace)"
+    )
     ax.set_ylabel("cumulative training time (s)")
     ax.set_title(f"trace {trace}: cumulative time, x = first step over the {budget_mib:.0f} MiB budget")
     ax.grid(True, which="both", alpha=0.3)
@@ -88,8 +97,10 @@ def plan_heatmap(run: dict[str, Any], trace: str, path: Path) -> None:
     )
     ax.set_yticks(range(len(grid)), [f"layer {i // 2} {'attn' if i % 2 == 0 else 'mlp'}" for i in range(len(grid))])
     ticks = sorted(set(range(0, len(plans), max(1, len(plans) // 10))) | {len(plans) - 1})
-    ax.set_xticks(ticks, [str(run["step_lengths"][t]) for t in ticks], rotation=45)
-    ax.set_xlabel("batch (labelled with its sequence length)")
+    splits = run.get("step_splits") or [None] * len(plans)
+    labels = [str(run["step_lengths"][t]) + (f"\n{'+'.join(map(str, splits[t]))}" if splits[t] else "") for t in ticks]
+    ax.set_xticks(ticks, labels, rotation=45)
+    ax.set_xlabel("global batch (labelled with its longest row and its group split)")
     ax.set_title(f"trace {trace}: adaptive plan per batch")
     ax.legend(
         handles=[Patch(color=c, label=n) for n, c in zip(names, colours)],

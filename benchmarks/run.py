@@ -6,9 +6,11 @@ Usage::
     python benchmarks/run.py --quick --out q.json  # the smoke run (under 3 minutes)
 
 It spawns ``--devices`` processes (gloo on CPU with one thread each; NCCL with one GPU each when CUDA is
-available: the same command), trains the same LightningModule under every run on the same length traces,
-and writes the JSON file (``--out``), a Markdown report next to it and PNG plots (``--plots``, needs
-matplotlib: ``pip install -e ".[bench]"``). See ``benchmarks/__init__.py`` for the modules and
+available: the same command), trains the same LightningModule under every run on the same global batches of
+the same length traces (one optimizer step per global batch of several sequences, see
+``benchmarks/workload.py``), writes the JSON file (``--out``), a Markdown report next to it and PNG plots
+(``--plots``, needs matplotlib: ``pip install -e ".[bench]"``), and prints the adaptive run's ratios per trace
+last (``adaptive/best-static``, ``adaptive/DDP``, ...). See ``benchmarks/__init__.py`` for the modules and
 ``benchmarks/RESULTS.md`` for the numbers of the full run.
 """
 
@@ -28,7 +30,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.settings import ALL_RUNS, BenchSettings, TraceSettings
+from benchmarks.settings import ALL_RUNS, TRACE_KINDS, BenchSettings, TraceSettings
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -36,7 +38,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="smoke run: tiny model and trace, four runs")
+    p.add_argument("--quick", action="store_true", help="smoke run: tiny model and trace, five runs")
     p.add_argument("--out", type=Path, default=None, help="JSON output (default benchmarks/results/results.json)")
     p.add_argument("--plots", type=Path, default=None, help="folder of the PNG plots (default: next to --out)")
     p.add_argument("--no-plots", action="store_true", help="do not draw plots")
@@ -44,9 +46,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget", type=str, default=None, help="per-rank memory budget, e.g. 48MiB")
     p.add_argument("--repeats", type=int, default=None, help="timed passes per (trace, run)")
     p.add_argument("--runs", type=str, default=None, help=f"comma-separated runs out of {','.join(ALL_RUNS)}")
-    p.add_argument("--traces", type=str, default=None, help="comma-separated traces: github,grch38,corpus")
+    p.add_argument("--traces", type=str, default=None, help=f"comma-separated traces: {','.join(TRACE_KINDS)}")
     p.add_argument("--trace-len", type=int, default=None, help="sequences per trace")
     p.add_argument("--max-len", type=int, default=None, help="longest sequence of every trace")
+    p.add_argument("--batch-tokens", type=int, default=None, help="token budget of a global batch (padding counted)")
     p.add_argument("--search-cap", type=int, default=None, help="largest length the length search probes")
     p.add_argument("--profile", type=str, default=None, help="cost profile for the adaptive run")
     p.add_argument("--timeout", type=float, default=None, help="seconds before the processes are given up")
@@ -69,6 +72,7 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
     return base.with_overrides(
         traces=traces,
         runs=runs,
+        batch_tokens=args.batch_tokens,
         search=search,
         devices=devices,
         budget=budget,
@@ -86,8 +90,8 @@ def select_traces(preset: tuple[TraceSettings, ...], names: str | None) -> tuple
     known: dict[str, TraceSettings] = {t.kind: t for t in preset}
     out = []
     for kind in (k.strip() for k in names.split(",") if k.strip()):
-        if kind not in ("github", "grch38", "corpus"):
-            raise SystemExit(f"unknown trace {kind!r}: choose among github, grch38, corpus")
+        if kind not in TRACE_KINDS:
+            raise SystemExit(f"unknown trace {kind!r}: choose among {', '.join(TRACE_KINDS)}")
         default = TraceSettings(kind, n=preset[0].n, max_len=preset[0].max_len)  # type: ignore[arg-type]
         out.append(known.get(kind, default))
     return tuple(out)
@@ -153,7 +157,7 @@ def run_benchmark(settings: BenchSettings, out_dir: Path) -> tuple[dict[str, Any
 
     start = time.perf_counter()
     profile, profile_info = adaptive_profile(settings, out_dir)
-    traces = [build_trace(t, settings.devices) for t in settings.traces]
+    traces = [build_trace(t, settings.devices, settings.batch_tokens) for t in settings.traces]
     with tempfile.TemporaryDirectory() as store_dir:
         args = (settings, traces, store_dir, profile)
         raw = run_distributed(bench_worker, settings.devices, *args, timeout=settings.timeout)
@@ -169,7 +173,15 @@ def run_benchmark(settings: BenchSettings, out_dir: Path) -> tuple[dict[str, Any
         "settings": asdict(settings),
         "matmul_flops_per_rank": [r["matmul"] for r in raw],
         "matmul_flops_per_rank_start_end": [[r["matmul_start"], r["matmul_end"]] for r in raw],
-        "traces": {t.name: {"lengths": t.lengths, "edges": list(t.edges), "labels": t.labels} for t in traces},
+        "traces": {
+            t.name: {
+                "lengths": t.lengths,
+                "batches": [list(b) for b in t.batches],
+                "edges": list(t.edges),
+                "labels": t.labels,
+            }
+            for t in traces
+        },
         "runs": aggregate(raw, settings, traces),
     }
     return report, traces
@@ -196,6 +208,7 @@ def header(report: dict[str, Any]) -> str:
             "",
             f"Model: Llama, {model['layers']} layers, hidden {model['hidden']}, {model['heads']} heads "
             f"({model['kv_heads']} kv), SwiGLU {model['ffn']}, vocabulary {model['vocab']}; {s['devices']} processes; "
+            f"global batches of at most {s['batch_tokens']:,} tokens (padding counted), one per optimizer step; "
             f"{s['repeats']} timed passes per run (median per step) after one instrumented pass; AdamW.",
         ]
     )
@@ -209,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     report, traces = run_benchmark(settings, out.parent)
     out.write_text(json.dumps(report, indent=1, default=str))
-    from benchmarks.report import markdown
+    from benchmarks.report import markdown, ratio_lines
 
     text = header(report) + "\n\n" + markdown(report, traces)
     if not args.no_plots:
@@ -220,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     out.with_suffix(".md").write_text(text)
     print(text)
     print(f"wrote {out} and {out.with_suffix('.md')}")
+    for line in ratio_lines(report):  # last: what a smoke run is read for
+        print(line)
     return 0
 
 

@@ -1,22 +1,31 @@
-"""The runs: ParaDySe adaptive, every static mode (the paper's baselines) and Lightning's built-in strategies.
+"""The runs: ParaDySe adaptive, groups with one fixed mode, every static mode (the paper's baselines) and
+Lightning's built-in strategies.
 
 Every run trains the same LightningModule, :class:`BenchLM` (the package's ``LanguageModel`` plus a
-``configure_model`` for Lightning's ``ModelParallelStrategy``), from the same seed, on the same trace.
+``configure_model`` for Lightning's ``ModelParallelStrategy``), from the same seed, on the same *global batches*,
+one per optimizer step (several sequences, padded rows; :mod:`benchmarks.workload`).
 
-How the runs share the work (the comparison the tables make):
+How the runs share a global batch (the comparison the tables make):
 
-* **ParaDySe runs** (``paradyse-auto`` and ``static-*``): all processes form one sequence-parallel group and
-  process *every* sequence together, each rank holding ``1/p`` of its tokens.
-* **Tensor parallel** (``lightning-tp``, ``ModelParallelStrategy(1, p)``): every rank also processes every
-  sequence, whole, with ``1/p`` of the heads and of the MLP (Megatron column/row sharding, no sequence
-  parallelism).
+* **ParaDySe runs** get the whole global batch on every rank:
+
+  * ``paradyse-auto``: ``ParaDySeStrategy(plan="auto")`` with its default ``groups``: per step the ranks are split
+    into groups of power-of-two sizes (``p`` groups of one = data parallelism, one group of ``p`` = sequence
+    parallelism), the rows dealt to the groups, each group's plan chosen per layer and op on the cost model;
+  * ``groups-<mode>``: ``groups=True`` with one fixed mode everywhere (the split and the rows still chosen per
+    step, on the FLOP count);
+  * ``static-<mode>[+rc]``: ``groups=False`` with one fixed mode (and recomputation): every rank shares every row
+    of the batch, each holding ``1/p`` of its tokens (the paper's baselines).
+
+* **Tensor parallel** (``lightning-tp``, ``ModelParallelStrategy(1, p)``): every rank processes the whole global
+  batch with ``1/p`` of the heads and of the MLP (Megatron column/row sharding, no sequence parallelism).
 * **Data parallel** (``lightning-ddp``: ``DDPStrategy``; ``lightning-fsdp2``: ``ModelParallelStrategy(p, 1)``,
-  i.e. ``fully_shard`` per block): data parallelism splits the *batch*, not the sequence: rank ``r`` takes
-  sequences ``r, r + p, ...`` of the same sorted trace, so one step trains ``p`` (similar) sequences, each
-  rank holding a whole sequence.
+  i.e. ``fully_shard`` per block): rank ``r`` takes rows ``r, r + p, ...`` of the global batch, cut to its longest
+  row, and returns ``p / N`` times its sum of token losses (``N`` the real targets of the global batch), so the
+  averaged gradients are those of the global mean token loss (:meth:`BenchLM.loss`).
 
-All of them train the same global token stream once; tokens/s is the whole job's (every token of the trace
-over the wall time of all steps).
+All runs take the same optimizer steps on the same tokens; tokens/s is the whole job's (the real tokens of every
+global batch over the sum of the step times).
 """
 
 from __future__ import annotations
@@ -25,13 +34,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
 from typing_extensions import override
 
 from lightning_paradyse.lit import LanguageModel
 from lightning_paradyse.models import LlamaConfig
 from lightning_paradyse.plan import OpPlan
 
-Family = Literal["paradyse", "static", "lightning"]
+Family = Literal["paradyse", "groups", "static", "lightning"]
 Parallelism = Literal["none", "fsdp2", "tp"]
 
 
@@ -42,11 +52,12 @@ class RunSpec:
     name: str
     """Its name in the tables (``paradyse-auto``, ``static-ring+rc``, ``lightning-ddp``, ...)."""
     family: Family
-    """``paradyse`` (adaptive), ``static`` (one mode everywhere) or ``lightning`` (a built-in strategy)."""
+    """``paradyse`` (adaptive), ``groups`` (groups with one fixed mode), ``static`` (one group, one mode
+    everywhere) or ``lightning`` (a built-in strategy)."""
     mode: str | None = None
-    """Static runs: the mode of every op of every layer."""
+    """Groups and static runs: the mode of every op of every layer."""
     recompute: bool = False
-    """Static runs: recompute every op in backward."""
+    """Groups and static runs: recompute every op in backward."""
     builtin: Literal["ddp", "fsdp2", "tp"] | None = None
     """Lightning runs: which built-in strategy."""
 
@@ -59,6 +70,11 @@ class RunSpec:
     def uses_paradyse(self) -> bool:
         """Runs under :class:`~lightning_paradyse.ParaDySeStrategy`."""
         return self.family != "lightning"
+
+    @property
+    def groups(self) -> bool | None:
+        """``ParaDySeStrategy(groups=...)``: the default (on with ``plan="auto"``), on, or off."""
+        return {"paradyse": None, "groups": True, "static": False}.get(self.family)
 
     def plan(self, n_layers: int) -> str | list[dict[str, Any]]:
         """The ``plan`` argument of ``ParaDySeStrategy``: ``"auto"``, or a uniform per-layer list."""
@@ -73,20 +89,30 @@ def run_spec(name: str) -> RunSpec:
     """The run called ``name`` (see :data:`benchmarks.settings.ALL_RUNS`)."""
     if name == "paradyse-auto":
         return RunSpec(name, "paradyse")
-    if name.startswith("static-"):
-        mode = name.removeprefix("static-")
-        return RunSpec(name, "static", mode.removesuffix("+rc"), mode.endswith("+rc"))
+    for family in ("static", "groups"):
+        if name.startswith(f"{family}-"):
+            mode = name.removeprefix(f"{family}-")
+            spec = RunSpec(name, family, mode.removesuffix("+rc"), mode.endswith("+rc"))  # type: ignore[arg-type]
+            spec.plan(1)  # raises for an unknown mode
+            return spec
     builtins = {"lightning-ddp": "ddp", "lightning-fsdp2": "fsdp2", "lightning-tp": "tp"}
     if name in builtins:
         return RunSpec(name, "lightning", builtin=builtins[name])  # type: ignore[arg-type]
     raise ValueError(
-        f"unknown run {name!r}: use paradyse-auto, static-<mode>[+rc] (tp_sp, ulysses, ring, metp), "
-        f"lightning-ddp, lightning-fsdp2 or lightning-tp"
+        f"unknown run {name!r}: use paradyse-auto, groups-<mode>[+rc] or static-<mode>[+rc] (tp_sp, ulysses, ring, "
+        f"metp), lightning-ddp, lightning-fsdp2 or lightning-tp"
     )
 
 
 class BenchLM(LanguageModel):
-    """The package's ``LanguageModel`` with sharding for ``ModelParallelStrategy`` and CUDA OOM skipping.
+    """The package's ``LanguageModel`` with sharding for ``ModelParallelStrategy``, the data-parallel loss
+    normalisation and CUDA OOM skipping.
+
+    A batch with a ``loss_scale`` (a data-parallel rank's share of a global batch,
+    :func:`benchmarks.workload.data_parallel_share`) returns ``loss_scale`` times its *sum* of token losses,
+    ``loss_scale = p / N`` with ``N`` the real targets of the global batch: DDP and FSDP2 average the gradients
+    over the ``p`` ranks, so one optimizer step follows the gradient of the global batch's mean token loss, as the
+    other runs do (a plain per-rank mean would weight a rank's tokens by ``1 / (p n_r)`` instead of ``1 / N``).
 
     A ``torch.cuda.OutOfMemoryError`` in a step is counted (:attr:`oom_steps`) and the step does not update the
     weights; the run goes on. Best effort: if only some ranks run out of memory in the middle of a collective
@@ -115,6 +141,16 @@ class BenchLM(LanguageModel):
         else:
             apply_fsdp2(self.model, self.device_mesh["data_parallel"])
         self._sharded = True
+
+    @override
+    def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        scale = batch.get("loss_scale")
+        if scale is None:
+            return super().loss(batch)
+        logits = self(batch["input_ids"], batch.get("positions"))  # [b_r, s_r, vocab]
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        total = F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(), ignore_index=-100, reduction="sum")
+        return total * scale.to(total.dtype)
 
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> Any:
@@ -187,13 +223,16 @@ def make_strategy(spec: RunSpec, n_layers: int, budget: int, world: int, extra: 
         n_layers: Blocks of the model (static plans have one entry per layer).
         budget: Per-rank memory budget in bytes (handed to ParaDySe's planner).
         world: Number of processes.
-        extra: More ``ParaDySeStrategy`` keyword arguments for the adaptive run (thresholds, profile).
+        extra: More ``ParaDySeStrategy`` keyword arguments for the adaptive run (thresholds, profile). The
+            ``groups-<mode>`` runs get ``groups=True``, the static runs ``groups=False``, the adaptive run the
+            strategy's default (on with ``plan="auto"``).
     """
     if spec.uses_paradyse:
         from lightning_paradyse import ParaDySeStrategy
 
         kwargs = dict(extra) if spec.family == "paradyse" else {}
-        return ParaDySeStrategy(plan=spec.plan(n_layers), memory_budget=budget, timeout=600, **kwargs)
+        plan = spec.plan(n_layers)
+        return ParaDySeStrategy(plan=plan, groups=spec.groups, memory_budget=budget, timeout=600, **kwargs)
     from datetime import timedelta
 
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy

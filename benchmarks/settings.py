@@ -1,4 +1,9 @@
-"""What a benchmark invocation runs: the model, the traces, the runs, the memory budget and the repetitions.
+"""What a benchmark invocation runs: the model, the traces, the global batches, the runs, the memory budget and the
+repetitions.
+
+Every run trains the same *global batches*, one per optimizer step: the sequences of a trace grouped under a
+token budget (:attr:`BenchSettings.batch_tokens`, padding counted) the way
+:func:`lightning_paradyse.batching.plan_batches` groups them (see :mod:`benchmarks.workload`).
 
 Two presets: :meth:`BenchSettings.full` (the numbers in ``benchmarks/RESULTS.md``, under 30 minutes on two CPU
 cores) and :meth:`BenchSettings.quick` (the smoke test, well under 3 minutes). Every field can be changed from
@@ -12,11 +17,16 @@ from typing import Literal
 
 from lightning_paradyse.models import LlamaConfig
 
-TraceKind = Literal["github", "grch38", "corpus"]
+TraceKind = Literal["github", "grch38", "corpus", "mixed"]
+TraceOrder = Literal["sorted", "shuffled"]
+TRACE_KINDS: tuple[str, ...] = ("github", "grch38", "corpus", "mixed")
+"""Every trace kind (see :class:`TraceSettings`)."""
 MiB = 2**20
 
 ALL_RUNS: tuple[str, ...] = (
     "paradyse-auto",
+    "groups-tp_sp",
+    "groups-ulysses",
     "static-tp_sp",
     "static-tp_sp+rc",
     "static-ulysses",
@@ -31,8 +41,8 @@ ALL_RUNS: tuple[str, ...] = (
 )
 """Every run the benchmark knows, in table order (see :mod:`benchmarks.runs`)."""
 
-QUICK_RUNS: tuple[str, ...] = ("paradyse-auto", "static-tp_sp", "static-ulysses+rc", "lightning-ddp")
-"""The runs of ``--quick``: adaptive, two static modes, DDP."""
+QUICK_RUNS: tuple[str, ...] = ("paradyse-auto", "groups-tp_sp", "static-tp_sp", "static-ulysses+rc", "lightning-ddp")
+"""The runs of ``--quick``: adaptive, groups with one fixed mode, two static modes, DDP."""
 
 
 @dataclass(frozen=True)
@@ -69,20 +79,27 @@ class ModelSettings:
 
 @dataclass(frozen=True)
 class TraceSettings:
-    """One length trace: every run trains on its sequences, shortest first (the paper's curriculum)."""
+    """One length trace: its sequences, grouped into global batches under the token budget in :attr:`order`."""
 
     kind: TraceKind
     """``github`` / ``grch38``: lengths drawn from the paper's bucket shares scaled to ``max_len``
     (:func:`lightning_paradyse.traces.length_trace`); ``corpus``: documents of the bundled corpus, cut into
-    chunks of at most ``max_len``."""
+    chunks of at most ``max_len``; ``mixed``: mostly short sequences with a few long ones (:attr:`long_share`)."""
     n: int
-    """Sequences in the trace (rounded up to a multiple of the number of processes)."""
+    """Sequences in the trace."""
     max_len: int
-    """Longest sequence."""
+    """Longest sequence (at most :attr:`BenchSettings.batch_tokens`)."""
     min_len: int = 16
     """Shortest sequence."""
     seed: int = 0
-    """Seed of the lengths and of the text windows."""
+    """Seed of the lengths, of the text windows and of a shuffled order."""
+    order: TraceOrder = "sorted"
+    """How sequences fill the global batches (:attr:`lightning_paradyse.batching.BatchingConfig.order`): ``sorted``,
+    shortest first, the paper's curriculum (a batch holds sequences of similar lengths); ``shuffled``, a seeded
+    random order (a batch mixes lengths)."""
+    long_share: float = 0.125
+    """``mixed``: the share of long sequences, log-uniform in ``[max_len / 2, max_len]``; the others are short,
+    log-uniform in ``[min_len, max_len / 16]``."""
 
     @property
     def name(self) -> str:
@@ -114,6 +131,9 @@ class BenchSettings:
     """The model every run trains."""
     traces: tuple[TraceSettings, ...] = ()
     """The length traces."""
+    batch_tokens: int = 4096
+    """Token budget of one global batch (one optimizer step), padding counted: ``rows x longest row <= batch_tokens``
+    (:attr:`lightning_paradyse.batching.BatchingConfig.max_tokens`)."""
     runs: tuple[str, ...] = ALL_RUNS
     """Names of the runs (see :data:`ALL_RUNS`)."""
     budget: int = 48 * MiB
@@ -124,6 +144,9 @@ class BenchSettings:
     """The largest-trainable-length search."""
     lr: float = 1e-3
     """AdamW learning rate."""
+    warmup: int = 2
+    """Unrecorded warm-up steps at the start of every fit (the trace's first global batch, repeated): the one-time
+    step check of the ParaDySe strategy runs on the first, the group planners are made on the second."""
     thresholds: tuple[int, int] = (256, 1024)
     """``ParaDySeStrategy(thresholds=...)`` of the adaptive run (used by its stand-in threshold policy)."""
     profile: str | None = None
@@ -138,20 +161,24 @@ class BenchSettings:
 
     @classmethod
     def full(cls) -> BenchSettings:
-        """The benchmark of ``benchmarks/RESULTS.md``: 12 runs, three traces, three timed passes."""
+        """The benchmark of ``benchmarks/RESULTS.md``: 14 runs, four traces, global batches of 4,096 tokens, three
+        timed passes."""
         traces = (
-            TraceSettings("github", n=40, max_len=3072, seed=1),
-            TraceSettings("grch38", n=24, max_len=3072, seed=2),
-            TraceSettings("corpus", n=12, max_len=2048, seed=3),
+            TraceSettings("github", n=400, max_len=3072, seed=1),
+            TraceSettings("grch38", n=160, max_len=3072, seed=2),
+            TraceSettings("corpus", n=24, max_len=2048, seed=3),
+            TraceSettings("mixed", n=96, max_len=2048, seed=4, order="shuffled"),
         )
-        return cls(traces=traces, search=SearchSettings(cap=8192), preset="full")
+        return cls(traces=traces, batch_tokens=4096, search=SearchSettings(cap=8192), preset="full")
 
     @classmethod
     def quick(cls) -> BenchSettings:
-        """A smoke run: a tiny model, one short trace, four runs, one timed pass, a short search."""
+        """A smoke run: a tiny model, one short trace in global batches of 512 tokens, five runs, one timed pass,
+        a short search."""
         return cls(
             model=ModelSettings(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, max_seq_len=4096),
-            traces=(TraceSettings("github", n=8, max_len=512, min_len=16, seed=1),),
+            traces=(TraceSettings("github", n=64, max_len=512, min_len=16, seed=1),),
+            batch_tokens=512,
             runs=QUICK_RUNS,
             budget=8 * MiB,
             repeats=1,
@@ -164,4 +191,4 @@ class BenchSettings:
         return replace(self, **{k: v for k, v in changes.items() if v is not None})  # type: ignore[arg-type]
 
 
-__all__ = ["ALL_RUNS", "QUICK_RUNS", "BenchSettings", "ModelSettings", "SearchSettings", "TraceSettings"]
+__all__ = ["ALL_RUNS", "QUICK_RUNS", "TRACE_KINDS", "BenchSettings", "ModelSettings", "SearchSettings", "TraceSettings"]

@@ -4,12 +4,14 @@ Each process of :func:`lightning_paradyse.spawn.run_distributed` runs :func:`ben
 environment variables that make Lightning treat the processes as launched externally (as under ``torchrun``:
 no strategy launches anything), then, for each fit, creates a fresh process group (gloo on CPU, NCCL on
 CUDA; file store, no ports), builds a fresh :class:`~benchmarks.runs.BenchLM` from the same seed and a fresh
-``Trainer`` with the run's strategy, trains one epoch over its share of the trace and destroys the group.
+``Trainer`` with the run's strategy, trains one epoch over its batches of the trace (one per global batch: the whole
+batch, or its data-parallel share, :func:`benchmarks.workload.rank_items`) and destroys the group.
 
 Order (noise hits every run alike): for every trace, one instrumented pass over all runs (memory and bytes
 sent), then ``repeats`` timed passes, each over all runs in an order rotated by one per pass. After the
 traces, the largest trainable length of every run is searched: doubling from ``search.start``, then
-bisection; each probe is one training step (forward, backward, optimizer step) of one sequence.
+bisection; each probe is one training step (forward, backward, optimizer step) of one sequence (on every rank:
+data parallelism gives each rank a whole copy of it).
 
 The adaptive run plans with the package's exact cost-model planner on the profile that
 :mod:`benchmarks.profiling` calibrates before the runs (``on_infeasible="skip"``: a batch no plan fits is skipped
@@ -198,19 +200,16 @@ def trace_passes(ctx: Context, traces: list[Trace]) -> list[dict[str, Any]]:
                 if ctx.bar is not None:
                     ctx.bar.set_description(f"{trace.name} pass {pass_index} {name}")
                 items = rank_items(trace, ctx.rank, ctx.world, spec.data_parallel)
-                items = [items[0], *items]  # the warm-up step: the rank's shortest sequence, not recorded
-                result = fit(ctx, spec, items, instrumented=pass_index == 0)
+                warmup = ctx.settings.warmup
+                items = [items[0]] * warmup + items  # warm-up steps: the first global batch again, not recorded
+                result = fit(ctx, spec, items, instrumented=pass_index == 0, warmup=warmup)
                 out.append({"run": name, "trace": trace.name, "pass": pass_index, **result})
     return out
 
 
-def total_ticks(settings: BenchSettings, traces: list[Trace], world: int) -> int:
+def total_ticks(settings: BenchSettings, traces: list[Trace]) -> int:
     """Steps (and estimated probes) rank 0 will report to the progress bar."""
-    total = 0
-    for trace in traces:
-        for name in settings.runs:
-            n = len(trace.sequences) // world if run_spec(name).data_parallel else len(trace.sequences)
-            total += n * (1 + settings.repeats)
+    total = sum(len(trace.batches) * len(settings.runs) * (1 + settings.repeats) for trace in traces)
     return total + PROBE_ESTIMATE * len(settings.runs)
 
 
@@ -243,7 +242,7 @@ def bench_worker(
     if rank == 0:
         from tqdm.auto import tqdm
 
-        ctx.bar = tqdm(total=total_ticks(settings, traces, world), unit="step", dynamic_ncols=True)
+        ctx.bar = tqdm(total=total_ticks(settings, traces), unit="step", dynamic_ncols=True)
     fits = trace_passes(ctx, traces)
     searches = {}
     for name in settings.runs:
