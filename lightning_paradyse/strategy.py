@@ -270,6 +270,7 @@ class ParaDySeStrategy(ParallelStrategy):
         self.start_method = _validate_choice("start_method", start_method, START_METHODS)
         self.timeout = _validate_timeout(timeout)
         self.loss_reduction = _validate_choice("loss_reduction", loss_reduction, ("mean", "sum"))
+        self._groups_asked = groups is True
         if groups is None:
             groups = plan == "auto" and axes == 1
         self.groups = _validate_flag("groups", groups)
@@ -397,7 +398,13 @@ class ParaDySeStrategy(ParallelStrategy):
         self._parallelize()
         self.planner = self._make_planner()
         if self.groups and group_size(self._group) > 1:
-            exchange = self._runner.setup(self._module, self._group, self.planner, self._exchange_s)
+            try:
+                exchange = self._runner.setup(self._module, self._group, self.planner, self._exchange_s)
+            except ValueError as err:  # raised alike on every rank, before any collective
+                if self._groups_asked:
+                    raise ValueError(f"ParaDySeStrategy(groups=True) cannot run this model: {err}") from None
+                rank_zero_info(f"[paradyse] groups: off for this model ({err}); every batch runs on one group")
+                exchange = None
             if exchange is not None:
                 rank_zero_info(
                     f"[paradyse] groups: exchanging the weights takes {exchange[0] * 1e3:.1f} ms (predicted "

@@ -125,14 +125,19 @@ class GroupRunner:
         """The aligned process groups (``new_group`` is collective: every rank, once, here) and the measured cost of
         the weight exchange (``measured`` seconds of the largest one, e.g. kept with the machine's measurement; else
         measured here), which corrects the cost model's prediction of it: returns ``(measured, predicted)``
-        seconds (``None`` without a cost model)."""
+        seconds (``None`` without a cost model).
+
+        Raises:
+            ValueError: For a model whose dimensions the group cost cannot read (no attention and MLP dispatch
+                modules, e.g. an MLP inlined in the block), before any collective.
+        """
         from lightning_paradyse.cost.dims import dims_from_module
         from lightning_paradyse.cost.planner import CostPlanner
 
+        self._dims = dims_from_module(module)  # raises (alike on every rank) for a model the cost cannot describe
         self._module, self._world, self._planner = module, world, planner
         p = group_size(world)
         self._set = GroupSet(world)
-        self._dims = dims_from_module(module)
         if isinstance(planner, CostPlanner):
             predicted = exchange_seconds(self._dims, planner.model.machine, p, 1)
             if measured is None:
