@@ -1,7 +1,7 @@
 """The benchmark harness: ``python benchmarks/run.py --quick`` end to end, and its pure helpers.
 
-The smoke run spawns two gloo processes that train the adaptive run, two static modes and DDP on a tiny
-trace; the test checks the structure of what it writes (every run present, numbers finite and positive,
+The smoke run spawns two gloo processes that train the adaptive run, a grouped run, a static mode and DDP on the
+same global batches of a tiny trace; the test checks the structure of what it writes (every run present, numbers finite and positive,
 the adaptive and static runs through the whole trace, plots when matplotlib is installed). It measures;
 it never asserts that one run is faster than another.
 """
@@ -61,12 +61,11 @@ def test_quick_run_reports_every_run(quick: tuple[dict[str, Any], Path]) -> None
 def test_quick_run_adaptive_and_static_complete_the_trace(quick: tuple[dict[str, Any], Path]) -> None:
     report, _ = quick
     for run in report["runs"]:
-        trace = report["traces"][run["trace"]]["lengths"]
-        steps = len(trace) // report["settings"]["devices"] if run["name"] == "lightning-ddp" else len(trace)
-        assert len(run["step_time_s"]) == steps, run["name"]
-        if run["family"] in ("paradyse", "static"):
+        trace = report["traces"][run["trace"]]
+        assert len(run["step_time_s"]) == len(trace["batches"]), run["name"]  # every run: the same global batches
+        if run["family"] != "lightning":
             assert run["completed"] and run["oom_steps"] == 0, run["name"]
-            assert sum(run["step_tokens"]) == sum(trace)
+            assert sum(run["step_tokens"]) == sum(trace["lengths"]), run["name"]
     adaptive = next(r for r in report["runs"] if r["family"] == "paradyse")
     assert len(adaptive["plans"]) == len(adaptive["step_time_s"])
     assert adaptive["planner_ms_per_batch"] is not None and adaptive["planner_ms_per_batch"] >= 0
