@@ -2,7 +2,7 @@
 
 * ``cumulative-<trace>.png``: cumulative training time against the global batch's longest row for every run
   (the trace sorted shortest first as in the paper's figures; against the step for a shuffled trace); a curve
-  stops at its first OOM step, marked ``x``.
+  is faded from its first OOM step on, marked ``x``.
 * ``plan-<trace>.png``: the adaptive run's plan as a heat map, one row per (layer, op), one column per
   batch (on groups: rank 0's group's plan; the split under the batch's length), the colour the mode (lighter:
   with recomputation).
@@ -44,7 +44,9 @@ def _style(run: dict[str, Any]) -> dict[str, Any]:
 
 
 def cumulative_plot(runs: list[dict[str, Any]], trace: str, budget_mib: float, path: Path) -> None:
-    """Cumulative time against sequence length, one curve per run, stopping (``x``) at the first OOM."""
+    """Cumulative time against the batch's longest row (or the step), one curve per run; from its first step over
+    the budget (``x``) on, the curve is faded (every step of a token-budget batch is about as large, so a run over
+    the budget is usually over it from the start)."""
     import matplotlib.pyplot as plt
     from matplotlib.ticker import NullFormatter, ScalarFormatter
 
@@ -54,13 +56,15 @@ def cumulative_plot(runs: list[dict[str, Any]], trace: str, budget_mib: float, p
     for run in runs:
         if "error" in run:
             continue
-        stop = run["first_oom_step"] if run["first_oom_step"] is not None else len(run["step_time_s"])
+        first = run["first_oom_step"]
+        stop = first if first is not None else len(run["step_time_s"])
         xs = run["step_lengths"] if by_length else list(range(1, len(run["step_time_s"]) + 1))
-        y = list(itertools.accumulate(run["step_time_s"][:stop]))
+        y = list(itertools.accumulate(run["step_time_s"]))
         style = _style(run)
-        ax.plot(xs[:stop], y, label=run["name"], **style)
-        if run["first_oom_step"] is not None:
-            ax.plot(xs[stop], y[-1] if y else 0.0, marker="x", markersize=10, color=style["color"])
+        ax.plot(xs[: stop + 1], y[: stop + 1], label=run["name"], **style)
+        if first is not None:  # over the budget from this step on (the step's point and after)
+            ax.plot(xs[stop:], y[stop:], alpha=0.3, **style)
+            ax.plot(xs[stop], y[stop], marker="x", markersize=9, color=style["color"])
     if by_length and lengths and max(lengths) >= 10 * min(lengths):
         ax.set_xscale("log")
         ax.xaxis.set_major_formatter(ScalarFormatter())
@@ -71,7 +75,7 @@ def cumulative_plot(runs: list[dict[str, Any]], trace: str, budget_mib: float, p
         else "global batch (shuffled trace)"
     )
     ax.set_ylabel("cumulative training time (s)")
-    ax.set_title(f"trace {trace}: cumulative time, x = first step over the {budget_mib:.0f} MiB budget")
+    ax.set_title(f"trace {trace}: cumulative time; x = first step over the {budget_mib:.0f} MiB budget, faded after")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, ncol=2, loc="upper left")
     fig.tight_layout()
@@ -99,7 +103,7 @@ def plan_heatmap(run: dict[str, Any], trace: str, path: Path) -> None:
     ticks = sorted(set(range(0, len(plans), max(1, len(plans) // 10))) | {len(plans) - 1})
     splits = run.get("step_splits") or [None] * len(plans)
     labels = [str(run["step_lengths"][t]) + (f"\n{'+'.join(map(str, splits[t]))}" if splits[t] else "") for t in ticks]
-    ax.set_xticks(ticks, labels, rotation=45)
+    ax.set_xticks(ticks, labels, fontsize=8)
     ax.set_xlabel("global batch (labelled with its longest row and its group split)")
     ax.set_title(f"trace {trace}: adaptive plan per batch")
     ax.legend(

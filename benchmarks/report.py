@@ -24,7 +24,9 @@ every run is the same batch. Per (run, trace):
   sizes (``group_splits``, e.g. ``{"2": 3, "1+1": 5}``; one group of every rank when the strategy did not split),
   from the first timed pass, and the measured imbalance of the steps on several groups (slowest group over the
   mean);
-* **largest trainable length**: the length search's result (``max_len_capped`` when it reached the cap).
+* **largest trainable length**: the length search's result (``max_len_capped`` when it reached the cap);
+* ``fit_s_by_pass``: the wall seconds of every pass's ``trainer.fit`` (the instrumented pass first; setup, the
+  warm-up steps and the end of the fit included), what the benchmark's own duration is made of.
 
 Ratios: against the *best static mode*, the *best groups run* and the *best Lightning built-in*: the fastest
 (tokens/s) of those that trained the whole trace without an OOM step (the fastest of all of them if none did).
@@ -183,6 +185,7 @@ def summarise(name: str, trace: Trace, fits: list[dict[str, Any]], ctx: dict[str
         "step_time_s_by_pass": per_pass,
         "step_oom": table["oom"],
         "tokens_per_s_by_pass": [tokens / sum(p) for p in per_pass],
+        "fit_s_by_pass": [f.get("fit_s") for f in sorted(fits, key=lambda f: f["pass"])],
         "step_time_median_s": statistics.median(times),
         "oom_steps": len(table["oom"]) - len(ok),
         "first_oom_step": first_oom,
