@@ -1,9 +1,9 @@
 """The benchmark harness: ``python benchmarks/run.py --quick`` end to end, and its pure helpers.
 
-The smoke run spawns two gloo processes that train the adaptive run, a grouped run, a static mode and DDP on the
-same global batches of a tiny trace; the test checks the structure of what it writes (every run present, numbers finite and positive,
-the adaptive and static runs through the whole trace, plots when matplotlib is installed). It measures;
-it never asserts that one run is faster than another.
+The smoke run spawns two gloo processes that train the adaptive run, a grouped run, a static mode and DDP on
+the same global batches of a tiny trace; the test checks the structure of what it writes (every run present,
+numbers finite and positive, the adaptive and static runs through the whole trace, plots when matplotlib is
+installed). It measures; it never asserts that one run is faster than another.
 """
 
 from __future__ import annotations
