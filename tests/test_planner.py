@@ -129,6 +129,21 @@ def test_plans_are_deterministic_and_cached_by_bucket() -> None:
     assert isinstance(a.plan(700, 1), Plan) and len(a.plan(700, 1)) == 3
 
 
+def test_batches_are_planned_per_power_of_two_bucket() -> None:
+    """A step of ``b`` sequences is planned for the next power of two (one search per bucket); the group cost
+    interpolates the time between the buckets around ``b``, monotone in ``b``."""
+    from lightning_paradyse.groups.cost import planner_step_time
+
+    planner = _tiny_planner(2**30)
+    step = planner.step(700, 3)
+    assert (step.seq_len, step.batch) == (1024, 4) and planner.step(1000, 4) is step
+    assert planner.step(700, 5).batch == 8 and planner.step(700, 1).batch == 1
+    times = [planner_step_time(planner.model.dims, lambda g: planner)(1024, b, 2) for b in range(1, 17)]
+    assert all(t is not None for t in times)
+    assert times == sorted(times) and times[3] == planner.step(1024, 4).time_s  # type: ignore[type-var]
+    assert times[2] == pytest.approx((planner.step(1024, 2).time_s + planner.step(1024, 4).time_s) / 2)
+
+
 def test_bucket_top_infeasible_falls_back_to_the_length_itself() -> None:
     probe = _tiny_planner(2**30, bucket_tokens=4096)
     budget = probe.minimum(4000, 1).peak  # type: ignore[union-attr]

@@ -14,6 +14,7 @@ from lightning_paradyse.groups.solver import (
     assign,
     assign_exact,
     assign_greedy,
+    assign_rows,
     brute_force,
     layouts,
     sequential_cost,
@@ -92,6 +93,60 @@ def test_exact_solver_matches_brute_force_on_random_instances() -> None:
         assert busy_greedy is None or (all(busy_greedy.groups) and busy_greedy.time >= busy.time * (1 - 1e-12))
     assert len(gaps) > 200
     print(f"greedy vs exact: mean gap {sum(gaps) / len(gaps):.2%}, worst {max(gaps):.2%}")
+
+
+def rows_shape(a: float, c: float, fixed: float, cap: float | None, world: int) -> Callable[..., float | None]:
+    """A monotone cost of ``b`` padded rows of ``s`` tokens on ``g`` ranks: work split over ``g``, a fixed cost
+    for groups smaller than the world (the weight exchange), a per-row overhead, memory ``b s / g <= cap``."""
+
+    def shape(s: int, b: int, g: int) -> float | None:
+        if s < g or (cap is not None and b * s / g > cap):
+            return None
+        return b * (a * s + c * s * s) / g + fixed * (g < world) + 0.3 * b**0.5
+
+    return shape
+
+
+def test_rows_solver_matches_brute_force_on_random_instances() -> None:
+    """:func:`assign_rows` (consecutive runs of rows by length, dynamic programme) is exact for rows costs."""
+    rng = random.Random(7)
+    for trial in range(400):
+        world = rng.choice([1, 2, 3, 4])
+        lengths = [rng.randint(1, 40) for _ in range(rng.randint(1, 6))]
+        shape = rows_shape(rng.random(), rng.random() * 0.05, rng.random() * 3, rng.choice([None, 60.0, 200.0]), world)
+
+        def cost(lengths: tuple[int, ...], g: int) -> float | None:
+            return shape(max(lengths), len(lengths), g)
+
+        for busy in (False, True):
+            found, reference = assign_rows(lengths, world, shape, busy), brute_force(lengths, world, cost, busy)
+            assert (found is None) == (reference is None), f"trial {trial}: {found} vs {reference}"
+            if found is None or reference is None:
+                continue
+            check(found, lengths, world)
+            assert found.time == pytest.approx(reference.time, rel=1e-12), f"trial {trial}: {found} vs {reference}"
+            assert not busy or all(found.groups), found
+            for members, g, t in zip(found.groups, found.sizes, found.times):
+                assert t == (cost(tuple(lengths[i] for i in members), g) if members else 0.0)
+            assert assign(lengths, world, cost, all_busy=busy, shape=shape) == found
+
+
+def test_rows_solver_needs_few_cost_evaluations_on_many_rows() -> None:
+    """173 rows on 4 ranks (the benchmark's shortest global batch): ``O(k n log n)`` evaluations per layout
+    and order, not the greedy search's ``O(n^2)`` per move."""
+    rng = random.Random(3)
+    lengths = [rng.randint(8, 23) for _ in range(173)]
+    shape = rows_shape(1e-3, 1e-5, 0.5, 2000.0, 4)
+    calls = [0]
+
+    def counted(s: int, b: int, g: int) -> float | None:
+        calls[0] += 1
+        return shape(s, b, g)
+
+    found = assign_rows(lengths, 4, counted, all_busy=True)
+    check(found, lengths, 4)
+    assert calls[0] < 25_000, calls[0]
+    assert found == assign_rows(lengths, 4, shape, all_busy=True)  # deterministic
 
 
 def test_assign_is_deterministic_and_switches_to_the_approximation() -> None:

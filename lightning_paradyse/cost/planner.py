@@ -82,6 +82,8 @@ class PlannedStep:
     """Predicted peak bytes per rank."""
     seq_len: int
     """The length the plan was computed for (the bucket's upper end, or the length itself)."""
+    batch: int = 1
+    """The sequences the plan was computed for (the batch bucket's upper end, or the batch itself)."""
 
 
 def to_plan(problem: PlanProblem, seq: Sequence[int]) -> Plan:
@@ -148,6 +150,12 @@ class CostPlanner:
             return min(self.bucket_tokens, 1 << max(0, seq_len - 1).bit_length())
         return math.ceil(seq_len / self.bucket_tokens) * self.bucket_tokens
 
+    @staticmethod
+    def bucket_rows(batch: int) -> int:
+        """The upper end of ``batch``'s bucket of sequences: the next power of two (a step of 37 rows is planned
+        for 64; every batch size between two powers of two shares one search)."""
+        return 1 << max(0, batch - 1).bit_length()
+
     def problem(self, seq_len: int, batch: int, modes: Sequence[str] | None = None) -> PlanProblem:
         """The cost tables for a batch shape (restricted to ``modes`` if given)."""
         use = self.modes if modes is None else tuple(m for m in self.modes if m in modes)
@@ -155,17 +163,18 @@ class CostPlanner:
         return self.model.problem(seq_len, batch, use, self.recompute, allowed)
 
     def step(self, seq_len: int, batch: int) -> PlannedStep:
-        """The plan for a batch with its predicted time and peak (cached per bucket)."""
+        """The plan for a batch with its predicted time and peak, cached per bucket: planned for the upper ends of
+        the length's and the batch's buckets (its peak bounds the real shape's, which needs no more memory), or,
+        when that shape does not fit the budget, for the batch itself."""
         if seq_len < 1 or batch < 1:
             raise ValueError(f"seq_len and batch must be positive, got {seq_len}, {batch}")
-        top = self.bucket(seq_len)
-        for length in (top, seq_len) if top != seq_len else (seq_len,):
-            key = (length, batch)
+        top = (self.bucket(seq_len), self.bucket_rows(batch))
+        for key in (top, (seq_len, batch)) if top != (seq_len, batch) else (top,):
             if key in self._cache:
                 return self._cache[key]
             if key in self._infeasible:
                 continue
-            found = self._solve(length, batch)
+            found = self._solve(*key)
             if found is None:
                 self._infeasible.add(key)
                 continue
@@ -182,12 +191,12 @@ class CostPlanner:
         found = solve(problem, self.budget)
         if found is None:
             return None
-        best = PlannedStep(to_plan(problem, found.seq), found.time, found.peak, seq_len)
+        best = PlannedStep(to_plan(problem, found.seq), found.time, found.peak, seq_len, batch)
         if self.prefer_tp_sp > 0 and all("tp_sp" in ops for ops in self.allowed) and False in self.recompute:
             simple = uniform_plan("tp_sp", self.model.dims.n_layers)
             time_s, peak = self.model.plan_cost(simple, seq_len, batch)
             if peak <= self.budget and time_s <= found.time * (1 + self.prefer_tp_sp):
-                return PlannedStep(simple, time_s, peak, seq_len)
+                return PlannedStep(simple, time_s, peak, seq_len, batch)
         return best
 
     def minimum(self, seq_len: int, batch: int, modes: Sequence[str] | None = None) -> Solution | None:

@@ -8,7 +8,7 @@ slowest group (FlexSP; Megatron's dynamic context parallelism). One name per ide
 
 * :mod:`~lightning_paradyse.groups.units`: the *units* of a batch (rows or documents) and cutting a group's batch;
 * :mod:`~lightning_paradyse.groups.solver`: the *split* (group sizes) and the *assignment* of units to groups;
-* :mod:`~lightning_paradyse.groups.cost`: what a group costs on the cost model (and the learned corrections);
+* :mod:`~lightning_paradyse.groups.cost`: what a group costs on the cost model;
 * :mod:`~lightning_paradyse.groups.exchange`: the *weight exchange* that gives every rank its group's shards;
 * :mod:`~lightning_paradyse.groups.runner`: the *step runner* the strategy owns (:class:`GroupRunner`).
 """
@@ -24,7 +24,7 @@ from lightning_paradyse.groups.cost import (
 )
 from lightning_paradyse.groups.exchange import GroupSet, blocks, check_sizes, enter_group, exit_group, measure_regroup
 from lightning_paradyse.groups.runner import GroupRunner, GroupStep, imbalance
-from lightning_paradyse.groups.solver import Assignment, assign, layouts
+from lightning_paradyse.groups.solver import Assignment, assign, assign_rows, layouts
 from lightning_paradyse.groups.units import Units
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "GroupStep",
     "Units",
     "assign",
+    "assign_rows",
     "attention_crossover",
     "blocks",
     "check_sizes",

@@ -20,12 +20,16 @@ makes a group faster, as the solver's bound needs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from lightning_paradyse.cost.dims import ModelDims
 from lightning_paradyse.cost.time import Machine
-from lightning_paradyse.groups.solver import GroupCost
+from lightning_paradyse.groups.solver import GroupCost, ShapeCost
+
+SHAPE_CACHE = 2**16
+"""Shapes ``(s, b, g)`` whose predicted time :func:`planner_step_time` keeps."""
 
 StepTime = Callable[[int, int, int], "float | None"]
 """``step_time(s, b, g)``: predicted seconds of ``b`` sequences of ``s`` tokens on ``g`` ranks; ``None``: no plan
@@ -76,20 +80,19 @@ def packed_cost(
     return cost
 
 
-def rows_cost(
+def rows_shape_cost(
     dims: ModelDims,
     step_time: StepTime | None = None,
     fixed: Callable[[int], float] | None = None,
-) -> GroupCost:
-    """The cost of a group training rows (real lengths ``l_i``) as one batch ``[b_g, s_g]``, ``s_g = max(l_i)``.
+) -> ShapeCost:
+    """The cost of a group training ``b`` rows as one batch ``[b, s]`` (``s``: its longest real row).
 
-    With ``step_time`` it is ``step_time(s_g, b_g, g)``; without it the FLOPs per rank,
-    ``b_g (a s_g + c s_g^2) / g``. ``fixed(g)`` as in :func:`packed_cost`. A group needs ``s_g >= g``.
+    With ``step_time`` it is ``step_time(s, b, g)``; without it the FLOPs per rank, ``b (a s + c s^2) / g``.
+    ``fixed(g)`` as in :func:`packed_cost`. A group needs ``s >= g``.
     """
     a, c = flop_weights(dims)
 
-    def cost(lengths: tuple[int, ...], g: int) -> float | None:
-        s, b = max(lengths), len(lengths)
+    def cost(s: int, b: int, g: int) -> float | None:
         if s < g:
             return None
         if step_time is None:
@@ -102,24 +105,50 @@ def rows_cost(
     return cost
 
 
+def rows_cost(
+    dims: ModelDims,
+    step_time: StepTime | None = None,
+    fixed: Callable[[int], float] | None = None,
+) -> GroupCost:
+    """:func:`rows_shape_cost` of rows given by their real lengths ``l_i``: ``s = max(l_i)``, ``b`` their number."""
+    shape = rows_shape_cost(dims, step_time, fixed)
+
+    def cost(lengths: tuple[int, ...], g: int) -> float | None:
+        return shape(max(lengths), len(lengths), g)
+
+    return cost
+
+
 def planner_step_time(
     dims: ModelDims, planner_for: Callable[[int], Any], scales: Mapping[int, float] | None = None
 ) -> StepTime:
-    """:data:`StepTime` from the cost planner of each group size: the step planned at the length's bucket, its
-    time rescaled from the bucket's length to the real one by the FLOP count, times ``scales[g]``."""
+    """:data:`StepTime` from the cost planner of each group size: the step planned at the shape's buckets
+    (:meth:`~lightning_paradyse.cost.planner.CostPlanner.step`), its time rescaled from the bucket's length to
+    the real one by the FLOP count and interpolated linearly in the batch between the batch buckets around it
+    (``b`` rows between ``B/2`` and ``B``: the steps planned for both), times ``scales[g]``. Both are monotone,
+    so the cost is; results are cached per shape (:data:`SHAPE_CACHE` of them)."""
     from lightning_paradyse.cost.planner import PlanInfeasible
 
     a, c = flop_weights(dims)
     scales = scales or {}
 
+    def at_length(planned: Any, s: int) -> float:
+        top = max(planned.seq_len, s)
+        return float(planned.time_s) * (a * s + c * s * s) / (a * top + c * top * top)
+
+    @functools.lru_cache(maxsize=SHAPE_CACHE)
     def step_time(s: int, b: int, g: int) -> float | None:
         planner = planner_for(g)
         try:
-            planned = planner.step(s, b)
+            high = planner.step(s, b)
         except PlanInfeasible:
             return None
-        top = max(planned.seq_len, s)
-        return float(planned.time_s) * (a * s + c * s * s) / (a * top + c * top * top) * scales.get(g, 1.0)
+        time_s = at_length(high, s)
+        if high.batch > b:  # a bucket's upper end: interpolate from the bucket below (which fits when this one does)
+            low = planner.step(s, high.batch // 2)
+            below = at_length(low, s)
+            time_s = below + (time_s - below) * (b - low.batch) / (high.batch - low.batch)
+        return time_s * scales.get(g, 1.0)
 
     return step_time
 
@@ -138,17 +167,48 @@ def group_cost(
     a rerun decides alike), plus :func:`exchange_seconds` times
     ``exchange_scale`` (measured over predicted; left out with ``exchange=False``); the FLOP cost when the
     planners have no cost model (a fixed plan or thresholds)."""
+    if not packed:
+        shape = group_shape_cost(dims, world, planner_for, exchange_scale, step_scale, exchange)
+
+        def cost(lengths: tuple[int, ...], g: int) -> float | None:
+            return shape(max(lengths), len(lengths), g)
+
+        return cost
+    if not _modelled(planner_for(world)):
+        return packed_cost(dims)
+    step_time = planner_step_time(dims, planner_for, step_scale)
+    return packed_cost(dims, step_time, _exchange_time(world, planner_for, exchange_scale) if exchange else None)
+
+
+def group_shape_cost(
+    dims: ModelDims,
+    world: int,
+    planner_for: Callable[[int], Any],
+    exchange_scale: float = 1.0,
+    step_scale: Mapping[int, float] | None = None,
+    exchange: bool = True,
+) -> ShapeCost:
+    """:func:`group_cost` of the rows of an ordinary batch as a :data:`ShapeCost` (for
+    :func:`~lightning_paradyse.groups.solver.assign_rows`)."""
+    if not _modelled(planner_for(world)):
+        return rows_shape_cost(dims)
+    step_time = planner_step_time(dims, planner_for, step_scale)
+    return rows_shape_cost(dims, step_time, _exchange_time(world, planner_for, exchange_scale) if exchange else None)
+
+
+def _modelled(planner: Any) -> bool:
     from lightning_paradyse.cost.planner import CostPlanner
 
-    shape = packed_cost if packed else rows_cost
-    if not isinstance(planner_for(world), CostPlanner):
-        return shape(dims)
+    return isinstance(planner, CostPlanner)
 
+
+def _exchange_time(world: int, planner_for: Callable[[int], Any], scale: float) -> Callable[[int], float]:
+    @functools.lru_cache(maxsize=64)
     def exchange_time(g: int) -> float:
         model = planner_for(g).model
-        return exchange_scale * exchange_seconds(model.dims, model.machine, world, g)
+        return scale * exchange_seconds(model.dims, model.machine, world, g)
 
-    return shape(dims, planner_step_time(dims, planner_for, step_scale), exchange_time if exchange else None)
+    return exchange_time
 
 
 def exchange_seconds(dims: ModelDims, machine: Machine, world: int, g: int) -> float:
@@ -191,8 +251,10 @@ __all__ = [
     "exchange_seconds",
     "flop_weights",
     "group_cost",
+    "group_shape_cost",
     "machine_for_groups",
     "packed_cost",
     "planner_step_time",
     "rows_cost",
+    "rows_shape_cost",
 ]

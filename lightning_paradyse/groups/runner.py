@@ -33,7 +33,7 @@ from torch import Tensor
 from lightning_paradyse import parallel
 from lightning_paradyse.comm import Group, all_gather_rows, group_size
 from lightning_paradyse.groups import solver
-from lightning_paradyse.groups.cost import exchange_seconds, group_cost, machine_for_groups
+from lightning_paradyse.groups.cost import exchange_seconds, group_cost, group_shape_cost, machine_for_groups
 from lightning_paradyse.groups.exchange import GroupSet, blocks, enter_group, exit_group, measure_regroup
 from lightning_paradyse.groups.solver import Assignment
 from lightning_paradyse.groups.units import Units
@@ -95,7 +95,7 @@ def imbalance(times: Sequence[float]) -> float:
 class GroupRunner:
     """Steps on groups of different sizes for :class:`~lightning_paradyse.strategy.ParaDySeStrategy` (see the
     module docstring). Holds the per-run state of the feature: the aligned process groups, the planner of every
-    group size, the learned corrections and the step in flight."""
+    group size, the group costs (with their caches of planned shapes) and the step in flight."""
 
     def __init__(self, plan_bucket: int, on_infeasible: str) -> None:
         self.plan_bucket = plan_bucket
@@ -107,6 +107,7 @@ class GroupRunner:
         self._planner: Planner | None = None
         self._planners: dict[int, Planner] = {}
         self._runs: dict[tuple[int, Plan], bool] = {}
+        self._costs: dict[tuple[bool, bool, bool], Any] = {}
         self.exchange_scale = 1.0
         """Measured over predicted seconds of the weight exchange (measured once at setup)."""
         self.step: GroupStep | None = None
@@ -148,7 +149,7 @@ class GroupRunner:
 
     def teardown(self) -> None:
         """Drop the process groups and the model (the strategy destroys the world group next)."""
-        self._set, self.step, self._planners, self._runs = None, None, {}, {}
+        self._set, self.step, self._planners, self._runs, self._costs = None, None, {}, {}, {}
         self._world, self._module, self._planner = None, None, None
 
     def planner_for(self, g: int) -> Planner:
@@ -196,12 +197,18 @@ class GroupRunner:
         assert self._set is not None and self._module is not None
         started = time.perf_counter()
         p = group_size(self._world)
-        modelled = group_cost(self._dims, p, self.planner_for, units.packed, self.exchange_scale)
+        packed = self._cost(True, exchange=True) if units.packed else None
+        shape = None if units.packed else self._cost(False, exchange=True, shaped=True)
+
+        def rows(s: int, b: int, g: int) -> float | None:  # rows: the cost of a group's longest row and count
+            return shape(s, b, g) if self._runs_on(g, s, b) else None  # type: ignore[misc]
 
         def cost(lengths: tuple[int, ...], g: int) -> float | None:
-            return modelled(lengths, g) if self._runs_on(g, lengths, units.packed) else None
+            if packed is None:
+                return rows(max(lengths), len(lengths), g)
+            return packed(lengths, g) if self._runs_on(g, sum(lengths), 1) else None
 
-        found = solver.assign(units.lengths, p, cost, all_busy=True)
+        found = solver.assign(units.lengths, p, cost, all_busy=True, shape=None if units.packed else rows)
         if found is None and self.on_infeasible == "skip":
             return None
         if found is None:
@@ -222,21 +229,36 @@ class GroupRunner:
         sub = units.cut(batch, members)
         mine = describe_batch(sub, found.sizes[index], local_rank, causal, mean_loss=mean_loss, require_targets=False)
         mine = replace(mine, n_global=info.n_global, checksum=info.checksum)
-        bare = group_cost(self._dims, p, self.planner_for, units.packed, exchange=False)  # the groups' compute
+        bare = self._cost(units.packed, exchange=False)  # the groups' compute
         predicted = tuple(bare(tuple(units.lengths[i] for i in m), g) or 0.0 for g, m in zip(found.sizes, found.groups))
         shifts = units.shifted_sources(batch, members)
         solve_s = time.perf_counter() - started
         return GroupStep(found, units, index, pg, local_rank, sub, mine, tuple(plans), shifts, predicted, solve_s)
 
-    def _runs_on(self, g: int, lengths: tuple[int, ...], packed: bool) -> bool:
-        """Whether the plan a group of ``g`` gets for ``lengths`` can run on ``g`` ranks (a fixed plan's mode may
-        need heads divisible by ``g``; the cost planner only plans feasible modes). Cached per plan."""
+    def _cost(self, packed: bool, exchange: bool, shaped: bool = False) -> Any:
+        """The group cost (:func:`~lightning_paradyse.groups.cost.group_cost`, or for rows with ``shaped`` its
+        :func:`~lightning_paradyse.groups.cost.group_shape_cost`), made once per run: its cache of predicted
+        shapes lasts across steps."""
+        key = (packed, exchange, shaped)
+        if key not in self._costs:
+            p = group_size(self._world)
+            made: Any
+            if shaped:
+                made = group_shape_cost(self._dims, p, self.planner_for, self.exchange_scale, exchange=exchange)
+            else:
+                made = group_cost(self._dims, p, self.planner_for, packed, self.exchange_scale, exchange=exchange)
+            self._costs[key] = made
+        return self._costs[key]
+
+    def _runs_on(self, g: int, s: int, b: int) -> bool:
+        """Whether the plan a group of ``g`` gets for ``b`` sequences of ``s`` tokens can run on ``g`` ranks (a
+        fixed plan's mode may need heads divisible by ``g``; the cost planner only plans feasible modes). Cached
+        per plan."""
         from lightning_paradyse.cost.planner import CostPlanner, PlanInfeasible
 
         planner = self.planner_for(g)
         if isinstance(planner, CostPlanner):
             return True
-        s, b = (sum(lengths), 1) if packed else (max(lengths), len(lengths))
         try:
             plan = planner.plan(s, b)
         except PlanInfeasible:

@@ -19,6 +19,13 @@ group never makes it faster or free up memory, which holds for any real step.
   case, used up to :data:`EXACT_UP_TO` sequences.
 * :func:`assign_greedy`: the documented approximation beyond: per layout, longest sequence first to the group
   that finishes it earliest (LPT), then moves and swaps of single sequences while the slowest group gets faster.
+* :func:`assign_rows`: exact and fast for the rows of an ordinary batch, whose cost depends only on a group's
+  longest row and its number of rows (:data:`ShapeCost`). Some optimum gives every group a run of consecutive
+  rows in the order of length: dealing the longest rows to the group with the longest row, the next ones to
+  the group with the next longest, keeping every group's count, changes no count and lengthens no group's
+  longest row. Per layout and order of its group sizes, a dynamic programme over the sorted rows finds the
+  runs, each group's run by bisection (its cost grows with its run, the best of the groups after it shrinks):
+  ``O(k n log n)`` cost evaluations for ``k`` groups and ``n`` rows.
 * :func:`brute_force`: every layout and every map of sequences to groups; the reference of the tests.
 
 Ties are broken deterministically (time, then layouts in :func:`layouts` order, then the first assignment
@@ -35,6 +42,10 @@ from dataclasses import dataclass
 
 GroupCost = Callable[[tuple[int, ...], int], "float | None"]
 """``cost(lengths, g)``: seconds for a group of ``g`` ranks to train ``lengths``; ``None`` if they do not fit."""
+
+ShapeCost = Callable[[int, int, int], "float | None"]
+"""``cost(s, b, g)``: seconds for a group of ``g`` ranks to train ``b`` rows padded to ``s`` tokens (rows of an
+ordinary batch, cut to the group's longest); ``None`` if they do not fit. Monotone in ``s`` and in ``b``."""
 
 EXACT_UP_TO = 10
 """Sequences per step up to which :func:`assign` solves exactly."""
@@ -237,12 +248,112 @@ def assign_greedy(lengths: Sequence[int], world: int, cost: GroupCost, all_busy:
 
 
 def assign(
-    lengths: Sequence[int], world: int, cost: GroupCost, exact_up_to: int = EXACT_UP_TO, all_busy: bool = False
+    lengths: Sequence[int],
+    world: int,
+    cost: GroupCost,
+    exact_up_to: int = EXACT_UP_TO,
+    all_busy: bool = False,
+    shape: ShapeCost | None = None,
 ) -> Assignment | None:
-    """:func:`assign_exact` for up to ``exact_up_to`` sequences, else :func:`assign_greedy`."""
+    """The split and assignment of a step: with ``shape`` (rows of an ordinary batch, ``cost(lengths, g) ==
+    shape(max(lengths), len(lengths), g)``) :func:`assign_rows`, exact for any number of rows; else
+    :func:`assign_exact` for up to ``exact_up_to`` units and :func:`assign_greedy` beyond."""
+    if shape is not None:
+        return assign_rows(lengths, world, shape, all_busy)
     if len(lengths) <= exact_up_to:
         return assign_exact(lengths, world, cost, all_busy)
     return assign_greedy(lengths, world, cost, all_busy)
+
+
+def _orders(sizes: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Every distinct order of the group sizes ``sizes`` (sorted, so the search is the same on every rank)."""
+    return sorted(set(itertools.permutations(sizes)), reverse=True)
+
+
+def _crossing(lo: int, hi: int, reached: Callable[[int], bool]) -> int:
+    """The first ``e`` in ``[lo, hi]`` where the monotone ``reached(e)`` holds (``hi`` if none): a group's run
+    ending at ``e`` costs at least as much as the best of the groups after it."""
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if reached(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _reached(run: Callable[[int, int, int], float], after: list[float], i: int, g: int, e: int) -> bool:
+    return run(i, e, g) >= after[e]
+
+
+def _runs(
+    ordered: Sequence[int], sizes: tuple[int, ...], cost: ShapeCost, all_busy: bool
+) -> tuple[float, list[int]] | None:
+    """The fastest split of the rows ``ordered`` (lengths, longest first) into consecutive runs, run ``j`` to a
+    group of ``sizes[j]`` ranks: ``(time, run starts)``, or ``None`` if no split fits."""
+    n, k = len(ordered), len(sizes)
+    inf = math.inf
+
+    def run(i: int, end: int, g: int) -> float:  # rows [i, end) on g ranks (an empty run idles)
+        if end == i:
+            return inf if all_busy else 0.0
+        t = cost(ordered[i], end - i, g)
+        return inf if t is None else t
+
+    # best[j][i]: the fastest time of groups j.. on rows i..; cut[j][i]: where group j's run ends
+    best = [[inf] * (n + 1) for _ in range(k + 1)]
+    cut = [[n] * (n + 1) for _ in range(k + 1)]
+    best[k][n] = 0.0
+    for j in range(k - 1, -1, -1):
+        starts = [0] if j == 0 else range(n + 1)
+        later = k - j - 1  # groups after j, each needing a row when all are busy
+        for i in starts:
+            lo, hi = i + (1 if all_busy else 0), n - (later if all_busy else 0)
+            if j == k - 1:
+                lo = n  # the last group takes every row left
+            if lo > hi:
+                continue
+            e = _crossing(lo, hi, functools.partial(_reached, run, best[j + 1], i, sizes[j]))
+            for end in (e - 1, e) if e > lo else (e,):
+                t = max(run(i, end, sizes[j]), best[j + 1][end])
+                if t < best[j][i]:
+                    best[j][i], cut[j][i] = t, end
+    if best[0][0] == inf:
+        return None
+    starts, i = [], 0
+    for j in range(k):
+        starts.append(i)
+        i = cut[j][i]
+    return best[0][0], starts
+
+
+def assign_rows(lengths: Sequence[int], world: int, cost: ShapeCost, all_busy: bool = False) -> Assignment | None:
+    """The optimal layout and assignment of the rows ``lengths`` for a cost of a group's longest row and number
+    of rows (see the module docstring); ``None`` if no assignment fits. ``all_busy`` as in :func:`assign_exact`."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    ordered = [lengths[i] for i in order]
+    best: Assignment | None = None
+    for sizes in layouts(world):
+        if all_busy and len(sizes) > len(lengths):
+            continue
+        for sequence in _orders(sizes):
+            found = _runs(ordered, sequence, cost, all_busy)
+            if found is None or (best is not None and found[0] >= best.time):
+                continue
+            starts = [*found[1], len(ordered)]
+            members: list[list[int]] = [[] for _ in sizes]
+            times = [0.0] * len(sizes)
+            free = list(range(len(sizes)))  # the layout's groups not yet given a run, largest first
+            for j, g in enumerate(sequence):
+                slot = next(x for x in free if sizes[x] == g)
+                free.remove(slot)
+                members[slot] = order[starts[j] : starts[j + 1]]
+                if members[slot]:
+                    t = cost(ordered[starts[j]], len(members[slot]), g)
+                    assert t is not None
+                    times[slot] = t
+            best = _finish(sizes, members, times)
+    return best
 
 
 def sequential_cost(seq_cost: Callable[[int, int], float | None]) -> GroupCost:
@@ -272,9 +383,11 @@ __all__ = [
     "EXACT_UP_TO",
     "Assignment",
     "GroupCost",
+    "ShapeCost",
     "assign",
     "assign_exact",
     "assign_greedy",
+    "assign_rows",
     "brute_force",
     "layouts",
     "sequential_cost",
