@@ -43,7 +43,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_paradyse import ParaDySeStrategy
+from lightning_paradyse import ParaDySeStrategy, ParaDySeSwitcher
 from lightning_paradyse.batching import BatchingConfig, pack_documents, plan_batches
 from lightning_paradyse.models import LlamaConfig
 from lightning_paradyse.models.llama import Llama
@@ -99,7 +99,11 @@ class Timer(pl.Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self.times.append(time.perf_counter() - self._start)
-        metrics = trainer.callback_metrics
+        record = getattr(trainer.strategy, "step_record", None)
+        metrics = dict(record.metrics) if record is not None else {}
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            if isinstance(callback, ParaDySeSwitcher):  # the measured numbers
+                metrics.update(callback.metrics)
         if "groups/count" in metrics:
             keys = ("groups/count", "groups/predicted_imbalance", "groups/measured_imbalance", "groups/solve_s")
             self.groups.append({k.split("/")[1]: float(metrics[k]) for k in keys if k in metrics})

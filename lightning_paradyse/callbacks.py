@@ -5,8 +5,10 @@ The strategy decides per batch (validate, plan, verify that every rank holds the
 :class:`~lightning_paradyse.step.StepRecord`. This callback only reports it:
 
 * the record's numbers (layers per op and mode, the cost model's predicted step time and peak memory, the
-  group split) through the LightningModule's logger, with the measured step time and, on CUDA (or on CPU with
-  ``track_memory``), the measured peak memory;
+  group split) through the Trainer's loggers (every ``log_every_n_steps`` steps, on rank 0, straight to
+  ``logger.log_metrics`` as Lightning's ``LearningRateMonitor`` does: ``LightningModule.log`` costs about half
+  a millisecond a value, a fifth of a short step for twenty numbers), with the measured step time and, on CUDA
+  (or on CPU with ``track_memory``), the measured peak memory; the last batch's numbers in :attr:`metrics`;
 * each plan change on a console line of its own (through the progress bar when one is shown);
 * the plans executed, in :attr:`history`;
 * at the end of a fit, a picture of every training step (:mod:`lightning_paradyse.plot`: the plan per layer, the
@@ -47,7 +49,8 @@ class ParaDySeSwitcher(pl.Callback):
     """Logs the plan of every batch, its predicted and measured cost, and prints each plan change.
 
     Args:
-        log_plan: Log the record's numbers and the measurements per step through ``pl_module.log_dict``.
+        log_plan: Log the record's numbers and the measurements through the Trainer's loggers (every
+            ``Trainer(log_every_n_steps=...)`` steps; :attr:`metrics` holds every batch's).
         track_memory: Also measure every training step's peak memory on CPU (live tensor storage, through a
             dispatch mode: slower steps) and log it as ``plan/measured_peak_mib``; CUDA always logs the
             allocator's peak.
@@ -70,6 +73,9 @@ class ParaDySeSwitcher(pl.Callback):
         """Every training step of the current fit as the picture shows it."""
         self.plot_path: Path | None = None
         """Where the last fit's picture was written (rank 0), or ``None``."""
+        self.metrics: dict[str, float] = {}
+        """The last batch's numbers (``plan/...`` and ``groups/...``: what the strategy decided and predicted,
+        and for a training batch what was measured), on every rank."""
         self._tracker: Any = None
         self._strategy: Any = None
         self._started: float | None = None
@@ -126,8 +132,6 @@ class ParaDySeSwitcher(pl.Callback):
         elapsed = time.perf_counter() - started
         predicted = record.metrics.get("groups/predicted_time_s", record.metrics.get("plan/predicted_time_s"))
         self.points.append(StepPoint(trainer.global_step, record.plan, record.split, predicted, elapsed))
-        if not self.log_plan:
-            return
         measured = {
             "plan/measured_time_s": elapsed,
             "plan/skipped_batches": float(getattr(trainer.strategy, "skipped_batches", 0)),
@@ -142,7 +146,18 @@ class ParaDySeSwitcher(pl.Callback):
             measured["plan/measured_peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
         elif tracker is not None:
             measured["plan/measured_peak_mib"] = tracker.peak / 2**20
-        pl_module.log_dict(measured, on_step=True, on_epoch=False, batch_size=1)
+        self.metrics.update(measured)
+        self._log(trainer, self.metrics)
+
+    def _log(self, trainer: pl.Trainer, metrics: dict[str, float]) -> None:
+        """``metrics`` to every logger of the Trainer, at its global step, every ``log_every_n_steps`` steps."""
+        if not self.log_plan or trainer.global_rank != 0 or not trainer.loggers:
+            return
+        every = int(getattr(trainer, "log_every_n_steps", 1))  # set by the Trainer's logger connector; 0: never
+        if every <= 0 or trainer.global_step % every != 0:
+            return
+        for logger in trainer.loggers:
+            logger.log_metrics(dict(metrics), step=trainer.global_step)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -188,8 +203,9 @@ class ParaDySeSwitcher(pl.Callback):
         record: StepRecord | None = getattr(trainer.strategy, "step_record", None)
         if record is None:
             return None
-        if self.log_plan and record.metrics:
-            pl_module.log_dict(record.metrics, on_step=True, on_epoch=False, batch_size=record.batch)
+        self.metrics = {k: float(v) for k, v in record.metrics.items()}
+        if record.stage != "train":  # a training batch's numbers go out with its measurements
+            self._log(trainer, self.metrics)
         if record.line is not None:
             announce(trainer, record.line)
         return record

@@ -91,6 +91,7 @@ def _fit(plan: str, port: int, world: int) -> dict[str, Any]:
     pl.seed_everything(0, verbose=False)
     peaks = PeakPerStep()
     strategy = ParaDySeStrategy(plan=plan, memory_budget=BUDGET, profile=PROFILE, timeout=60)
+    switcher = ParaDySeSwitcher(track_memory=True)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world,
@@ -100,10 +101,10 @@ def _fit(plan: str, port: int, world: int) -> dict[str, Any]:
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,
-        callbacks=[peaks, ParaDySeSwitcher(track_memory=True)],
+        callbacks=[peaks, switcher],
     )
     trainer.fit(LM(), DataLoader(GrowingLengths(), batch_size=None))
-    logged = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("plan/")}
+    logged = {k: v for k, v in switcher.metrics.items() if k.startswith("plan/")}
     return {"peaks": peaks.peaks, "skipped": strategy.skipped_batches, "logged": logged}
 
 

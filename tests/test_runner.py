@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_paradyse import ParaDySeStrategy
+from lightning_paradyse import ParaDySeStrategy, ParaDySeSwitcher
 from lightning_paradyse.batching import pack_documents
 from lightning_paradyse.groups.solver import Assignment
 from lightning_paradyse.models import build_model
@@ -75,7 +75,8 @@ class Record(pl.Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *args: Any) -> None:
         self.losses.append(float(outputs["loss"]))
-        metrics = trainer.callback_metrics
+        switcher = next(cb for cb in trainer.callbacks if isinstance(cb, ParaDySeSwitcher))  # type: ignore[attr-defined]
+        metrics = switcher.metrics
         if "groups/count" in metrics:
             self.splits.append((int(metrics["groups/count"]), int(metrics["groups/own_size"])))
             self.imbalance.append(
@@ -114,11 +115,13 @@ def fit(devices: int, groups: bool, accumulate: int = 1) -> dict[str, Any]:
             max_steps=6 // accumulate,
             accumulate_grad_batches=accumulate,
             logger=CSVLogger(logs),
+            log_every_n_steps=2,
         )
         trainer.fit(PackedLM(), train_dataloaders=DataLoader(packed_batches(), batch_size=None))
         pictures = sorted(p.name for p in Path(logs).rglob("paradyse_steps.*"))
+        logged = [p.read_text().splitlines() for p in Path(logs).rglob("metrics.csv")]
     out = {"losses": record.losses, "state": record.state, "imbalance": record.imbalance, "splits": record.splits}
-    return out | {"pictures": pictures}
+    return out | {"pictures": pictures, "logged": logged}
 
 
 def worker(rank: int, world: int, ports: tuple[int, ...]) -> bytes:
@@ -160,3 +163,9 @@ def test_groups_of_different_sizes_train_like_one_process(reference: dict[str, d
     assert len(dealt_run["imbalance"]) == 6  # logged every grouped step: predicted and measured
     assert all(pred >= 1.0 and meas >= 1.0 for pred, meas in dealt_run["imbalance"])
     assert dealt_run["pictures"] == ["paradyse_steps.csv", "paradyse_steps.svg"]  # rank 0, in the logger's folder
+    (lines,) = dealt_run["logged"]  # the logger's metrics, every log_every_n_steps=2 steps
+    header = lines[0].split(",")
+    assert {"step", "plan/measured_time_s", "groups/count", "groups/measured_imbalance"} <= set(header), header
+    column, step = header.index("groups/count"), header.index("step")
+    steps = [int(row.split(",")[step]) for row in lines[1:] if row.split(",")[column]]
+    assert steps == [2, 4, 6], steps

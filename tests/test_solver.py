@@ -115,7 +115,7 @@ def test_rows_solver_matches_brute_force_on_random_instances() -> None:
         lengths = [rng.randint(1, 40) for _ in range(rng.randint(1, 6))]
         shape = rows_shape(rng.random(), rng.random() * 0.05, rng.random() * 3, rng.choice([None, 60.0, 200.0]), world)
 
-        def cost(lengths: tuple[int, ...], g: int) -> float | None:
+        def cost(lengths: tuple[int, ...], g: int, shape: Callable[..., float | None] = shape) -> float | None:
             return shape(max(lengths), len(lengths), g)
 
         for busy in (False, True):

@@ -23,6 +23,7 @@ them differently. An idle group still takes part in both exchanges and contribut
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Sequence
@@ -130,14 +131,24 @@ class _Exchange:
 
     @classmethod
     def of(cls, pieces: list[tuple[str, torch.Tensor, int]], p: int, sizes: Sequence[int], rank: int) -> _Exchange:
+        rows = tuple(n for _, _, n in pieces)
+        widths = tuple(math.prod(w.shape[1:]) for _, w, _ in pieces)
+        return cls._planned(rows, widths, p, tuple(sizes), rank)
+
+    @classmethod
+    @functools.lru_cache(maxsize=4096)
+    def _planned(
+        cls, rows_per_piece: tuple[int, ...], widths: tuple[int, ...], p: int, sizes: tuple[int, ...], rank: int
+    ) -> _Exchange:
+        """The exchange of pieces of these shapes (integers only: cached across steps; the parameters are looked
+        up anew every step)."""
         sends, recvs = [], []
-        for _, _, rows in pieces:
+        for rows in rows_per_piece:
             owned = split_offsets(rows, p)
             mine, want = (owned[rank], owned[rank + 1]), _wanted(rows, sizes, rank)
             spans = [_overlap(mine, _wanted(rows, sizes, j)) for j in range(p)]
             sends.append(tuple((lo - mine[0], hi - mine[0]) for lo, hi in spans))
             recvs.append(tuple(hi - lo for lo, hi in (_overlap((owned[i], owned[i + 1]), want) for i in range(p))))
-        widths = tuple(math.prod(w.shape[1:]) for _, w, _ in pieces)
         return cls(tuple(sends), tuple(recvs), widths)
 
     def sent(self, j: int) -> list[int]:
