@@ -1,0 +1,71 @@
+"""How long the group decision takes per step: the split of the ranks, the rows of each group and their plans.
+
+    python benchmarks/decision_time.py [--world 2 4 8] [--rows 8 32 173]
+
+For the benchmark's model (:class:`benchmarks.settings.ModelSettings`) on a cluster file's cost model, with a
+64 MiB per-rank budget, it times :func:`lightning_paradyse.groups.solver.assign` on the rows of one ordinary
+batch (random lengths under a 4,096-token budget, as the benchmark's global batches hold them), the way
+:class:`~lightning_paradyse.groups.GroupRunner` calls it: *cold* (fresh planners: every bucket the decision
+touches is searched once, as on the first steps of a fit) and *warm* (the planners' buckets known, as on a
+shape seen before: what most steps of a long fit pay). Prints one line per world size and row count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.settings import ModelSettings
+from lightning_paradyse.cost.planner import CostPlanner, make_planner
+from lightning_paradyse.groups import solver
+from lightning_paradyse.groups.cost import group_cost, group_shape_cost
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def decision_seconds(world: int, rows: int, cluster: str, budget: int, seed: int = 0) -> tuple[float, float]:
+    """``(cold, warm)`` seconds of one decision on ``rows`` rows over ``world`` ranks."""
+    config = ModelSettings().config()
+    rng = random.Random(seed)
+    lengths = [rng.randint(8, max(8, 4096 // rows)) for _ in range(rows)]
+    planners: dict[int, CostPlanner] = {}
+
+    def planner_for(g: int) -> CostPlanner:
+        if g not in planners:
+            planners[g] = make_planner(config, g, budget, cluster, bucket_tokens=512)
+        return planners[g]
+
+    times = []
+    for _ in range(2):  # cold (new planners), then warm (their buckets known; the costs made anew)
+        start = time.perf_counter()
+        dims = planner_for(world).model.dims
+        shape = group_shape_cost(dims, world, planner_for)
+        cost = group_cost(dims, world, planner_for, packed=False)
+        found = solver.assign(lengths, world, cost, all_busy=True, shape=shape)
+        for g, members in zip(found.sizes, found.groups) if found else ():
+            planner_for(g).plan(max(lengths[i] for i in members), len(members))
+        times.append(time.perf_counter() - start)
+    return times[0], times[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--rows", type=int, nargs="+", default=[8, 32, 64, 173])
+    parser.add_argument("--cluster", default=str(ROOT / "configs" / "clusters" / "h100-80gb-nvlink-8.yaml"))
+    parser.add_argument("--budget-mib", type=int, default=64)
+    args = parser.parse_args()
+    for world in args.world:
+        for rows in args.rows:
+            cold, warm = decision_seconds(world, rows, args.cluster, args.budget_mib * 2**20)
+            print(f"{world} ranks, {rows:4d} rows: cold {1e3 * cold:7.1f} ms, warm {1e3 * warm:6.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
