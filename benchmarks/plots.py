@@ -18,7 +18,13 @@ from typing import Any
 
 MODE_COLOURS = {"tp_sp": "#1f77b4", "ulysses": "#2ca02c", "ring": "#d62728", "metp": "#9467bd"}
 SKIPPED = "skipped (no plan fits)"
-BUILTIN_COLOURS = {"lightning-ddp": "#ff7f0e", "lightning-fsdp2": "#8c564b", "lightning-tp": "#17becf"}
+BUILTIN_COLOURS = {
+    "lightning-ddp": "#ff7f0e",
+    "lightning-ddp+ac": "#ffbb78",
+    "lightning-fsdp2": "#8c564b",
+    "lightning-fsdp2+ac": "#c49c94",
+    "lightning-tp": "#17becf",
+}
 
 
 def matplotlib_available() -> bool:

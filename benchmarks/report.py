@@ -391,6 +391,11 @@ def groups_table(runs: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
+def _label(r: dict[str, Any]) -> str:
+    """A reference's name, marked when it went over the budget."""
+    return r["name"] + ("" if r["completed"] else ", over the budget")
+
+
 def _adaptive_ratios(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The adaptive run's tokens/s over the best static mode, DDP, the best built-in and the best groups run."""
     adaptive = next((r for r in runs if r["family"] == "paradyse" and "error" not in r), None)
@@ -399,7 +404,7 @@ def _adaptive_ratios(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
     ddp = next((r for r in runs if r["name"] == "lightning-ddp" and "error" not in r), None)
     refs = {"best-static": best(runs, "static"), "DDP": ddp, "best-built-in": best(runs, "lightning")}
     refs["best-groups"] = best(runs, "groups")
-    ratios = {k: (adaptive["tokens_per_s"] / r["tokens_per_s"], r["name"]) if r else None for k, r in refs.items()}
+    ratios = {k: (adaptive["tokens_per_s"] / r["tokens_per_s"], _label(r)) if r else None for k, r in refs.items()}
     return {"ratios": ratios, "regret": adaptive.get("oracle_regret")}
 
 
@@ -416,7 +421,7 @@ def ratio_lines(report: dict[str, Any]) -> list[str]:
             if value is None:
                 parts.append(f"adaptive/{key} —")
             else:
-                parts.append(f"adaptive/{key} {value[0]:.2f}x" + ("" if key == "DDP" else f" ({value[1]})"))
+                parts.append(f"adaptive/{key} {value[0]:.2f}x ({value[1]})")
         regret = found["regret"]
         parts.append("regret vs per-step oracle " + (f"{100 * regret:+.1f}%" if regret is not None else "—"))
         lines.append(f"{trace}: " + ", ".join(parts))

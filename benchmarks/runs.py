@@ -23,6 +23,10 @@ How the runs share a global batch (the comparison the tables make):
   i.e. ``fully_shard`` per block): rank ``r`` takes rows ``r, r + p, ...`` of the global batch, cut to its longest
   row, and returns ``p / N`` times its sum of token losses (``N`` the real targets of the global batch), so the
   averaged gradients are those of the global mean token loss (:meth:`BenchLM.loss`).
+* **Built-ins made to fit** (``lightning-ddp+ac``, ``lightning-fsdp2+ac``): the same with activation checkpointing
+  of every block (what a Lightning user switches on when DDP or FSDP2 runs out of memory: each block keeps only
+  its input and recomputes the rest in backward), so that the tables have a built-in that stays within the
+  budget to compare with.
 
 All runs take the same optimizer steps on the same tokens; tokens/s is the whole job's (the real tokens of every
 global batch over the sum of the step times).
@@ -60,6 +64,8 @@ class RunSpec:
     """Groups and static runs: recompute every op in backward."""
     builtin: Literal["ddp", "fsdp2", "tp"] | None = None
     """Lightning runs: which built-in strategy."""
+    checkpointing: bool = False
+    """Lightning runs: activation checkpointing of every block (``+ac``)."""
 
     @property
     def data_parallel(self) -> bool:
@@ -96,11 +102,12 @@ def run_spec(name: str) -> RunSpec:
             spec.plan(1)  # raises for an unknown mode
             return spec
     builtins = {"lightning-ddp": "ddp", "lightning-fsdp2": "fsdp2", "lightning-tp": "tp"}
-    if name in builtins:
-        return RunSpec(name, "lightning", builtin=builtins[name])  # type: ignore[arg-type]
+    base = name.removesuffix("+ac")
+    if base in builtins and (base == name or builtins[base] != "tp"):
+        return RunSpec(name, "lightning", builtin=builtins[base], checkpointing=name != base)  # type: ignore[arg-type]
     raise ValueError(
         f"unknown run {name!r}: use paradyse-auto, groups-<mode>[+rc] or static-<mode>[+rc] (tp_sp, ulysses, ring, "
-        f"metp), lightning-ddp, lightning-fsdp2 or lightning-tp"
+        f"metp), lightning-ddp[+ac], lightning-fsdp2[+ac] or lightning-tp"
     )
 
 
@@ -123,24 +130,32 @@ class BenchLM(LanguageModel):
         lr: AdamW learning rate.
         parallelism: ``fsdp2`` (``fully_shard`` each block and the root over the data-parallel mesh axis),
             ``tp`` (column/row tensor parallelism over the tensor-parallel axis) or ``none``.
+        checkpointing: Activation checkpointing of every block (applied before ``fully_shard``).
     """
 
-    def __init__(self, config: LlamaConfig, lr: float = 1e-3, parallelism: Parallelism = "none") -> None:
+    def __init__(
+        self, config: LlamaConfig, lr: float = 1e-3, parallelism: Parallelism = "none", checkpointing: bool = False
+    ) -> None:
         super().__init__(model=config, lr=lr)  # type: ignore[arg-type]
         self.parallelism = parallelism
+        self.checkpointing = checkpointing
         self.oom_steps = 0
         """Steps skipped because CUDA ran out of memory (the run goes on)."""
         self._sharded = False
 
     @override
     def configure_model(self) -> None:
-        if self._sharded or self.parallelism == "none" or self.device_mesh is None:
+        if self._sharded:
+            return
+        self._sharded = True
+        if self.checkpointing:
+            apply_checkpointing(self.model)
+        if self.parallelism == "none" or self.device_mesh is None:
             return
         if self.parallelism == "tp":
             apply_tensor_parallel(self.model, self.device_mesh["tensor_parallel"])
         else:
             apply_fsdp2(self.model, self.device_mesh["data_parallel"])
-        self._sharded = True
 
     @override
     def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -206,6 +221,27 @@ def apply_tensor_parallel(model: torch.nn.Module, mesh: Any) -> None:
         block.attn.n_kv_heads //= tp
 
 
+class CheckpointedBlock(torch.nn.Module):
+    """A block whose forward keeps only its inputs and recomputes the rest in backward (non-reentrant)."""
+
+    def __init__(self, block: torch.nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    @override
+    def forward(self, *args: Any) -> Any:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.block, *args, use_reentrant=False)
+
+
+def apply_checkpointing(model: torch.nn.Module) -> None:
+    """Activation checkpointing of every block of the reference Llama."""
+    layers = model.layers  # type: ignore[union-attr]
+    for i, block in enumerate(layers):  # type: ignore[arg-type]
+        layers[i] = CheckpointedBlock(block)  # type: ignore[index]
+
+
 def apply_fsdp2(model: torch.nn.Module, mesh: Any) -> None:
     """``fully_shard`` every block, then the whole model (FSDP2)."""
     from torch.distributed.fsdp import fully_shard
@@ -248,4 +284,14 @@ def parallelism(spec: RunSpec) -> Parallelism:
     return "fsdp2" if spec.builtin == "fsdp2" else "tp" if spec.builtin == "tp" else "none"
 
 
-__all__ = ["BenchLM", "RunSpec", "apply_fsdp2", "apply_tensor_parallel", "make_strategy", "parallelism", "run_spec"]
+__all__ = [
+    "BenchLM",
+    "CheckpointedBlock",
+    "RunSpec",
+    "apply_checkpointing",
+    "apply_fsdp2",
+    "apply_tensor_parallel",
+    "make_strategy",
+    "parallelism",
+    "run_spec",
+]

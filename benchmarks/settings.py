@@ -36,7 +36,9 @@ ALL_RUNS: tuple[str, ...] = (
     "static-metp",
     "static-metp+rc",
     "lightning-ddp",
+    "lightning-ddp+ac",
     "lightning-fsdp2",
+    "lightning-fsdp2+ac",
     "lightning-tp",
 )
 """Every run the benchmark knows, in table order (see :mod:`benchmarks.runs`)."""

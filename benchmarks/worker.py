@@ -130,7 +130,7 @@ def fit(
     init_group(ctx)
     try:
         pl.seed_everything(ctx.settings.seed, verbose=False)
-        module = BenchLM(ctx.settings.model.config(), ctx.settings.lr, parallelism(spec))
+        module = BenchLM(ctx.settings.model.config(), ctx.settings.lr, parallelism(spec), spec.checkpointing)
         switcher = ParaDySeSwitcher(log_plan=False) if spec.uses_paradyse else None
         recorder = StepRecorder(instrumented, on_step=ctx.tick if tick else None, warmup=warmup, switcher=switcher)
         callbacks: list[pl.Callback] = [recorder] + ([switcher] if switcher is not None else [])

@@ -79,6 +79,7 @@ class ParaDySeSwitcher(pl.Callback):
         self._tracker: Any = None
         self._strategy: Any = None
         self._started: float | None = None
+        self._logged_step: int | None = None
 
     @property
     def history(self) -> list[PlanRecord]:
@@ -154,14 +155,15 @@ class ParaDySeSwitcher(pl.Callback):
         if not self.log_plan or trainer.global_rank != 0 or not trainer.loggers:
             return
         every = int(getattr(trainer, "log_every_n_steps", 1))  # set by the Trainer's logger connector; 0: never
-        if every <= 0 or trainer.global_step % every != 0:
-            return
+        if every <= 0 or trainer.global_step % every != 0 or trainer.global_step == self._logged_step:
+            return  # once per optimizer step (micro-batches of gradient accumulation share one global step)
+        self._logged_step = trainer.global_step
         for logger in trainer.loggers:
             logger.log_metrics(dict(metrics), step=trainer.global_step)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.points = []
+        self.points, self._logged_step = [], None
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

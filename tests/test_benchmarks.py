@@ -20,7 +20,7 @@ import pytest
 from benchmarks.instrument import collective_bytes
 from benchmarks.plots import matplotlib_available
 from benchmarks.report import best, model_flops
-from benchmarks.runs import run_spec
+from benchmarks.runs import BenchLM, run_spec
 from benchmarks.settings import QUICK_RUNS, BenchSettings, ModelSettings
 from benchmarks.worker import rotated
 
@@ -97,8 +97,11 @@ def test_runs_settings_and_helpers() -> None:
     assert run_spec("static-ring+rc").plan(2) == [{"attention": "ring", "mlp": "ring", "recompute": True}] * 2
     assert run_spec("paradyse-auto").plan(3) == "auto"
     assert run_spec("lightning-fsdp2").data_parallel and not run_spec("lightning-tp").data_parallel
-    with pytest.raises(ValueError, match="unknown run"):
-        run_spec("static")
+    assert run_spec("lightning-ddp+ac").checkpointing and run_spec("lightning-ddp+ac").builtin == "ddp"
+    assert not run_spec("lightning-fsdp2").checkpointing
+    for name in ("static", "lightning-tp+ac", "lightning-ddp+rc"):
+        with pytest.raises(ValueError, match="unknown run"):
+            run_spec(name)
     assert rotated(("a", "b", "c"), 1) == ["b", "c", "a"]
     model = ModelSettings(layers=1, hidden=8, heads=2, kv_heads=1, ffn=16, vocab=4, max_seq_len=64)
     assert model_flops(model, 2) == pytest.approx(2 * model_flops(model, 1) + 6 * 8 * 2)  # linear + quadratic
@@ -141,3 +144,22 @@ def test_groups_and_dsp_reports_from_fake_runs() -> None:
     }
     table = dsp.markdown({2: runs}, argparse.Namespace(frames=8, patches=8, reps=1))
     assert "| 2 | dsp | 1.00 | 5.00 | 0.50 |" in table
+
+
+def test_activation_checkpointing_of_the_built_in_runs_is_exact() -> None:
+    """``lightning-*+ac`` recompute every block in backward: the same loss and gradients, in float64."""
+    import torch
+
+    model = ModelSettings(layers=2, hidden=16, heads=2, kv_heads=1, ffn=24, vocab=32, max_seq_len=64)
+    batch = {"input_ids": torch.randint(0, 32, (2, 12)), "targets": torch.randint(0, 32, (2, 12))}
+    results = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        module = BenchLM(model.config(), checkpointing=checkpointing).double()
+        module.configure_model()
+        loss = module.loss(batch)
+        loss.backward()
+        results.append((loss.detach(), {n.replace(".block.", "."): p.grad for n, p in module.named_parameters()}))
+    (plain, grads), (checkpointed, grads_ac) = results
+    assert torch.equal(plain, checkpointed) and grads.keys() == grads_ac.keys()
+    assert all(torch.allclose(grads[n], grads_ac[n], rtol=1e-12, atol=1e-14) for n in grads)

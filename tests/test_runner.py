@@ -169,3 +169,8 @@ def test_groups_of_different_sizes_train_like_one_process(reference: dict[str, d
     column, step = header.index("groups/count"), header.index("step")
     steps = [int(row.split(",")[step]) for row in lines[1:] if row.split(",")[column]]
     assert steps == [2, 4, 6], steps
+    (lines,) = runs[0]["dealt-accumulate"]["logged"]  # micro-batches share a global step: written once
+    header = lines[0].split(",")
+    column, step = header.index("groups/count"), header.index("step")
+    steps = [int(row.split(",")[step]) for row in lines[1:] if row.split(",")[column]]
+    assert steps == sorted(set(steps)) and 2 in steps, steps
