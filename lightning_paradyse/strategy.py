@@ -592,6 +592,7 @@ class ParaDySeStrategy(ParallelStrategy):
         if units is not None:
             record = self._begin_groups(batch, info, units, stage)
         else:
+            self._runner.flush()  # shards kept from a grouped micro-batch give their gradients back first
             record = self._begin_plan(info, stage)
         self.step_record = record
         return record
@@ -935,6 +936,7 @@ class ParaDySeStrategy(ParallelStrategy):
         if self._runner.step is not None:
             self._runner.finish(self._accumulating())
         elif not self._accumulating():
+            self._runner.flush()  # a skipped last micro-batch: the earlier ones' kept shards
             parallel.reduce_replicated_grads(self._module, self._group)
 
     def _accumulating(self) -> bool:

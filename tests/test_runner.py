@@ -71,6 +71,7 @@ class Record(pl.Callback):
         self.splits: list[tuple[int, ...]] = []
         self.imbalance: list[tuple[float, float]] = []
         self.state: dict[str, Tensor] = {}
+        self.exchanges = 0
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *args: Any) -> None:
@@ -87,11 +88,13 @@ class Record(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy
         self.state = {k: v.detach().clone() for k, v in strategy.lightning_module_state_dict().items()}
+        self.exchanges = strategy._runner.exchanges  # type: ignore[attr-defined]
 
 
 def dealt(lengths: Any, world: int, cost: Any, **kwargs: Any) -> Assignment:
     """The test's split for the next step: ``SPLITS`` in turn, documents dealt round robin."""
-    sizes = SPLITS[dealt.calls % len(SPLITS)]  # type: ignore[attr-defined]
+    splits = dealt.splits  # type: ignore[attr-defined]
+    sizes = splits[dealt.calls % len(splits)]  # type: ignore[attr-defined]
     dealt.calls += 1  # type: ignore[attr-defined]
     members: list[list[int]] = [[] for _ in sizes]
     for i in range(len(lengths)):
@@ -101,6 +104,7 @@ def dealt(lengths: Any, world: int, cost: Any, **kwargs: Any) -> Assignment:
 
 
 dealt.calls = 0  # type: ignore[attr-defined]
+dealt.splits = SPLITS  # type: ignore[attr-defined]
 
 
 def fit(devices: int, groups: bool, accumulate: int = 1) -> dict[str, Any]:
@@ -121,6 +125,7 @@ def fit(devices: int, groups: bool, accumulate: int = 1) -> dict[str, Any]:
         pictures = sorted(p.name for p in Path(logs).rglob("paradyse_steps.*"))
         logged = [p.read_text().splitlines() for p in Path(logs).rglob("metrics.csv")]
     out = {"losses": record.losses, "state": record.state, "imbalance": record.imbalance, "splits": record.splits}
+    out["exchanges"] = record.exchanges
     return out | {"pictures": pictures, "logged": logged}
 
 
@@ -138,8 +143,12 @@ def worker(rank: int, world: int, ports: tuple[int, ...]) -> bytes:
         out["dealt"] = fit(world, True)
         os.environ["MASTER_PORT"] = str(ports[2])
         out["dealt-accumulate"] = fit(world, True, accumulate=2)
+        dealt.splits = [(1,) * world]  # type: ignore[attr-defined]  # every micro-batch data parallel
+        os.environ["MASTER_PORT"] = str(ports[3])
+        out["kept-accumulate"] = fit(world, True, accumulate=2)
     finally:
         solver.assign = real
+        dealt.splits = SPLITS  # type: ignore[attr-defined]
     buffer = io.BytesIO()
     torch.save(out, buffer)
     return buffer.getvalue()
@@ -151,7 +160,7 @@ def reference() -> dict[str, dict[str, Any]]:
 
 
 def test_groups_of_different_sizes_train_like_one_process(reference: dict[str, dict[str, Any]]) -> None:
-    raw = run_distributed(worker, 4, free_ports(3), timeout=420)
+    raw = run_distributed(worker, 4, free_ports(4), timeout=420)
     runs = [torch.load(io.BytesIO(r), weights_only=False) for r in raw]
     for name, run in runs[0].items():
         ref = reference["accumulate" if "accumulate" in name else "plain"]
@@ -169,6 +178,8 @@ def test_groups_of_different_sizes_train_like_one_process(reference: dict[str, d
     column, step = header.index("groups/count"), header.index("step")
     steps = [int(row.split(",")[step]) for row in lines[1:] if row.split(",")[column]]
     assert steps == [2, 4, 6], steps
+    assert runs[0]["kept-accumulate"]["exchanges"] == 3  # 6 micro-batches, 3 optimizer steps: one gather each
+    assert runs[0]["dealt-accumulate"]["exchanges"] == 6  # every micro-batch split differently
     (lines,) = runs[0]["dealt-accumulate"]["logged"]  # micro-batches share a global step: written once
     header = lines[0].split(",")
     column, step = header.index("groups/count"), header.index("step")

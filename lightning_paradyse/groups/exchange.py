@@ -16,7 +16,9 @@ order per step:
    the world; the ``1/g`` shards are dropped.
 
 A data-parallel step (``P`` groups of one) therefore moves what DDP moves: one weight gather
-(``(1 - 1/P)`` of the weights per rank) and one gradient reduce-scatter, the two halves of DDP's all-reduce.
+(``(1 - 1/P)`` of the weights per rank) and one gradient reduce-scatter, the two halves of DDP's all-reduce;
+with gradient accumulation the runner keeps the ``1/g`` shards between micro-batches split alike
+(:class:`~lightning_paradyse.groups.runner.GroupRunner`), so that holds per optimizer step.
 Every world collective happens outside autograd at fixed points, so groups whose plans differ cannot interleave
 them differently. An idle group still takes part in both exchanges and contributes zero gradients.
 """

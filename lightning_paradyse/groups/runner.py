@@ -15,6 +15,14 @@ the strategy calls, in order:
    (:func:`~lightning_paradyse.groups.exchange.exit_group`) and the replicated gradients summed over every rank
    when no micro-batch is left to accumulate.
 
+**Micro-batches** (gradient accumulation): while micro-batches are left before the optimizer step, the ``1/g``
+shards are kept, their gradients accumulating in place (DDP's ``no_sync``). A micro-batch split like the previous
+one runs on them without any exchange; a different split first returns the kept gradients (:meth:`flush`), and
+the micro-batch that steps returns everything once. So with ``k`` micro-batches of one split a data-parallel step
+moves what DDP moves: one weight gather and one gradient reduction per optimizer step, not ``k``. The weights
+cannot change between micro-batches (no optimizer step); should something change them in place, the kept
+shards are found stale (by the parameters' version counters) and gathered again.
+
 The exchange's real cost is measured once at setup (:meth:`GroupRunner.setup`).
 """
 
@@ -70,6 +78,8 @@ class GroupStep:
     """Every group's predicted forward and backward (without the exchange)."""
     solve_s: float = 0.0
     """Seconds the decision took."""
+    reuse: bool = False
+    """Run on the ``1/g`` shards kept from the previous micro-batch (same split, weights unchanged): no exchange."""
 
     @property
     def size(self) -> int:
@@ -82,7 +92,9 @@ class GroupStep:
 
     def digest(self, checksum: int) -> int:
         """A signed 64-bit hash of the assignment, the plans and the batch, equal across ranks that agree."""
-        text = repr((self.assignment.sizes, self.assignment.groups, tuple(map(str, self.plans)), checksum)).encode()
+        text = repr(
+            (self.assignment.sizes, self.assignment.groups, tuple(map(str, self.plans)), checksum, self.reuse)
+        ).encode()
         return int.from_bytes(hashlib.sha256(text).digest()[:8], "little", signed=True)
 
 
@@ -115,6 +127,11 @@ class GroupRunner:
         self._started = 0.0
         self.times: tuple[float, ...] = ()
         """Measured seconds of every group's forward and backward (its slowest rank) in the last grouped step."""
+        self.kept: tuple[int, ...] | None = None
+        """The split whose ``1/g`` shards are kept across micro-batches (their gradients not yet returned)."""
+        self._versions: list[tuple[Tensor, int]] = []
+        self.exchanges = 0
+        """Weight exchanges into groups so far (micro-batches that reuse kept shards do not count)."""
 
     @property
     def ready(self) -> bool:
@@ -149,6 +166,10 @@ class GroupRunner:
 
     def teardown(self) -> None:
         """Drop the process groups and the model (the strategy destroys the world group next)."""
+        if self.kept is not None and self._module is not None:  # a fit stopped between micro-batches
+            for _, op in parallel.dispatchers(self._module):
+                op.group_shards = None
+        self.kept, self._versions = None, []
         self._set, self.step, self._planners, self._runs, self._costs = None, None, {}, {}, {}
         self._world, self._module, self._planner = None, None, None
 
@@ -232,8 +253,11 @@ class GroupRunner:
         bare = self._cost(units.packed, exchange=False)  # the groups' compute
         predicted = tuple(bare(tuple(units.lengths[i] for i in m), g) or 0.0 for g, m in zip(found.sizes, found.groups))
         shifts = units.shifted_sources(batch, members)
+        reuse = self.kept == found.sizes and not self._stale()
         solve_s = time.perf_counter() - started
-        return GroupStep(found, units, index, pg, local_rank, sub, mine, tuple(plans), shifts, predicted, solve_s)
+        return GroupStep(
+            found, units, index, pg, local_rank, sub, mine, tuple(plans), shifts, predicted, solve_s, reuse
+        )
 
     def _cost(self, packed: bool, exchange: bool, shaped: bool = False) -> Any:
         """The group cost (:func:`~lightning_paradyse.groups.cost.group_cost`, or for rows with ``shaped`` its
@@ -274,10 +298,16 @@ class GroupRunner:
         return self._runs[key]
 
     def enter(self, step: GroupStep) -> None:
-        """This rank's ``1/g`` shards (a collective over every rank), then its group's layout and plan."""
+        """This rank's ``1/g`` shards (a collective over every rank; none when ``step.reuse``), then its group's
+        layout and plan."""
         module = self._module
         assert module is not None
-        enter_group(module, self._world, step.assignment.sizes)
+        if not step.reuse:
+            self.flush()
+            enter_group(module, self._world, step.assignment.sizes)
+            self.exchanges += 1
+            sharded = set(parallel.shard_sources(module))
+            self._versions = [(w, w._version) for name, w in module.named_parameters() if name in sharded]
         doc_ids = step.info.doc_ids
         parallel.configure(module, SeqContext(step.info.layout, step.group, doc_ids), step.plan)
         self.step = step
@@ -294,9 +324,24 @@ class GroupRunner:
         elapsed = torch.tensor([time.perf_counter() - self._started], dtype=torch.float64)
         per_rank = all_gather_rows(elapsed, [1] * group_size(self._world), self._world).tolist()  # [1] -> [P]
         self.times = tuple(max(per_rank[r] for r in block) for block in blocks(step.assignment.sizes))
-        exit_group(module, self._world, step.assignment.sizes, replicated=False)
+        self.kept = step.assignment.sizes
         if not accumulating:
+            self.flush()
             parallel.reduce_replicated_grads(module, self._world)
+
+    def flush(self) -> None:
+        """Return the gradients of the kept ``1/g`` shards to the ``1/P`` shards and drop the shards (a collective
+        over every rank; nothing when none are kept). Before a differently split micro-batch, the optimizer
+        step, or a batch that does not run on groups."""
+        kept, self.kept = self.kept, None
+        if kept is not None:
+            assert self._module is not None
+            exit_group(self._module, self._world, kept, replicated=False)
+            self._versions = []
+
+    def _stale(self) -> bool:
+        """Whether a parameter changed in place since the kept shards were gathered from it."""
+        return any(w._version != version for w, version in self._versions)
 
 
 __all__ = ["GroupRunner", "GroupStep", "imbalance"]

@@ -438,6 +438,13 @@ def group_cases(p: int) -> dict[str, Case]:
         "groups-dp": Case(
             tiny, lambda: loader(shifted_targets, rows=rows), strategy=grouped | dict(plan="tp_sp"), splits=(splits[0],)
         ),
+        "groups-dp-accumulate": Case(  # consecutive micro-batches on one split: the kept shards, no exchange
+            tiny,
+            lambda: loader(ragged("targets"), rows=rows),
+            trainer=dict(accumulate_grad_batches=2),
+            strategy=grouped | dict(plan=MIXED),
+            splits=(splits[0],),
+        ),
         "groups-mixed-accumulate": Case(
             tiny,
             lambda: loader(ragged("targets"), rows=rows),
