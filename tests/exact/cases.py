@@ -180,6 +180,18 @@ class TinyLM(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+class NudgedLM(TinyLM):
+    """Weights scaled in place between two micro-batches of one optimizer step (an EMA-like hook a recipe may
+    have): shards kept from the first micro-batch are stale for the second."""
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if batch_idx % 2 == 1:
+            with torch.no_grad():
+                for param in self.parameters():
+                    param.mul_(0.99)
+
+
 class SelfShift(TinyLM):
     """A step that shifts targets itself, as litgpt-style code does: wrong on a slice of the sequence."""
 
@@ -442,6 +454,13 @@ def group_cases(p: int) -> dict[str, Case]:
             tiny,
             lambda: loader(ragged("targets"), rows=rows),
             trainer=dict(accumulate_grad_batches=2),
+            strategy=grouped | dict(plan=MIXED),
+            splits=(splits[0],),
+        ),
+        "groups-dp-accumulate-stale": Case(  # weights changed between micro-batches; validation between them
+            NudgedLM,
+            lambda: (loader(ragged("targets"), rows=rows), loader(ragged("targets"), (35, 52), rows=rows)),
+            trainer=dict(accumulate_grad_batches=2, val_check_interval=3, limit_val_batches=1),
             strategy=grouped | dict(plan=MIXED),
             splits=(splits[0],),
         ),
