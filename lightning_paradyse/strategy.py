@@ -793,7 +793,7 @@ class ParaDySeStrategy(ParallelStrategy):
         whole on every rank (a group of one holding every weight), must give the same loss; otherwise the step
         computes across the tokens of its slice and the run stops on every rank (:func:`guards.check_step_losses`).
         The extra calls leave no trace (:func:`guards.side_effects_undone`)."""
-        from lightning_paradyse.groups.exchange import enter_group
+        from lightning_paradyse.groups.exchange import drop_group, enter_group
 
         info, plan, module, trainer = self._pending, self._plan, self._module, self._trainer
         assert info is not None and plan is not None and trainer is not None
@@ -825,8 +825,7 @@ class ParaDySeStrategy(ParallelStrategy):
                 parallel.set_step_sources(module, sources, whole_info.padding)
                 whole = guards.step_loss(super().training_step(piece, *rest[0], **rest[1]))
             finally:
-                for _, op in parallel.dispatchers(module):
-                    op.group_shards = None
+                drop_group(module)
         self.activate(info, plan)
         self._step_checks_left = 0
         if sharded is not None and whole is not None:

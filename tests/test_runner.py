@@ -159,6 +159,13 @@ def reference() -> dict[str, dict[str, Any]]:
     return {"plain": fit(1, False), "accumulate": fit(1, False, accumulate=2)}
 
 
+def grouped_steps(lines: list[str]) -> list[int]:
+    """The global steps of a ``metrics.csv`` (its lines) whose row has the groups' numbers."""
+    header = lines[0].split(",")
+    column, step = header.index("groups/count"), header.index("step")
+    return [int(row.split(",")[step]) for row in lines[1:] if row.split(",")[column]]
+
+
 def test_groups_of_different_sizes_train_like_one_process(reference: dict[str, dict[str, Any]]) -> None:
     raw = run_distributed(worker, 4, free_ports(4), timeout=420)
     runs = [torch.load(io.BytesIO(r), weights_only=False) for r in raw]
@@ -175,13 +182,10 @@ def test_groups_of_different_sizes_train_like_one_process(reference: dict[str, d
     (lines,) = dealt_run["logged"]  # the logger's metrics, every log_every_n_steps=2 steps
     header = lines[0].split(",")
     assert {"step", "plan/measured_time_s", "groups/count", "groups/measured_imbalance"} <= set(header), header
-    column, step = header.index("groups/count"), header.index("step")
-    steps = [int(row.split(",")[step]) for row in lines[1:] if row.split(",")[column]]
+    steps = grouped_steps(lines)
     assert steps == [2, 4, 6], steps
     assert runs[0]["kept-accumulate"]["exchanges"] == 3  # 6 micro-batches, 3 optimizer steps: one gather each
     assert runs[0]["dealt-accumulate"]["exchanges"] == 6  # every micro-batch split differently
     (lines,) = runs[0]["dealt-accumulate"]["logged"]  # micro-batches share a global step: written once
-    header = lines[0].split(",")
-    column, step = header.index("groups/count"), header.index("step")
-    steps = [int(row.split(",")[step]) for row in lines[1:] if row.split(",")[column]]
+    steps = grouped_steps(lines)
     assert steps == sorted(set(steps)) and 2 in steps, steps

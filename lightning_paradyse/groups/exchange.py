@@ -255,6 +255,13 @@ def exit_group(module: nn.Module, world: Group, sizes: Sequence[int], replicated
         reduce_replicated_grads(module, world)
 
 
+def drop_group(module: nn.Module) -> None:
+    """Drop the ``1/g`` shards without returning their gradients (no collective): a step given up or checked
+    only, a fit stopped between micro-batches."""
+    for _, op in dispatchers(module):
+        op.group_shards = None
+
+
 def _return_grads(routes: list[_Route], shards: dict[int, dict[str, torch.Tensor]], p: int, world: Group) -> None:
     with torch.no_grad():
         grads = []  # per route, per piece: the gradient rows that came from each owner
@@ -303,4 +310,4 @@ def measure_regroup(module: nn.Module, world: Group, reps: int = 3) -> float:
     return float(all_gather_rows(mine, [1] * p, world).max())  # [1] -> [p]
 
 
-__all__ = ["GroupSet", "blocks", "check_sizes", "enter_group", "exit_group", "measure_regroup"]
+__all__ = ["GroupSet", "blocks", "check_sizes", "drop_group", "enter_group", "exit_group", "measure_regroup"]

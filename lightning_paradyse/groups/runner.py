@@ -42,7 +42,14 @@ from lightning_paradyse import parallel
 from lightning_paradyse.comm import Group, all_gather_rows, group_size
 from lightning_paradyse.groups import solver
 from lightning_paradyse.groups.cost import exchange_seconds, group_cost, group_shape_cost, machine_for_groups
-from lightning_paradyse.groups.exchange import GroupSet, blocks, enter_group, exit_group, measure_regroup
+from lightning_paradyse.groups.exchange import (
+    GroupSet,
+    blocks,
+    drop_group,
+    enter_group,
+    exit_group,
+    measure_regroup,
+)
 from lightning_paradyse.groups.solver import Assignment
 from lightning_paradyse.groups.units import Units
 from lightning_paradyse.plan import Plan
@@ -167,8 +174,7 @@ class GroupRunner:
     def teardown(self) -> None:
         """Drop the process groups and the model (the strategy destroys the world group next)."""
         if self.kept is not None and self._module is not None:  # a fit stopped between micro-batches
-            for _, op in parallel.dispatchers(self._module):
-                op.group_shards = None
+            drop_group(self._module)
         self.kept, self._versions = None, []
         self._set, self.step, self._planners, self._runs, self._costs = None, None, {}, {}, {}
         self._world, self._module, self._planner = None, None, None
@@ -306,8 +312,6 @@ class GroupRunner:
             self.flush()
             enter_group(module, self._world, step.assignment.sizes)
             self.exchanges += 1
-            sharded = set(parallel.shard_sources(module))
-            self._versions = [(w, w._version) for name, w in module.named_parameters() if name in sharded]
         doc_ids = step.info.doc_ids
         parallel.configure(module, SeqContext(step.info.layout, step.group, doc_ids), step.plan)
         self.step = step
@@ -325,7 +329,9 @@ class GroupRunner:
         per_rank = all_gather_rows(elapsed, [1] * group_size(self._world), self._world).tolist()  # [1] -> [P]
         self.times = tuple(max(per_rank[r] for r in block) for block in blocks(step.assignment.sizes))
         self.kept = step.assignment.sizes
-        if not accumulating:
+        if accumulating:  # the weights the kept shards were gathered from (unchanged since: no optimizer step)
+            self._versions = [(w, w._version) for w in module.parameters()]
+        else:
             self.flush()
             parallel.reduce_replicated_grads(module, self._world)
 
