@@ -14,6 +14,11 @@ Two layers:
 The process group is always an argument; ``None`` means "no group" (size 1) and every function is
 then a no-op. Nothing here calls ``torch.cuda``; the same code runs on gloo (CPU) and NCCL (GPU).
 
+Torch 2.11 (what GPU images ship) names two collectives differently (``all_gather_into_tensor``,
+``reduce_scatter_tensor``): :func:`_all_gather_single` and :func:`_reduce_scatter_single` take whichever
+the installed torch has. Point-to-point hops of gloo groups on CUDA tensors (several ranks sharing one GPU,
+for tests and checks) are staged through host memory: gloo's send/recv of CUDA tensors crashes.
+
 ``CommCounter`` records the bytes each rank sends, counted as the volume of the bandwidth-optimal
 algorithm (ring all-gather / reduce-scatter / pipelined broadcast), which is what the communication
 formulas of the cost model describe.
@@ -33,6 +38,10 @@ import torch.distributed as dist
 from lightning_paradyse.layout import SeqLayout, split_sizes
 
 Group = dist.ProcessGroup | None
+
+# torch >= 2.13 names (the old ones warn there); torch 2.11 and 2.12 have only the old ones
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def group_size(group: Group) -> int:
@@ -109,7 +118,7 @@ def all_gather_rows(x: torch.Tensor, sizes: Sequence[int], group: Group) -> torc
     width = max(sizes)
     padded = x if x.shape[0] == width else torch.cat([x, x.new_zeros((width - x.shape[0], *x.shape[1:]))])
     out = x.new_empty((p * width, *x.shape[1:]))  # [p * max_r, ...]
-    dist.all_gather_single(out, padded.contiguous(), group=group)
+    _all_gather_single(out, padded.contiguous(), group=group)
     _record("all_gather", _nbytes(_row_numel(x) * (sum(sizes) - sizes[rank]), x.dtype))
     if all(s == width for s in sizes):
         return out
@@ -130,7 +139,7 @@ def reduce_scatter_rows(x: torch.Tensor, sizes: Sequence[int], group: Group) -> 
         for r, piece in enumerate(torch.split(x, list(sizes))):
             padded[r * width : r * width + sizes[r]].copy_(piece)
     out = x.new_empty((width, *x.shape[1:]))
-    dist.reduce_scatter_single(out, padded, group=group)
+    _reduce_scatter_single(out, padded, group=group)
     _record("reduce_scatter", _nbytes(_row_numel(x) * (sum(sizes) - sizes[rank]), x.dtype))
     return out[: sizes[rank]]
 
@@ -150,16 +159,30 @@ def all_to_all_rows(x: torch.Tensor, in_sizes: Sequence[int], out_sizes: Sequenc
 
 
 class PendingRing:
-    """A ring transfer in flight: :meth:`wait` returns the received tensor."""
+    """A ring transfer in flight: :meth:`wait` returns the received tensor (on ``device``: a hop staged through host
+    memory lands there at the wait)."""
 
-    def __init__(self, out: torch.Tensor, works: list[Any]) -> None:
-        self._out, self._works = out, works
+    def __init__(self, out: torch.Tensor, works: list[Any], device: torch.device | None = None) -> None:
+        self._out, self._works, self._device = out, works, device
 
     def wait(self) -> torch.Tensor:
         for work in self._works:
             work.wait()
         self._works = []
+        if self._device is not None and self._out.device != self._device:
+            self._out = self._out.to(self._device, non_blocking=False)  # host staging -> the tensor's device
         return self._out
+
+
+STAGE_P2P: bool | None = None
+"""Stage point-to-point hops through host memory: ``None`` (default) where the group's backend is gloo and the
+tensor is on a GPU (gloo crashes on send/recv of CUDA tensors); ``True``/``False`` force it (tests)."""
+
+
+def _staged(x: torch.Tensor, group: dist.ProcessGroup) -> bool:
+    if STAGE_P2P is not None:
+        return STAGE_P2P
+    return x.device.type != "cpu" and dist.get_backend(group) == "gloo"
 
 
 def ring_pass_start(
@@ -178,14 +201,16 @@ def ring_pass_start(
     rank = group_rank(group)
     dst = dist.get_global_rank(group, (rank + shift) % p)
     src = dist.get_global_rank(group, (rank - shift) % p)
-    out = x.new_empty(shape)
+    staged = _staged(x, group)
+    send = x.detach().to("cpu").contiguous() if staged else x.contiguous()  # host copy: gloo P2P of CPU tensors
+    out = torch.empty(shape, dtype=x.dtype, device=send.device)
     ops = [
-        dist.P2POp(dist.isend, x.contiguous(), dst, group),
+        dist.P2POp(dist.isend, send, dst, group),
         dist.P2POp(dist.irecv, out, src, group),
     ]
     works = dist.batch_isend_irecv(ops)
     _record("ring", _nbytes(x.numel(), x.dtype))
-    return PendingRing(out, list(works))
+    return PendingRing(out, list(works), x.device if staged else None)
 
 
 def ring_pass(x: torch.Tensor, group: Group, shift: int = 1, recv_shape: Sequence[int] | None = None) -> torch.Tensor:

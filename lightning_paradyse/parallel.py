@@ -231,8 +231,10 @@ def _call_rope(rope: nn.Module, x: torch.Tensor, position_ids: torch.Tensor, blo
         ]
         if kinds:
             kwargs["layer_type"] = kinds[0]
+    device = next((b.device for b in rope.buffers()), x.device)  # the model's device; x is on the host copy's
     with torch.no_grad():
-        return rope(x, position_ids, **kwargs)
+        out = rope(x.to(device), position_ids.to(device), **kwargs)
+    return tuple(t.to(x.device) for t in out) if isinstance(out, (tuple, list)) else out.to(x.device)
 
 
 def _install_grid_hooks(found: list[nn.Module], state: StepState) -> None:

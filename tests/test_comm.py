@@ -598,6 +598,19 @@ COLLECTIVE_CHECKS = {
     "ring_window": _check_ring_window,
 }
 MODEL_WORLDS = (2, 3)
+STAGED_CHECKS = ("ring_shift", "ring_pass", "ring_dtype", "ring_window")
+"""Ring hops staged through host memory (what gloo groups of ranks sharing one GPU run): forced on CPU here."""
+
+
+def _staged(fn: Callable[..., None]) -> Callable[..., None]:
+    def run(*args: Any) -> None:
+        comm.STAGE_P2P = True
+        try:
+            fn(*args)
+        finally:
+            comm.STAGE_P2P = None
+
+    return run
 
 
 def _worker(rank: int, world: int) -> dict[str, Any]:
@@ -606,6 +619,8 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     group = dist.group.WORLD
     for name, fn in COLLECTIVE_CHECKS.items():
         chk.run(name, fn, rank, world, group)
+    for name in STAGED_CHECKS:
+        chk.run(f"{name}_staged", _staged(COLLECTIVE_CHECKS[name]), rank, world, group)
     if world in MODEL_WORLDS:
         chk.run("parameters_untouched", _check_parameters_untouched, rank, world, group)
     return chk.result()
@@ -630,6 +645,13 @@ def _assert_check(world: int, name: str) -> list[dict[str, Any]]:
 
 
 WORLDS = pytest.mark.parametrize("world", [2, 3, 4])
+
+
+@WORLDS
+@pytest.mark.parametrize("name", STAGED_CHECKS)
+def test_ring_hops_staged_through_host_memory(world: int, name: str) -> None:
+    """The host-staged ring (gloo on CUDA tensors: several ranks on one GPU) moves the same values as the direct one."""
+    _assert_check(world, f"{name}_staged")
 
 
 @WORLDS

@@ -72,7 +72,7 @@ def _plans(model: nn.Module, p: int, seed: int) -> list[tuple[str, Plan]]:
 
 
 def _is_hf(kind: str) -> bool:
-    return kind in ("hf", "granite") or kind in HF_FAMILIES
+    return kind in ("hf", "granite") or kind.removesuffix("-defaults") in HF_FAMILIES
 
 
 def _loss(kind: str, model: nn.Module, ids: torch.Tensor, layout: SeqLayout | None, rank: int) -> torch.Tensor:
@@ -96,6 +96,8 @@ def _build(kind: str, p: int) -> nn.Module:
         return ModernBertLM().double()
     if kind == "list-moe":
         return ListMoELM().double()
+    if kind.endswith("-defaults"):  # the kernels users get (grouped-GEMM experts: no float64), in float32
+        return hf_family(kind.removesuffix("-defaults"), n_kv_heads=4, user_defaults=True)
     if kind in HF_FAMILIES:  # float64: rounding ~1e-15, so the 1e-9 tolerance separates a wrong op from noise
         return hf_family(kind, n_kv_heads=6 if p == 3 else 4).double()
     if kind == "hf":
@@ -173,6 +175,17 @@ def test_hugging_face_families_match_single_process_in_float64(p: int) -> None:
         worst = max(errors, key=lambda k: errors[k])
         if loss_err > HF_LOSS_TOL or errors[worst] > grad_tol:
             bad.append(f"{label}: loss {loss_err:.2e}, {worst} {errors[worst]:.2e}")
+    assert not bad, "\n".join(bad)
+
+
+def test_mixture_of_experts_with_the_default_grouped_gemm_kernels_matches_single_process() -> None:
+    """Mixtral and Qwen3-MoE as users build them (transformers' default experts implementation: grouped GEMMs, which
+    have no float64): set up (traced, probed and verified in float32 on the host) and exact to float32 rounding
+    against one process, every feasible plan, at p = 2."""
+    pytest.importorskip("transformers")
+    results = run_distributed(_hf_worker, 2, ["mixtral-defaults", "qwen3moe-defaults"], timeout=400)[0]
+    assert {label.split("/")[0] for label, _ in results} == {"mixtral-defaults", "qwen3moe-defaults"}
+    bad = tolerance_failures(results, torch.float32)
     assert not bad, "\n".join(bad)
 
 

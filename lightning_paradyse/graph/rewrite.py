@@ -8,7 +8,11 @@ The order is fixed and each step is a small function:
 3. :func:`~lightning_paradyse.graph.passes.find_attention` / :func:`~.find_mlp`: find the roles.
    :func:`probe_program`: what the block's own code between the projections and the attention may be given
    (:func:`~lightning_paradyse.graph.program.probe`).
-4. :func:`verify`: on a float64 copy, install the dispatch modules for a group of one and check that
+Steps 2-4 run on a copy of the block on the host, in float64 (float32 where its kernels have no float64), made
+tensor by tensor (:func:`host_copy`): a GPU never holds a second copy, and nothing made during the checks meets the
+block's device.
+
+4. :func:`verify`: on a copy, install the dispatch modules for a group of one and check that
    every mode reproduces the block's own output on the example (a block we misunderstood is
    rejected here, never run wrongly).
 5. :func:`install`: replace the attention and MLP sub-modules by dispatch modules holding this rank's
@@ -38,7 +42,7 @@ from lightning_paradyse.graph.dispatch import (
     RowDispatch,
 )
 from lightning_paradyse.graph.passes import SOFTMAX, RoleError, find_attention, find_mlp
-from lightning_paradyse.graph.program import PROBE_TOKENS, ProgramError, probe, probe_tail
+from lightning_paradyse.graph.program import PROBE_TOKENS, Program, ProgramError, probe, probe_tail
 from lightning_paradyse.graph.roles import AttentionRoles, MlpRoles, is_projection, projection_weight
 from lightning_paradyse.graph.trace import trace_block
 from lightning_paradyse.layout import SeqLayout
@@ -157,17 +161,53 @@ def _install(block: nn.Module, attention: AttentionRoles, mlp: MlpRoles, layer: 
     return [attn, col, row]
 
 
-def _cast(value: Any) -> Any:
+def host_copy(block: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A copy of ``block`` on the CPU with its floating-point tensors in ``dtype``, made tensor by tensor: nothing is
+    copied on the block's own device (a GPU holds the block once; the trace, probes and verify run on the host)."""
+    memo: dict[int, Any] = {}
+    for t in (*block.parameters(), *block.buffers()):
+        host = t.detach().to("cpu", dtype if t.is_floating_point() else t.dtype, copy=True)
+        memo[id(t)] = nn.Parameter(host, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else host
+    return copy.deepcopy(block, memo)
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """Relative error the probes and the verify allow: rounding of float64 (1e-9), else of float32 (a block whose
+    kernels have no float64, such as grouped GEMMs of mixture-of-experts layers, is checked in float32)."""
+    return 1e-9 if dtype == torch.float64 else 1e-5
+
+
+def _dtype_of(block: nn.Module) -> torch.dtype:
+    return next(p.dtype for p in block.parameters() if p.is_floating_point())
+
+
+def _cast(value: Any, dtype: torch.dtype) -> Any:
     if isinstance(value, torch.Tensor) and value.is_floating_point():
-        return value.double()
+        return value.to(dtype)
     if isinstance(value, (tuple, list)):
-        return type(value)(_cast(v) for v in value)
+        return type(value)(_cast(v, dtype) for v in value)
     return value
 
 
-def _float64_eval(block: nn.Module) -> nn.Module:
-    """A float64 copy in eval mode (dropout off: the probes and the verify compare deterministic runs)."""
-    return copy.deepcopy(block).double().eval()
+def _eval_copy(block: nn.Module) -> nn.Module:
+    """A copy in eval mode (dropout off: the probes and the verify compare deterministic runs); ``block`` is the
+    host copy the roles were found on."""
+    return copy.deepcopy(block).eval()
+
+
+def _to_device(program: Program | None, device: torch.device) -> Program | None:
+    """``program`` with its constants on ``device`` (moved once at install, not on every call)."""
+    if program is None or not program.constants:
+        return program
+    return dataclasses.replace(program, constants={k: v.to(device) for k, v in program.constants.items()})
+
+
+def roles_on(attention: AttentionRoles, mlp: MlpRoles, device: torch.device) -> tuple[AttentionRoles, MlpRoles]:
+    """The roles found on the host copy, with every tensor they hold (the programs' constants) on ``device``."""
+    attention = dataclasses.replace(
+        attention, program=_to_device(attention.program, device), tail=_to_device(attention.tail, device)
+    )
+    return attention, dataclasses.replace(mlp, tail=_to_device(mlp.tail, device))
 
 
 def _run_capturing(reference: nn.Module, example: Any, paths: dict[str, str]) -> dict[str, Any]:
@@ -182,6 +222,7 @@ def _run_capturing(reference: nn.Module, example: Any, paths: dict[str, str]) ->
         return hook
 
     handles = []
+    dtype = _dtype_of(reference)
     for key, path in paths.items():
         module = reference.get_submodule(path)
         if key.startswith("call"):
@@ -190,7 +231,7 @@ def _run_capturing(reference: nn.Module, example: Any, paths: dict[str, str]) ->
             handles.append(module.register_forward_hook(keep(key), with_kwargs=True))
     try:
         with torch.no_grad():
-            reference(*_cast(example[0]), **_cast(example[1]))
+            reference(*_cast(example[0], dtype), **_cast(example[1], dtype))
     finally:
         for handle in handles:
             handle.remove()
@@ -198,9 +239,9 @@ def _run_capturing(reference: nn.Module, example: Any, paths: dict[str, str]) ->
 
 
 def probe_program(block: nn.Module, attention: AttentionRoles, mlp: MlpRoles, example: Any) -> AttentionRoles:
-    """The roles with the probed program (:func:`~lightning_paradyse.graph.program.probe`), on a float64 copy of
-    ``block`` (the module the roles were found on); the tails are checked to act on each token alone."""
-    reference = _float64_eval(block)
+    """The roles with the probed program (:func:`~lightning_paradyse.graph.program.probe`), on a copy of ``block``
+    (the host copy the roles were found on); the tails are checked to act on each token alone."""
+    reference = _eval_copy(block)
     paths = {"call": attention.core, "o": attention.o}
     if attention.program is not None:
         paths.update({role: getattr(attention, role) for role in ("q", "k", "v")})
@@ -237,7 +278,7 @@ def probe_program(block: nn.Module, attention: AttentionRoles, mlp: MlpRoles, ex
 def _probe_opaque(module: nn.Module, path: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """An MLP run whole on each rank's tokens must give a part of the tokens what it gives them among all (a
     mixture of experts with a capacity limit or a batch-level router would not)."""
-    idx = torch.tensor(PROBE_TOKENS)
+    idx = torch.tensor(PROBE_TOKENS, device=args[0].device)
 
     def first(out: Any) -> torch.Tensor:
         value = out[0] if isinstance(out, (tuple, list)) else out
@@ -248,7 +289,7 @@ def _probe_opaque(module: nn.Module, path: str, args: tuple[Any, ...], kwargs: d
         full = first(module(*args, **kwargs))
         part = first(module(args[0][:, idx], *args[1:], **kwargs))  # [b, t, h] -> [b, 4, h]
     err = float((part - full[:, idx]).abs().max() / full.abs().max().clamp_min(1e-30))
-    if not err <= 1e-9:
+    if not err <= tolerance(full.dtype):
         raise RoleError(
             f"{path} ({type(module).__name__}) is run whole on each rank's tokens, but a token's result depends on "
             f"the other tokens of the call (relative error {err:.1e}): it cannot be parallelized over the sequence"
@@ -257,7 +298,9 @@ def _probe_opaque(module: nn.Module, path: str, args: tuple[Any, ...], kwargs: d
 
 def _part(output: torch.Tensor, rows: tuple[int, ...] | None) -> torch.Tensor:
     """A projection's output, or its part's features of a fused projection's output."""
-    return output if rows is None else output.index_select(-1, torch.tensor(rows))  # [b, t, F] -> [b, t, rows]
+    if rows is None:
+        return output
+    return output.index_select(-1, torch.tensor(rows, device=output.device))  # [b, t, F] -> [b, t, rows]
 
 
 def attend_axis(block: nn.Module, attention: AttentionRoles, example: Any) -> int:
@@ -297,17 +340,19 @@ def _causal_mask(block: nn.Module, attention: AttentionRoles, axes: int) -> dict
         return {}
     if "attention_mask" not in inspect.signature(block.forward).parameters:
         return {}
-    t = EXAMPLE_LEN
+    t, dtype = EXAMPLE_LEN, _dtype_of(block)
     future = torch.ones(t, t, dtype=torch.bool).triu(1)
-    mask = torch.zeros(t, t, dtype=torch.float64).masked_fill(future, torch.finfo(torch.float64).min)
-    return {"attention_mask": mask[None, None]}  # [1, 1, t, t]
+    mask = torch.zeros(t, t, dtype=dtype).masked_fill(future, torch.finfo(dtype).min)
+    return {"attention_mask": mask[None, None]}  # [1, 1, t, t] (on the host, as the block copy it is handed to)
 
 
 def verify(block: nn.Module, name: str, attention: AttentionRoles, mlp: MlpRoles, example: Any, axes: int = 1) -> None:
-    """Check on a float64 copy that every feasible mode reproduces the block (group of one)."""
+    """Check on a copy of the host copy ``block`` (float64, or float32 for kernels without float64) that every
+    feasible mode reproduces the block (group of one)."""
     args, kwargs = example
-    reference = _float64_eval(block)
-    args64, kwargs64 = _cast(args), {**_cast(kwargs), **_causal_mask(block, attention, axes)}
+    reference = _eval_copy(block)
+    dtype = _dtype_of(reference)
+    args64, kwargs64 = _cast(args, dtype), {**_cast(kwargs, dtype), **_causal_mask(block, attention, axes)}
     with torch.no_grad(), _Float64Softmax():
         expected = reference(*args64, **kwargs64)
     # the block ran without the mask its model builds for a window: compare without it (the windowed kernels are
@@ -325,7 +370,7 @@ def verify(block: nn.Module, name: str, attention: AttentionRoles, mlp: MlpRoles
             got = reference(*args64, **kwargs64)
         got_t, exp_t = (v[0] if isinstance(v, (tuple, list)) else v for v in (got, expected))
         err = float((got_t - exp_t).abs().max() / exp_t.abs().max().clamp_min(1e-30))
-        if not math.isfinite(err) or err > 1e-9:
+        if not math.isfinite(err) or err > tolerance(dtype):
             raise RoleError(
                 f"{name}: the rewritten block does not reproduce the original under {mode} (relative error "
                 f"{err:.2e}); roles found: attention={attention}, mlp={mlp}"
@@ -351,15 +396,15 @@ def rewrite_block(
     """
     stage = "tracing it on example inputs"
     try:
-        # traced in float64 (a dtype the code casts to on purpose stands out) and in training mode (attention
-        # dropout shows in the attention call)
-        traced = copy.deepcopy(block).double().train()
+        # traced on a host copy in float64 (a dtype the code casts to on purpose stands out; a GPU never holds a
+        # second copy) and in training mode (attention dropout shows in the attention call)
+        traced = host_copy(block, torch.float64).train()
         try:
             attention, mlp, example = find_roles(traced, name, axes, rope)
         except RoleError:
             raise
-        except Exception:  # kernels without float64 (grouped GEMMs of MoE layers): traced in the block's own dtype
-            traced = copy.deepcopy(block).train()
+        except Exception:  # kernels without float64 (grouped GEMMs of MoE layers): traced in float32
+            traced = host_copy(block, torch.float32).train()
             attention, mlp, example = find_roles(traced, name, axes, rope)
         mlp = _own_activation(mlp, traced, block)
         stage = "probing its code around the projections"
@@ -369,7 +414,8 @@ def rewrite_block(
         stage = "checking the rewritten block against the original in float64"
         verify(traced, name, attention, mlp, example, axes)
         stage = "installing the dispatch modules"
-        ops = install(block, attention, mlp, layer, group)
+        device = next(block.parameters()).device
+        ops = install(block, *roles_on(attention, mlp, device), layer, group)
         for op in ops:
             if isinstance(op, AttentionDispatch):
                 op.attend_axis = axis
