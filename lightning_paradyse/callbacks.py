@@ -29,6 +29,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_paradyse.comm import synchronize
 from lightning_paradyse.plot import StepPoint, steps_svg
 from lightning_paradyse.step import PlanRecord, StepRecord, plan_digest
 
@@ -130,6 +131,7 @@ class ParaDySeSwitcher(pl.Callback):
         record = self._report(trainer, pl_module)
         if started is None or record is None:
             return
+        synchronize(trainer.strategy.root_device)  # on a GPU: the step's kernels, not only their launches
         elapsed = time.perf_counter() - started
         predicted = record.metrics.get("groups/predicted_time_s", record.metrics.get("plan/predicted_time_s"))
         self.points.append(StepPoint(trainer.global_step, record.plan, record.split, predicted, elapsed))

@@ -12,7 +12,9 @@ Two layers:
   backward is the conjugate collective.
 
 The process group is always an argument; ``None`` means "no group" (size 1) and every function is
-then a no-op. Nothing here calls ``torch.cuda``; the same code runs on gloo (CPU) and NCCL (GPU).
+then a no-op. The same code runs on gloo (CPU, or CUDA tensors of ranks sharing a GPU) and NCCL (GPU);
+:func:`collective_device` says where the small control tensors of a group's collectives (flags, times, digests)
+must live: on the GPU for NCCL, which refuses host tensors.
 
 Torch 2.11 (what GPU images ship) names two collectives differently (``all_gather_into_tensor``,
 ``reduce_scatter_tensor``): :func:`_all_gather_single` and :func:`_reduce_scatter_single` take whichever
@@ -52,6 +54,19 @@ def group_size(group: Group) -> int:
 def group_rank(group: Group) -> int:
     """This process's rank inside ``group`` (0 for ``None``)."""
     return 0 if group is None else dist.get_rank(group)
+
+
+def collective_device(group: Group) -> torch.device:
+    """Where a tensor handed to ``group``'s collectives must live: this process's GPU for NCCL, else the host."""
+    if group is not None and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (a GPU), so that a wall-clock time covers it; nothing on the host."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 # --------------------------------------------------------------------------------------------------

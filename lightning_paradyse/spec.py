@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -148,6 +149,14 @@ class SeqContext:
     def docs_of(self, rank: int) -> torch.Tensor | None:
         """Document ids of ``rank``'s tokens in local order, or ``None`` without packing."""
         return None if self.doc_ids is None else self.layout.shard(self.doc_ids, rank, dim=0)
+
+    def host_docs_of(self, rank: int) -> torch.Tensor | None:
+        """:meth:`docs_of` on the host (the document ids copied there once per context): what tiles are chosen from."""
+        return None if self._host_doc_ids is None else self.layout.shard(self._host_doc_ids, rank, dim=0)
+
+    @cached_property
+    def _host_doc_ids(self) -> torch.Tensor | None:
+        return None if self.doc_ids is None else self.doc_ids.cpu()  # [s] device -> host, once
 
     @property
     def p(self) -> int:

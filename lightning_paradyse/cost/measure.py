@@ -28,6 +28,7 @@ from lightning_paradyse.comm import (
     all_reduce_sum,
     all_to_all_rows,
     broadcast_from,
+    collective_device,
     reduce_scatter_rows,
     reduce_to,
     ring_pass,
@@ -73,7 +74,8 @@ def agreed_reps(warm_seconds: float, reps: int, min_seconds: float) -> int:
     """
     if min_seconds <= 0:
         return reps
-    slowest = torch.tensor([warm_seconds], dtype=torch.float64)
+    device = collective_device(dist.group.WORLD) if dist.is_initialized() else torch.device("cpu")
+    slowest = torch.tensor([warm_seconds], dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     wanted = math.ceil(min_seconds / max(float(slowest), 1e-6))

@@ -35,7 +35,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from lightning_paradyse.comm import Group, all_gather_rows, all_to_all_rows, group_rank, group_size
+from lightning_paradyse.comm import (
+    Group,
+    all_gather_rows,
+    all_to_all_rows,
+    collective_device,
+    group_rank,
+    group_size,
+    synchronize,
+)
 from lightning_paradyse.graph.dispatch import OpDispatch
 from lightning_paradyse.layout import split_offsets
 from lightning_paradyse.parallel import dispatchers, reduce_replicated_grads, shard_sources
@@ -289,25 +297,46 @@ def _return_grads(routes: list[_Route], shards: dict[int, dict[str, torch.Tensor
                     w.grad[lo:hi] += piece.view(hi - lo, *w.shape[1:])
 
 
-def measure_regroup(module: nn.Module, world: Group, reps: int = 3) -> float:
+def measure_regroup(module: nn.Module, world: Group, reps: int = 3) -> float | None:
     """Seconds of :func:`enter_group` + :func:`exit_group` into groups of one rank (the largest exchange),
-    the median of ``reps`` on every rank and the slowest rank's (collective; gradients are left as they were)."""
+    the median of ``reps`` on every rank and the slowest rank's (collective; gradients are left as they were).
+
+    ``None`` (on every rank alike, agreed before any exchange) when a GPU could not hold the whole weights and
+    their gradients beside what it holds: the caller then prices the exchange on the cost model alone."""
     p = group_size(world)
     if p == 1:
         return 0.0
     sharded = set(shard_sources(module))
     shards = [w for name, w in module.named_parameters() if name in sharded]
+    device = collective_device(world)
+    fits = torch.tensor([1.0 if _whole_fits(shards, p) else 0.0], dtype=torch.float64, device=device)
+    if float(all_gather_rows(fits, [1] * p, world).min()) == 0.0:  # [1] -> [p]: every rank takes the same branch
+        return None
     before = [w.grad for w in shards]
     times = []
     for _ in range(reps):
+        synchronize(shards[0].device if shards else device)
         start = time.perf_counter()
         enter_group(module, world, (1,) * p)
         exit_group(module, world, (1,) * p, replicated=False)
+        synchronize(shards[0].device if shards else device)  # the exchange's kernels, not only their launches
         times.append(time.perf_counter() - start)
     for w, grad in zip(shards, before):
         w.grad = grad
-    mine = torch.tensor([sorted(times)[len(times) // 2]], dtype=torch.float64)
+    mine = torch.tensor([sorted(times)[len(times) // 2]], dtype=torch.float64, device=device)
     return float(all_gather_rows(mine, [1] * p, world).max())  # [1] -> [p]
+
+
+def _whole_fits(shards: list[nn.Parameter], p: int) -> bool:
+    """Whether this rank's GPU has room for the whole weights of ``shards`` and as much again for their gradients
+    and transients (about ``3 p`` times the shards); always on the host."""
+    if not shards or shards[0].device.type != "cuda":
+        return True
+    device = shards[0].device
+    need = 3 * p * sum(w.numel() * w.element_size() for w in shards)
+    free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # the allocator's free blocks
+    return need <= free + cached
 
 
 __all__ = ["GroupSet", "blocks", "check_sizes", "drop_group", "enter_group", "exit_group", "measure_regroup"]

@@ -39,7 +39,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from lightning_paradyse import parallel
-from lightning_paradyse.comm import Group, all_gather_rows, group_size
+from lightning_paradyse.comm import Group, all_gather_rows, collective_device, group_size, synchronize
 from lightning_paradyse.groups import solver
 from lightning_paradyse.groups.cost import exchange_seconds, group_cost, group_shape_cost, machine_for_groups
 from lightning_paradyse.groups.exchange import (
@@ -167,6 +167,9 @@ class GroupRunner:
             predicted = exchange_seconds(self._dims, planner.model.machine, p, 1)
             if measured is None:
                 measured = measure_regroup(module, world)
+            if measured is None:  # the whole weights would not fit a GPU beside the model: priced, not measured
+                self.exchange_scale = 1.0
+                return None
             self.exchange_scale = measured / predicted if predicted > 0 else 1.0
             return measured, predicted
         return None
@@ -325,7 +328,9 @@ class GroupRunner:
             return
         module = self._module
         assert module is not None
-        elapsed = torch.tensor([time.perf_counter() - self._started], dtype=torch.float64)
+        device = collective_device(self._world)
+        synchronize(next(module.parameters()).device)  # the step's kernels, not only their launches (once a step)
+        elapsed = torch.tensor([time.perf_counter() - self._started], dtype=torch.float64, device=device)
         per_rank = all_gather_rows(elapsed, [1] * group_size(self._world), self._world).tolist()  # [1] -> [P]
         self.times = tuple(max(per_rank[r] for r in block) for block in blocks(step.assignment.sizes))
         self.kept = step.assignment.sizes

@@ -58,12 +58,20 @@ def tiles(layout: SeqLayout, rank: int, src: int, causal: bool) -> list[Tile]:
     return result
 
 
-def doc_tiles(ctx: SeqContext, rank: int, src: int, causal: bool, window: int | None = None) -> list[MaskedTile]:
+def doc_tiles(
+    ctx: SeqContext,
+    rank: int,
+    src: int,
+    causal: bool,
+    window: int | None = None,
+    device: torch.device | None = None,
+) -> list[MaskedTile]:
     """:func:`tiles` with packed documents and a causal sliding window: tiles with no shared document or wholly
-    outside the window are skipped (no work), tiles partly outside it are masked."""
+    outside the window are skipped (no work), tiles partly outside it are masked. The tiles are chosen on the host
+    (document ids and positions there); the masks are handed over on ``device`` (the scores')."""
     plain = tiles(ctx.layout, rank, src, causal)
-    docs_q, docs_k = ctx.docs_of(rank), ctx.docs_of(src)
-    pos_q, pos_k = ctx.layout.positions(rank), ctx.layout.positions(src)  # [s_r] global positions
+    docs_q, docs_k = ctx.host_docs_of(rank), ctx.host_docs_of(src)
+    pos_q, pos_k = ctx.layout.positions(rank), ctx.layout.positions(src)  # [s_r] global positions (host)
     out: list[MaskedTile] = []
     for q_sl, k_sl, diag in plain:
         allowed = None
@@ -79,7 +87,7 @@ def doc_tiles(ctx: SeqContext, rank: int, src: int, causal: bool, window: int | 
         if allowed is None or bool(allowed.all()):
             out.append((q_sl, k_sl, diag, None))
         elif bool(allowed.any()):
-            out.append((q_sl, k_sl, diag, allowed.to(pos_q.device)))
+            out.append((q_sl, k_sl, diag, allowed.to(device or pos_q.device)))  # host -> scores' device
     return out
 
 
@@ -114,7 +122,7 @@ def _ring_forward(
     for t in range(p):
         src = (r - t) % p
         pending = ring_pass_start(kv, ctx.group, 1, _kv_shape(k, layout, (src - 1) % p)) if t < p - 1 else None
-        for q_sl, k_sl, diag, allowed in doc_tiles(ctx, r, src, scores.causal, scores.window):
+        for q_sl, k_sl, diag, allowed in doc_tiles(ctx, r, src, scores.causal, scores.window, q.device):
             qt, kt, vt = q[:, :, q_sl], kv[0][:, :, k_sl], kv[1][:, :, k_sl]
             o, lse = block_forward(qt, kt, vt, diag, scores.scale, allowed=allowed, softcap=scores.softcap)
             key = q_sl.start
@@ -166,7 +174,7 @@ def _ring_backward(
         src = (r - t) % p
         pending = ring_pass_start(kv, ctx.group, 1, _kv_shape(k, layout, (src - 1) % p)) if t < p - 1 else None
         dkv = own if t == 0 else (carried if carried is not None else torch.zeros_like(kv, dtype=acc))
-        for q_sl, k_sl, diag, allowed in doc_tiles(ctx, r, src, scores.causal, scores.window):
+        for q_sl, k_sl, diag, allowed in doc_tiles(ctx, r, src, scores.causal, scores.window, q.device):
             dq_t, dk_t, dv_t = block_backward(
                 dout[:, :, q_sl],
                 q[:, :, q_sl],
