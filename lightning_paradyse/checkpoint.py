@@ -175,9 +175,10 @@ def _params(optimizer: Optimizer) -> list[Tensor]:
 
 
 def consolidate_optimizer_state(
-    optimizer: Optimizer, module: nn.Module, plain: PlainModel, group: Group
+    optimizer: Optimizer, module: nn.Module, plain: PlainModel, group: Group, host: bool = False
 ) -> dict[str, Any]:
     """What ``optimizer.state_dict()`` of the plain model's optimizer would be (collective; the same on every rank).
+    ``host``: every tensor on the host, each gathered piece moved there as soon as it is gathered.
 
     Returns:
         ``{"state": {index: {key: value}}, "param_groups": [{..., "params": [index, ...]}]}`` with full tensors,
@@ -198,9 +199,9 @@ def consolidate_optimizer_state(
         for key, value in entry.items():
             if ref is not None and _shard_shaped(value, param, key, target):
                 full = parallel.gather_param_like(value, ref, group)
-                out.setdefault(key, _Pieces()).append((ref.source, full))
+                out.setdefault(key, _Pieces()).append((ref.source, full.cpu() if host else full))
             else:
-                out.setdefault(key, value)
+                out.setdefault(key, value.cpu() if host and isinstance(value, Tensor) else value)
     state = {index[t]: {k: v.join() if isinstance(v, _Pieces) else v for k, v in e.items()} for t, e in entries.items()}
     groups = [{**g, "params": [index[n] for n in names_]} for g, names_ in zip(saved["param_groups"], order)]
     return {"state": dict(sorted(state.items())), "param_groups": groups}
@@ -286,7 +287,7 @@ def _local(value: Any, ref: parallel.ShardRef | None, shape: torch.Size, param: 
             f"the checkpoint's optimizer state {what} has shape {tuple(value.shape)}, neither the plain parameter's "
             f"{tuple(shape)} nor a scalar; resume with the same model and configure_optimizers"
         )
-    shard = parallel.shard_param_like(value.to(param.device), ref, group)  # as parallel.load_consolidated cuts weights
+    shard = parallel.shard_param_like(value, ref, group).to(param.device)  # cut where it lies; only the shard moves
     if shard.shape != param.shape:
         raise ValueError(
             f"optimizer state shard {tuple(shard.shape)} does not match the parameter {tuple(param.shape)}"

@@ -32,6 +32,7 @@ from lightning_paradyse.comm import (
     Group,
     all_gather_rows,
     all_reduce_sum,
+    collective_device,
     group_rank,
     group_size,
     no_counting,
@@ -678,25 +679,27 @@ def tied_aliases(module: nn.Module) -> dict[str, str]:
     return out
 
 
-def consolidated(module: nn.Module, group: Group, grads: bool = False) -> dict[str, torch.Tensor]:
+def consolidated(module: nn.Module, group: Group, grads: bool = False, host: bool = False) -> dict[str, torch.Tensor]:
     """The plain model's state dict (or gradients) from a parallelized module, on every rank.
 
     Names are relative to ``module``; the result loads into the unparallelized module with
     ``load_state_dict``: buffers and every name of a tied parameter are included when ``grads`` is false
-    (gradients are keyed like ``named_parameters``, tied parameters once).
+    (gradients are keyed like ``named_parameters``, tied parameters once). ``host``: every tensor on the host, each
+    gathered piece moved there as soon as it is gathered (a GPU holds one gathered parameter at a time: checkpoints).
     """
     out: dict[str, torch.Tensor] = {}
     shards, replicated = shard_sources(module), replicated_sources(module)
     pieces: dict[str, list[tuple[ShardSource, torch.Tensor]]] = {}
+    place = (lambda t: t.cpu()) if host else (lambda t: t)
     for name, param in module.named_parameters():
         value = _value(param, grads)
         if name in shards:
             ref = shards[name]
-            piece = gather_param_like(value, ref, group) if value is not None else None
+            piece = place(gather_param_like(value, ref, group)) if value is not None else None
             if piece is not None:
                 pieces.setdefault(ref.plain, []).append((ref.source, piece))
         elif value is not None:
-            out[replicated.get(name, name)] = value
+            out[replicated.get(name, name)] = place(value)
     for plain, parts in pieces.items():
         out[plain] = join_pieces(parts)
     if not grads:
@@ -705,7 +708,7 @@ def consolidated(module: nn.Module, group: Group, grads: bool = False) -> dict[s
             if key in out:
                 out[replicated.get(alias, alias)] = out[key]
         persistent = set(module.state_dict(keep_vars=True))
-        out.update({n: b.detach() for n, b in module.named_buffers() if n in persistent})
+        out.update({n: place(b.detach()) for n, b in module.named_buffers() if n in persistent})
     return out
 
 
@@ -812,14 +815,24 @@ def clip_grad_norm(
     return total
 
 
+DIGEST_CHUNK = 1 << 22
+"""Elements squared at a time by :func:`replica_digest` (a transient of 16-32 MiB, whatever the parameter)."""
+
+
 def replica_digest(module: nn.Module) -> torch.Tensor:
     """``[n, 2]`` float64: sum and sum of squares of every replicated parameter (equal on every rank when they
-    received the same updates)."""
+    received the same updates). Sums accumulate in float64 without a float64 copy of the parameter; squares are
+    taken a chunk at a time."""
     params = [p.detach() for p in replicated_parameters(module)]
     if not params:
         return torch.zeros(0, 2, dtype=torch.float64)
-    rows = [torch.stack([p.double().sum(), p.double().pow(2).sum()]) for p in params]
-    return torch.stack(rows).cpu()  # [n, 2]
+    rows = []
+    for p in params:
+        flat = p.reshape(-1)
+        wide = torch.promote_types(p.dtype, torch.float32)  # bf16 squared in float32; float64 stays float64
+        squares = sum(c.to(wide).square().sum(dtype=torch.float64) for c in flat.split(DIGEST_CHUNK))
+        rows.append(torch.stack([flat.sum(dtype=torch.float64), torch.as_tensor(squares, device=p.device)]))
+    return torch.stack(rows)  # [n, 2] on the parameters' device
 
 
 def replicas_differ(module: nn.Module, group: Group) -> list[str]:
@@ -828,8 +841,7 @@ def replicas_differ(module: nn.Module, group: Group) -> list[str]:
     if p == 1:
         return []
     digest = replica_digest(module)
-    device = next(module.parameters()).device
-    every = all_gather_rows(digest.to(device)[None], [1] * p, group).cpu()  # [n, 2] -> [p, n, 2]
+    every = all_gather_rows(digest.to(collective_device(group))[None], [1] * p, group).cpu()  # [n, 2] -> [p, n, 2]
     names = [n for n, _ in _replicated_named(module)]
     differ = (every != every[:1]).any(dim=2).any(dim=0)  # [n]
     return [name for name, bad in zip(names, differ.tolist()) if bad]

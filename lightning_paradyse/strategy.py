@@ -48,10 +48,10 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
     _init_dist_connection,
     _sync_ddp_if_available,
 )
+from lightning.fabric.utilities.init import _EmptyInit
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
@@ -70,7 +70,15 @@ from typing_extensions import override
 
 from lightning_paradyse import guards, hf_checkpointing, parallel
 from lightning_paradyse.checkpoint import PlainModel, consolidate_optimizer_state, load_optimizer_state, recorded
-from lightning_paradyse.comm import Group, all_gather_rows, all_reduce_sum, broadcast_from, group_size
+from lightning_paradyse.comm import Group, all_gather_rows, all_reduce_sum, collective_device, group_size
+from lightning_paradyse.devices import (
+    broadcast_module,
+    check_local_gpus,
+    check_profile_device,
+    expand_devices,
+    gpu_budget,
+    resolve_backend,
+)
 from lightning_paradyse.groups.runner import GroupRunner, imbalance
 from lightning_paradyse.groups.units import Units
 from lightning_paradyse.guards import ClipInterception, check_optimizers, rank_rng
@@ -199,6 +207,10 @@ class ParaDySeStrategy(ParallelStrategy):
             the ranks with the same step on the whole prefix, and stop if they differ: the step computes across the
             tokens of its slice (e.g. shifts targets itself). Costs two forward passes on the prefix, once, with every
             weight gathered on every rank for the second.
+        process_group_backend: ``"nccl"`` or ``"gloo"``; default NCCL on GPUs each held by one rank, gloo on the host
+            and where ranks share a GPU. NCCL with two ranks on one GPU is refused (it refuses them itself).
+        ranks_per_device: Ranks started per device (default 1). Above 1, ranks share each GPU over gloo: every mode,
+            mixed plans and groups run on CUDA at p = 2, 4 on one GPU, for tests and checks (not for speed).
         axes: Sequence axes of the hidden states between blocks: 1 for language models (``[b, s, h]``), 2 for
             models over a grid of frames x patches (``[b, T, S, h]``, blocks attending along one axis each, such
             as :class:`~lightning_paradyse.models.st.SpatialTemporalTransformer`). With 2, batches ``[b, T, S]``
@@ -246,7 +258,13 @@ class ParaDySeStrategy(ParallelStrategy):
         elementwise_optimizers: Sequence[str] = (),
         check_replicas_every: int = 50,
         check_step: bool = True,
+        process_group_backend: str | None = None,
+        ranks_per_device: int = 1,
     ) -> None:
+        self.ranks_per_device = int(_validate_positive("ranks_per_device", ranks_per_device) or 1)
+        self.process_group_backend = process_group_backend
+        if process_group_backend is not None:  # a bad name, or NCCL asked to share a GPU: refused here already
+            resolve_backend([torch.device("cuda", 0)] * self.ranks_per_device, process_group_backend)
         super().__init__()
         if axes not in (1, 2):
             raise ValueError(f"axes={axes!r}: use 1 (language models, [b, s, h]) or 2 (a grid, [b, T, S, h])")
@@ -320,6 +338,18 @@ class ParaDySeStrategy(ParallelStrategy):
         assert self.parallel_devices is not None
         return self.parallel_devices[self.local_rank]
 
+    @property  # type: ignore[override]
+    def parallel_devices(self) -> list[torch.device] | None:
+        """The device of every local rank: each device Lightning gives, ``ranks_per_device`` times."""
+        return self._parallel_devices
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: list[torch.device] | None) -> None:
+        if devices is not None and len(devices) > len(set(devices)):  # already expanded (set again by Lightning)
+            self._parallel_devices: list[torch.device] | None = list(devices)
+            return
+        self._parallel_devices = None if devices is None else expand_devices(devices, self.ranks_per_device)
+
     @property
     def num_processes(self) -> int:
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
@@ -374,28 +404,47 @@ class ParaDySeStrategy(ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
+        self._check_profile_device()  # on every rank, before the process group exists
         if self.world_size == 1:
             self._group = None
             return
-        assert self.cluster_environment is not None
-        backend = _get_default_process_group_backend_for_device(self.root_device)
+        assert self.cluster_environment is not None and self.parallel_devices is not None
+        backend = resolve_backend(self.parallel_devices, self.process_group_backend)  # on every rank, before any
+        check_local_gpus(self.parallel_devices, backend)  # collective: NCCL refused where ranks would share a GPU
         kwargs: dict[str, Any] = {"timeout": timedelta(seconds=self.timeout)}
-        if self.root_device.type == "cuda":
+        if backend == "nccl":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
         self._group = dist.group.WORLD
 
+    def _check_profile_device(self) -> None:
+        """A cost profile measured on another device type than this run's is refused."""
+        if self.profile is None or not _is_profile_file(self.profile):
+            return
+        from lightning_paradyse.cost.profile import load_profile
+
+        measured_on = str(load_profile(self.profile).meta.get("device", "cpu"))  # profiles before GPUs: the host
+        check_profile_device(measured_on, self.root_device, self.profile)
+
     # ------------------------------------------------------------------ model set-up
+
+    @contextlib.contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Any:
+        """Modules built in ``configure_model`` (or under ``trainer.init_module()``) are built on the host: setup
+        moves only this rank's shards and the replicated parameters to the GPU."""
+        with _EmptyInit(enabled=bool(empty_init)), torch.device("cpu"), self.precision_plugin.tensor_init_context():
+            yield
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        """Move the model, parallelise it once, add the switcher, then set up optimizers and precision."""
+        """Parallelise the model once where it was built (the host, usually), then move what this rank holds to its
+        device; add the switcher, then set up optimizers and precision."""
         assert self.accelerator is not None
         self._trainer = trainer
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self._module)
-        self.model_to_device()
-        self._parallelize()
+        self._parallelize()  # rank 0's weights broadcast bucket by bucket, then each rank keeps its shards
+        self.model_to_device()  # only the shards and the replicated parameters reach the GPU
         self.planner = self._make_planner()
         if self.groups and group_size(self._group) > 1:
             try:
@@ -444,7 +493,7 @@ class ParaDySeStrategy(ParallelStrategy):
             guards.check_rotary(module)  # before any collective: the same model on every rank
             if self.plan_spec != "auto":  # a plan of the wrong length fails before any collective
                 self._fixed_plan(len(found))
-            self._broadcast_weights(module)
+            broadcast_module(module, self._group)
             _PLAIN_MODELS[module] = PlainModel.record(module)  # parameter order, state dict keys, tied names
             names = parallel.parallelize(module, self._group, blocks=self.blocks, axes=self.axes)
             if self.compile:
@@ -456,19 +505,6 @@ class ParaDySeStrategy(ParallelStrategy):
         self._block_names = list(names)
         if self.plan_spec != "auto":
             self.check_plan(self._fixed_plan(parallel.n_layers(module)))
-
-    def _broadcast_weights(self, module: torch.nn.Module) -> None:
-        """Rank 0's parameters and buffers on every rank (one coalesced broadcast per dtype)."""
-        if group_size(self._group) == 1:
-            return
-        tensors = [t for t in (*module.parameters(), *module.buffers()) if t.numel() > 0]
-        for dtype in sorted({t.dtype for t in tensors}, key=str):
-            same = [t for t in tensors if t.dtype == dtype]
-            flat = torch.cat([t.detach().reshape(-1) for t in same])
-            flat = broadcast_from(flat, 0, self._group)
-            with torch.no_grad():
-                for t, piece in zip(same, torch.split(flat, [t.numel() for t in same])):
-                    t.copy_(piece.view_as(t))
 
     def _fixed_plan(self, n_layers: int) -> Plan:
         assert self.plan_spec != "auto"
@@ -512,10 +548,12 @@ class ParaDySeStrategy(ParallelStrategy):
         )
 
     def _measure_exchange(self, machine: Any) -> dict[str, float]:
-        """The measured seconds of the largest weight exchange (kept with the measured machine)."""
+        """The measured seconds of the largest weight exchange (kept with the measured machine); nothing where the
+        whole weights would not fit a GPU (the group cost then prices it)."""
         from lightning_paradyse.groups.exchange import measure_regroup
 
-        return {"exchange_s": measure_regroup(self._module, self._group)}
+        seconds = measure_regroup(self._module, self._group)
+        return {} if seconds is None else {"exchange_s": seconds}
 
     def _grid_planner(self) -> Planner:
         """Grid models: per block, dimension switching or a sequence mode, whichever moves fewer bytes."""
@@ -537,12 +575,23 @@ class ParaDySeStrategy(ParallelStrategy):
         return planner
 
     def _budget_bytes(self) -> int:
-        """``memory_budget``, else 90% of the GPU's memory on CUDA, else no limit."""
+        """``memory_budget``; else on a GPU what it leaves to tensors (:func:`~.devices.gpu_budget`: the CUDA
+        context, communicators and other processes, a fragmentation margin, a cluster file's ``reserve_gib``), the
+        same on every rank (the least); else no limit."""
         if self.memory_budget is not None:
             return self.memory_budget
-        if self.root_device.type == "cuda":
-            return int(0.9 * torch.cuda.get_device_properties(self.root_device).total_memory)
-        return UNLIMITED_BYTES
+        if self.root_device.type != "cuda":
+            return UNLIMITED_BYTES
+        reserve = 0
+        if self.profile is not None and not _is_profile_file(self.profile):
+            from lightning_paradyse.cost.cluster import GiB, load_cluster
+
+            reserve = int(load_cluster(self.profile).reserve_gib * GiB)
+        mine = torch.tensor([float(gpu_budget(self.root_device, reserve))], device=self.root_device)
+        if group_size(self._group) > 1:  # ranks sharing a GPU or GPUs of one node: the tightest counts everywhere
+            every = all_gather_rows(mine.to(collective_device(self._group)), [1] * group_size(self._group), self._group)
+            return int(every.min())
+        return int(mine)
 
     def skip(self, info: BatchInfo, reason: str) -> None:
         """No plan fits this batch: its step is skipped on every rank (the planner decided alike everywhere)."""
@@ -991,7 +1040,7 @@ class ParaDySeStrategy(ParallelStrategy):
         self._require_group("save a checkpoint")
         if self.check_replicas_every:
             guards.check_replicas(module, self._group, "at a checkpoint")
-        state = parallel.consolidated(module, self._group)
+        state = parallel.consolidated(module, self._group, host=True)  # gathered through host memory, piece by piece
         plain: PlainModel | None = self._plain_model
         return state if plain is None else plain.state_dict(state)
 
@@ -1009,7 +1058,7 @@ class ParaDySeStrategy(ParallelStrategy):
             return optimizer.state_dict()
         self._require_group("save a checkpoint")
         plain = recorded(self._plain_model)
-        return consolidate_optimizer_state(optimizer, self._module, plain, self._group)
+        return consolidate_optimizer_state(optimizer, self._module, plain, self._group, host=True)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -1072,7 +1121,7 @@ class ParaDySeStrategy(ParallelStrategy):
         if not isinstance(self._launcher, _SpawnLauncher) or trainer is None or not self._block_names:
             return
         if trainer.state.fn == TrainerFn.FITTING and trainer.state.status == TrainerStatus.RUNNING:
-            state = parallel.consolidated(self._module, self._group)
+            state = parallel.consolidated(self._module, self._group, host=True)
             self.final_state_dict = {k: v.detach().cpu().clone() for k, v in state.items()}
 
     @classmethod
@@ -1126,6 +1175,11 @@ def _keep_user_samplers(trainer: pl.Trainer) -> None:
     kept instead, and :meth:`ParaDySeStrategy.begin_batch` checks that every rank holds the same batch.
     """
     trainer._accelerator_connector.use_distributed_sampler = False
+
+
+def _is_profile_file(path: str) -> bool:
+    """A cost profile (JSON with a calibration), not a cluster file."""
+    return path.endswith(".json") and '"calibration"' in Path(path).read_text()
 
 
 def _validate_choice(option: str, value: str, choices: Sequence[str]) -> str:

@@ -30,6 +30,8 @@ MIXED = ["tp_sp", {"attention": "ring", "mlp": "metp", "recompute": True}]
 """A mixed plan for two layers (every rank count that divides the heads)."""
 MIXED_BIDIRECTIONAL = ["tp_sp", {"attention": "ring", "mlp": "ulysses", "recompute": True}]
 """A mixed plan for BERT (its MLP is inline: no METP)."""
+EVERY_MODE = [{"attention": "ulysses", "mlp": "tp_sp"}, {"attention": "ring", "mlp": "metp", "recompute": True}]
+"""Every mode of a two-layer model, one op each."""
 MIXED_3 = [{"attention": "ring", "mlp": "metp"}, {"attention": "ring", "mlp": "tp_sp", "recompute": True}]
 """Modes that run 2 or 4 kv heads on 3 ranks."""
 
@@ -509,6 +511,16 @@ def cases_launched() -> dict[str, Case]:
             plans=("ring+rc,ring+rc | ring+rc,ring+rc",) * 3,
         ),
         "hf-grad-ckpt-offload": Case(hf(checkpointing={"offload": True}), data, refused="offload=True"),
+    }
+
+
+def cases_shared_device() -> dict[str, Case]:
+    """``Trainer(devices=1, strategy=ParaDySeStrategy(ranks_per_device=2))``: two ranks on one device over gloo (on a
+    GPU, how every mode is checked with one GPU), launched by the strategy; every mode per op, mixed plans."""
+    return {
+        "shared-mixed": Case(
+            lm_main, _lm_data, trainer=dict(max_steps=3), strategy=dict(plan=EVERY_MODE, ranks_per_device=2)
+        ),
     }
 
 

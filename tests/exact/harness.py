@@ -75,6 +75,8 @@ class Result:
     """The number of groups of every training step (under the strategy; 0: one group of every rank)."""
     checkpoint: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    world_size: int = 0
+    """Ranks that trained (under the strategy: the group's size)."""
 
 
 class _Record(pl.Callback):
@@ -103,7 +105,12 @@ class _Record(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         trainer.save_checkpoint(self.path)  # collective under the strategy (shards consolidated), rank 0 writes
         if trainer.global_rank == 0:  # for a launching process, which sees none of its workers' callbacks
-            recorded = {"losses": self.result.losses, "val_losses": self.result.val_losses, "plans": self.result.plans}
+            recorded = {
+                "losses": self.result.losses,
+                "val_losses": self.result.val_losses,
+                "plans": self.result.plans,
+                "world_size": trainer.world_size,
+            }
             torch.save(recorded, self.path + ".losses")
 
 
@@ -133,7 +140,7 @@ def run(case: Case, devices: int, strategy: Any, port: Callable[[str], int] | No
             if not result.losses and os.path.exists(path + ".losses"):  # the workers were launched from here
                 recorded = torch.load(path + ".losses", weights_only=False)
                 result.losses, result.val_losses = recorded["losses"], recorded["val_losses"]
-                result.plans = recorded["plans"]
+                result.plans, result.world_size = recorded["plans"], recorded["world_size"]
     except Exception as err:  # a refused case: every rank must raise, before any collective hangs
         result.error = f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=3)}"
     finally:

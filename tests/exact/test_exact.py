@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.exact.cases import cases_launched, cases_p2, cases_p3, cases_p4
+from tests.exact.cases import cases_launched, cases_p2, cases_p3, cases_p4, cases_shared_device
 from tests.exact.harness import Case, Result, differences, run_launched, run_parallel, run_plain
 
 pytestmark = pytest.mark.dist
@@ -94,3 +94,14 @@ def test_launched_by_the_strategy_equals_plain_lightning(name: str) -> None:
     case = cases_launched()[name]
     bad = _check(name, case, run_launched(case, 2))
     assert not bad, "\n".join(bad)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name", list(cases_shared_device()))
+def test_ranks_sharing_one_device_equal_plain_lightning(name: str) -> None:
+    """``devices=1`` and ``ranks_per_device=2``: the strategy starts two ranks on the one device (gloo)."""
+    case = cases_shared_device()[name]
+    ours = run_launched(case, 1)
+    bad = _check(name, case, ours)
+    assert not bad, "\n".join(bad)
+    assert ours.world_size == 2, f"{ours.world_size} rank(s) trained on the one device, not 2"
