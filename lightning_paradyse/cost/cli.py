@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from lightning_paradyse.cost.cluster import load_cluster
 from lightning_paradyse.cost.dims import dims_from_config, dtype_size
 from lightning_paradyse.cost.model import CostModel
@@ -83,6 +85,12 @@ def profile_parser() -> argparse.ArgumentParser:
         "--heldout", type=parse_lengths, default=None, help="held-out lengths (default 192,384,1024,2048)"
     )
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="where to measure (default: cuda when a GPU is visible); a run refuses a profile of another device type",
+    )
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
     parser.add_argument("--modes", type=_modes, default=tuple(MODES), help="comma-separated modes")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per measurement")
@@ -95,7 +103,7 @@ def profile_parser() -> argparse.ArgumentParser:
 
 def _settings(args: argparse.Namespace) -> ProfileSettings:
     base = ProfileSettings.quick(args.model) if args.quick else ProfileSettings(model=args.model)
-    overrides: dict[str, Any] = {"batch": args.batch, "dtype": args.dtype, "modes": args.modes}
+    overrides: dict[str, Any] = {"batch": args.batch, "dtype": args.dtype, "modes": args.modes, "device": args.device}
     overrides["progress"] = not args.no_progress
     for name in ("lengths", "heldout", "reps"):
         if getattr(args, name) is not None:

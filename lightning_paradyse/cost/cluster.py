@@ -4,8 +4,10 @@ A cluster file (YAML or JSON, see ``configs/clusters/``) gives the GPU count, me
 and achievable efficiencies, and the intra- and inter-node bandwidths and latency. It becomes a
 :class:`~lightning_paradyse.cost.time.Machine` whose collectives follow an alpha-beta model from the
 bandwidths (the intra-node bandwidth while the group fits in a node, the inter-node one beyond), and
-whose ring attention uses flash-style tiles. Nothing is calibrated: per-op constants are the defaults
-(a fixed per-op overhead, unit factors), so predictions are only as good as the file's efficiencies.
+whose ring attention tiles are priced as they run on a GPU today (float32 score tiles materialised per hop, at
+``fp32_share`` of the peak; flash-style tiles once a fused kernel runs them). Nothing is calibrated: per-op
+constants are the defaults (a fixed per-op overhead, unit factors), so predictions are only as good as the file's
+efficiencies.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from lightning_paradyse.attention import fused_tiles
 from lightning_paradyse.cost.time import Links, Machine
 
 GB = 1e9
@@ -57,6 +60,9 @@ class Cluster:
     """Overlap efficiency of asynchronous transfers with compute."""
     op_overhead_us: float = 30.0
     """Fixed time per op and step (kernel launches), microseconds."""
+    fp32_share: float = 1 / 15
+    """Share of the peak the ring attention's tiles reach while they run as float32 score tiles on CUDA (no fused
+    kernel yet, no tensor cores: an H100 does 67 of its 989 dense bf16 TFLOP/s in float32)."""
     optimizer_bytes_per_param: float = 12.0
     """Optimizer state per parameter element (Adam with a float32 master copy: 12)."""
 
@@ -64,16 +70,17 @@ class Cluster:
         """The :class:`Machine` this cluster implies."""
         peak = self.peak_tflops * 1e12
         links = Links(self.gpus_per_node, self.intra_node_gbps * GB, self.inter_node_gbps * GB, self.latency_us * 1e-6)
+        fused = fused_tiles("cuda")  # what the ring's tiles run on a GPU: priced as they run, time and memory
         return Machine(
             name=self.name,
             gemm_flops=peak * self.matmul_efficiency,
             sdpa_fwd_flops=peak * self.attention_efficiency,
             sdpa_bwd_flops=peak * self.attention_bwd_efficiency,
-            tile_fwd_flops=peak * self.attention_efficiency,
-            tile_bwd_flops=peak * self.attention_bwd_efficiency,
+            tile_fwd_flops=peak * (self.attention_efficiency if fused else self.fp32_share),
+            tile_bwd_flops=peak * (self.attention_bwd_efficiency if fused else self.fp32_share),
             overlap=self.overlap,
             links=links,
-            flash_tiles=True,
+            flash_tiles=fused,
             op_overhead_s=self.op_overhead_us * 1e-6,
         )
 

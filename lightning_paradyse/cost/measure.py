@@ -45,6 +45,14 @@ from lightning_paradyse.spec import SeqContext
 
 COLLECTIVE_SIZES = (256, 16_384, 262_144, 1_048_576)
 """float32 elements per rank of the benchmarked collectives (1 KiB to 4 MiB)."""
+GPU_COLLECTIVE_SIZES = (256, 262_144, 4_194_304, 16_777_216, 67_108_864)
+"""float32 elements per rank of the collectives benchmarked on GPUs (1 KiB for the latency, then 1 MiB to 256 MiB:
+NVLink reaches its bandwidth only on large messages, which small ones extrapolate far too low)."""
+
+
+def collective_sizes(device: torch.device | str) -> tuple[int, ...]:
+    """The benchmarked message sizes on ``device``'s type."""
+    return GPU_COLLECTIVE_SIZES if torch.device(device).type == "cuda" else COLLECTIVE_SIZES
 KERNEL_REPS = 5
 """Repetitions of a kernel or collective benchmark (the median counts)."""
 
@@ -286,12 +294,14 @@ def bench_collectives(
     return out
 
 
-def bench_overlap(dims: ModelDims, p: int) -> float:
+def bench_overlap(dims: ModelDims, p: int, device: torch.device | None = None) -> float:
     """Overlap efficiency of a ring transfer with a GEMM: ``(T_gemm + T_ring - T_both) / min(T_gemm, T_ring)``."""
     if p == 1:
         return 1.0
-    a, w = torch.randn(512, 512), torch.randn(512, 512)
-    x = torch.randn(1_048_576)
+    device = device or torch.device("cpu")
+    side = 4096 if device.type == "cuda" else 512  # a GEMM of about the transfer's time
+    a, w = torch.randn(side, side, device=device), torch.randn(side, side, device=device)
+    x = torch.randn(1_048_576 if device.type == "cpu" else 16_777_216, device=device)
     group = dist.group.WORLD
     t_gemm = timed(lambda: a @ w, 2 * KERNEL_REPS)
     t_ring = timed(lambda: ring_pass(x, group), 2 * KERNEL_REPS)
@@ -322,7 +332,7 @@ def segment_fn(
     target = attn if op == "attention" else mlp
     target.configure(ctx, OpPlan(mode, rc))
     if op == "attention":
-        return lambda x: attn(block.attn_norm(x), ctx.positions())
+        return lambda x: attn(block.attn_norm(x), ctx.positions(x.device))
     return lambda x: mlp(block.mlp_norm(x))
 
 
@@ -373,8 +383,8 @@ def measure_segment(
     fn = segment_fn(model, op, mode, rc, ctx)
     norm: Any = model.get_submodule("layers.0.attn_norm")
     hidden = int(norm.weight.shape[0])
-    dtype = next(model.parameters()).dtype
-    x0 = torch.randn(batch, ctx.layout.local_len(ctx.rank), hidden, dtype=dtype)
+    param = next(model.parameters())
+    x0 = torch.randn(batch, ctx.layout.local_len(ctx.rank), hidden, dtype=param.dtype, device=param.device)
     return _time_and_memory(model, fn, x0, reps, min_seconds)
 
 
@@ -383,14 +393,15 @@ def measure_head(model: nn.Module, ctx: SeqContext, settings: Any) -> dict[str, 
     lm: Any = model
     vocab = lm.lm_head.out_features
     t = ctx.layout.local_len(ctx.rank)
-    targets = torch.randint(0, vocab, (settings.batch, t))
+    param = next(model.parameters())
+    targets = torch.randint(0, vocab, (settings.batch, t), device=param.device)
 
     def head(x: torch.Tensor) -> torch.Tensor:
         logits = lm.lm_head(lm.norm(x)).float()
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
 
     hidden = lm.norm.weight.shape[0]
-    x0 = torch.randn(settings.batch, t, hidden, dtype=next(model.parameters()).dtype)
+    x0 = torch.randn(settings.batch, t, hidden, dtype=param.dtype, device=param.device)
     return _time_and_memory(model, head, x0, settings.reps, settings.segment_seconds)
 
 
@@ -400,10 +411,11 @@ def measure_step(model: nn.Module, plan: Plan, seq_len: int, settings: Any, p: i
     ctx = SeqContext(SeqLayout.for_sequence(seq_len, p, is_causal(model)), group)
     lm: Any = model
     vocab = lm.lm_head.out_features
-    tokens = torch.randint(0, vocab, (settings.batch, seq_len + 1))
+    device = next(model.parameters()).device
+    tokens = torch.randint(0, vocab, (settings.batch, seq_len + 1), device=device)
     local = ctx.layout.shard(tokens[:, :-1], ctx.rank)
     targets = ctx.layout.shard(tokens[:, 1:], ctx.rank)
-    positions = ctx.positions()
+    positions = ctx.positions(device)
 
     def step() -> None:
         configure(model, ctx, plan)

@@ -49,6 +49,7 @@ from lightning_paradyse.cost.measure import (
     bench_collectives,
     bench_kernels,
     bench_overlap,
+    collective_sizes,
     measure_head,
     measure_segment,
     measure_step,
@@ -99,20 +100,35 @@ class ProfileSettings:
     """Short segments are timed with more repetitions, about this many seconds of them (at most 40)."""
     step_seconds: float = 2.0
     """Short whole steps likewise: their median over many runs is steadier."""
+    device: str = "cpu"
+    """``"cpu"`` or ``"cuda"``: where the ranks measure (on GPUs each rank takes GPU ``rank`` when there are enough,
+    else they share GPU 0 over gloo; kernels are timed after a synchronisation, collectives up to 256 MiB, kernel
+    lengths up to the model's ``max_seq_len``)."""
     rounds: int = 2
     """Every measurement is taken this many times, a whole calibration apart, and the median counts: a machine
     slowed for a while by other load (a shared host) then rarely slows the same measurement in most rounds."""
 
     @property
     def kernel_lengths(self) -> tuple[int, ...]:
-        """Lengths the kernel rates are benchmarked at: the profiled ones, and 2x and 4x the longest."""
+        """Lengths the kernel rates are benchmarked at: the profiled ones, and 2x and 4x the longest; on GPUs also
+        every power of two up to the model's ``max_seq_len`` (a GPU's rates keep growing with the length)."""
         longest = max(self.lengths)
-        return tuple(sorted({*self.lengths, 2 * longest, 4 * longest}))
+        lengths = {*self.lengths, 2 * longest, 4 * longest}
+        if self.device == "cuda":
+            top, n = resolve_config(self.model).max_seq_len, 8 * longest
+            while n <= top:
+                lengths.add(n)
+                n *= 2
+        return tuple(sorted(lengths))
 
     def __post_init__(self) -> None:
         if not self.lengths or not self.heldout:
             raise ValueError("give at least one profiled and one held-out length")
         resolve_config(self.model)  # a known name or a readable config file, else a clear error
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but no GPU is visible here; profile with --device cpu")
         if self.reps < 1 or self.batch < 1 or self.rounds < 1:
             raise ValueError(f"reps, batch and rounds must be positive, got {self.reps}, {self.batch}, {self.rounds}")
 
@@ -228,8 +244,18 @@ def _build(settings: ProfileSettings) -> tuple[torch.nn.Module, Any]:
     config = dataclasses.replace(config, max_seq_len=max(config.max_seq_len, longest))
     torch.manual_seed(settings.seed)
     model = build_model(config).to(getattr(torch, settings.dtype))
-    parallelize(model, dist.group.WORLD if dist.is_initialized() else None)
-    return model, config
+    parallelize(model, dist.group.WORLD if dist.is_initialized() else None)  # on the host; the shards move next
+    return model.to(_rank_device(settings)), config
+
+
+def _rank_device(settings: ProfileSettings) -> torch.device:
+    """This rank's device: the host, its own GPU where there are enough, else GPU 0 (ranks sharing it over gloo)."""
+    if settings.device == "cpu":
+        return torch.device("cpu")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    device = torch.device("cuda", rank if rank < torch.cuda.device_count() else 0)
+    torch.cuda.set_device(device)
+    return device
 
 
 def _segments(model: torch.nn.Module, settings: ProfileSettings, p: int, bar: _Progress) -> list[dict[str, Any]]:
@@ -269,11 +295,12 @@ def _measure_once(
     model: torch.nn.Module, settings: ProfileSettings, dims: ModelDims, world: int, bar: _Progress
 ) -> dict[str, Any]:
     step_lengths = settings.step_lengths or settings.lengths
-    raw: dict[str, Any] = {"kernels": bench_kernels(dims, settings, world), "flash_tiles": fused_tiles("cpu")}
+    device = _rank_device(settings)
+    raw: dict[str, Any] = {"kernels": bench_kernels(dims, settings, world), "flash_tiles": fused_tiles(device)}
     bar.step("kernels")
-    raw["collectives"] = bench_collectives(world, settings.reps)
+    raw["collectives"] = bench_collectives(world, settings.reps, device=device, sizes=collective_sizes(device))
     bar.step("collectives")
-    raw["overlap"] = bench_overlap(dims, world)
+    raw["overlap"] = bench_overlap(dims, world, device)
     bar.step("overlap")
     raw["segments"] = _segments(model, settings, world, bar)
     raw["fit_steps"] = _steps(model, settings, step_lengths, world, bar)
@@ -394,6 +421,8 @@ def run_profile(settings: ProfileSettings, world_size: int, timeout: float = 900
         "host": platform.node(),
         "machine": platform.machine(),
         "torch": torch.__version__,
+        "device": settings.device,
+        "device_name": torch.cuda.get_device_name(0) if settings.device == "cuda" else platform.processor(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "duration_s": round(time.monotonic() - start, 1),
     }
