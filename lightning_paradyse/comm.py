@@ -46,6 +46,27 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+GRAD_REDUCE_DTYPE: torch.dtype | None = torch.float32
+"""The dtype in which weight gradients narrower than it are summed over ranks (``None``: in their own dtype). One
+process computes a bf16 weight gradient in one GEMM that accumulates in float32 and rounds once; summed over ranks
+in bf16, each partial sum would round again. ``ParaDySeStrategy(grad_reduce_dtype=...)`` sets it."""
+
+
+def reduce_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What a gradient of ``dtype`` is summed over ranks in (:data:`GRAD_REDUCE_DTYPE` when wider)."""
+    wide = GRAD_REDUCE_DTYPE
+    if wide is None or not dtype.is_floating_point or dtype.itemsize >= wide.itemsize:
+        return dtype
+    return wide
+
+
+def reduce_itemsize(itemsize: int) -> int:
+    """Bytes per element of a weight gradient of ``itemsize`` bytes while it is summed over ranks (the cost
+    formulas' view of :func:`reduce_dtype`)."""
+    wide = GRAD_REDUCE_DTYPE
+    return itemsize if wide is None else max(itemsize, wide.itemsize)
+
+
 def group_size(group: Group) -> int:
     """Number of ranks in ``group`` (1 for ``None``)."""
     return 1 if group is None else dist.get_world_size(group)
@@ -472,7 +493,8 @@ class _GatherWeight(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return reduce_scatter_rows(grad, ctx.sizes, ctx.group), None, None  # [n, k] -> [n_r, k]
+        wide = grad.to(reduce_dtype(grad.dtype))  # summed in float32 where the gradient is half precision
+        return reduce_scatter_rows(wide, ctx.sizes, ctx.group).to(grad.dtype), None, None  # [n, k] -> [n_r, k]
 
 
 def gather_weight(w: torch.Tensor, sizes: Sequence[int], group: Group) -> torch.Tensor:

@@ -81,6 +81,13 @@ def gpu_budget(device: torch.device, reserve_bytes: int = 0) -> int:
     return int(total - max(measured, reserve_bytes))
 
 
+def gpu_free_bytes(device: torch.device) -> int:
+    """Bytes a GPU can still hand out: what the driver has free plus the caching allocator's free blocks (which
+    ``mem_get_info`` counts as used)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+
+
 def _buckets(tensors: Sequence[torch.Tensor], limit: int) -> Iterator[list[torch.Tensor]]:
     bucket: list[torch.Tensor] = []
     size = 0
@@ -128,5 +135,6 @@ __all__ = [
     "check_profile_device",
     "expand_devices",
     "gpu_budget",
+    "gpu_free_bytes",
     "resolve_backend",
 ]

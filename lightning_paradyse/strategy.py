@@ -68,7 +68,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_paradyse import guards, hf_checkpointing, parallel
+from lightning_paradyse import comm, guards, hf_checkpointing, parallel
 from lightning_paradyse.checkpoint import PlainModel, consolidate_optimizer_state, load_optimizer_state, recorded
 from lightning_paradyse.comm import Group, all_gather_rows, all_reduce_sum, collective_device, group_size
 from lightning_paradyse.devices import (
@@ -77,6 +77,7 @@ from lightning_paradyse.devices import (
     check_profile_device,
     expand_devices,
     gpu_budget,
+    gpu_free_bytes,
     resolve_backend,
 )
 from lightning_paradyse.groups.runner import GroupRunner, imbalance
@@ -209,6 +210,9 @@ class ParaDySeStrategy(ParallelStrategy):
             weight gathered on every rank for the second.
         process_group_backend: ``"nccl"`` or ``"gloo"``; default NCCL on GPUs each held by one rank, gloo on the host
             and where ranks share a GPU. NCCL with two ranks on one GPU is refused (it refuses them itself).
+        grad_reduce_dtype: ``"float32"`` (default): weight gradients in bf16 (``precision="bf16-true"``) are summed over
+            ranks in float32 and rounded once, as one process's GEMM accumulates them; ``"param"``: in their own dtype
+            (half the traffic of those reductions, one more rounding per rank).
         ranks_per_device: Ranks started per device (default 1). Above 1, ranks share each GPU over gloo: every mode,
             mixed plans and groups run on CUDA at p = 2, 4 on one GPU, for tests and checks (not for speed).
         axes: Sequence axes of the hidden states between blocks: 1 for language models (``[b, s, h]``), 2 for
@@ -260,7 +264,9 @@ class ParaDySeStrategy(ParallelStrategy):
         check_step: bool = True,
         process_group_backend: str | None = None,
         ranks_per_device: int = 1,
+        grad_reduce_dtype: Literal["float32", "param"] = "float32",
     ) -> None:
+        self.grad_reduce_dtype = _validate_choice("grad_reduce_dtype", grad_reduce_dtype, ("float32", "param"))
         self.ranks_per_device = int(_validate_positive("ranks_per_device", ranks_per_device) or 1)
         self.process_group_backend = process_group_backend
         if process_group_backend is not None:  # a bad name, or NCCL asked to share a GPU: refused here already
@@ -442,6 +448,7 @@ class ParaDySeStrategy(ParallelStrategy):
         assert self.accelerator is not None
         self._trainer = trainer
         self.accelerator.setup(trainer)
+        comm.GRAD_REDUCE_DTYPE = torch.float32 if self.grad_reduce_dtype == "float32" else None
         self.precision_plugin.convert_module(self._module)
         self._parallelize()  # rank 0's weights broadcast bucket by bucket, then each rank keeps its shards
         self.model_to_device()  # only the shards and the replicated parameters reach the GPU
@@ -890,7 +897,7 @@ class ParaDySeStrategy(ParallelStrategy):
         module = self._module
         item = next(module.parameters()).element_size()
         need = 2 * item * sum(whole_sizes(module).values())
-        free = torch.tensor([float(torch.cuda.mem_get_info(self.root_device)[0] >= need)], device=self.root_device)
+        free = torch.tensor([float(gpu_free_bytes(self.root_device) >= need)], device=collective_device(self._group))
         fits = float(all_reduce_sum(free, self._group)) == float(self.world_size)  # [1] summed over the group
         if not fits:
             rank_zero_warn("[paradyse] check_step: the whole weights do not fit on every rank; the step is not checked")

@@ -27,7 +27,8 @@ device per layer, forward + backward, ``b = 1``) and how each is generalised her
   see :mod:`lightning_paradyse.attention`), so in bf16 the backward hops cost ``2 + 4`` bytes.
 * **ZeRO-3 parameters** (weights of ``ulysses`` and ``ring``): ``~3*12h^2*(p-1)/p`` per layer, i.e.
   ``3*W*(p-1)/p`` for the ``W`` sharded matrix elements of an op (forward gather, backward
-  re-gather, gradient reduce-scatter). Exactly: a sharded bias is gathered by an autograd all-gather
+  re-gather, gradient reduce-scatter; gradients of half-precision weights travel in float32,
+  :data:`~lightning_paradyse.comm.GRAD_REDUCE_DTYPE`). Exactly: a sharded bias is gathered by an autograd all-gather
   whose backward is a single reduce-scatter, so biases cost ``2*W_bias*(p-1)/p``. Replicated biases
   (``o``, ``down``) never move inside the op.
 * **METP** (ParaDySe reference, sections 3 and 4: ``~12h^2`` weight elements forward, ``~2x``
@@ -50,7 +51,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lightning_paradyse.comm import gqa_kv_index
+from lightning_paradyse.comm import gqa_kv_index, reduce_itemsize
 from lightning_paradyse.spec import AttnSpec, MlpSpec
 
 
@@ -112,6 +113,12 @@ class _Case:
         return self.batch * self.seq_len
 
     @property
+    def grad_bytes(self) -> int:
+        """Element size of weight gradients summed over ranks: float32 for half-precision weights (the default of
+        :data:`~lightning_paradyse.comm.GRAD_REDUCE_DTYPE`), else the weights' own."""
+        return reduce_itemsize(self.dtype_bytes)
+
+    @property
     def acc_bytes(self) -> int:
         """Element size of attention gradient accumulators: float32, or float64 for float64."""
         return max(self.dtype_bytes, 4)
@@ -143,14 +150,15 @@ class _Case:
 def _zero3(mats: int, biases: int, c: _Case) -> OpTraffic:
     """ZeRO-3 weights: matrices gathered, re-gathered and reduce-scattered; biases gathered and reduce-scattered."""
     forward = Volume(weights=(mats + biases) * c.frac * c.dtype_bytes)
-    backward = Volume(weights=(2 * mats + biases) * c.frac * c.dtype_bytes)
+    backward = Volume(weights=(mats * c.dtype_bytes + (mats + biases) * c.grad_bytes) * c.frac)  # re-gather, grads
     return OpTraffic(forward, backward, forward)
 
 
 def _moving_shards(params: tuple[int, int], c: _Case) -> OpTraffic:
     """METP weights: every sharded element sent once forward and twice backward (weights + gradients)."""
     once = Volume(weights=sum(params) * c.frac * c.dtype_bytes)
-    return OpTraffic(once, once + once, once)
+    grads = Volume(weights=sum(params) * c.frac * c.grad_bytes)
+    return OpTraffic(once, once + grads, once)
 
 
 def _kv_ring(h_kv: int, c: _Case) -> OpTraffic:
@@ -166,8 +174,10 @@ def _tp_sp_attention(c: _Case) -> OpTraffic:
     one = c.tokens * c.attn.hidden * c.frac * c.dtype_bytes  # one all-gather or reduce-scatter of [b, s, h]
     kv = 0.0
     if not c.kv_aligned:
-        kv = 2 * c.attn.kv_rows * (c.attn.hidden + (1 if c.biases else 0)) * c.frac * c.dtype_bytes
-    return OpTraffic(Volume(2 * one, kv), Volume(2 * one, kv), Volume(one, kv))
+        kv = 2 * c.attn.kv_rows * (c.attn.hidden + (1 if c.biases else 0)) * c.frac
+    return OpTraffic(
+        Volume(2 * one, kv * c.dtype_bytes), Volume(2 * one, kv * c.grad_bytes), Volume(one, kv * c.dtype_bytes)
+    )
 
 
 def _tp_sp_mlp(c: _Case) -> OpTraffic:

@@ -11,6 +11,7 @@ same precision. The runs (:data:`RUNS`):
 * ``gpt-tiny`` (biases everywhere: the ZeRO-3 bias gathers, METP's packed biases) and ``llama-tiny-mqa``
   (one key/value head on two ranks: METP's gathered k/v weights, Ulysses' replicated k/v heads) under mixed
   plans;
+* ``llama-tiny`` with ``plan="auto"`` on groups (:data:`SPLITS`: two groups of one, one group of two);
 * the spatial-temporal grid model of ``tests/test_dsp.py`` with ``axes=2`` under a plan of ``dsp``, ``ring`` and
   ``ulysses`` blocks.
 
@@ -59,6 +60,7 @@ from typing_extensions import override
 from lightning_paradyse import ParaDySeStrategy
 from lightning_paradyse.lit import LanguageModel
 from lightning_paradyse.spawn import run_distributed
+from tests.exact.harness import dealt_splits
 from tests.support.lightning import quiet_trainer, strategy_environment
 from tests.test_dsp import GridLM, grid_batches
 
@@ -81,12 +83,18 @@ RUNS: dict[str, tuple[str, Any]] = {
     "mixed": ("llama-tiny", ["tp_sp", _rc("ring", "metp")]),
     "gpt-mixed": ("gpt-tiny", [_rc("ring", "metp"), {"attention": "metp", "mlp": "ulysses"}]),
     "mqa-mixed": ("llama-tiny-mqa", [_rc("ulysses", "tp_sp"), {"attention": "metp", "mlp": "metp"}]),
+    "groups-dp": ("llama-tiny", "auto"),
+    "groups-2": ("llama-tiny", "auto"),
     "grid-dsp": (
         "grid",
         [_rc("dsp", "dsp"), {"attention": "dsp", "mlp": "ring"}, {"attention": "ring", "mlp": "dsp"}, "ulysses"],
     ),
 }
-"""Run name -> (model, plan). ``llama-tiny``'s single-mode plans recompute layer 0 and not layer 1."""
+"""Run name -> (model, plan). ``llama-tiny``'s single-mode plans recompute layer 0 and not layer 1. The ``groups``
+runs split the ranks of every step as :data:`SPLITS` deals them (the exchange of weights and gradients between the
+``1/P`` shards and the groups' ``1/g`` shards, in bf16)."""
+SPLITS = {"groups-dp": ((1, 1),), "groups-2": ((2,),)}
+"""Group splits dealt to the ``groups`` runs (data parallel: two groups of one; one group of two)."""
 
 
 class SgdLanguageModel(LanguageModel):
@@ -113,7 +121,7 @@ class Recorder(pl.Callback):
         strategy = trainer.strategy
         state = strategy.lightning_module_state_dict() if isinstance(strategy, ParaDySeStrategy) else None
         state = state if state is not None else pl_module.state_dict()
-        self.state = {k: v.detach().clone() for k, v in state.items()}
+        self.state = {k: v.detach().cpu().clone() for k, v in state.items()}  # a GPU run: compared on the host
 
 
 def batches() -> list[dict[str, Tensor]]:
@@ -135,7 +143,7 @@ def fit(model: str, precision: str, devices: int, plan: Any = None) -> dict[str,
     data = grid_batches()[:STEPS] if grid else batches()
     strategy: Any = "auto"
     if plan is not None:
-        strategy = ParaDySeStrategy(plan=plan, axes=2 if grid else 1, timeout=60)
+        strategy = ParaDySeStrategy(plan=plan, axes=2 if grid else 1, timeout=60, groups=plan == "auto" or None)
     recorder = Recorder()
     trainer = quiet_trainer(devices, strategy, [recorder], max_steps=STEPS, precision=precision)
     trainer.fit(module, train_dataloaders=DataLoader(data, batch_size=None))  # type: ignore[arg-type]
@@ -165,7 +173,8 @@ def _worker(rank: int, world: int) -> bytes:
     for port, (precision, name) in zip(ports, cases):
         os.environ["MASTER_PORT"] = str(port)
         model, plan = RUNS[name]
-        result = fit(model, precision, world, plan)
+        with dealt_splits(SPLITS.get(name)):
+            result = fit(model, precision, world, plan)
         out[f"{precision} {name}"] = result if rank == 0 else {"losses": result["losses"]}
     buffer = io.BytesIO()
     torch.save(out, buffer)  # tensors in a queue would be shared memory the exiting worker takes along

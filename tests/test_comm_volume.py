@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lightning_paradyse import comm
 from lightning_paradyse.check import lm_loss_sum
 from lightning_paradyse.comm import CommCounter
 from lightning_paradyse.graph.dispatch import AttentionDispatch, MlpDispatch
@@ -216,8 +217,12 @@ def _per_token(mode: str, op: str, n_kv: int, dtype_bytes: int = 2, s: int = 8 *
 
 
 @pytest.mark.parametrize("n_kv", [32, 8])
-def test_published_table(n_kv: int) -> None:
-    """reference/peers.md section 4, h = 4096, P = 8, bf16 (the GQA column has h_kv = 1024)."""
+def test_published_table(n_kv: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """reference/peers.md section 4, h = 4096, P = 8, bf16 (the GQA column has h_kv = 1024), its gradients summed in
+    bf16 as the table assumes (``grad_reduce_dtype="param"``); by default they travel in float32 (below)."""
+    zero3_default = _per_token("ulysses", "attention", 32)[1] + _per_token("ulysses", "mlp", 32)[1]
+    assert zero3_default == pytest.approx(12 * H**2 * (2 + 2 + 4) * (P - 1) / P)  # gather, re-gather, f32 grads
+    monkeypatch.setattr(comm, "GRAD_REDUCE_DTYPE", None)
     tp_sp = _per_token("tp_sp", "attention", n_kv)[0] + _per_token("tp_sp", "mlp", n_kv)[0]
     assert tp_sp == pytest.approx(57_344)  # 16*h*(P-1)/P
     assert _per_token("ulysses", "attention", n_kv)[0] == pytest.approx({32: 7_168, 8: 4_480}[n_kv])

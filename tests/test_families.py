@@ -16,6 +16,7 @@ the rewrite does not reach yet are refused by name.
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any
 
 import pytest
@@ -71,6 +72,10 @@ def _plans(model: nn.Module, p: int, seed: int) -> list[tuple[str, Plan]]:
     return plans
 
 
+DEVICE = torch.device(os.environ.get("PARADYSE_TEST_DEVICE", "cpu"))
+"""Where the families run (``cuda``: ``benchmarks/gpu_check.py``, every rank on the one GPU over gloo)."""
+
+
 def _is_hf(kind: str) -> bool:
     return kind in ("hf", "granite") or kind.removesuffix("-defaults") in HF_FAMILIES
 
@@ -110,8 +115,8 @@ def _build(kind: str, p: int) -> nn.Module:
 def _case(rank: int, world: int, kind: str, seq_len: int, seed: int) -> list[tuple[str, Any]]:
     group = dist.group.WORLD
     torch.manual_seed(seed)
-    plain = _build(kind, world)
-    ids = torch.randint(0, 128, (1, seq_len))
+    plain = _build(kind, world).to(DEVICE)
+    ids = torch.randint(0, 128, (1, seq_len)).to(DEVICE)
     reference = copy.deepcopy(plain)
     ref_loss = _loss(kind, reference, ids, None, rank)
     ref_loss.backward()

@@ -41,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
+from lightning_paradyse.comm import reduce_itemsize
 from lightning_paradyse.cost.dims import ModelDims
 from lightning_paradyse.cost.time import ring_tiles, sdpa_chunks, sdpa_pairs
 from lightning_paradyse.layout import SeqLayout
@@ -208,6 +209,13 @@ class _Shape:
 # --------------------------------------------------------------------------------------------------
 
 
+def _wide_grads(c: _Shape, w: float) -> float:
+    """Bytes a weight gradient of ``w`` bytes adds while it is summed over ranks in float32 for half-precision
+    weights (:func:`~lightning_paradyse.comm.reduce_dtype`): its float32 copy and the float32 reduced shard."""
+    wide = w * reduce_itemsize(c.e) / c.e
+    return 0.0 if wide == w else wide * (1 + 1 / c.p)
+
+
 @dataclass(frozen=True)
 class _Core:
     saved: Mem
@@ -257,7 +265,7 @@ def _ulysses_attention(c: _Shape) -> _Core:
     act = 2 * t * (d.q_rows + 2 * kv_sent) * e + T * (c.qr + 2 * c.kvr) * e + 2 * T * c.qr * e
     w_out = d.q_rows * d.hidden * e
     fwd = peak(Mem(w_out * (1 + 1 / c.p), saved + act), Mem(0.0, saved + c.band_build()))
-    bwd = peak(Mem(w_out * (2 + 1 / c.p), c.X), Mem(2 * w_out, 2 * T * c.qr * e))
+    bwd = peak(Mem(w_out * (2 + 1 / c.p) + _wide_grads(c, w_out), c.X), Mem(2 * w_out, 2 * T * c.qr * e))
     rc = 2 * t * (d.q_rows + 2 * kv_sent) * e + T * (2 * c.qr + 3 * c.kvr) * e + t * d.q_rows * e + c.band_build()
     return _Core(Mem(0.0, saved), True, fwd, bwd, Mem(w_out * (1 + 1 / c.p), rc))
 
@@ -271,7 +279,7 @@ def _ring_attention(c: _Shape) -> _Core:
     weights = Mem(w_max * (1 + 1 / c.p), saved + c.X)
     fwd = peak(tiles, weights)
     ring = Mem(q * d.hidden * e / c.p, 5 * c.tile(n) + c.tile_masks() + t * q * a + 6 * t * kv * a + c.X)
-    bwd = peak(ring, Mem(w_max * (2 + 1 / c.p), c.X))
+    bwd = peak(ring, Mem(w_max * (2 + 1 / c.p) + _wide_grads(c, w_max), c.X))
     return _Core(Mem(0.0, saved), True, fwd, bwd)
 
 
@@ -283,7 +291,8 @@ def _metp_attention(c: _Shape) -> _Core:
     group = 1.5 * t * (qr + 2 * kvr) * e + 4 * t * kvr * e + 1.5 * t * qr * a + 3 * c.tile(nr) + c.tile_masks()
     fwd = Mem(2 * shard, c.X + saved + group)
     recompute = t * (qr + 2 * kvr) * e + c.rot(c.s_r) + t * qr * e + t * qr * a + 6 * t * kvr * a
-    bwd = Mem(4 * shard + qr * d.hidden * e, 2 * c.X + recompute + 5 * c.tile(nr) + c.tile_masks())
+    weights = 4 * shard + qr * d.hidden * e + _wide_grads(c, shard)
+    bwd = Mem(weights, 2 * c.X + recompute + 5 * c.tile(nr) + c.tile_masks())
     return _Core(Mem(0.0, saved), True, fwd, bwd)
 
 
@@ -306,7 +315,7 @@ def _zero3_mlp(c: _Shape) -> _Core:
     w = d.ffn * d.hidden * e  # one gathered MLP matrix
     saved = _mlp_saved_factor(d) * t * d.ffn * e
     fwd = Mem(w * (1 + 1 / c.p), saved)
-    bwd = peak(Mem(w * (2 + 1 / c.p), t * d.ffn * e), Mem(w / c.p, 2 * t * d.ffn * e))
+    bwd = peak(Mem(w * (2 + 1 / c.p) + _wide_grads(c, w), t * d.ffn * e), Mem(w / c.p, 2 * t * d.ffn * e))
     fwd_rc = Mem(w * (1 + 1 / c.p), (_mlp_saved_factor(d) - 1) * t * d.ffn * e)
     return _Core(Mem(0.0, saved), True, fwd, bwd, fwd_rc)
 
@@ -316,7 +325,7 @@ def _metp_mlp(c: _Shape) -> _Core:
     shard = d.mlp_params() / c.p * e  # the packed shard travelling on the ring
     inter = _mlp_saved_factor(d) * t * (d.ffn // c.p) * e
     fwd = Mem(2 * shard, c.X + inter)
-    bwd = peak(Mem(5 * shard, 2 * c.X), Mem(3 * shard, 3 * c.X + inter))
+    bwd = peak(Mem(5 * shard + _wide_grads(c, shard), 2 * c.X), Mem(3 * shard, 3 * c.X + inter))
     return _Core(Mem(), True, fwd, bwd)
 
 

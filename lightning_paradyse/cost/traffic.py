@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from lightning_paradyse.comm import reduce_itemsize
 from lightning_paradyse.cost.dims import ModelDims
 
 KINDS = ("all_gather", "reduce_scatter", "all_to_all", "ring", "broadcast", "reduce", "all_reduce")
@@ -71,14 +72,19 @@ class _Case:
         """Bytes of gathering (or scattering) ``elements`` sharded weight elements."""
         return elements * self.frac * self.e
 
+    def gbytes(self, elements: float) -> float:
+        """Bytes of summing the gradients of ``elements`` sharded weight elements over the ranks (float32 for
+        half-precision weights: :func:`~lightning_paradyse.comm.reduce_itemsize`)."""
+        return elements * self.frac * reduce_itemsize(self.e)
+
 
 def _zero3(c: _Case, mats: int, n_mats: int, biases: int, n_biases: int) -> Phases:
     """ZeRO-3 weights: all-gather forward, all-gather again and reduce-scatter the gradient backward."""
     fwd = [Collective("all_gather", n_mats, c.wbytes(mats))]
-    bwd = [Collective("all_gather", n_mats, c.wbytes(mats)), Collective("reduce_scatter", n_mats, c.wbytes(mats))]
+    bwd = [Collective("all_gather", n_mats, c.wbytes(mats)), Collective("reduce_scatter", n_mats, c.gbytes(mats))]
     if n_biases:
         fwd.append(Collective("all_gather", n_biases, c.wbytes(biases)))
-        bwd.append(Collective("reduce_scatter", n_biases, c.wbytes(biases)))
+        bwd.append(Collective("reduce_scatter", n_biases, c.gbytes(biases)))
     return {"forward": fwd, "backward": bwd, "recompute": list(fwd)}
 
 
@@ -115,9 +121,10 @@ def _tp_sp(c: _Case, op: str) -> Phases:
     phases = {"forward": [gather, scatter], "backward": [scatter, gather], "recompute": [gather]}
     if op == "attention" and d.n_kv_heads % c.p:  # k/v weights (and biases) gathered
         calls = 4 if d.biases else 2
-        kv = c.wbytes(2 * d.kv_rows * (d.hidden + (1 if d.biases else 0)))
-        for phase, kind in (("forward", "all_gather"), ("backward", "reduce_scatter"), ("recompute", "all_gather")):
-            phases[phase].append(Collective(kind, calls, kv))
+        kv = 2 * d.kv_rows * (d.hidden + (1 if d.biases else 0))
+        phases["forward"].append(Collective("all_gather", calls, c.wbytes(kv)))
+        phases["backward"].append(Collective("reduce_scatter", calls, c.gbytes(kv)))
+        phases["recompute"].append(Collective("all_gather", calls, c.wbytes(kv)))
     return phases
 
 
@@ -140,10 +147,12 @@ def _metp(c: _Case, op: str) -> Phases:
     if op == "mlp":  # the packed shard rides the ring; its gradient accumulator follows, waited for
         once = c.wbytes(d.mlp_params())
         hop = Collective("ring", c.p - 1, once, overlapped=True)
-        return {"forward": [hop], "backward": [hop, Collective("ring", c.p - 1, once)], "recompute": [hop]}
+        grads = Collective("ring", c.p - 1, c.gbytes(d.mlp_params()))
+        return {"forward": [hop], "backward": [hop, grads], "recompute": [hop]}
     once = c.wbytes(d.attn_params())
     bcast = Collective("broadcast", c.p, once)
-    shards = {"forward": [bcast], "backward": [bcast, Collective("reduce", c.p, once)], "recompute": [bcast]}
+    reduce = Collective("reduce", c.p, c.gbytes(d.attn_params()))
+    shards = {"forward": [bcast], "backward": [bcast, reduce], "recompute": [bcast]}
     return _merge(_kv_ring(c, c.kv_sent // c.p, c.p), shards)
 
 

@@ -113,7 +113,9 @@ class Program:
                 out = _attr(owner, step.target)
             elif step.kind == "const":
                 const = self.constants[step.target]
-                out = const.to(q.device, q.dtype if const.dtype is self.dtype else const.dtype)
+                if const.device != q.device:  # moved once to where the block runs (it may move after install)
+                    const = self.constants[step.target] = const.to(q.device)
+                out = const.to(dtype=q.dtype if const.dtype is self.dtype else const.dtype)
             else:
                 args = _map(fill, step.args)
                 if step.shapes is not None:

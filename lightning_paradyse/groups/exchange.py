@@ -44,6 +44,7 @@ from lightning_paradyse.comm import (
     group_size,
     synchronize,
 )
+from lightning_paradyse.devices import gpu_free_bytes
 from lightning_paradyse.graph.dispatch import OpDispatch
 from lightning_paradyse.layout import split_offsets
 from lightning_paradyse.parallel import dispatchers, reduce_replicated_grads, shard_sources
@@ -332,11 +333,7 @@ def _whole_fits(shards: list[nn.Parameter], p: int) -> bool:
     and transients (about ``3 p`` times the shards); always on the host."""
     if not shards or shards[0].device.type != "cuda":
         return True
-    device = shards[0].device
-    need = 3 * p * sum(w.numel() * w.element_size() for w in shards)
-    free, _ = torch.cuda.mem_get_info(device)
-    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # the allocator's free blocks
-    return need <= free + cached
+    return 3 * p * sum(w.numel() * w.element_size() for w in shards) <= gpu_free_bytes(shards[0].device)
 
 
 __all__ = ["GroupSet", "blocks", "check_sizes", "drop_group", "enter_group", "exit_group", "measure_regroup"]

@@ -49,6 +49,7 @@ from lightning_paradyse.comm import (
     all_gather_rows,
     broadcast_from,
     gqa_kv_index,
+    reduce_dtype,
     reduce_scatter_rows,
     reduce_to,
     ring_pass_start,
@@ -263,13 +264,14 @@ def _attention_backward(
         dx += dx_j
         if d_kv is not None:
             d_kv += d_kv_j
-        total = reduce_to(packed, j, ctx.group)  # [numel] summed over ranks onto owner j, parameters' dtype
+        total = reduce_to(packed.to(reduce_dtype(packed.dtype)), j, ctx.group).to(packed.dtype)  # [numel] onto j
         if j == ctx.rank:
             mine = total
     assert mine is not None
     grads = _unpack(mine, groups.shapes)
     if d_kv is not None:  # [kv_rows, cols] -> [kv_rows/p, cols], this rank's rows
-        local = reduce_scatter_rows(d_kv, row_sizes(fctx.spec.kv_rows, ctx.p), ctx.group)
+        wide = d_kv.to(reduce_dtype(d_kv.dtype))  # summed in float32 where the parameters are half precision
+        local = reduce_scatter_rows(wide, row_sizes(fctx.spec.kv_rows, ctx.p), ctx.group).to(d_kv.dtype)
         cols = local.split(groups.kv_widths, dim=1)
         grads.update({n: c.squeeze(1) if n.startswith("b") else c for n, c in zip(groups.kv_names, cols)})
     return dx.to(fctx.x_dtype), grads, tuple(d_extra)
@@ -353,16 +355,17 @@ def _mlp_backward(
     """``(dx in the input's dtype, {name: gradient of this rank's shard})`` of :class:`_MetpMlp`.
 
     ``x`` is the saved input (compute dtype). The weights circulate in the compute dtype, the gradient
-    accumulators in the parameters' dtype.
+    accumulators in the parameters' dtype (float32 for half-precision parameters: :func:`~.comm.reduce_dtype`).
     """
     spec, ctx = fctx.spec, fctx.ctx
     own = _present(dict(zip(_MLP_ARGS, weights)))
     h, rows, param_dtype = own["down_t"].shape[1], row_sizes(spec.ffn, ctx.p), own["up"].dtype
+    acc_dtype = reduce_dtype(param_dtype) if ctx.p > 1 else param_dtype
     dy = dy.to(x.dtype)
     dx = torch.zeros_like(x, dtype=accumulation_dtype(x.dtype))
     home = carried = None
     for t, src, shard in _weight_ring(_pack(own, x.dtype), list(own), h, spec, ctx):
-        dx_t, dw = _mlp_step_backward(x, dy, shard, spec, param_dtype)
+        dx_t, dw = _mlp_step_backward(x, dy, shard, spec, acc_dtype)
         dx += dx_t
         if t == 0:  # this rank's own shard: its contribution stays home
             home = dw
@@ -372,7 +375,7 @@ def _mlp_backward(
         carried = ring_pass_start(acc, ctx.group, 1, (numel,)).wait()  # -> rank r+1 (home at t=p-1)
     assert home is not None
     total = home if carried is None else home + carried
-    return dx.to(fctx.x_dtype), _unpack(total, _shapes(own))
+    return dx.to(fctx.x_dtype), _unpack(total.to(param_dtype), _shapes(own))
 
 
 class MemoryEfficientTensorParallel(Mode):

@@ -15,7 +15,14 @@ from typing import Any
 
 import torch
 
-from lightning_paradyse.comm import Group, all_gather_rows, gather_weight, group_size, reduce_scatter_rows
+from lightning_paradyse.comm import (
+    Group,
+    all_gather_rows,
+    gather_weight,
+    group_size,
+    reduce_dtype,
+    reduce_scatter_rows,
+)
 from lightning_paradyse.modes.base import Autocast, add_bias, mlp_hidden
 from lightning_paradyse.spec import MlpSpec, MlpWeights, row_sizes
 
@@ -54,7 +61,8 @@ class _Zero3Linear(torch.autograd.Function):
         else:  # y = x @ w.T, w [rows=out, k=in]
             dx = dy @ w
             dw = dy2.t() @ x2  # [out, in]
-        dshard = reduce_scatter_rows(dw.to(shard.dtype), ctx.sizes, ctx.group)  # [rows, k] -> [rows/p, k]
+        dw = dw.to(reduce_dtype(shard.dtype))  # summed over ranks in float32 where the shard is half precision
+        dshard = reduce_scatter_rows(dw, ctx.sizes, ctx.group).to(shard.dtype)  # [rows, k] -> [rows/p, k]
         return dx.to(ctx.x_dtype), dshard, None, None, None
 
 

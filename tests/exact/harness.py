@@ -251,7 +251,7 @@ def run_plain(case: Case) -> Result:
 
 def rel(a: Tensor, b: Tensor) -> float:
     """Relative error of ``a`` against ``b`` (exact zero when both are zero)."""
-    a, b = a.double(), b.double()
+    a, b = a.detach().cpu().double(), b.detach().cpu().double()  # a GPU run's plain checkpoint holds CUDA tensors
     scale = float(b.norm())
     return float((a - b).norm()) / scale if scale > 0 else float((a - b).norm())
 

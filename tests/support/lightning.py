@@ -16,10 +16,23 @@ def strategy_environment(rank: int, world: int) -> None:
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
 
 
+ACCELERATOR = os.environ.get("PARADYSE_TEST_ACCELERATOR", "cpu")
+"""The accelerator of the tests' Trainers: ``cpu`` (the suite), or ``gpu`` (``benchmarks/gpu_check.py``: every
+rank of a strategy shares the one GPU over gloo, the plain process runs on it too)."""
+SHARE_DEVICE = ACCELERATOR == "gpu" or os.environ.get("PARADYSE_TEST_SHARE_DEVICE") == "1"
+"""Ranks of a strategy share one device (``devices=1``, ``ranks_per_device=p``): on a GPU always; on the host when
+``PARADYSE_TEST_SHARE_DEVICE=1`` (the same path, checked without a GPU)."""
+
+
 def quiet_trainer(devices: int, strategy: Any, callbacks: list[pl.Callback], **kwargs: Any) -> pl.Trainer:
-    """A CPU Trainer without logger, progress bar, model summary or checkpoints (unless ``kwargs`` ask)."""
+    """A Trainer (on :data:`ACCELERATOR`) without logger, progress bar, model summary or checkpoints (unless
+    ``kwargs`` ask); with :data:`SHARE_DEVICE`, a ParaDySe strategy's ranks share one device."""
+    from lightning_paradyse import ParaDySeStrategy
+
+    if SHARE_DEVICE and devices > 1 and isinstance(strategy, ParaDySeStrategy):
+        strategy.ranks_per_device, devices = devices, 1
     settings: dict[str, Any] = dict(
-        accelerator="cpu",
+        accelerator=ACCELERATOR,
         devices=devices,
         strategy=strategy,
         logger=False,
