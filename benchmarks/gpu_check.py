@@ -10,7 +10,8 @@ Rows (each passes or fails on its own; ``--only NAME,...`` runs some):
 * ``families-p2``: Hugging Face families (Qwen3, Gemma 2, Mixtral, GPT-2, ...) in float64 on the GPU at p = 2
   (``PARADYSE_TEST_DEVICE=cuda``); ``moe-defaults``: Mixtral and Qwen3-MoE with the default grouped-GEMM experts.
 * ``bf16``: bf16-mixed and bf16-true in every mode and on groups, within bf16's measured noise of one process.
-* ``main-job``, ``hf-yaml``: the README's main job and the Hugging Face YAML on one GPU (``cli.py fit``).
+* ``main-job``, ``hf-yaml``: the README's main job and the Hugging Face YAML on one GPU (``cli.py fit``), their two
+  ranks sharing it.
 * ``memory-<mode>``: a Hugging Face Llama (hidden 1024, 8 layers, 8,192 tokens, bf16-mixed) on 2 ranks sharing the
   GPU, the planner held to one mode: peak CUDA memory of setup and of saving a checkpoint against the steady
   training peak (each <= 1.25x), and the planner's predicted peak against the measured one (within 5%).
@@ -80,7 +81,8 @@ def _cli(name: str, config: str, accelerator: str, extra: list[str], timeout: fl
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, str(ROOT / "cli.py"), "fit", "--config", str(ROOT / config)]
         cmd += [f"--trainer.accelerator={accelerator}", "--trainer.devices=1", f"--trainer.default_root_dir={tmp}"]
-        cmd += ["--trainer.strategy.init_args.profile=null", "--trainer.max_steps=20", *extra]  # a CPU profile: refused
+        cmd += ["--trainer.strategy.init_args.profile=null", "--trainer.max_steps=20"]  # a CPU profile: refused
+        cmd += ["--trainer.strategy.init_args.ranks_per_device=2", *extra]  # the configs' 2 ranks, on the one device
         try:
             proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=timeout)
             out, ok = proc.stdout + proc.stderr, proc.returncode == 0

@@ -8,8 +8,11 @@ and the optimizers and hooks of common recipes.
 
 from __future__ import annotations
 
+import json
+import tempfile
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -23,6 +26,7 @@ from lightning_paradyse.lit import LanguageModel
 from lightning_paradyse.models import build_model
 from tests.exact.harness import Case
 from tests.support.families import hf_llama
+from tests.support.lightning import ACCELERATOR
 
 LENGTHS = (40, 57, 33, 64, 45, 50)
 """Batch lengths: odd ones split unevenly over 2 and 3 ranks."""
@@ -371,6 +375,21 @@ def _lm_data() -> tuple[DataLoader[Any], DataLoader[Any]]:
     return loader(shifted_targets), loader(shifted_targets, (35, 52))
 
 
+FOREIGN = "cpu" if ACCELERATOR == "gpu" else "cuda"
+"""A device type the tests do not run on."""
+
+
+def foreign_profile() -> str:
+    """The shipped profile marked as measured on :data:`FOREIGN` (a file in the temporary folder): the run must
+    refuse it on every rank before any collective."""
+    shipped = Path(__file__).resolve().parents[2] / "configs/profiles/cpu-2proc-llama-tiny.json"
+    data = json.loads(shipped.read_text())
+    data["meta"] = {**data.get("meta", {}), "device": FOREIGN}
+    path = Path(tempfile.gettempdir()) / f"paradyse-profile-of-{FOREIGN}.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
 def cases_p2() -> dict[str, Case]:
     """Every user path on 2 ranks."""
     tiny = lambda **kw: lambda: TinyLM(**kw)  # noqa: E731
@@ -420,6 +439,9 @@ def cases_p2() -> dict[str, Case]:
         "prompt-masked": Case(tiny(), lambda: loader(prompt_masked), strategy=dict(plan=MIXED)),
         "adafactor": Case(tiny(optimizer="adafactor"), lambda: loader(shifted_targets), refused="Adafactor"),
         "muon": Case(tiny(optimizer="muon"), lambda: loader(shifted_targets), refused="Muon"),
+        "profile-of-another-device": Case(
+            lm_main, _lm_data, strategy=dict(profile=foreign_profile()), refused=f"measured on '{FOREIGN}' but this run"
+        ),
         "lamb": Case(tiny(optimizer="lamb"), lambda: loader(shifted_targets), refused="Lamb"),
         "dropout": Case(DropoutLM, lambda: loader(shifted_targets), strategy=dict(plan=MIXED), compare=False),
         "self-shift": Case(SelfShift, lambda: loader(tokens_only), refused="computes something across the tokens"),
