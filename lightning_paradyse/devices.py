@@ -70,15 +70,15 @@ def check_local_gpus(devices: Sequence[torch.device], backend: str) -> None:
         )
 
 
-def gpu_budget(device: torch.device, reserve_bytes: int = 0) -> int:
+def gpu_budget(device: torch.device, reserve_bytes: int = 0, share: int = 1) -> int:
     """Bytes a GPU leaves to this process's tensors: its total memory less what is taken outside the caching
     allocator (the CUDA context, NCCL's buffers, other processes: ``total - free - reserved``), less a
     :data:`FRAGMENTATION` margin, less ``reserve_bytes`` beyond those (a cluster file's ``reserve_gib``: the larger
-    of the two reserves counts)."""
+    of the two reserves counts); with ``share`` ranks on the GPU, at most its ``1/share`` (the others grow too)."""
     free, total = torch.cuda.mem_get_info(device)
     outside = total - free - torch.cuda.memory_reserved(device)  # context, communicators, other processes
-    measured = outside + int(FRAGMENTATION * total)
-    return int(total - max(measured, reserve_bytes))
+    margin = int(FRAGMENTATION * total)
+    return int(min(total - max(outside + margin, reserve_bytes), (total - margin) / share))
 
 
 def gpu_free_bytes(device: torch.device) -> int:

@@ -594,7 +594,9 @@ class ParaDySeStrategy(ParallelStrategy):
             from lightning_paradyse.cost.cluster import GiB, load_cluster
 
             reserve = int(load_cluster(self.profile).reserve_gib * GiB)
-        mine = torch.tensor([float(gpu_budget(self.root_device, reserve))], device=self.root_device)
+        assert self.parallel_devices is not None
+        share = self.parallel_devices.count(self.root_device)  # ranks on this GPU
+        mine = torch.tensor([float(gpu_budget(self.root_device, reserve, share))], device=self.root_device)
         if group_size(self._group) > 1:  # ranks sharing a GPU or GPUs of one node: the tightest counts everywhere
             every = all_gather_rows(mine.to(collective_device(self._group)), [1] * group_size(self._group), self._group)
             return int(every.min())

@@ -63,6 +63,7 @@ def test_gpu_budget_counts_memory_outside_the_allocator_and_the_larger_reserve(m
     margin = int(dev.FRAGMENTATION * 80 * gib)
     assert dev.gpu_budget(CUDA0) == 80 * gib - (outside + margin)
     assert dev.gpu_budget(CUDA0, reserve_bytes=10 * gib) == 70 * gib  # a cluster file's reserve, larger
+    assert dev.gpu_budget(CUDA0, share=4) == int((80 * gib - margin) / 4)  # four ranks on the GPU: a quarter each
 
 
 def test_a_profile_of_another_device_type_is_refused_with_the_fix(tmp_path: Path) -> None:

@@ -49,12 +49,13 @@ GPU_COLLECTIVE_SIZES = (256, 262_144, 4_194_304, 16_777_216, 67_108_864)
 """float32 elements per rank of the collectives benchmarked on GPUs (1 KiB for the latency, then 1 MiB to 256 MiB:
 NVLink reaches its bandwidth only on large messages, which small ones extrapolate far too low)."""
 
+KERNEL_REPS = 5
+"""Repetitions of a kernel or collective benchmark (the median counts)."""
+
 
 def collective_sizes(device: torch.device | str) -> tuple[int, ...]:
     """The benchmarked message sizes on ``device``'s type."""
     return GPU_COLLECTIVE_SIZES if torch.device(device).type == "cuda" else COLLECTIVE_SIZES
-KERNEL_REPS = 5
-"""Repetitions of a kernel or collective benchmark (the median counts)."""
 
 
 def _barrier() -> None:

@@ -43,9 +43,13 @@ from lightning_paradyse.cost.measure import bench_collectives, bench_kernels
 from lightning_paradyse.cost.time import Machine
 
 QUICK_LENGTHS = (256, 1024)
-"""Sequence lengths the kernel rates are measured at."""
+"""Sequence lengths the kernel rates are measured at (on the host)."""
+GPU_QUICK_LENGTHS = (1024, 8192)
+"""On a GPU (whose rates keep growing long after 1K tokens: 256 tokens would price long batches far too slow)."""
 QUICK_COLLECTIVE_SIZES = (4_096, 262_144)
-"""Elements per rank of the benchmarked collectives (16 KiB and 1 MiB in float32)."""
+"""Elements per rank of the benchmarked collectives (16 KiB and 1 MiB in float32), on the host."""
+GPU_QUICK_COLLECTIVE_SIZES = (262_144, 16_777_216)
+"""On a GPU: 1 MiB and 64 MiB (NVLink reaches its bandwidth only on large messages)."""
 QUICK_ROUNDS = 3
 """Measurements of every point; the median is kept."""
 QUICK_VERSION = 2
@@ -74,7 +78,7 @@ def quick_machine(dims: ModelDims, p: int, group: Any, device: torch.device, dty
         batch=1,
         dtype=str(dtype).removeprefix("torch."),
         device=device,
-        kernel_lengths=QUICK_LENGTHS,
+        kernel_lengths=GPU_QUICK_LENGTHS if device.type == "cuda" else QUICK_LENGTHS,
         kernel_seconds=0.0,
     )
     from lightning_paradyse.cost.profile import combine_curves
@@ -83,7 +87,8 @@ def quick_machine(dims: ModelDims, p: int, group: Any, device: torch.device, dty
     kernels = _agree(combine_curves(rounds, statistics.median), dist.ReduceOp.MIN, group, device)  # slowest rank's
     collectives: dict[str, list[tuple[float, float]]] = {}
     if p > 1:
-        measured = [bench_collectives(p, 2, group, device, QUICK_COLLECTIVE_SIZES) for _ in range(QUICK_ROUNDS)]
+        sizes = GPU_QUICK_COLLECTIVE_SIZES if device.type == "cuda" else QUICK_COLLECTIVE_SIZES
+        measured = [bench_collectives(p, 2, group, device, sizes) for _ in range(QUICK_ROUNDS)]
         # the least of the rounds' medians: a round where a rank was descheduled (2 ranks on 2 busy cores) can
         # measure a small collective 10x slower than it runs in training, which would then price it absurdly
         collectives = _agree(combine_curves(measured, min), dist.ReduceOp.MAX, group, device)

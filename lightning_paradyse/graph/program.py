@@ -491,10 +491,14 @@ PROBE_TOKENS = (1, 2, 4, 6)
 """The example tokens the token probe gives the program: fewer than the example's, not contiguous."""
 
 
+def tolerance(dtype: torch.dtype) -> float:
+    """Relative error the probes and the verify allow: rounding of float64 (1e-9), else of float32 (a block whose
+    kernels have no float64, such as grouped GEMMs of mixture-of-experts layers, is checked in float32)."""
+    return 1e-9 if dtype == torch.float64 else 1e-5
+
+
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal to rounding: 1e-9 relative in float64, 1e-5 in float32 (a block probed in float32: MoE grouped GEMMs)."""
-    tol = 1e-9 if b.dtype == torch.float64 else 1e-5
-    return a.shape == b.shape and float((a - b).abs().max()) <= tol * max(float(b.abs().max()), 1e-30)
+    return a.shape == b.shape and float((a - b).abs().max()) <= tolerance(b.dtype) * max(float(b.abs().max()), 1e-30)
 
 
 def probe(

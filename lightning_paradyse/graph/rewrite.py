@@ -42,7 +42,7 @@ from lightning_paradyse.graph.dispatch import (
     RowDispatch,
 )
 from lightning_paradyse.graph.passes import SOFTMAX, RoleError, find_attention, find_mlp
-from lightning_paradyse.graph.program import PROBE_TOKENS, Program, ProgramError, probe, probe_tail
+from lightning_paradyse.graph.program import PROBE_TOKENS, Program, ProgramError, probe, probe_tail, tolerance
 from lightning_paradyse.graph.roles import AttentionRoles, MlpRoles, is_projection, projection_weight
 from lightning_paradyse.graph.trace import trace_block
 from lightning_paradyse.layout import SeqLayout
@@ -169,12 +169,6 @@ def host_copy(block: nn.Module, dtype: torch.dtype) -> nn.Module:
         host = t.detach().to("cpu", dtype if t.is_floating_point() else t.dtype, copy=True)
         memo[id(t)] = nn.Parameter(host, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else host
     return copy.deepcopy(block, memo)
-
-
-def tolerance(dtype: torch.dtype) -> float:
-    """Relative error the probes and the verify allow: rounding of float64 (1e-9), else of float32 (a block whose
-    kernels have no float64, such as grouped GEMMs of mixture-of-experts layers, is checked in float32)."""
-    return 1e-9 if dtype == torch.float64 else 1e-5
 
 
 def _dtype_of(block: nn.Module) -> torch.dtype:
@@ -411,7 +405,7 @@ def rewrite_block(
         attention = probe_program(traced, attention, mlp, example)
         stage = "finding the axis its attention runs along"
         axis = attend_axis(traced, attention, example) if axes == 2 else None
-        stage = "checking the rewritten block against the original in float64"
+        stage = "checking the rewritten block against the original (float64, float32 for MoE grouped GEMMs)"
         verify(traced, name, attention, mlp, example, axes)
         stage = "installing the dispatch modules"
         device = next(block.parameters()).device
