@@ -41,6 +41,7 @@ from benchmarks.instrument import StepRecorder, matmul_rate
 from benchmarks.runs import BenchLM, RunSpec, make_strategy, parallelism, run_spec
 from benchmarks.settings import BenchSettings
 from benchmarks.workload import Trace, probe_batch, rank_items
+from lightning_paradyse.devices import resolve_backend
 
 PROBE_ESTIMATE = 8
 """Probes per run assumed by the progress bar before the search starts."""
@@ -84,8 +85,10 @@ def quiet() -> None:
 def init_group(ctx: Context) -> None:
     """A fresh process group for the next fit (Lightning then uses it instead of creating one)."""
     ctx.fits += 1
-    backend = "nccl" if ctx.device.type == "cuda" else "gloo"
-    kwargs: dict[str, Any] = {"device_id": ctx.device} if ctx.device.type == "cuda" else {}
+    # NCCL refuses two ranks on one GPU: ranks sharing GPUs (more ranks than GPUs) run over gloo
+    devices = [select_device_of(r) for r in range(ctx.world)] if ctx.device.type == "cuda" else [ctx.device]
+    backend = resolve_backend(devices, None)
+    kwargs: dict[str, Any] = {"device_id": ctx.device} if backend == "nccl" else {}
     dist.init_process_group(
         backend,
         init_method=f"file://{os.path.join(ctx.store_dir, f'pg-{ctx.fits}')}",
@@ -213,12 +216,20 @@ def total_ticks(settings: BenchSettings, traces: list[Trace]) -> int:
     return total + PROBE_ESTIMATE * len(settings.runs)
 
 
-def select_device(rank: int) -> torch.device:
-    """This process's GPU when CUDA is available, else the CPU."""
+def select_device_of(rank: int) -> torch.device:
+    """Rank ``rank``'s device: GPU ``rank % count`` when CUDA is available (ranks share GPUs when there are more
+    ranks than GPUs), else the CPU."""
     if torch.cuda.is_available():
-        torch.cuda.set_device(rank % torch.cuda.device_count())
         return torch.device("cuda", rank % torch.cuda.device_count())
     return torch.device("cpu")
+
+
+def select_device(rank: int) -> torch.device:
+    """This process's device (:func:`select_device_of`), made current."""
+    device = select_device_of(rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
 
 
 def bench_worker(
