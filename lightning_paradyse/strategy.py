@@ -262,7 +262,7 @@ class ParaDySeStrategy(ParallelStrategy):
         elementwise_optimizers: Sequence[str] = (),
         check_replicas_every: int = 50,
         check_step: bool = True,
-        process_group_backend: str | None = None,
+        process_group_backend: Literal["nccl", "gloo"] | None = None,
         ranks_per_device: int = 1,
         grad_reduce_dtype: Literal["float32", "param"] = "float32",
     ) -> None:
