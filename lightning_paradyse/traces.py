@@ -74,21 +74,23 @@ def scaled_edges(kind: str, max_len: int) -> list[float]:
     return [e * scale for e in PAPER_EDGES]
 
 
-def _integer_ranges(kind: str, max_len: int, min_len: int | None) -> list[tuple[int, int]]:
-    """``[lo, hi)`` integer lengths of every scaled bucket; the last one ends at ``max_len`` included."""
+def _integer_ranges(kind: str, max_len: int, min_len: int | None) -> tuple[list[tuple[int, int]], list[int]]:
+    """``[lo, hi)`` integer lengths of every scaled bucket (the last one ends at ``max_len`` included, none starts
+    below ``min_len``), and the buckets that lie wholly below ``min_len``."""
     edges = [*scaled_edges(kind, max_len), float(max_len + 1)]
     floor = edges[1] * FIRST_BUCKET_FLOOR if min_len is None else min_len
-    los = [max(1, math.ceil(floor))] + [math.ceil(e) for e in edges[1:-1]]
+    los = [max(1, math.ceil(floor))] + [max(math.ceil(e), min_len or 1) for e in edges[1:-1]]
     his = [math.ceil(e) for e in edges[1:-1]] + [max_len + 1]
     ranges = list(zip(los, his))
-    empty = [i for i, (lo, hi) in enumerate(ranges) if lo >= hi]
-    if empty:
+    below = [i for i, (_, hi) in enumerate(ranges) if min_len is not None and hi <= min_len]
+    empty = [i for i, (lo, hi) in enumerate(ranges) if lo >= hi and i not in below]
+    if empty or len(below) == len(ranges):
         raise ValueError(
-            f"length_trace({kind!r}, max_len={max_len}, min_len={min_len}): bucket(s) {empty} hold no integer "
-            f"length (ranges {ranges}); use a larger max_len (the first bucket is 4K/{get_distribution(kind).max_len} "
-            f"of it) or a smaller min_len"
+            f"length_trace({kind!r}, max_len={max_len}, min_len={min_len}): bucket(s) {empty or below} hold no "
+            f"integer length (ranges {ranges}); use a larger max_len (the first bucket is "
+            f"4K/{get_distribution(kind).max_len} of it) or a smaller min_len"
         )
-    return ranges
+    return ranges, below
 
 
 def length_trace(kind: str, n: int, max_len: int, seed: int = 0, min_len: int | None = None) -> list[int]:
@@ -96,21 +98,25 @@ def length_trace(kind: str, n: int, max_len: int, seed: int = 0, min_len: int | 
 
     A bucket is drawn with the paper's share, then a length inside it, log-uniformly (short lengths are more
     frequent inside a bucket, as in a long tail). Edges are :func:`scaled_edges`; every length lies in
-    ``[min_len, max_len]`` and in its scaled bucket. The same ``(kind, n, max_len, seed, min_len)`` gives the
-    same list on every machine (numpy's PCG64).
+    ``[min_len, max_len]`` and in its scaled bucket. A bucket that lies wholly below ``min_len`` (at a small
+    ``max_len``, the shortest buckets scale to a few tokens, fewer than a group of many ranks needs) gives its share
+    to the first bucket that does not. The same ``(kind, n, max_len, seed, min_len)`` gives the same list on every
+    machine (numpy's PCG64).
 
     Args:
         kind: ``github`` (GitHubCode) or ``grch38``.
         n: Number of lengths.
         max_len: The longest possible length (the paper's max, 309K or 624K, maps to it).
         seed: Seed of the draw.
-        min_len: Shortest length of the first bucket; default 1/16 of its upper edge.
+        min_len: Shortest length; default 1/16 of the first bucket's upper edge.
     """
     if n < 0:
         raise ValueError(f"length_trace: n must not be negative, got {n}")
-    ranges = _integer_ranges(kind, max_len, min_len)
+    ranges, below = _integer_ranges(kind, max_len, min_len)
     rng = np.random.default_rng(seed)
     buckets = rng.choice(len(ranges), size=n, p=get_distribution(kind).shares)
+    if below:  # drawn as before (the same stream), then moved to the first bucket above min_len
+        buckets = np.where(np.isin(buckets, below), max(below) + 1, buckets)
     lo = np.array([r[0] for r in ranges], dtype=np.float64)[buckets]
     hi = np.array([r[1] for r in ranges], dtype=np.float64)[buckets]
     u = rng.random(n)

@@ -50,6 +50,21 @@ def test_trace_min_len_and_errors() -> None:
         length_trace("c4", 10, 8192)
 
 
+def test_buckets_below_min_len_give_their_share_to_the_first_bucket_above() -> None:
+    """At max_len 512 the two shortest GitHubCode buckets end below 14 tokens; with min_len=16 (8 ranks) their draws
+    land in the first bucket that can hold them (``benchmarks/run.py --quick --devices 8`` crashed here)."""
+    edges = scaled_edges("github", 512)
+    lengths = length_trace("github", 4000, 512, seed=0, min_len=16)
+    assert min(lengths) >= 16 and max(lengths) <= 512
+    counts = bucket_counts(lengths, edges)
+    assert counts[0] == counts[1] == 0
+    shares = GITHUB_CODE.shares
+    assert counts[2] / 4000 == pytest.approx(shares[0] + shares[1] + shares[2], abs=0.03)
+    assert length_trace("github", 300, 512, seed=2, min_len=6) == length_trace("github", 300, 512, seed=2, min_len=6)
+    with pytest.raises(ValueError, match="use a larger max_len"):
+        length_trace("github", 10, 512, min_len=600)
+
+
 def test_scaled_edges_map_paper_max_to_max_len() -> None:
     edges = scaled_edges("github", GITHUB_CODE.max_len)
     assert edges == [float(e) for e in PAPER_EDGES]
