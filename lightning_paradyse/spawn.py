@@ -50,14 +50,17 @@ def _worker(
     args: tuple[Any, ...],
     out: Any,
     environ: dict[str, str],
+    backend: str = "gloo",
 ) -> None:
     os.environ.clear()  # the caller's environment now (a fork server's workers inherit the server's otherwise)
     os.environ.update(environ)
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     try:
+        if backend == "nccl":  # each rank on its own GPU, current before the first collective
+            torch.cuda.set_device(rank)
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"file://{init_file}",
             rank=rank,
             world_size=world,
@@ -97,14 +100,19 @@ def _collect(procs: list[Any], out: Any, results: dict[int, Any], errors: list[s
         results[rank] = value
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the per-rank results."""
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0, backend: str = "gloo"
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks (gloo; ``backend="nccl"``: rank ``r`` on GPU
+    ``r``); return the per-rank results."""
     ctx = mp.get_context(_START["method"])
     out = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_worker, args=(r, world_size, init_file, fn, args, out, dict(os.environ)), daemon=True)
+            ctx.Process(
+                target=_worker, args=(r, world_size, init_file, fn, args, out, dict(os.environ), backend), daemon=True
+            )
             for r in range(world_size)
         ]
         for proc in procs:

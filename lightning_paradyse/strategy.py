@@ -211,8 +211,9 @@ class ParaDySeStrategy(ParallelStrategy):
         process_group_backend: ``"nccl"`` or ``"gloo"``; default NCCL on GPUs each held by one rank, gloo on the host
             and where ranks share a GPU. NCCL with two ranks on one GPU is refused (it refuses them itself).
         grad_reduce_dtype: ``"float32"`` (default): weight gradients in bf16 (``precision="bf16-true"``) are summed over
-            ranks in float32 and rounded once, as one process's GEMM accumulates them; ``"param"``: in their own dtype
-            (half the traffic of those reductions, one more rounding per rank).
+            ranks (and over groups) in float32 and rounded once after the sum: each rank's part is still rounded by
+            its own GEMM, where one process rounds the whole sum once; ``"param"``: summed in their own dtype (half
+            the traffic of those reductions, one more rounding per partial sum).
         ranks_per_device: Ranks started per device (default 1). Above 1, ranks share each GPU over gloo: every mode,
             mixed plans and groups run on CUDA at p = 2, 4 on one GPU, for tests and checks (not for speed).
         axes: Sequence axes of the hidden states between blocks: 1 for language models (``[b, s, h]``), 2 for
@@ -351,10 +352,10 @@ class ParaDySeStrategy(ParallelStrategy):
 
     @parallel_devices.setter
     def parallel_devices(self, devices: list[torch.device] | None) -> None:
-        if devices is not None and len(devices) > len(set(devices)):  # already expanded (set again by Lightning)
-            self._parallel_devices: list[torch.device] | None = list(devices)
-            return
-        self._parallel_devices = None if devices is None else expand_devices(devices, self.ranks_per_device)
+        # set once, with the devices Lightning chose (the host's ``devices`` times, or the GPUs)
+        self._parallel_devices: list[torch.device] | None = (
+            None if devices is None else expand_devices(devices, self.ranks_per_device)
+        )
 
     @property
     def num_processes(self) -> int:
@@ -1094,6 +1095,7 @@ class ParaDySeStrategy(ParallelStrategy):
         self._keep_final_state()
         super().teardown()
         self._pending = None
+        comm.GRAD_REDUCE_DTYPE = torch.float32  # the process-wide default again (set from the option at setup)
         self._destroy_group()
 
     def _destroy_group(self) -> None:

@@ -51,8 +51,11 @@ def test_each_device_serves_ranks_per_device_ranks() -> None:
     strategy = ParaDySeStrategy(ranks_per_device=3)
     strategy.parallel_devices = [torch.device("cpu")]
     assert strategy.parallel_devices == [torch.device("cpu")] * 3 and strategy.num_processes == 3
-    strategy.parallel_devices = strategy.parallel_devices  # Lightning sets it again: not expanded twice
-    assert strategy.num_processes == 3
+    strategy = ParaDySeStrategy(ranks_per_device=2)
+    strategy.parallel_devices = [torch.device("cpu")] * 2  # devices=2 on the host: Lightning's list repeats the host
+    assert strategy.num_processes == 4
+    strategy.parallel_devices = [CUDA0, torch.device("cuda", 1)]
+    assert strategy.parallel_devices == [CUDA0, CUDA0, torch.device("cuda", 1), torch.device("cuda", 1)]
 
 
 def test_gpu_budget_counts_memory_outside_the_allocator_and_the_larger_reserve(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,6 +1,6 @@
 """Device paths on CUDA (marked ``gpu``; skipped where no GPU is visible, as on CI): the rewrite of a block on a GPU
 (traced on a host copy, installed on the GPU), ring hops of ranks sharing the GPU over gloo (staged through host
-memory), the control tensors of NCCL collectives, and a fit whose ranks share the GPU.
+memory), where the control tensors of an NCCL group live, and a fit whose ranks share the GPU.
 
 ``benchmarks/gpu_check.py`` runs the exactness suite itself on the GPU; these are the quick checks of the paths.
 """
@@ -58,6 +58,16 @@ def _ring_worker(rank: int, world: int) -> list[float]:
 def test_ring_hops_of_ranks_sharing_the_gpu_over_gloo() -> None:
     results: list[Any] = run_distributed(_ring_worker, 2, timeout=120)
     assert results[0] == [1.0] * 15 and results[1] == [0.0] * 15
+
+
+def _nccl_worker(rank: int, world: int) -> str:
+    device = comm.collective_device(dist.group.WORLD)
+    flag = torch.ones(1, device=device)
+    return f"{device.type} {float(comm.all_reduce_sum(flag, dist.group.WORLD))}"
+
+
+def test_control_tensors_of_an_nccl_group_live_on_the_gpu() -> None:
+    assert run_distributed(_nccl_worker, 1, timeout=120, backend="nccl") == ["cuda 1.0"]
 
 
 def test_the_strategy_trains_with_ranks_sharing_the_gpu(tmp_path: Any) -> None:

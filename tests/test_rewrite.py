@@ -330,3 +330,59 @@ def test_functional_dropout_after_the_output_projection_follows_the_modules_mode
     assert torch.equal(block(x), block(x))
     block.train()
     assert not torch.equal(block(x), block(x))
+
+
+class _Experts(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(2, hidden, hidden) * 0.1)  # [experts, h, h]
+
+
+class _NoFloat64Experts(nn.Module):
+    """A mixture of experts whose kernel has no float64 (as grouped GEMMs): the block is traced in float32."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(hidden, 2, bias=False)
+        self.experts = _Experts(hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float64:
+            raise RuntimeError("Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double")
+        gate = torch.softmax(self.gate(x), dim=-1)  # [b, t, 2]
+        out = torch.einsum("bth,ehk->btek", x, self.experts.weight)  # [b, t, 2, h]
+        return (out * gate[..., None]).sum(2)  # [b, t, h]
+
+
+class _UpcastAttention(CausalAttention):
+    """Attention whose code between the projections and the attention casts q and k to float32 on purpose."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, h = x.shape
+        q, k, v = (f(x).view(b, t, self.num_heads, -1).transpose(1, 2) for f in (self.q, self.k, self.v))
+        q, k = q.to(torch.float32), k.to(torch.float32)
+        y = F.scaled_dot_product_attention(q, k, v.to(q.dtype), is_causal=True)  # [b, n, t, d]
+        return self.o(y.to(x.dtype).transpose(1, 2).reshape(b, t, h))  # type: ignore[no-any-return]
+
+
+class _NoFloat64Block(nn.Module):
+    def __init__(self, upcast: bool, hidden: int = 16, heads: int = 4) -> None:
+        super().__init__()
+        self.attn_norm, self.mlp_norm = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.attn = (_UpcastAttention if upcast else CausalAttention)(hidden, heads)
+        self.mlp = _NoFloat64Experts(hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+def test_a_block_without_float64_kernels_is_checked_in_float32_and_hidden_casts_are_refused() -> None:
+    """Kernels without float64 (grouped-GEMM experts): the block is traced, probed and verified in float32 on the
+    host. Its own casts to float32 would then be indistinguishable from the call's dtype (in bf16 training they would
+    be replayed as bf16): refused by name instead of run wrongly."""
+    torch.manual_seed(0)
+    ops = rewrite_block(_NoFloat64Block(upcast=False), "layers.0", 0, None)
+    assert any(isinstance(op, AttentionDispatch) for op in ops)
+    with pytest.raises(RoleError, match=r"traced in torch.float32.*casts to torch.float32.*experts_implementation"):
+        rewrite_block(_NoFloat64Block(upcast=True), "layers.0", 0, None)

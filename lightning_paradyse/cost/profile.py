@@ -101,9 +101,10 @@ class ProfileSettings:
     step_seconds: float = 2.0
     """Short whole steps likewise: their median over many runs is steadier."""
     device: str = "cpu"
-    """``"cpu"`` or ``"cuda"``: where the ranks measure (on GPUs each rank takes GPU ``rank`` when there are enough,
-    else they share GPU 0 over gloo; kernels are timed after a synchronisation, collectives up to 256 MiB, kernel
-    lengths up to the model's ``max_seq_len``)."""
+    """``"cpu"`` or ``"cuda"``: where the ranks measure (on GPUs each rank takes GPU ``rank`` over NCCL when there are
+    enough, else they share GPU 0 over gloo, whose collectives then are gloo's; kernels are timed after a
+    synchronisation, collectives up to 256 MiB, kernel lengths up to 16x the longest profiled one, within the
+    model's ``max_seq_len``: the ring's float32 score tiles grow with the square of the length)."""
     rounds: int = 2
     """Every measurement is taken this many times, a whole calibration apart, and the median counts: a machine
     slowed for a while by other load (a shared host) then rarely slows the same measurement in most rounds."""
@@ -114,8 +115,8 @@ class ProfileSettings:
         every power of two up to the model's ``max_seq_len`` (a GPU's rates keep growing with the length)."""
         longest = max(self.lengths)
         lengths = {*self.lengths, 2 * longest, 4 * longest}
-        if self.device == "cuda":
-            top, n = resolve_config(self.model).max_seq_len, 8 * longest
+        if self.device == "cuda":  # up to the model's maximum, at most 16x the longest profiled length
+            top, n = min(resolve_config(self.model).max_seq_len, 16 * longest), 8 * longest
             while n <= top:
                 lengths.add(n)
                 n *= 2
@@ -248,6 +249,12 @@ def _build(settings: ProfileSettings) -> tuple[torch.nn.Module, Any]:
     return model.to(_rank_device(settings)), config
 
 
+def _backend(settings: ProfileSettings, world: int) -> str:
+    """NCCL where every rank has a GPU of its own (what training runs), else gloo (the host, or ranks sharing GPUs:
+    their collectives are then gloo's, not what an NCCL run would see)."""
+    return "nccl" if settings.device == "cuda" and world <= torch.cuda.device_count() else "gloo"
+
+
 def _rank_device(settings: ProfileSettings) -> torch.device:
     """This rank's device: the host, its own GPU where there are enough, else GPU 0 (ranks sharing it over gloo)."""
     if settings.device == "cpu":
@@ -339,6 +346,7 @@ def merge_rounds(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def profile_worker(rank: int, world: int, settings: ProfileSettings) -> dict[str, Any]:
     """Everything a rank measures (see the module docstring), ``settings.rounds`` times; all ranks run the same
     collectives."""
+    _rank_device(settings)  # this rank's GPU current before anything runs
     model, config = _build(settings)
     step_lengths = settings.step_lengths or settings.lengths
     n_steps = (len(step_lengths) + len(settings.heldout)) * len(settings.modes) * 2
@@ -415,7 +423,8 @@ def run_profile(settings: ProfileSettings, world_size: int, timeout: float = 900
     if world_size == 1:
         per_rank = [profile_worker(0, 1, settings)]
     else:
-        per_rank = run_distributed(profile_worker, world_size, settings, timeout=timeout)
+        backend = _backend(settings, world_size)
+        per_rank = run_distributed(profile_worker, world_size, settings, timeout=timeout, backend=backend)
     profile = fit_profile(merge_ranks(per_rank), settings, world_size)
     profile.meta = {
         "host": platform.node(),

@@ -371,6 +371,31 @@ def verify(block: nn.Module, name: str, attention: AttentionRoles, mlp: MlpRoles
             )
 
 
+def _casts_to(value: Any, dtype: torch.dtype) -> bool:
+    if isinstance(value, (tuple, list)):
+        return any(_casts_to(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return any(_casts_to(v, dtype) for v in value.values())
+    return value == dtype if isinstance(value, torch.dtype) else False
+
+
+def refuse_hidden_casts(attention: AttentionRoles, mlp: MlpRoles, traced: torch.dtype) -> None:
+    """A block traced in float32 (its kernels have no float64) cannot tell a cast to float32 in its replayed code
+    from a cast to the call's dtype (the programs read the traced dtype as the latter): refused, never guessed."""
+    if traced == torch.float64:
+        return
+    for program in (attention.program, attention.tail, mlp.tail):
+        if program is None:
+            continue
+        steps = any(_casts_to((step.args, step.kwargs or {}), traced) for step in program.steps)
+        if steps or any(c.dtype == traced for c in program.constants.values()):
+            raise RoleError(
+                f"its kernels have no float64, so it was traced in {traced}, and its code around the attention casts "
+                f"to {traced}, which such a trace cannot tell from the call's own dtype; build the model with kernels "
+                f"that run in float64 (e.g. transformers' experts_implementation='eager')"
+            )
+
+
 def _own_activation(mlp: MlpRoles, copy64: nn.Module, block: nn.Module) -> MlpRoles:
     """The roles with an activation module of ``copy64`` replaced by the same module of ``block``."""
     if not isinstance(mlp.act, nn.Module):
@@ -403,6 +428,7 @@ def rewrite_block(
         mlp = _own_activation(mlp, traced, block)
         stage = "probing its code around the projections"
         attention = probe_program(traced, attention, mlp, example)
+        refuse_hidden_casts(attention, mlp, _dtype_of(traced))
         stage = "finding the axis its attention runs along"
         axis = attend_axis(traced, attention, example) if axes == 2 else None
         stage = "checking the rewritten block against the original (float64, float32 for MoE grouped GEMMs)"

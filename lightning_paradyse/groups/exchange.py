@@ -42,6 +42,7 @@ from lightning_paradyse.comm import (
     collective_device,
     group_rank,
     group_size,
+    reduce_dtype,
     synchronize,
 )
 from lightning_paradyse.devices import gpu_free_bytes
@@ -287,15 +288,19 @@ def _return_grads(routes: list[_Route], shards: dict[int, dict[str, torch.Tensor
         in_sizes = [sum(r.received(i) for r in routes) for i in range(p)]
         out_sizes = [sum(r.sent(j) for r in routes) for j in range(p)]
         recv = all_to_all_rows(torch.cat(send), in_sizes, out_sizes, world)  # [numel'] -> [numel]
+        sums: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # shard -> its gradient, summed in reduce_dtype
         for j, chunk in enumerate(torch.split(recv, out_sizes)):  # rank j's gradient of the rows it read here
             for route, part in zip(routes, torch.split(chunk, [r.sent(j) for r in routes])):
                 for (_, w, _), spans, piece in zip(route.pieces, route.ex.sends, torch.split(part, route.ex.sent(j))):
                     lo, hi = spans[j]
                     if hi == lo or not w.requires_grad:
                         continue
-                    if w.grad is None:
-                        w.grad = torch.zeros_like(w)
-                    w.grad[lo:hi] += piece.view(hi - lo, *w.shape[1:])
+                    if id(w) not in sums:  # half precision: the groups' parts summed in float32, rounded once
+                        base = w.grad if w.grad is not None else torch.zeros_like(w)
+                        sums[id(w)] = (w, base.to(reduce_dtype(w.dtype)))
+                    sums[id(w)][1][lo:hi] += piece.view(hi - lo, *w.shape[1:])
+        for w, total in sums.values():
+            w.grad = total.to(w.dtype)
 
 
 def measure_regroup(module: nn.Module, world: Group, reps: int = 3) -> float | None:
@@ -330,10 +335,11 @@ def measure_regroup(module: nn.Module, world: Group, reps: int = 3) -> float | N
 
 def _whole_fits(shards: list[nn.Parameter], p: int) -> bool:
     """Whether this rank's GPU has room for the whole weights of ``shards`` and as much again for their gradients
-    and transients (about ``3 p`` times the shards); always on the host."""
+    and transients (about ``3 p`` times the shards), for every rank that shares the GPU; always on the host."""
     if not shards or shards[0].device.type != "cuda":
         return True
-    return 3 * p * sum(w.numel() * w.element_size() for w in shards) <= gpu_free_bytes(shards[0].device)
+    share = max(1, -(-p // torch.cuda.device_count()))  # ranks on one GPU (sharing it over gloo), all exchanging
+    return 3 * p * share * sum(w.numel() * w.element_size() for w in shards) <= gpu_free_bytes(shards[0].device)
 
 
 __all__ = ["GroupSet", "blocks", "check_sizes", "drop_group", "enter_group", "exit_group", "measure_regroup"]
