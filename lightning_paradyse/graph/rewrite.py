@@ -10,7 +10,7 @@ The order is fixed and each step is a small function:
    (:func:`~lightning_paradyse.graph.program.probe`).
 Steps 2-4 run on a copy of the block on the host, in float64 (float32 where its kernels have no float64), made
 tensor by tensor (:func:`host_copy`): a GPU never holds a second copy, and nothing made during the checks meets the
-block's device.
+block's device (the replayed code's constants move to it on first use, :meth:`~.program.Program.run`).
 
 4. :func:`verify`: on a copy, install the dispatch modules for a group of one and check that
    every mode reproduces the block's own output on the example (a block we misunderstood is
@@ -42,7 +42,7 @@ from lightning_paradyse.graph.dispatch import (
     RowDispatch,
 )
 from lightning_paradyse.graph.passes import SOFTMAX, RoleError, find_attention, find_mlp
-from lightning_paradyse.graph.program import PROBE_TOKENS, Program, ProgramError, probe, probe_tail, tolerance
+from lightning_paradyse.graph.program import PROBE_TOKENS, ProgramError, probe, probe_tail, tolerance
 from lightning_paradyse.graph.roles import AttentionRoles, MlpRoles, is_projection, projection_weight
 from lightning_paradyse.graph.trace import trace_block
 from lightning_paradyse.layout import SeqLayout
@@ -187,21 +187,6 @@ def _eval_copy(block: nn.Module) -> nn.Module:
     """A copy in eval mode (dropout off: the probes and the verify compare deterministic runs); ``block`` is the
     host copy the roles were found on."""
     return copy.deepcopy(block).eval()
-
-
-def _to_device(program: Program | None, device: torch.device) -> Program | None:
-    """``program`` with its constants on ``device`` (moved once at install, not on every call)."""
-    if program is None or not program.constants:
-        return program
-    return dataclasses.replace(program, constants={k: v.to(device) for k, v in program.constants.items()})
-
-
-def roles_on(attention: AttentionRoles, mlp: MlpRoles, device: torch.device) -> tuple[AttentionRoles, MlpRoles]:
-    """The roles found on the host copy, with every tensor they hold (the programs' constants) on ``device``."""
-    attention = dataclasses.replace(
-        attention, program=_to_device(attention.program, device), tail=_to_device(attention.tail, device)
-    )
-    return attention, dataclasses.replace(mlp, tail=_to_device(mlp.tail, device))
 
 
 def _run_capturing(reference: nn.Module, example: Any, paths: dict[str, str]) -> dict[str, Any]:
@@ -434,8 +419,7 @@ def rewrite_block(
         stage = "checking the rewritten block against the original (float64, float32 for MoE grouped GEMMs)"
         verify(traced, name, attention, mlp, example, axes)
         stage = "installing the dispatch modules"
-        device = next(block.parameters()).device
-        ops = install(block, *roles_on(attention, mlp, device), layer, group)
+        ops = install(block, attention, mlp, layer, group)  # program constants follow the block (Program.run)
         for op in ops:
             if isinstance(op, AttentionDispatch):
                 op.attend_axis = axis
