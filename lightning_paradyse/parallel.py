@@ -170,6 +170,7 @@ def parallelize(module: nn.Module, group: Group, blocks: str | None = None, axes
     if axes not in (1, 2):
         raise ValueError(f"axes={axes!r}: 1 (a sequence, [b, s, h]) or 2 (a grid, [b, T, S, h]) are supported")
     found = find_blocks(module, blocks)
+    _OPS.clear()  # the walks before the rewrite found no dispatch modules where there are about to be some
     state = StepState(blocks=[n for n, _ in found], grid=GridState() if axes == 2 else None)
     rope = _rotary_embedding(module)
     for layer, (name, block) in enumerate(found):
@@ -179,6 +180,7 @@ def parallelize(module: nn.Module, group: Group, blocks: str | None = None, axes
             raise ValueError(str(err)) from None
         for op in ops:
             op.grid = state.grid
+    _OPS.clear()
     if any(isinstance(op, OpaqueDispatch) for _, op in dispatchers(module)):
         _refuse_router_loss(module)
     module.register_forward_pre_hook(_StepHook(state, _anchor))
@@ -521,9 +523,18 @@ def _device_of(args: tuple[Any, ...], kwargs: dict[str, Any], mod: nn.Module) ->
 # --------------------------------------------------------------------------------------------------
 
 
+_OPS: weakref.WeakKeyDictionary[nn.Module, list[tuple[str, OpDispatch]]] = weakref.WeakKeyDictionary()
+"""Modules -> their dispatch modules: found by one walk, then read on every step (a rewritten model's structure
+is fixed; :func:`parallelize` forgets what it found before)."""
+
+
 def dispatchers(module: nn.Module) -> list[tuple[str, OpDispatch]]:
-    """Every dispatch module with its name, in model order."""
-    return [(n, m) for n, m in module.named_modules() if isinstance(m, OpDispatch)]
+    """Every dispatch module with its name, in model order (the module walked once, then remembered)."""
+    found = _OPS.get(module)
+    if found is None:
+        found = [(n, m) for n, m in module.named_modules() if isinstance(m, OpDispatch)]
+        _OPS[module] = found
+    return found
 
 
 def n_layers(module: nn.Module) -> int:
@@ -619,33 +630,68 @@ def replicated_parameters(module: nn.Module) -> Iterator[nn.Parameter]:
     return (p for n, p in module.named_parameters() if n not in sharded)
 
 
+@dataclass(frozen=True)
+class ReplicatedGrads:
+    """This rank's gradients of the replicated parameters as one flat message (what the group sums).
+
+    ``message`` is ``[numel + n]``: every gradient flattened in ``reduce_dtype`` (bf16 summed in float32; a gradient
+    missing on this rank, e.g. an idle group's, as zeros), then one presence flag per parameter. Every rank builds
+    the same-sized message whatever gradients it holds; :meth:`apply` takes the sum of every rank's.
+    """
+
+    params: tuple[nn.Parameter, ...]
+    message: torch.Tensor
+
+    @staticmethod
+    def of(module: nn.Module) -> ReplicatedGrads:
+        params = tuple(w for w in replicated_parameters(module) if w.requires_grad)
+        if not params:
+            return ReplicatedGrads((), torch.zeros(0))
+        dtype = functools.reduce(torch.promote_types, [w.dtype for w in params], torch.float32)  # bf16 sums in fp32
+        with torch.no_grad():
+            present = torch.tensor([w.grad is not None for w in params], dtype=dtype, device=params[0].device)
+            grads = [
+                w.grad.reshape(-1).to(dtype) if w.grad is not None else w.new_zeros(w.numel(), dtype=dtype)
+                for w in params
+            ]
+            return ReplicatedGrads(params, torch.cat([*grads, present]))  # [numel + n]
+
+    def apply(self, total: torch.Tensor, seen: list[float] | None = None) -> None:
+        """Set every gradient to its part of ``total`` (the sum of every rank's message); one missing on every rank
+        stays ``None``. Reads the presence flags on the host (one synchronisation) unless given (``seen``)."""
+        at = 0
+        if seen is None:
+            seen = total[-len(self.params) :].tolist()
+        for w, present in zip(self.params, seen):
+            n = w.numel()
+            if present:
+                w.grad = total[at : at + n].view_as(w).to(w.dtype).clone()
+            at += n
+
+
+def settle_opaque_grads(module: nn.Module, group: Group) -> None:
+    """The shards of a mixture of experts that no rank's tokens used lose their (zero) gradient
+    (:meth:`~.graph.dispatch.OpaqueDispatch.settle_grads`; a small all-reduce per such op, none for other models)."""
+    for _, op in dispatchers(module):
+        if isinstance(op, OpaqueDispatch):
+            op.settle_grads(group)
+
+
 def reduce_replicated_grads(module: nn.Module, group: Group) -> None:
     """Sum the gradients of replicated parameters over the group, in one coalesced all-reduce.
 
     A gradient missing on some ranks (a rank that ran no forward, e.g. an idle group of
     :mod:`lightning_paradyse.groups`) counts as zero there; one missing on every rank stays ``None``. Every
     rank sends the same-sized message, whatever gradients it holds. First, the shards of a mixture of experts that
-    no rank's tokens used lose their (zero) gradient (:meth:`~.graph.dispatch.OpaqueDispatch.settle_grads`).
+    no rank's tokens used lose their (zero) gradient (:func:`settle_opaque_grads`).
     """
-    for _, op in dispatchers(module):
-        if isinstance(op, OpaqueDispatch):
-            op.settle_grads(group)
-    params = [w for w in replicated_parameters(module) if w.requires_grad]
-    if group_size(group) == 1 or not params:
+    settle_opaque_grads(module, group)
+    if group_size(group) == 1:
         return
-    dtype = functools.reduce(torch.promote_types, [w.dtype for w in params], torch.float32)  # bf16 sums in fp32
-    with torch.no_grad():
-        present = torch.tensor([w.grad is not None for w in params], dtype=dtype, device=params[0].device)
-        grads = [
-            w.grad.reshape(-1).to(dtype) if w.grad is not None else w.new_zeros(w.numel(), dtype=dtype) for w in params
-        ]
-        total = all_reduce_sum(torch.cat([*grads, present]), group)  # one call: gradients, then presence flags
-    at = 0
-    for w, seen in zip(params, total[-len(params) :].tolist()):
-        n = w.numel()
-        if seen:
-            w.grad = total[at : at + n].view_as(w).to(w.dtype).clone()
-        at += n
+    grads = ReplicatedGrads.of(module)
+    if grads.params:
+        with torch.no_grad():
+            grads.apply(all_reduce_sum(grads.message, group))  # [numel + n] summed over the group
 
 
 def gather_param_like(value: torch.Tensor, ref: ShardRef, group: Group) -> torch.Tensor:

@@ -269,6 +269,35 @@ def describe_batch(
     )
 
 
+def to_host(batch: Any) -> Any:
+    """The batch with every tensor on the host: device tensors copied in one go (queued without blocking, then one
+    wait), host tensors as they are. What :func:`describe_batch` reads (checksum, target counts, padding) is then
+    read on the host, not one synchronisation per value."""
+    moved: list[Tensor] = []
+
+    def copy(t: Tensor) -> Tensor:
+        if t.device.type == "cpu":
+            return t
+        moved.append(t)
+        return t.to("cpu", non_blocking=True)
+
+    host = apply_to_collection(batch, Tensor, copy)
+    if moved and moved[0].device.type == "cuda":
+        torch.cuda.current_stream(moved[0].device).synchronize()  # the one wait for every copy
+    return host
+
+
+def on_device(info: BatchInfo, device: torch.device) -> BatchInfo:
+    """``info`` with its tensors (documents, padding) on ``device`` (those of a description of a host batch)."""
+    if info.doc_ids is None and info.padding is None:
+        return info
+    return replace(
+        info,
+        doc_ids=None if info.doc_ids is None else info.doc_ids.to(device, non_blocking=True),
+        padding=None if info.padding is None else info.padding.to(device, non_blocking=True),
+    )
+
+
 PAD_MASK_KEYS = ("attention_mask",)
 """Keys of a ``[b, s]`` padding mask in a dict batch (1: a real token, 0: padding), the Hugging Face convention."""
 
@@ -327,4 +356,6 @@ __all__ = [
     "shard_batch",
     "shifted_labels",
     "target_counts",
+    "on_device",
+    "to_host",
 ]

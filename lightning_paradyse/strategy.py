@@ -61,6 +61,7 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _Su
 from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
@@ -93,7 +94,7 @@ from lightning_paradyse.policy import (
     validate_modes,
     validate_plan_spec,
 )
-from lightning_paradyse.slicing import BatchInfo, describe_batch, shard_batch
+from lightning_paradyse.slicing import BatchInfo, describe_batch, find_tokens, on_device, shard_batch, to_host
 from lightning_paradyse.spec import SeqContext
 from lightning_paradyse.step import (
     HISTORY_LIMIT,
@@ -335,6 +336,8 @@ class ParaDySeStrategy(ParallelStrategy):
         self._group: Group = None
         self._block_names: list[str] = []
         self._pending: BatchInfo | None = None
+        self._host_batch: tuple[Any, Any] | None = None
+        """The last batch moved to the device and the loader's batch it was moved from."""
         self._trainer: pl.Trainer | None = None
 
     # ------------------------------------------------------------------ processes and devices
@@ -638,27 +641,59 @@ class ParaDySeStrategy(ParallelStrategy):
         guards.check_window(info.seq_len, self._window)
         return info
 
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        """Move the batch as Lightning does, keeping the loader's batch: :meth:`begin_batch` describes the batch
+        (checksum, target counts, padding) from it on the host, without reading the device."""
+        moved = super().batch_to_device(batch, device, dataloader_idx)
+        self._host_batch = (moved, batch) if self._transfer_is_a_copy() else None
+        return moved
+
+    def _transfer_is_a_copy(self) -> bool:
+        """Whether the moved batch holds the loader's values (no ``transfer_batch_to_device`` or
+        ``on_after_batch_transfer`` of the module or its datamodule changes them)."""
+        module, trainer = self.lightning_module, self._trainer
+        if module is None:
+            return False
+        owners: list[Any] = [module]
+        datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
+        if datamodule is not None:
+            owners.append(datamodule)
+        hooks = ("transfer_batch_to_device", "on_after_batch_transfer")
+        return not any(is_overridden(hook, owner) for owner in owners for hook in hooks)
+
+    def _on_host(self, batch: Any) -> Any:
+        """The batch on the host: the loader's batch it was moved from, else a copy (one wait on a GPU)."""
+        kept, self._host_batch = self._host_batch, None
+        if kept is not None and kept[0] is batch:
+            return to_host(kept[1])  # the loader's tensors (on the host already: nothing is copied)
+        return to_host(batch)
+
     def begin_batch(self, batch: Any, stage: str) -> StepRecord:
         """The one call per batch: validate it, plan it, verify that every rank holds the same plan and batch,
         configure the model; returns (and keeps in :attr:`step_record`) what the callback logs.
+
+        The batch is described on the host (:meth:`_on_host`): no value of a GPU batch is read one by one.
 
         Raises (identically on every rank, before any collective of the step): for a bad batch, a plan that
         cannot run, or ranks that disagree.
         """
         self._checkpointed = hf_checkpointing.checkpointed_layers(self._module, self._block_names)
-        info = self.inspect_batch(batch)
+        host = self._on_host(batch)
+        info = self.inspect_batch(host)  # the host batch's description (its tensors on the host)
         units = self._grouped_units(info, stage)
         if units is not None:
-            record = self._begin_groups(batch, info, units, stage)
+            record = self._begin_groups(batch, host, info, units, stage)
         else:
             self._runner.flush()  # shards kept from a grouped micro-batch give their gradients back first
-            record = self._begin_plan(info, stage)
+            record = self._begin_plan(on_device(info, find_tokens(batch).device), stage)
         self.step_record = record
         return record
 
     @property
     def group_times(self) -> tuple[float, ...]:
-        """Measured seconds of every group's forward and backward in the last grouped step (``()``: not grouped)."""
+        """Measured seconds of every group's forward and backward in the last grouped step (``()``: not grouped, or a
+        micro-batch that accumulates: the seconds travel with the returned gradients)."""
         return self._runner.times
 
     def _grouped_units(self, info: BatchInfo, stage: str) -> Units | None:
@@ -674,10 +709,11 @@ class ParaDySeStrategy(ParallelStrategy):
             return None
         return Units.of(info)
 
-    def _begin_groups(self, batch: Any, info: BatchInfo, units: Units, stage: str) -> StepRecord:
+    def _begin_groups(self, batch: Any, host: Any, info: BatchInfo, units: Units, stage: str) -> StepRecord:
         """A training batch on groups of different sizes: split, verify, enter; the record to log."""
         step = self._runner.decide(
             batch,
+            host,
             info,
             units,
             self.global_rank,

@@ -80,6 +80,7 @@ class Record(pl.Callback):
         metrics = switcher.metrics
         if "groups/count" in metrics:
             self.splits.append((int(metrics["groups/count"]), int(metrics["groups/own_size"])))
+        if "groups/measured_imbalance" in metrics:  # measured where the gradients return: every micro-batch that steps
             self.imbalance.append(
                 (float(metrics["groups/predicted_imbalance"]), float(metrics["groups/measured_imbalance"]))
             )
@@ -184,6 +185,7 @@ def test_groups_of_different_sizes_train_like_one_process(reference: dict[str, d
     assert {"step", "plan/measured_time_s", "groups/count", "groups/measured_imbalance"} <= set(header), header
     steps = grouped_steps(lines)
     assert steps == [2, 4, 6], steps
+    assert len(runs[0]["dealt-accumulate"]["imbalance"]) == 3  # the micro-batches that step (their times return)
     assert runs[0]["kept-accumulate"]["exchanges"] == 3  # 6 micro-batches, 3 optimizer steps: one gather each
     assert runs[0]["dealt-accumulate"]["exchanges"] == 6  # every micro-batch split differently
     (lines,) = runs[0]["dealt-accumulate"]["logged"]  # micro-batches share a global step: written once

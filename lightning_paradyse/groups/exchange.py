@@ -48,7 +48,14 @@ from lightning_paradyse.comm import (
 from lightning_paradyse.devices import gpu_free_bytes
 from lightning_paradyse.graph.dispatch import OpDispatch
 from lightning_paradyse.layout import split_offsets
-from lightning_paradyse.parallel import dispatchers, reduce_replicated_grads, shard_sources
+from lightning_paradyse.parallel import (
+    ReplicatedGrads,
+    dispatchers,
+    reduce_replicated_grads,
+    replicated_parameters,
+    settle_opaque_grads,
+    shard_sources,
+)
 
 
 def check_sizes(sizes: Sequence[int], world: int) -> None:
@@ -242,15 +249,31 @@ def enter_group(module: nn.Module, world: Group, sizes: Sequence[int]) -> None:
                 route.op.group_shards[name] = shard.requires_grad_(w.requires_grad)  # type: ignore[index]
 
 
-def exit_group(module: nn.Module, world: Group, sizes: Sequence[int], replicated: bool = True) -> None:
+FOLD_BYTES = 1 << 20
+"""The replicated gradients ride on the gradient return (every rank sends its whole message to every rank, which
+sums the ``P`` of them in rank order) while that moves at most this many bytes per rank more than their own
+all-reduce would; beyond, they keep the all-reduce. At ``P = 2`` both move the same bytes: they always ride."""
+
+
+def exit_group(
+    module: nn.Module,
+    world: Group,
+    sizes: Sequence[int],
+    replicated: bool = True,
+    extra: torch.Tensor | None = None,
+) -> torch.Tensor | None:
     """Step 3 of the module docstring: the ``1/g`` gradients onto the ``1/P`` shards, replicated ones summed.
 
     The reverse of :func:`enter_group` (one all-to-all per dtype): every rank returns to each owner the gradient of
     the rows it read, and the owner adds what every group sent (one contribution per group that read the row).
-    Shard gradients are added to what the parameters hold (gradient accumulation works). With
-    ``replicated=False`` the replicated gradients are left for one
-    :func:`~lightning_paradyse.parallel.reduce_replicated_grads` call before the optimizer step (needed when
-    several micro-batches accumulate).
+    Shard gradients are added to what the parameters hold (gradient accumulation works). With ``replicated`` the
+    replicated gradients are summed over the world too: in the same all-to-all when that is cheap
+    (:data:`FOLD_BYTES`), else by :func:`~lightning_paradyse.parallel.reduce_replicated_grads`; with
+    ``replicated=False`` they are left for one such call before the optimizer step (several micro-batches
+    accumulating).
+
+    ``extra``: ``[k]`` numbers (e.g. this rank's measured seconds) sent to every rank in the same all-to-all, in the
+    gradients' dtype; returns every rank's, ``[P, k]``, or ``None`` when the split is one group (nothing moves).
     """
     p, rank = group_size(world), group_rank(world)
     shards: dict[int, dict[str, torch.Tensor]] = {}
@@ -258,11 +281,51 @@ def exit_group(module: nn.Module, world: Group, sizes: Sequence[int], replicated
         if op.group_shards is None:
             raise RuntimeError("exit_group called without enter_group")
         shards[id(op)], op.group_shards = op.group_shards, None
+    received = None
     if len(sizes) > 1:
-        for routes in _routes(module, p, sizes, rank).values():
-            _return_grads(routes, shards, p, world)
+        routes = _routes(module, p, sizes, rank)
+        folded = _foldable(module, world, next(iter(routes)), p) if replicated and routes else None
+        for n, (dtype, bucket) in enumerate(routes.items()):
+            device = bucket[0].pieces[0][1].device
+            tails = [] if n else [t for t in (None if folded is None else folded.message, extra) if t is not None]
+            tail = torch.cat([t.reshape(-1).to(device, dtype) for t in tails]) if tails else None  # [m + k]
+            got = _return_grads(bucket, shards, p, world, tail)  # [P, m + k] from every rank
+            if n > 0 or got is None:
+                continue
+            if folded is None:
+                received = got if extra is not None else None
+                continue
+            m, wide = folded.message.numel(), folded.message.dtype
+            total = got[0, :m].to(wide)
+            for i in range(1, p):  # in rank order on every rank: the replicas stay equal
+                total = total + got[i, :m].to(wide)
+            flags = total[m - len(folded.params) :]
+            if extra is None:
+                folded.apply(total, flags.tolist())
+            else:  # the presence flags and every rank's numbers in one read on the host
+                host = torch.cat([flags, got[:, m:].reshape(-1).to(wide)]).tolist()
+                folded.apply(total, host[: len(folded.params)])
+                received = torch.tensor(host[len(folded.params) :], dtype=torch.float64).view(p, -1)  # [P, k]
+        if folded is not None:
+            return received
     if replicated:
         reduce_replicated_grads(module, world)
+    return received
+
+
+def _foldable(module: nn.Module, world: Group, dtype: torch.dtype, p: int) -> ReplicatedGrads | None:
+    """This rank's replicated gradients when they can ride on the return in ``dtype`` (their own dtype, so the values
+    travel exactly) at no more than :data:`FOLD_BYTES` extra per rank; else ``None``."""
+    params = [w for w in replicated_parameters(module) if w.requires_grad]
+    if not params or any(w.dtype != dtype for w in params):
+        return None
+    numel = sum(w.numel() for w in params) + len(params)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    extra_bytes = ((p - 1) - 2 * (p - 1) / p) * numel * itemsize  # all-to-all of copies against a ring all-reduce
+    if extra_bytes > FOLD_BYTES:
+        return None
+    settle_opaque_grads(module, world)
+    return ReplicatedGrads.of(module)
 
 
 def drop_group(module: nn.Module) -> None:
@@ -272,7 +335,16 @@ def drop_group(module: nn.Module) -> None:
         op.group_shards = None
 
 
-def _return_grads(routes: list[_Route], shards: dict[int, dict[str, torch.Tensor]], p: int, world: Group) -> None:
+def _return_grads(
+    routes: list[_Route],
+    shards: dict[int, dict[str, torch.Tensor]],
+    p: int,
+    world: Group,
+    tail: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """The gradients of the rows this rank read back to their owners, summed there; ``tail`` (``[t]``) sent to every
+    rank after them. Returns every rank's tail, ``[P, t]`` (``None`` without one)."""
+    t = 0 if tail is None else tail.numel()
     with torch.no_grad():
         grads = []  # per route, per piece: the gradient rows that came from each owner
         for route in routes:
@@ -282,15 +354,20 @@ def _return_grads(routes: list[_Route], shards: dict[int, dict[str, torch.Tensor
                 grad = held[name].grad
                 per_piece.append(torch.split(grad if grad is not None else torch.zeros_like(held[name]), list(recvs)))
             grads.append(per_piece)
-        send = [
-            piece[i].reshape(-1) for i in range(p) for per_piece in grads for piece in per_piece
-        ]  # owner rank, then model order, then the op's pieces
-        in_sizes = [sum(r.received(i) for r in routes) for i in range(p)]
-        out_sizes = [sum(r.sent(j) for r in routes) for j in range(p)]
-        recv = all_to_all_rows(torch.cat(send), in_sizes, out_sizes, world)  # [numel'] -> [numel]
+        send = []  # owner rank, then model order, then the op's pieces; then the tail
+        for i in range(p):
+            send += [piece[i].reshape(-1) for per_piece in grads for piece in per_piece]
+            if tail is not None:
+                send.append(tail)
+        in_sizes = [sum(r.received(i) for r in routes) + t for i in range(p)]
+        out_sizes = [sum(r.sent(j) for r in routes) + t for j in range(p)]
+        recv = all_to_all_rows(torch.cat(send), in_sizes, out_sizes, world)  # [numel' + p t] -> [numel + p t]
         sums: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # shard -> its gradient, summed in reduce_dtype
+        tails = []
         for j, chunk in enumerate(torch.split(recv, out_sizes)):  # rank j's gradient of the rows it read here
-            for route, part in zip(routes, torch.split(chunk, [r.sent(j) for r in routes])):
+            body, end = chunk[: out_sizes[j] - t], chunk[out_sizes[j] - t :]
+            tails.append(end)
+            for route, part in zip(routes, torch.split(body, [r.sent(j) for r in routes])):
                 for (_, w, _), spans, piece in zip(route.pieces, route.ex.sends, torch.split(part, route.ex.sent(j))):
                     lo, hi = spans[j]
                     if hi == lo or not w.requires_grad:
@@ -301,6 +378,7 @@ def _return_grads(routes: list[_Route], shards: dict[int, dict[str, torch.Tensor
                     sums[id(w)][1][lo:hi] += piece.view(hi - lo, *w.shape[1:])
         for w, total in sums.values():
             w.grad = total.to(w.dtype)
+    return None if tail is None else torch.stack(tails)  # [P, t]
 
 
 def measure_regroup(module: nn.Module, world: Group, reps: int = 3) -> float | None:

@@ -39,7 +39,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from lightning_paradyse import parallel
-from lightning_paradyse.comm import Group, all_gather_rows, collective_device, group_size, synchronize
+from lightning_paradyse.comm import Group, group_size, synchronize
 from lightning_paradyse.groups import solver
 from lightning_paradyse.groups.cost import exchange_seconds, group_cost, group_shape_cost, machine_for_groups
 from lightning_paradyse.groups.exchange import (
@@ -54,7 +54,7 @@ from lightning_paradyse.groups.solver import Assignment
 from lightning_paradyse.groups.units import Units
 from lightning_paradyse.plan import Plan
 from lightning_paradyse.policy import Planner
-from lightning_paradyse.slicing import BatchInfo, describe_batch
+from lightning_paradyse.slicing import BatchInfo, describe_batch, find_tokens, on_device
 from lightning_paradyse.spec import SeqContext
 
 
@@ -211,6 +211,7 @@ class GroupRunner:
     def decide(
         self,
         batch: Any,
+        host: Any,
         info: BatchInfo,
         units: Units,
         rank: int,
@@ -221,7 +222,8 @@ class GroupRunner:
         """The split of a batch among groups, this rank's part of it, every group's plan checked; ``None`` when no
         split fits the memory budget and ``on_infeasible="skip"``.
 
-        Everything is decided from the batch alone, alike on every rank, before any collective. ``finish_plan``
+        Everything is decided from the batch alone, alike on every rank, before any collective: values are read on
+        ``host``, the batch on the host (the group's batch is cut out of ``batch``, on its device). ``finish_plan``
         completes a planned plan (the model's own gradient checkpointing).
         """
         assert self._set is not None and self._module is not None
@@ -257,11 +259,14 @@ class GroupRunner:
         local_rank = rank - blocks(found.sizes)[index].start
         members = found.groups[index]
         sub = units.cut(batch, members)
-        mine = describe_batch(sub, found.sizes[index], local_rank, causal, mean_loss=mean_loss, require_targets=False)
-        mine = replace(mine, n_global=info.n_global, checksum=info.checksum)
+        device = find_tokens(batch).device
+        mine = describe_batch(  # read on the host batch's cut
+            units.cut(host, members), found.sizes[index], local_rank, causal, mean_loss=mean_loss, require_targets=False
+        )
+        mine = on_device(replace(mine, n_global=info.n_global, checksum=info.checksum), device)
         bare = self._cost(units.packed, exchange=False)  # the groups' compute
         predicted = tuple(bare(tuple(units.lengths[i] for i in m), g) or 0.0 for g, m in zip(found.sizes, found.groups))
-        shifts = units.shifted_sources(batch, members)
+        shifts = {k: (t.to(device), n) for k, (t, n) in units.shifted_sources(host, members).items()}
         reuse = self.kept == found.sizes and not self._stale()
         solve_s = time.perf_counter() - started
         return GroupStep(
@@ -321,24 +326,26 @@ class GroupRunner:
         self._started = time.perf_counter()
 
     def finish(self, accumulating: bool) -> None:
-        """The ``1/g`` gradients back onto the ``1/P`` shards (a collective over every rank); the replicated
-        gradients summed over every rank when no micro-batch is left to accumulate."""
+        """After the backward: the ``1/g`` gradients back onto the ``1/P`` shards with the replicated gradients
+        summed over every rank and every rank's measured seconds (one all-to-all over every rank), unless micro-batches
+        are left to accumulate: the shards are then kept and nothing moves."""
         step, self.step = self.step, None
         if step is None:
             return
         module = self._module
         assert module is not None
-        device = collective_device(self._world)
         synchronize(next(module.parameters()).device)  # the step's kernels, not only their launches (once a step)
-        elapsed = torch.tensor([time.perf_counter() - self._started], dtype=torch.float64, device=device)
-        per_rank = all_gather_rows(elapsed, [1] * group_size(self._world), self._world).tolist()  # [1] -> [P]
-        self.times = tuple(max(per_rank[r] for r in block) for block in blocks(step.assignment.sizes))
+        mine = time.perf_counter() - self._started
         self.kept = step.assignment.sizes
         if accumulating:  # the weights the kept shards were gathered from (unchanged since: no optimizer step)
             self._versions = [(w, w._version) for w in module.parameters()]
-        else:
-            self.flush()
-            parallel.reduce_replicated_grads(module, self._world)
+            self.times = ()  # measured where the gradients return (the micro-batch that steps)
+            return
+        kept, self.kept, self._versions = self.kept, None, []
+        seconds = torch.tensor([mine], dtype=torch.float64)
+        every = exit_group(module, self._world, kept, replicated=True, extra=seconds)  # [P, 1] or None: one group
+        per_rank = [mine] * group_size(self._world) if every is None else every[:, 0].tolist()
+        self.times = tuple(max(per_rank[r] for r in block) for block in blocks(step.assignment.sizes))
 
     def flush(self) -> None:
         """Return the gradients of the kept ``1/g`` shards to the ``1/P`` shards and drop the shards (a collective
