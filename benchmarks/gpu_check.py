@@ -168,9 +168,19 @@ class MemoryProbe(pl.Callback):
 
 def _memory_fit(mode: str, accelerator: str, length: int, out: str) -> None:
     pl.seed_everything(0, verbose=False)
-    module = LanguageModel(hf_config=MEMORY_MODEL if accelerator == "gpu" else {**MEMORY_MODEL, "hidden_size": 64,
-                           "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-                           "num_key_value_heads": 2, "vocab_size": 128})
+    module = LanguageModel(
+        hf_config=MEMORY_MODEL
+        if accelerator == "gpu"
+        else {
+            **MEMORY_MODEL,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 128,
+        }
+    )
     data = DataLoader(Tokens(length, 4, module.vocab_size), batch_size=None)
     strategy = ParaDySeStrategy(plan="auto", modes=[mode], groups=False, ranks_per_device=2, check_step=False)
     trainer = pl.Trainer(

@@ -182,7 +182,8 @@ class BenchSettings:
         """A smoke run: a tiny model, one short trace in global batches of 512 tokens, five runs, one timed pass,
         a short search."""
         return cls(
-            model=ModelSettings(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, max_seq_len=4096),
+            # 8 heads: every head-sharded mode runs on up to 8 ranks
+            model=ModelSettings(layers=2, hidden=64, heads=8, kv_heads=2, ffn=128, max_seq_len=4096),
             traces=(TraceSettings("github", n=64, max_len=512, min_len=16, seed=1),),
             batch_tokens=512,
             runs=QUICK_RUNS,

@@ -353,9 +353,9 @@ __all__ = [
     "find_padding",
     "find_targets",
     "find_tokens",
+    "on_device",
     "shard_batch",
     "shifted_labels",
     "target_counts",
-    "on_device",
     "to_host",
 ]

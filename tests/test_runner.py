@@ -80,7 +80,7 @@ class Record(pl.Callback):
         metrics = switcher.metrics
         if "groups/count" in metrics:
             self.splits.append((int(metrics["groups/count"]), int(metrics["groups/own_size"])))
-        if "groups/measured_imbalance" in metrics:  # measured where the gradients return: every micro-batch that steps
+        if "groups/measured_imbalance" in metrics:  # measured where the gradients return: micro-batches that step
             self.imbalance.append(
                 (float(metrics["groups/predicted_imbalance"]), float(metrics["groups/measured_imbalance"]))
             )

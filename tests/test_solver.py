@@ -180,3 +180,37 @@ def test_on_the_cost_model_short_sequences_get_groups_of_their_own() -> None:
     assert found is not None and one_group is not None and found.time < 0.8 * one_group, (found, one_group)
     assert len(found.sizes) > 1 and max(found.sizes) < 8, found
     print(found, f"one group of 8: {one_group:.3f} s")
+
+
+def test_at_eight_ranks_many_short_rows_go_data_parallel_on_the_strategys_own_cost() -> None:
+    """The strategy's cost of a group's rows (:func:`~lightning_paradyse.groups.cost.group_shape_cost`: the planner
+    of each group size on the machine of every size, plus the weight exchange) at p = 8 on an 8x H100 node: a batch
+    of many short rows (16-510 tokens, the quick benchmark's kind) is split into groups of one when that is what the
+    cost predicts fastest, and a long sequence stays on one group of 8."""
+    from lightning_paradyse.cost.dims import dims_from_config
+    from lightning_paradyse.groups.cost import group_shape_cost, machine_for_groups
+
+    cluster = CLUSTER.with_name("h100-80gb-nvlink-8.yaml")
+    world = 8
+    top = make_planner(CONFIGS["llama-tiny"], world, 70 * 2**30, cluster)
+    machine = machine_for_groups(top.model.machine, world)
+    planners = {g: make_planner(CONFIGS["llama-tiny"], g, 70 * 2**30, machine) for g in (1, 2, 4)} | {world: top}
+    dims = dims_from_config(CONFIGS["llama-tiny"], top.model.dims.dtype_bytes)
+    shape = group_shape_cost(dims, world, planners.__getitem__)
+
+    def cost(lengths: tuple[int, ...], g: int) -> float | None:
+        return shape(max(lengths), len(lengths), g)
+
+    rows = [random.Random(8).randint(16, 510) for _ in range(64)]
+    found = assign(rows, world, cost, all_busy=True, shape=shape)
+    check(found, rows, world)
+    assert found is not None
+    one_group = cost(tuple(rows), world)
+    data_parallel = assign_rows(rows, world, lambda s, b, g: shape(s, b, g) if g == 1 else None, all_busy=True)
+    assert one_group is not None and data_parallel is not None
+    assert data_parallel.time < one_group  # its numbers: a group of 8 pays its collectives on little work
+    assert found.sizes == (1,) * world and found.time == data_parallel.time, (found, one_group)
+    print(f"p=8, 64 rows: split {found.sizes}, {found.time * 1e3:.3f} ms; one group {one_group * 1e3:.3f} ms")
+    long = [8192]
+    found = assign(long, world, cost, all_busy=True, shape=shape)
+    assert found is not None and found.sizes == (world,)
