@@ -41,13 +41,26 @@ class _RegisterAfterLightning(importlib.abc.MetaPathFinder):
 
         def exec_module(module: Any) -> None:
             original(module)
-            importlib.import_module("lightning_paradyse.strategy")  # registers "paradyse"
+            _register(module.StrategyRegistry)
 
         loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
 
 
+def _register(registry: Any) -> None:
+    """``paradyse`` in Lightning's strategy registry: a factory that imports the strategy when a Trainer asks for it
+    (importing it here, inside Lightning's own import, would import this package's modules half-way through it)."""
+    if "paradyse" not in registry:
+        registry.register(
+            "paradyse", _paradyse_strategy, description="Per-batch, per-layer parallel-mode switching (ParaDySe)"
+        )
+
+
+def _paradyse_strategy(**kwargs: Any) -> Any:
+    return importlib.import_module("lightning_paradyse.strategy").ParaDySeStrategy(**kwargs)
+
+
 if _TRIGGER in sys.modules:
-    importlib.import_module("lightning_paradyse.strategy")
+    _register(sys.modules[_TRIGGER].StrategyRegistry)
 else:
     sys.meta_path.insert(0, _RegisterAfterLightning())

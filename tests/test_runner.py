@@ -89,7 +89,7 @@ class Record(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy
         self.state = {k: v.detach().clone() for k, v in strategy.lightning_module_state_dict().items()}
-        self.exchanges = strategy._runner.exchanges  # type: ignore[attr-defined]
+        self.exchanges = strategy.cycle.runner.exchanges  # type: ignore[attr-defined]
 
 
 def dealt(lengths: Any, world: int, cost: Any, **kwargs: Any) -> Assignment:

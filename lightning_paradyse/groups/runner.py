@@ -31,7 +31,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -64,8 +64,8 @@ class GroupStep:
 
     assignment: Assignment
     """Group sizes and the units of each group (the same on every rank)."""
-    units: Units
-    """The batch's rows or documents."""
+    units: Units | None
+    """The batch's rows or documents (``None``: the batch is not shared out, one group of every rank)."""
     index: int
     """This rank's group."""
     group: Group
@@ -73,7 +73,7 @@ class GroupStep:
     rank: int
     """This rank's rank inside the group."""
     batch: Any
-    """The group's batch (its rows or documents)."""
+    """The group's batch (its rows or documents; ``None``: the batch the module's step is given)."""
     info: BatchInfo
     """This rank's description of its group's batch (``n_global`` of the whole batch)."""
     plans: tuple[Plan, ...]
@@ -87,6 +87,10 @@ class GroupStep:
     """Seconds the decision took."""
     reuse: bool = False
     """Run on the ``1/g`` shards kept from the previous micro-batch (same split, weights unchanged): no exchange."""
+    whole: bool = False
+    """One group of every rank on the whole batch (a single sequence, evaluation, ``groups=False``): no exchange."""
+    model_metrics: dict[str, float] = field(default_factory=dict)
+    """The cost model's predictions of a whole step's plan (``plan/predicted_time_s``, ...; none without one)."""
 
     @property
     def size(self) -> int:
@@ -142,7 +146,20 @@ class GroupRunner:
 
     @property
     def ready(self) -> bool:
+        """Whether batches may be shared out among groups (:meth:`setup` made the groups)."""
         return self._set is not None
+
+    def bind(self, module: nn.Module, world: Group) -> None:
+        """The parallelized module and the world's group (every run, grouped or not)."""
+        self._module, self._world = module, world
+
+    def whole(self, info: BatchInfo, plan: Plan, rank: int, predicted: dict[str, float] | None = None) -> GroupStep:
+        """The step of a batch on one group of every rank with ``plan`` (``info``: the batch's description)."""
+        p = group_size(self._world)
+        found = Assignment((p,), (tuple(range(info.batch)),), (0.0,))
+        return GroupStep(
+            found, None, 0, self._world, rank, None, info, (plan,), {}, whole=True, model_metrics=predicted or {}
+        )
 
     def setup(
         self, module: nn.Module, world: Group, planner: Planner, measured: float | None = None
@@ -316,7 +333,9 @@ class GroupRunner:
         layout and plan."""
         module = self._module
         assert module is not None
-        if not step.reuse:
+        if step.whole:
+            self.flush()  # shards kept from a grouped micro-batch give their gradients back first
+        elif not step.reuse:
             self.flush()
             enter_group(module, self._world, step.assignment.sizes)
             self.exchanges += 1
@@ -330,10 +349,14 @@ class GroupRunner:
         summed over every rank and every rank's measured seconds (one all-to-all over every rank), unless micro-batches
         are left to accumulate: the shards are then kept and nothing moves."""
         step, self.step = self.step, None
-        if step is None:
-            return
         module = self._module
         assert module is not None
+        if step is None or step.whole:  # one group (or a skipped batch): the replicated gradients, when it steps
+            self.times = ()
+            if not accumulating:
+                self.flush()  # a skipped last micro-batch: the earlier ones' kept shards
+                parallel.reduce_replicated_grads(module, self._world)
+            return
         synchronize(next(module.parameters()).device)  # the step's kernels, not only their launches (once a step)
         mine = time.perf_counter() - self._started
         self.kept = step.assignment.sizes
