@@ -3,8 +3,9 @@
     python cli.py fit --config configs/cpu_2proc.yaml         # train (also: validate, test)
     python cli.py check --world-size 3 --seq-len 101 --plan random --seed 7
 
-``fit`` / ``validate`` / ``test`` are Lightning's ``LightningCLI`` over :class:`~lightning_paradyse.lit.LanguageModel`
-and :class:`~lightning_paradyse.data.CorpusDataModule`; the strategy is chosen in the config
+``fit`` / ``validate`` / ``test`` are Lightning's ``LightningCLI`` over
+:class:`~lightning_paradyse.lightning.language_model.LanguageModel`
+and :class:`~lightning_paradyse.data.datamodule.CorpusDataModule`; the strategy is chosen in the config
 (``trainer.strategy: paradyse`` or ``class_path: lightning_paradyse.ParaDySeStrategy`` with ``init_args``), and
 ``--help`` shows every option with its docstring.
 
@@ -25,13 +26,13 @@ import yaml
 from lightning.pytorch.cli import LightningCLI
 from typing_extensions import override
 
-from lightning_paradyse.check import CheckSettings, check_worker, format_report
-from lightning_paradyse.data import CorpusDataModule
-from lightning_paradyse.layout import SeqLayout
-from lightning_paradyse.lit import LanguageModel
+from lightning_paradyse.data.datamodule import CorpusDataModule
+from lightning_paradyse.distributed.layout import SeqLayout
+from lightning_paradyse.distributed.spawn import run_distributed
+from lightning_paradyse.lightning.language_model import LanguageModel
 from lightning_paradyse.models import CONFIGS
-from lightning_paradyse.plan import parse_plan
-from lightning_paradyse.spawn import run_distributed
+from lightning_paradyse.modes.plan import parse_plan
+from lightning_paradyse.tools.mode_check import CheckSettings, check_worker, format_report
 
 
 def _plan_arg(text: str) -> str | list[Any]:
@@ -101,14 +102,14 @@ def check_main(argv: Sequence[str]) -> int:
 
 def profile_main(argv: Sequence[str]) -> int:
     """``python cli.py profile``: calibrate the cost model on this machine (see ``--help``)."""
-    from lightning_paradyse.cost.cli import profile_main as run
+    from lightning_paradyse.tools.cost_cli import profile_main as run
 
     return run(list(argv))
 
 
 def plan_main(argv: Sequence[str]) -> int:
     """``python cli.py plan``: the planner's choices for given lengths and budget (see ``--help``)."""
-    from lightning_paradyse.cost.cli import plan_main as run
+    from lightning_paradyse.tools.cost_cli import plan_main as run
 
     return run(list(argv))
 

@@ -23,8 +23,8 @@ print('smoke: torch', torch.__version__, 'lightning', lightning.__version__)"
 
 # -p no:cacheprovider: nothing written into the tree; PYTHONPATH unset: only the venv's packages
 env -u PYTHONPATH timeout --kill-after=30 "${SMOKE_TIMEOUT:-900}" "$py" -m pytest -q -p no:cacheprovider --timeout=300 \
-    tests/test_comm.py tests/test_devices.py \
+    tests/distributed/test_comm.py tests/distributed/test_devices.py \
     tests/exact/test_exact.py::test_two_processes_equal_plain_lightning \
     tests/exact/test_exact.py::test_ranks_sharing_one_device_equal_plain_lightning \
-    tests/test_families.py::test_mixture_of_experts_with_the_default_grouped_gemm_kernels_matches_single_process \
-    tests/test_strategy.py -k "not three_processes"
+    tests/graph/test_families.py::test_mixture_of_experts_with_the_default_grouped_gemm_kernels_matches_single_process \
+    tests/lightning/test_strategy.py -k "not three_processes"

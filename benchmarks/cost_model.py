@@ -32,8 +32,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.planner_time import _timed  # noqa: E402
-from lightning_paradyse.cost.planner import make_planner  # noqa: E402
-from lightning_paradyse.cost.profile import (  # noqa: E402
+from lightning_paradyse.calibration.profile import (  # noqa: E402
     MEMORY_TARGET,
     TIME_TARGET,
     Profile,
@@ -43,6 +42,7 @@ from lightning_paradyse.cost.profile import (  # noqa: E402
     run_profile,
 )
 from lightning_paradyse.models import CONFIGS  # noqa: E402
+from lightning_paradyse.planning.planner import make_planner  # noqa: E402
 
 PLANNER_TARGET_MS = {"uncached": 20.0, "cached": 1.0}
 """Decision time per batch the planner is meant to stay under (32 layers, four modes and recomputation)."""

@@ -22,9 +22,9 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.settings import ModelSettings
-from lightning_paradyse.cost.planner import CostPlanner, make_planner
 from lightning_paradyse.groups import solver
 from lightning_paradyse.groups.cost import group_cost, group_shape_cost
+from lightning_paradyse.planning.planner import CostPlanner, make_planner
 
 ROOT = Path(__file__).resolve().parent.parent
 

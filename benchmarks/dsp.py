@@ -31,15 +31,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lightning_paradyse.comm import CommCounter
-from lightning_paradyse.cost.grid import GridPlanner
+from lightning_paradyse.distributed.comm import CommCounter
+from lightning_paradyse.distributed.layout import SeqLayout
+from lightning_paradyse.distributed.spawn import run_distributed
 from lightning_paradyse.graph.dispatch import AttentionDispatch
-from lightning_paradyse.layout import SeqLayout
 from lightning_paradyse.models.st import SpatialTemporalTransformer, STConfig
-from lightning_paradyse.parallel import configure, dispatchers, parallelize
-from lightning_paradyse.plan import LayerPlan, OpPlan, Plan
-from lightning_paradyse.spawn import run_distributed
-from lightning_paradyse.spec import SeqContext
+from lightning_paradyse.modes.plan import LayerPlan, OpPlan, Plan
+from lightning_paradyse.modes.specs import SeqContext
+from lightning_paradyse.planning.grid import GridPlanner
+from lightning_paradyse.runtime.parallel import configure, dispatchers, parallelize
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = STConfig(vocab_size=256, n_layers=8, hidden=128, n_heads=8, ffn=512, max_frames=64, max_patches=256)

@@ -42,7 +42,7 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 from lightning_paradyse import ParaDySeStrategy, ParaDySeSwitcher  # noqa: E402
-from lightning_paradyse.lit import LanguageModel  # noqa: E402
+from lightning_paradyse.lightning.language_model import LanguageModel  # noqa: E402
 
 SETUP_LIMIT = 1.25
 """Setup and checkpoint peaks per rank, at most this many times the steady training peak."""
@@ -243,14 +243,14 @@ def _profile(device: str, timeout: float) -> Row:
 
 
 EXACT = "tests/exact/test_exact.py::"
-FAMILIES = "tests/test_families.py::"
+FAMILIES = "tests/graph/test_families.py::"
 PYTEST_ROWS: dict[str, tuple[list[str], float]] = {
     "exact-p2": ([EXACT + "test_two_processes_equal_plain_lightning"], 400),
     "exact-p4": ([EXACT + "test_four_processes_on_groups_equal_plain_lightning"], 400),
     "exact-shared": ([EXACT + "test_ranks_sharing_one_device_equal_plain_lightning"], 200),
     "families-p2": ([FAMILIES + "test_hugging_face_families_match_single_process_in_float64"], 400),
-    "moe-defaults": (["tests/test_families.py", "-k", "default_grouped_gemm"], 200),
-    "bf16": (["tests/test_bf16.py"], 400),
+    "moe-defaults": (["tests/graph/test_families.py", "-k", "default_grouped_gemm"], 200),
+    "bf16": (["tests/lightning/test_bf16.py"], 400),
 }
 """Rows that run tests of the suite on the device: targets and the time limit (seconds)."""
 CLI_ROWS = {"main-job": "configs/cpu_2proc.yaml", "hf-yaml": "configs/hf_llama_cpu.yaml"}

@@ -44,11 +44,11 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_paradyse import ParaDySeStrategy, ParaDySeSwitcher
-from lightning_paradyse.batching import BatchingConfig, pack_documents, plan_batches
+from lightning_paradyse.data.batching import BatchingConfig, pack_documents, plan_batches
+from lightning_paradyse.data.length_traces import length_trace
+from lightning_paradyse.distributed.spawn import run_distributed
 from lightning_paradyse.models import LlamaConfig
 from lightning_paradyse.models.llama import Llama
-from lightning_paradyse.spawn import run_distributed
-from lightning_paradyse.traces import length_trace
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = LlamaConfig(vocab_size=256, n_layers=4, hidden=128, n_heads=8, n_kv_heads=4, ffn=384, max_seq_len=4096)

@@ -3,7 +3,7 @@
 * **Time**: :class:`StepRecorder` (a Lightning callback, first in the list) reads the clock at
   ``on_train_batch_start`` and ``on_train_batch_end``: the planner, forward, backward, gradient
   synchronisation and the optimizer step are inside; data loading is not. CUDA is synchronised at both ends.
-* **Memory**: the cost model's :class:`~lightning_paradyse.cost.tracker.MemoryTracker` (live tensor storage on
+* **Memory**: the cost model's :class:`~lightning_paradyse.calibration.tracker.MemoryTracker` (live tensor storage on
   CPU, allocator statistics on CUDA), or :class:`FallbackTracker` when the package has none. The tracker
   counts what is allocated during the step and what lives across steps (parameters, gradients, optimizer
   state, the local shards of DTensors included) from the step's start until it is freed (Lightning frees the
@@ -11,7 +11,7 @@
   frees: it adds what lives across steps to its peak, over-counting a backward by the gradients' size.)
 * **Communication**: :class:`CollectiveCounter` sees every collective at the dispatcher (``c10d`` and
   ``_c10d_functional`` ops: Lightning's DDP reducer, FSDP2, DTensor and ParaDySe's own calls alike) and counts
-  the bytes each rank sends with the conventions of :class:`lightning_paradyse.comm.CommCounter` (the
+  the bytes each rank sends with the conventions of :class:`lightning_paradyse.distributed.comm.CommCounter` (the
   bandwidth-optimal algorithm's volume); ParaDySe runs also report the package's ``CommCounter``.
 * **Groups**: for a ParaDySe step on groups the strategy's step record gives the split (group sizes), the
   decision's seconds (``groups/solve_s``: split, assignment and every group's plan), the predicted time, and the
@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_flatten
 from typing_extensions import override
 
 try:
-    from lightning_paradyse.cost.tracker import MemoryTracker as PackageTracker
+    from lightning_paradyse.calibration.tracker import MemoryTracker as PackageTracker
 except ImportError:  # the cost model is not installed in this version of the package
     PackageTracker = None  # type: ignore[assignment,misc]
 
@@ -56,7 +56,7 @@ def _storage(t: torch.Tensor) -> Any:
 class FallbackTracker(TorchDispatchMode):
     """Live and peak bytes of the tensor storages created while active (a DTensor counts its local shard).
 
-    Used when :mod:`lightning_paradyse.cost.tracker` cannot be imported; same contract as its
+    Used when :mod:`lightning_paradyse.calibration.tracker` cannot be imported; same contract as its
     ``MemoryTracker`` (``peak`` relative to entry, ``reset_peak``).
     """
 
@@ -352,7 +352,7 @@ class _NullContext:
 
 def _comm_counter() -> Any:
     try:
-        from lightning_paradyse.comm import CommCounter
+        from lightning_paradyse.distributed.comm import CommCounter
     except ImportError:
         return _NullContext()
     return CommCounter()

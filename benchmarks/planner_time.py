@@ -14,8 +14,8 @@ import contextlib
 import statistics
 import time
 
-from lightning_paradyse.cost.planner import PlanInfeasible, make_planner
 from lightning_paradyse.models import CONFIGS
+from lightning_paradyse.planning.planner import PlanInfeasible, make_planner
 
 
 def _timed(planner: object, lengths: list[int]) -> list[float]:

@@ -2,7 +2,8 @@
 
 ParaDySe's exact planner (``ParaDySeStrategy(plan="auto", profile=...)``) needs a profile of the machine and the
 model (``python cli.py profile``). Unless ``--profile`` names one, the benchmark makes it before the runs with
-:func:`lightning_paradyse.cost.profile.profile_worker` and :func:`~lightning_paradyse.cost.profile.fit_profile`
+:func:`lightning_paradyse.calibration.profile.profile_worker` and
+:func:`~lightning_paradyse.calibration.profile.fit_profile`
 on the same number of processes, for the benchmark's own model config. The profiler builds models by config
 name, so the config is entered under :data:`MODEL_NAME` in ``lightning_paradyse.models.CONFIGS`` in this
 process and in the profiling processes (a runtime entry; no package file changes). The calibration time is
@@ -55,7 +56,7 @@ def register(model: ModelSettings) -> str:
 
 def _worker(rank: int, world: int, profile_settings: Any, model: ModelSettings) -> Any:
     register(model)
-    from lightning_paradyse.cost.profile import profile_worker
+    from lightning_paradyse.calibration.profile import profile_worker
 
     return profile_worker(rank, world, profile_settings)
 
@@ -65,8 +66,8 @@ def make_profile(settings: BenchSettings, path: Path) -> dict[str, Any]:
 
     Returns what the report records: the path, the seconds taken and the held-out accuracy per mode.
     """
-    from lightning_paradyse.cost.profile import ProfileSettings, fit_profile, mape_per_mode, merge_ranks
-    from lightning_paradyse.spawn import run_distributed
+    from lightning_paradyse.calibration.profile import ProfileSettings, fit_profile, mape_per_mode, merge_ranks
+    from lightning_paradyse.distributed.spawn import run_distributed
 
     plan = profile_plan(settings)
     name = register(settings.model)

@@ -60,7 +60,7 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
     """The preset (full or quick) with the command line's overrides."""
     from dataclasses import replace
 
-    from lightning_paradyse.policy import parse_memory_budget
+    from lightning_paradyse.planning.fixed import parse_memory_budget
 
     base = BenchSettings.quick() if args.quick else BenchSettings.full()
     traces = select_traces(base.traces, args.traces)
@@ -153,7 +153,7 @@ def run_benchmark(settings: BenchSettings, out_dir: Path) -> tuple[dict[str, Any
     from benchmarks.report import aggregate
     from benchmarks.worker import bench_worker
     from benchmarks.workload import build_trace
-    from lightning_paradyse.spawn import run_distributed
+    from lightning_paradyse.distributed.spawn import run_distributed
 
     start = time.perf_counter()
     profile, profile_info = adaptive_profile(settings, out_dir)

@@ -41,9 +41,9 @@ import torch
 import torch.nn.functional as F
 from typing_extensions import override
 
-from lightning_paradyse.lit import LanguageModel
+from lightning_paradyse.lightning.language_model import LanguageModel
 from lightning_paradyse.models import LlamaConfig
-from lightning_paradyse.plan import OpPlan
+from lightning_paradyse.modes.plan import OpPlan
 
 Family = Literal["paradyse", "groups", "static", "lightning"]
 Parallelism = Literal["none", "fsdp2", "tp"]

@@ -3,7 +3,7 @@ repetitions.
 
 Every run trains the same *global batches*, one per optimizer step: the sequences of a trace grouped under a
 token budget (:attr:`BenchSettings.batch_tokens`, padding counted) the way
-:func:`lightning_paradyse.batching.plan_batches` groups them (see :mod:`benchmarks.workload`).
+:func:`lightning_paradyse.data.batching.plan_batches` groups them (see :mod:`benchmarks.workload`).
 
 Two presets: :meth:`BenchSettings.full` (the numbers in ``benchmarks/RESULTS.md``, under 30 minutes on two CPU
 cores) and :meth:`BenchSettings.quick` (the smoke test, well under 3 minutes). Every field can be changed from
@@ -85,7 +85,7 @@ class TraceSettings:
 
     kind: TraceKind
     """``github`` / ``grch38``: lengths drawn from the paper's bucket shares scaled to ``max_len``
-    (:func:`lightning_paradyse.traces.length_trace`); ``corpus``: documents of the bundled corpus, cut into
+    (:func:`lightning_paradyse.data.length_traces.length_trace`); ``corpus``: documents of the bundled corpus, cut into
     chunks of at most ``max_len``; ``mixed``: mostly short sequences with a few long ones (:attr:`long_share`)."""
     n: int
     """Sequences in the trace."""
@@ -96,7 +96,8 @@ class TraceSettings:
     seed: int = 0
     """Seed of the lengths, of the text windows and of a shuffled order."""
     order: TraceOrder = "sorted"
-    """How sequences fill the global batches (:attr:`lightning_paradyse.batching.BatchingConfig.order`): ``sorted``,
+    """How sequences fill the global batches (:attr:`lightning_paradyse.data.batching.BatchingConfig.order`):
+    ``sorted``,
     shortest first, the paper's curriculum (a batch holds sequences of similar lengths); ``shuffled``, a seeded
     random order (a batch mixes lengths)."""
     long_share: float = 0.125
@@ -135,7 +136,7 @@ class BenchSettings:
     """The length traces."""
     batch_tokens: int = 4096
     """Token budget of one global batch (one optimizer step), padding counted: ``rows x longest row <= batch_tokens``
-    (:attr:`lightning_paradyse.batching.BatchingConfig.max_tokens`)."""
+    (:attr:`lightning_paradyse.data.batching.BatchingConfig.max_tokens`)."""
     runs: tuple[str, ...] = ALL_RUNS
     """Names of the runs (see :data:`ALL_RUNS`)."""
     budget: int = 64 * MiB

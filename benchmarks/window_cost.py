@@ -8,7 +8,7 @@ layer 0 of its model a causal sliding window (the dispatch module's ``AttnSpec.w
 measures the attention segment (norm + attention, forward and backward, as the profile's segments are measured)
 in every mode without recomputation, with and without the window, and compares with the cost model's prediction
 for that window: the profile's fitted per-op constants on kernel rates benchmarked in the same run (the slowest
-rank's), as a profile or :func:`~lightning_paradyse.cost.quick.quick_machine` measures them for a model with
+rank's), as a profile or :func:`~lightning_paradyse.calibration.quick.quick_machine` measures them for a model with
 these windows, so that the kernels only windows call are measured too (ring tiles a window masks, run by the
 explicit kernel; the SDPA path's query chunks against a band mask), and so that a machine whose speed drifted since
 the profile (a shared host) moves measurement and prediction alike.
@@ -30,8 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
-from lightning_paradyse.cost.profile import Profile, load_profile  # noqa: E402
-from lightning_paradyse.spawn import run_distributed  # noqa: E402
+from lightning_paradyse.calibration.profile import Profile, load_profile  # noqa: E402
+from lightning_paradyse.distributed.spawn import run_distributed  # noqa: E402
 
 MODES = ("tp_sp", "ulysses", "ring", "metp")
 
@@ -58,12 +58,12 @@ def _worker(rank: int, world: int, settings: Settings) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from lightning_paradyse.cost.measure import bench_kernels, measure_segment
-    from lightning_paradyse.cost.profile import _build
+    from lightning_paradyse.calibration.measure import bench_kernels, measure_segment
+    from lightning_paradyse.calibration.profile import _build
+    from lightning_paradyse.distributed.layout import SeqLayout
     from lightning_paradyse.graph.dispatch import AttentionDispatch
-    from lightning_paradyse.layout import SeqLayout
-    from lightning_paradyse.parallel import dispatchers
-    from lightning_paradyse.spec import SeqContext
+    from lightning_paradyse.modes.specs import SeqContext
+    from lightning_paradyse.runtime.parallel import dispatchers
 
     profile = load_profile(settings.profile)
     prof_settings = dataclasses.replace(_settings_of(profile), kernel_seconds=settings.kernel_seconds)
@@ -88,7 +88,7 @@ def _worker(rank: int, world: int, settings: Settings) -> dict[str, Any]:
 
 
 def _settings_of(profile: Profile) -> Any:
-    from lightning_paradyse.cost.profile import ProfileSettings
+    from lightning_paradyse.calibration.profile import ProfileSettings
 
     fields = {f.name for f in dataclasses.fields(ProfileSettings)}
     stored = {k: tuple(v) if isinstance(v, list) else v for k, v in profile.settings.items() if k in fields}

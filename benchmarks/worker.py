@@ -1,6 +1,6 @@
 """What every spawned process does: Lightning Trainers for every (trace, run, pass), then the length search.
 
-Each process of :func:`lightning_paradyse.spawn.run_distributed` runs :func:`bench_worker`. It sets the
+Each process of :func:`lightning_paradyse.distributed.spawn.run_distributed` runs :func:`bench_worker`. It sets the
 environment variables that make Lightning treat the processes as launched externally (as under ``torchrun``:
 no strategy launches anything), then, for each fit, creates a fresh process group (gloo on CPU, NCCL on
 CUDA; file store, no ports), builds a fresh :class:`~benchmarks.runs.BenchLM` from the same seed and a fresh
@@ -41,7 +41,7 @@ from benchmarks.instrument import StepRecorder, matmul_rate
 from benchmarks.runs import BenchLM, RunSpec, make_strategy, parallelism, run_spec
 from benchmarks.settings import BenchSettings
 from benchmarks.workload import Trace, probe_batch, rank_items
-from lightning_paradyse.devices import resolve_backend
+from lightning_paradyse.distributed.devices import resolve_backend
 
 PROBE_ESTIMATE = 8
 """Probes per run assumed by the progress bar before the search starts."""

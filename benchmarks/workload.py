@@ -2,17 +2,17 @@
 
 Traces (each sequence is ``length + 1`` tokens: inputs and shifted targets):
 
-* ``github`` / ``grch38``: lengths from :func:`lightning_paradyse.traces.length_trace` (the paper's bucket
+* ``github`` / ``grch38``: lengths from :func:`lightning_paradyse.data.length_traces.length_trace` (the paper's bucket
   shares, scaled so the paper's longest sequence maps to the trace's ``max_len``), tokens from windows of the
-  standard library's source text (:func:`lightning_paradyse.data.stdlib_bytes`);
+  standard library's source text (:func:`lightning_paradyse.data.datamodule.stdlib_bytes`);
 * ``corpus``: chunks of the bundled corpus (the installed Python sources, byte tokens;
-  :func:`lightning_paradyse.corpus.load_corpus`) drawn at random, so its lengths are the corpus's own;
+  :func:`lightning_paradyse.data.corpus.load_corpus`) drawn at random, so its lengths are the corpus's own;
 * ``mixed``: mostly short sequences with a few long ones (:func:`mixed_lengths`), tokens as ``github``.
 
 **Global batches.** One optimizer step of every run trains one global batch: the trace's sequences are grouped
-by :func:`lightning_paradyse.batching.plan_batches` under the token budget ``batch_tokens`` (padding counted:
+by :func:`lightning_paradyse.data.batching.plan_batches` under the token budget ``batch_tokens`` (padding counted:
 ``rows x longest <= batch_tokens``), in the trace's order (``sorted``: shortest first, the paper's curriculum;
-``shuffled``: seeded), as :class:`~lightning_paradyse.batching.TokenBudgetSampler` and ``CorpusDataModule``
+``shuffled``: seeded), as :class:`~lightning_paradyse.data.batching.TokenBudgetSampler` and ``CorpusDataModule``
 group chunks. A global batch is the rows right-padded to its longest (:func:`pad_rows`)::
 
     {"input_ids": [b, L], "targets": [b, L], "attention_mask": [b, L]}
@@ -45,8 +45,8 @@ import torch
 from torch import Tensor
 
 from benchmarks.settings import TraceSettings
-from lightning_paradyse.batching import IGNORE_INDEX, BatchingConfig, plan_batches
-from lightning_paradyse.traces import bucket_labels, length_trace, scaled_edges
+from lightning_paradyse.data.batching import IGNORE_INDEX, BatchingConfig, plan_batches
+from lightning_paradyse.data.length_traces import bucket_labels, length_trace, scaled_edges
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,7 @@ def rank_items(trace: Trace, rank: int, world: int, data_parallel: bool) -> list
 
 def text_windows(lengths: list[int], seed: int) -> list[np.ndarray]:
     """A window of ``length + 1`` tokens of standard-library source text per length (seeded)."""
-    from lightning_paradyse.data import stdlib_bytes
+    from lightning_paradyse.data.datamodule import stdlib_bytes
 
     text = stdlib_bytes().numpy()
     rng = np.random.default_rng(seed)
@@ -150,8 +150,8 @@ def text_windows(lengths: list[int], seed: int) -> list[np.ndarray]:
 
 def corpus_chunks(n: int, max_len: int, min_len: int, seed: int) -> list[np.ndarray]:
     """``n`` random chunks (at most ``max_len`` tokens, at least ``min_len``) of the bundled corpus."""
-    from lightning_paradyse.batching import chunk_documents
-    from lightning_paradyse.corpus import CorpusConfig, load_corpus
+    from lightning_paradyse.data.batching import chunk_documents
+    from lightning_paradyse.data.corpus import CorpusConfig, load_corpus
 
     corpus = load_corpus(CorpusConfig(ascii=True, max_bytes=8_000_000, progress=False, verbose=False))
     chunks = chunk_documents(corpus.lengths, max_len + 1, min_len=min_len + 1)

@@ -17,14 +17,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lightning_paradyse.check import lm_loss_sum
-from lightning_paradyse.comm import all_reduce_sum
-from lightning_paradyse.layout import SeqLayout
-from lightning_paradyse.models import build_model
-from lightning_paradyse.parallel import configure, parallelize, reduce_replicated_grads
-from lightning_paradyse.plan import LayerPlan, OpPlan, Plan
-from lightning_paradyse.spawn import run_distributed
-from lightning_paradyse.spec import SeqContext
+from lightning_paradyse.distributed.comm import all_reduce_sum
+from lightning_paradyse.distributed.layout import SeqLayout
+from lightning_paradyse.distributed.spawn import run_distributed
+from lightning_paradyse.models import build_model, lm_loss_sum
+from lightning_paradyse.modes.plan import LayerPlan, OpPlan, Plan
+from lightning_paradyse.modes.specs import SeqContext
+from lightning_paradyse.runtime.parallel import configure, parallelize, reduce_replicated_grads
 
 
 def stdlib_bytes(limit: int = 2_000_000) -> torch.Tensor:

@@ -19,7 +19,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_paradyse import ParaDySeStrategy
-from lightning_paradyse.data import TextDataModule
+from lightning_paradyse.data.datamodule import TextDataModule
 from lightning_paradyse.models import build_model
 
 

@@ -16,7 +16,10 @@ from typing import Any
 
 __all__ = ["ParaDySeStrategy", "ParaDySeSwitcher"]
 
-_LAZY = {"ParaDySeStrategy": "lightning_paradyse.strategy", "ParaDySeSwitcher": "lightning_paradyse.callbacks"}
+_LAZY = {
+    "ParaDySeStrategy": "lightning_paradyse.lightning.strategy",
+    "ParaDySeSwitcher": "lightning_paradyse.lightning.callbacks",
+}
 _TRIGGER = "lightning.pytorch.strategies"
 
 
@@ -57,8 +60,56 @@ def _register(registry: Any) -> None:
 
 
 def _paradyse_strategy(**kwargs: Any) -> Any:
-    return importlib.import_module("lightning_paradyse.strategy").ParaDySeStrategy(**kwargs)
+    return importlib.import_module("lightning_paradyse.lightning.strategy").ParaDySeStrategy(**kwargs)
 
+
+_MOVED = {
+    **{
+        name: f"{folder}.{name}"
+        for folder, names in {
+            "distributed": ("layout", "comm", "devices", "spawn"),
+            "modes": ("attention", "plan", "volume"),
+            "runtime": ("parallel", "slicing", "checkpoint", "hf_checkpointing", "guards"),
+            "lightning": ("strategy", "callbacks", "summary", "plot"),
+            "data": ("corpus", "batching"),
+        }.items()
+        for name in names
+    },
+    "spec": "modes.specs",
+    "policy": "planning.fixed",
+    "step": "lightning.records",
+    "lit": "lightning.language_model",
+    "traces": "data.length_traces",
+    "check": "tools.mode_check",
+    "cost.profile": "calibration.profile",
+    "cost.measure": "calibration.measure",
+    "cost.calibrate": "calibration.calibrate",
+    "cost.quick": "calibration.quick",
+    "cost.tracker": "calibration.tracker",
+    "cost.planner": "planning.planner",
+    "cost.grid": "planning.grid",
+    "cost.cli": "tools.cost_cli",
+}
+"""Module paths of earlier versions -> where the module lives now (``lightning_paradyse.parallel`` still imports)."""
+
+
+class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports of an earlier version's module path give the module at its place in the layout."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        old = fullname.removeprefix("lightning_paradyse.")
+        if fullname.startswith("lightning_paradyse.") and old in _MOVED:
+            return importlib.util.spec_from_loader(fullname, self)
+        return None
+
+    def create_module(self, spec: Any) -> Any:
+        return importlib.import_module("lightning_paradyse." + _MOVED[spec.name.removeprefix("lightning_paradyse.")])
+
+    def exec_module(self, module: Any) -> None:
+        return None
+
+
+sys.meta_path.append(_MovedModules())
 
 if _TRIGGER in sys.modules:
     _register(sys.modules[_TRIGGER].StrategyRegistry)

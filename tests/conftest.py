@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_paradyse.spawn import use_forkserver
+from lightning_paradyse.distributed.spawn import use_forkserver
 
 # Machines measured by plan="auto" are kept for the test session only (set before the fork server starts).
 os.environ.setdefault("PARADYSE_CACHE_DIR", tempfile.mkdtemp(prefix="paradyse-cache-"))
@@ -22,7 +22,7 @@ use_forkserver(
         "torch.distributed",
         "lightning.pytorch",
         "lightning_paradyse",
-        "lightning_paradyse.strategy",
+        "lightning_paradyse.lightning.strategy",
         "transformers",
         "transformers.models.llama.modeling_llama",
         "tests.support.lightning",

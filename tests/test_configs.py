@@ -21,8 +21,8 @@ from typing_extensions import override
 
 from cli import ParaDySeCLI, main
 from lightning_paradyse import ParaDySeStrategy
-from lightning_paradyse.data import CorpusDataModule
-from lightning_paradyse.lit import LanguageModel
+from lightning_paradyse.data.datamodule import CorpusDataModule
+from lightning_paradyse.lightning.language_model import LanguageModel
 from lightning_paradyse.models import CONFIGS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,7 +52,10 @@ def _available(accelerator: str) -> bool:
 
 def _strategy(config: Any) -> ParaDySeStrategy:
     spec = config.trainer.strategy
-    assert spec.class_path in ("lightning_paradyse.ParaDySeStrategy", "lightning_paradyse.strategy.ParaDySeStrategy")
+    assert spec.class_path in (
+        "lightning_paradyse.ParaDySeStrategy",
+        "lightning_paradyse.lightning.strategy.ParaDySeStrategy",
+    )
     return ParaDySeStrategy(**dict(spec.init_args))
 
 

@@ -14,13 +14,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_paradyse import comm
-from lightning_paradyse.layout import SeqLayout
+from lightning_paradyse.distributed import comm
+from lightning_paradyse.distributed.layout import SeqLayout
+from lightning_paradyse.distributed.spawn import run_distributed
 from lightning_paradyse.modes import MODES
-from lightning_paradyse.parallel import configure, parallelize
-from lightning_paradyse.plan import uniform_plan
-from lightning_paradyse.spawn import run_distributed
-from lightning_paradyse.spec import SeqContext
+from lightning_paradyse.modes.plan import uniform_plan
+from lightning_paradyse.modes.specs import SeqContext
+from lightning_paradyse.runtime.parallel import configure, parallelize
 from tests.support.families import hf_llama
 
 pytestmark = [

@@ -154,3 +154,49 @@ def test_wheel_installs_and_imports(tmp_path: Path) -> None:
     unseen = {m for m in modules - set(found) - {PACKAGE} if not any(m.startswith(f"{p}.") for p in skipped)}
     assert unseen == set(), "modules of the source tree that pkgutil.walk_packages did not find in the wheel"
     assert set(found) <= modules, "modules in the wheel that the source tree lacks"
+
+
+LAYERS = ("distributed", "modes", "graph", "runtime", "cost", "calibration", "planning", "groups", "lightning", "tools")
+"""The package's folders in import order: a module imports only from its own folder and the folders before it."""
+BESIDE = ("data", "models")
+"""Folders beside the layers: they import the lower layers (up to ``cost``) and are imported by any."""
+
+
+def _package_imports() -> list[tuple[str, int, str, bool]]:
+    """``(module, line, imported module, at module level)`` for every import of the package inside the package."""
+    import ast
+
+    out = []
+    for path in sorted((ROOT / PACKAGE).rglob("*.py")):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        tree = ast.parse(path.read_text())
+        top = {id(statement) for statement in tree.body}  # module-level statements
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(PACKAGE):
+                names = [node.module] if node.module != PACKAGE else [f"{PACKAGE}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names if a.name.startswith(PACKAGE)]
+            else:
+                continue
+            out += [(module, node.lineno, name, id(node) in top) for name in names]
+    return out
+
+
+def test_the_package_imports_only_downwards_and_at_module_level() -> None:
+    def folder(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in (*LAYERS, *BESIDE)) else None
+
+    upward, local = [], []
+    for module, line, name, at_top in _package_imports():
+        if not at_top:
+            local.append(f"{module}:{line} imports {name} inside a function")
+        a, b = folder(module), folder(name)
+        if a is None or b is None or a == b:
+            continue
+        lower = LAYERS[: LAYERS.index("cost") + 1]
+        if a in BESIDE and b in LAYERS and b not in lower:
+            upward.append(f"{module}:{line} ({a}, beside) imports {name} ({b})")
+        elif a in LAYERS and b in LAYERS and LAYERS.index(b) > LAYERS.index(a):
+            upward.append(f"{module}:{line} ({a}) imports {name} ({b}, above it)")
+    assert not upward and not local, "\n".join(upward + local)

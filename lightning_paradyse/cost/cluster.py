@@ -19,8 +19,8 @@ from typing import Any
 
 import yaml
 
-from lightning_paradyse.attention import fused_tiles
 from lightning_paradyse.cost.time import Links, Machine
+from lightning_paradyse.modes.attention import fused_tiles
 
 GB = 1e9
 GiB = 2**30

@@ -4,7 +4,7 @@ Every formula of the cost model (FLOPs, bytes saved for backward, transients, co
 is a function of these numbers, the sequence length ``s``, the batch ``b`` and the group size ``p``.
 They come from a model config (:func:`dims_from_config`, so that ``cli.py plan`` can plan for a 70B
 model without building it) or from a parallelized module (:func:`dims_from_module`, which reads the
-:class:`~lightning_paradyse.spec.AttnSpec` / :class:`~lightning_paradyse.spec.MlpSpec` of its
+:class:`~lightning_paradyse.modes.specs.AttnSpec` / :class:`~lightning_paradyse.modes.specs.MlpSpec` of its
 dispatch modules, so user models are covered too).
 
 Every layer has the same widths; what may differ per layer is the attention's causal sliding window
@@ -22,9 +22,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lightning_paradyse.comm import gqa_kv_index
+from lightning_paradyse.distributed.comm import gqa_kv_index
+from lightning_paradyse.graph.dispatch import AttentionDispatch, MlpDispatch, OpaqueDispatch
 from lightning_paradyse.models import GPTConfig, LlamaConfig
-from lightning_paradyse.spec import AttnSpec, MlpSpec
+from lightning_paradyse.modes.specs import AttnSpec, MlpSpec
+from lightning_paradyse.runtime.parallel import dispatchers, n_layers
 
 
 @dataclass(frozen=True)
@@ -171,8 +173,6 @@ def dims_from_config(config: LlamaConfig | GPTConfig, dtype_bytes: int = 4) -> M
 
 
 def _ops(module: nn.Module) -> tuple[Any, Any]:
-    from lightning_paradyse.graph.dispatch import AttentionDispatch, MlpDispatch, OpaqueDispatch
-    from lightning_paradyse.parallel import dispatchers
 
     ops = [op for _, op in dispatchers(module)]
     attn = next((op for op in ops if isinstance(op, AttentionDispatch)), None)
@@ -183,15 +183,13 @@ def _ops(module: nn.Module) -> tuple[Any, Any]:
 
 
 def dims_from_module(module: nn.Module, vocab: int | None = None) -> ModelDims:
-    """The dimensions of a module parallelized by :func:`lightning_paradyse.parallel.parallelize`.
+    """The dimensions of a module parallelized by :func:`lightning_paradyse.runtime.parallel.parallelize`.
 
     ``vocab`` defaults to the largest ``num_embeddings`` of an ``nn.Embedding`` in the module. The
     norm kind is RMS when a module whose class name contains ``RMS`` exists, else LayerNorm. Each layer's
     sliding window is its attention dispatch module's (``AttnSpec.window``), so a model mixing sliding and
     full layers is priced per layer.
     """
-    from lightning_paradyse.graph.dispatch import AttentionDispatch
-    from lightning_paradyse.parallel import dispatchers, n_layers
 
     attn, mlp = _ops(module)
     layers = n_layers(module)

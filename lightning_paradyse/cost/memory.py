@@ -16,7 +16,7 @@ gradients accumulate in backward) is in :mod:`lightning_paradyse.cost.model`.
 Each number is split into a length-independent part (gathered weights, weight shards in flight: known
 exactly from the shapes) and a length-dependent part (activations, attention tiles), because the profile
 calibrates only the latter with a multiplicative factor. The formulas were derived from the modes' code
-(``modes/*.py``) and checked tensor by tensor against :class:`~lightning_paradyse.cost.tracker.MemoryTracker`
+(``modes/*.py``) and checked tensor by tensor against :class:`~lightning_paradyse.calibration.tracker.MemoryTracker`
 on CPU: ``saved`` is exact for ``b = 1`` (float32), the transients are the dominant moments of each
 op and agree to about 10%. Symbols (all per rank): ``t = b*ceil(s/p)`` local tokens, ``T = b*s``,
 ``X = t*h*e`` a local hidden state, ``XG = T*h*e`` a gathered one, ``e`` the element size.
@@ -41,10 +41,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
-from lightning_paradyse.comm import reduce_itemsize
 from lightning_paradyse.cost.dims import ModelDims
 from lightning_paradyse.cost.time import ring_tiles, sdpa_chunks, sdpa_pairs
-from lightning_paradyse.layout import SeqLayout
+from lightning_paradyse.distributed.comm import reduce_itemsize
+from lightning_paradyse.distributed.layout import SeqLayout
 
 BAND_BYTES = 12
 """Bytes per (query, key) pair of one chunk while its band mask is built: the ``int64`` position differences, the
@@ -132,7 +132,7 @@ class _Shape:
 
     @property
     def balanced(self) -> bool:
-        """The head-tail layout of causal attention (see :class:`~lightning_paradyse.layout.SeqLayout`)."""
+        """The head-tail layout of causal attention (see :class:`~lightning_paradyse.distributed.layout.SeqLayout`)."""
         return self.d.causal and self.p > 1 and self.s >= 2 * self.p
 
     @property
@@ -193,7 +193,8 @@ class _Shape:
     @cached_property
     def pad(self) -> float:
         """The padded buffers of a sequence gather or reduce-scatter when the ranks hold different token counts
-        (see :func:`~lightning_paradyse.comm.all_gather_rows`): the ``[p * max_r]`` output and the ``[max_r]``
+        (see :func:`~lightning_paradyse.distributed.comm.all_gather_rows`): the ``[p * max_r]`` output and the
+        ``[max_r]``
         padded input, which gloo may release only after the call has returned; nothing when the counts are equal
         (the collective then reads the input and writes the result in place)."""
         lens = SeqLayout.for_sequence(self.s, self.p, self.d.causal).local_lens
@@ -211,7 +212,8 @@ class _Shape:
 
 def _wide_grads(c: _Shape, w: float) -> float:
     """Bytes a weight gradient of ``w`` bytes adds while it is summed over ranks in float32 for half-precision
-    weights (:func:`~lightning_paradyse.comm.reduce_dtype`): its float32 copy and the float32 reduced shard."""
+    weights (:func:`~lightning_paradyse.distributed.comm.reduce_dtype`): its float32 copy and the float32 reduced
+    shard."""
     wide = w * reduce_itemsize(c.e) / c.e
     return 0.0 if wide == w else wide * (1 + 1 / c.p)
 

@@ -54,7 +54,7 @@ from lightning_paradyse.cost.memory import (
 from lightning_paradyse.cost.search import Choice, PlanProblem, evaluate
 from lightning_paradyse.cost.time import Machine, head_time, op_time
 from lightning_paradyse.modes import MODES, get_mode
-from lightning_paradyse.plan import OPS, Plan
+from lightning_paradyse.modes.plan import OPS, Plan
 
 OP_TYPES = {"attention": 0, "mlp": 1}
 

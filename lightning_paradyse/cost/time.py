@@ -29,7 +29,8 @@ the work each mode really does for them:
 
 * a causal window over ``s`` tokens has ``sum_i min(i+1, w) = s*w - w(w-1)/2`` (query, key) pairs for ``s > w``
   (:func:`window_pairs`; per document with packing, :func:`attention_pairs`);
-* the SDPA path (``tp_sp``, ``ulysses``: :func:`lightning_paradyse.attention.full_attention`) runs a sequence longer
+* the SDPA path (``tp_sp``, ``ulysses``: :func:`lightning_paradyse.modes.attention.full_attention`) runs a sequence
+  longer
   than the window by query chunks of ``w`` tokens, each against the ``<= 2w - 1`` keys it can see, with a band mask;
   a chunk computes its whole rectangle (``w(2w-1)`` pairs, about twice the pairs in the window), at the rate of that
   masked call (kernel ``sdpa_band``, measured per window when the model has windows; else the causal kernel's rate
@@ -59,7 +60,7 @@ import numpy as np
 
 from lightning_paradyse.cost.dims import ModelDims
 from lightning_paradyse.cost.traffic import KINDS, Collective, op_collectives
-from lightning_paradyse.layout import SeqLayout
+from lightning_paradyse.distributed.layout import SeqLayout
 from lightning_paradyse.modes.ring import tiles
 
 
@@ -109,7 +110,7 @@ class Machine:
     sdpa_bwd_flops: float
     """Fused attention kernel, backward (``10*d`` per pair and head)."""
     tile_fwd_flops: float
-    """Ring attention tile kernel (:func:`lightning_paradyse.attention.block_forward`), forward."""
+    """Ring attention tile kernel (:func:`lightning_paradyse.modes.attention.block_forward`), forward."""
     tile_bwd_flops: float
     """Ring attention tile kernel, backward."""
     overlap: float = 1.0
@@ -289,7 +290,8 @@ def attention_pairs(seq_len: int, causal: bool, window: int | None = None, docs:
 
 
 def sdpa_chunks(seq_len: int, window: int) -> list[tuple[int, int]]:
-    """``[(queries, keys), ...]`` of the query chunks :func:`lightning_paradyse.attention.full_attention` runs for one
+    """``[(queries, keys), ...]`` of the query chunks :func:`lightning_paradyse.modes.attention.full_attention` runs
+    for one
     document of ``s > w`` tokens: chunk ``[c0, c0 + w)`` against the keys ``[max(0, c0 - w + 1), c0 + w)``."""
     out = []
     for c0 in range(0, seq_len, window):

@@ -1,7 +1,7 @@
 """Which collectives one op issues, per phase of a step: kind, number of calls, bytes, overlap.
 
-:mod:`lightning_paradyse.volume` gives the exact bytes each rank sends per op and phase (checked
-against :class:`~lightning_paradyse.comm.CommCounter`). An alpha-beta time model also needs the
+:mod:`lightning_paradyse.modes.volume` gives the exact bytes each rank sends per op and phase (checked
+against :class:`~lightning_paradyse.distributed.comm.CommCounter`). An alpha-beta time model also needs the
 number of calls of each collective kind and whether the mode overlaps it with compute, so this module
 splits the same volume into :class:`Collective` entries. Their bytes sum to ``volume.op_traffic``
 exactly (a test checks it for every mode, op and phase), so the communication terms of the time model
@@ -22,11 +22,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lightning_paradyse.comm import reduce_itemsize
 from lightning_paradyse.cost.dims import ModelDims
+from lightning_paradyse.distributed.comm import reduce_itemsize
 
 KINDS = ("all_gather", "reduce_scatter", "all_to_all", "ring", "broadcast", "reduce", "all_reduce")
-"""Collective kinds, named as :class:`~lightning_paradyse.comm.CommCounter` names them."""
+"""Collective kinds, named as :class:`~lightning_paradyse.distributed.comm.CommCounter` names them."""
 
 PHASES = ("forward", "backward", "recompute")
 
@@ -74,7 +74,7 @@ class _Case:
 
     def gbytes(self, elements: float) -> float:
         """Bytes of summing the gradients of ``elements`` sharded weight elements over the ranks (float32 for
-        half-precision weights: :func:`~lightning_paradyse.comm.reduce_itemsize`)."""
+        half-precision weights: :func:`~lightning_paradyse.distributed.comm.reduce_itemsize`)."""
         return elements * self.frac * reduce_itemsize(self.e)
 
 

@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from lightning_paradyse.comm import (
+from lightning_paradyse.distributed.comm import (
     Group,
     all_reduce_sum,
     gather_seq,
@@ -31,6 +31,7 @@ from lightning_paradyse.comm import (
     no_counting,
     scatter_seq,
 )
+from lightning_paradyse.distributed.layout import SeqLayout
 from lightning_paradyse.graph.program import Program
 from lightning_paradyse.graph.roles import (
     AttentionRoles,
@@ -41,13 +42,12 @@ from lightning_paradyse.graph.roles import (
     projection_weight,
 )
 from lightning_paradyse.graph.trace import ArgRef
-from lightning_paradyse.layout import SeqLayout
 from lightning_paradyse.modes import GRID_MODES, get_mode
 from lightning_paradyse.modes.base import Autocast, add_bias
 from lightning_paradyse.modes.dsp import GridState
+from lightning_paradyse.modes.plan import OpPlan
+from lightning_paradyse.modes.specs import AttnSpec, AttnWeights, MlpSpec, MlpWeights, SeqContext, row_sizes, shard_rows
 from lightning_paradyse.modes.zero3 import zero3_linear, zero3_linear_t
-from lightning_paradyse.plan import OpPlan
-from lightning_paradyse.spec import AttnSpec, AttnWeights, MlpSpec, MlpWeights, SeqContext, row_sizes, shard_rows
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,8 @@ import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_paradyse.comm import Group
+from lightning_paradyse.distributed.comm import Group
+from lightning_paradyse.distributed.layout import SeqLayout
 from lightning_paradyse.graph.dispatch import (
     AttentionDispatch,
     ColumnDispatch,
@@ -45,11 +46,10 @@ from lightning_paradyse.graph.passes import SOFTMAX, RoleError, find_attention, 
 from lightning_paradyse.graph.program import PROBE_TOKENS, ProgramError, probe, probe_tail, tolerance
 from lightning_paradyse.graph.roles import AttentionRoles, MlpRoles, is_projection, projection_weight
 from lightning_paradyse.graph.trace import trace_block
-from lightning_paradyse.layout import SeqLayout
 from lightning_paradyse.modes import GRID_MODES, MODES
 from lightning_paradyse.modes.dsp import GridState
-from lightning_paradyse.plan import OpPlan
-from lightning_paradyse.spec import SeqContext
+from lightning_paradyse.modes.plan import OpPlan
+from lightning_paradyse.modes.specs import SeqContext
 
 EXAMPLE_LEN = 7
 """Tokens in the example input: a size no other dimension of the tiny example has."""

@@ -27,6 +27,7 @@ from typing import Any
 from lightning_paradyse.cost.dims import ModelDims
 from lightning_paradyse.cost.time import Machine
 from lightning_paradyse.groups.solver import GroupCost, ShapeCost
+from lightning_paradyse.planning.planner import CostPlanner, PlanInfeasible
 
 SHAPE_CACHE = 2**16
 """Shapes ``(s, b, g)`` whose predicted time :func:`planner_step_time` keeps."""
@@ -46,7 +47,7 @@ def flop_weights(dims: ModelDims) -> tuple[float, float]:
 
 def attention_crossover(dims: ModelDims) -> int:
     """The sequence length at which attention costs as many FLOPs as the rest of the blocks (for
-    :attr:`~lightning_paradyse.batching.BatchingConfig.attention_len`)."""
+    :attr:`~lightning_paradyse.data.batching.BatchingConfig.attention_len`)."""
     per_token, per_pair = flop_weights(dims)
     return max(1, round(per_token / per_pair))
 
@@ -123,11 +124,10 @@ def planner_step_time(
     dims: ModelDims, planner_for: Callable[[int], Any], scales: Mapping[int, float] | None = None
 ) -> StepTime:
     """:data:`StepTime` from the cost planner of each group size: the step planned at the shape's buckets
-    (:meth:`~lightning_paradyse.cost.planner.CostPlanner.step`), its time rescaled from the bucket's length to
+    (:meth:`~lightning_paradyse.planning.planner.CostPlanner.step`), its time rescaled from the bucket's length to
     the real one by the FLOP count and interpolated linearly in the batch between the batch buckets around it
     (``b`` rows between ``B/2`` and ``B``: the steps planned for both), times ``scales[g]``. Both are monotone,
     so the cost is; results are cached per shape (:data:`SHAPE_CACHE` of them)."""
-    from lightning_paradyse.cost.planner import PlanInfeasible
 
     a, c = flop_weights(dims)
     scales = scales or {}
@@ -197,7 +197,6 @@ def group_shape_cost(
 
 
 def _modelled(planner: Any) -> bool:
-    from lightning_paradyse.cost.planner import CostPlanner
 
     return isinstance(planner, CostPlanner)
 

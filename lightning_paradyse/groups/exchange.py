@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from lightning_paradyse.comm import (
+from lightning_paradyse.distributed.comm import (
     Group,
     all_gather_rows,
     all_to_all_rows,
@@ -45,10 +45,10 @@ from lightning_paradyse.comm import (
     reduce_dtype,
     synchronize,
 )
-from lightning_paradyse.devices import gpu_free_bytes
+from lightning_paradyse.distributed.devices import gpu_free_bytes
+from lightning_paradyse.distributed.layout import split_offsets
 from lightning_paradyse.graph.dispatch import OpDispatch
-from lightning_paradyse.layout import split_offsets
-from lightning_paradyse.parallel import (
+from lightning_paradyse.runtime.parallel import (
     ReplicatedGrads,
     dispatchers,
     reduce_replicated_grads,
@@ -268,7 +268,7 @@ def exit_group(
     the rows it read, and the owner adds what every group sent (one contribution per group that read the row).
     Shard gradients are added to what the parameters hold (gradient accumulation works). With ``replicated`` the
     replicated gradients are summed over the world too: in the same all-to-all when that is cheap
-    (:data:`FOLD_BYTES`), else by :func:`~lightning_paradyse.parallel.reduce_replicated_grads`; with
+    (:data:`FOLD_BYTES`), else by :func:`~lightning_paradyse.runtime.parallel.reduce_replicated_grads`; with
     ``replicated=False`` they are left for one such call before the optimizer step (several micro-batches
     accumulating).
 

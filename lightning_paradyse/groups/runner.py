@@ -38,8 +38,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from lightning_paradyse import parallel
-from lightning_paradyse.comm import Group, group_size, synchronize
+from lightning_paradyse.cost.dims import dims_from_module
+from lightning_paradyse.distributed.comm import Group, group_size, synchronize
 from lightning_paradyse.groups import solver
 from lightning_paradyse.groups.cost import exchange_seconds, group_cost, group_shape_cost, machine_for_groups
 from lightning_paradyse.groups.exchange import (
@@ -52,10 +52,12 @@ from lightning_paradyse.groups.exchange import (
 )
 from lightning_paradyse.groups.solver import Assignment
 from lightning_paradyse.groups.units import Units
-from lightning_paradyse.plan import Plan
-from lightning_paradyse.policy import Planner
-from lightning_paradyse.slicing import BatchInfo, describe_batch, find_tokens, on_device
-from lightning_paradyse.spec import SeqContext
+from lightning_paradyse.modes.plan import Plan
+from lightning_paradyse.modes.specs import SeqContext
+from lightning_paradyse.planning.fixed import Planner
+from lightning_paradyse.planning.planner import CostPlanner, PlanInfeasible, make_planner
+from lightning_paradyse.runtime import parallel
+from lightning_paradyse.runtime.slicing import BatchInfo, describe_batch, find_tokens, on_device
 
 
 @dataclass(frozen=True)
@@ -116,7 +118,7 @@ def imbalance(times: Sequence[float]) -> float:
 
 
 class GroupRunner:
-    """Steps on groups of different sizes for :class:`~lightning_paradyse.strategy.ParaDySeStrategy` (see the
+    """Steps on groups of different sizes for :class:`~lightning_paradyse.lightning.strategy.ParaDySeStrategy` (see the
     module docstring). Holds the per-run state of the feature: the aligned process groups, the planner of every
     group size, the group costs (with their caches of planned shapes) and the step in flight."""
 
@@ -173,8 +175,6 @@ class GroupRunner:
             ValueError: For a model whose dimensions the group cost cannot read (no attention and MLP dispatch
                 modules, e.g. an MLP inlined in the block), before any collective.
         """
-        from lightning_paradyse.cost.dims import dims_from_module
-        from lightning_paradyse.cost.planner import CostPlanner
 
         self._dims = dims_from_module(module)  # raises (alike on every rank) for a model the cost cannot describe
         self._module, self._world, self._planner = module, world, planner
@@ -202,8 +202,6 @@ class GroupRunner:
     def planner_for(self, g: int) -> Planner:
         """The planner of a group of ``g`` ranks (the cost model's machine, collectives for every size)."""
         if g not in self._planners:
-            from lightning_paradyse.cost.planner import CostPlanner, make_planner
-
             planner = self._planner
             if isinstance(planner, CostPlanner):
                 assert self._module is not None
@@ -309,7 +307,6 @@ class GroupRunner:
         """Whether the plan a group of ``g`` gets for ``b`` sequences of ``s`` tokens can run on ``g`` ranks (a
         fixed plan's mode may need heads divisible by ``g``; the cost planner only plans feasible modes). Cached
         per plan."""
-        from lightning_paradyse.cost.planner import CostPlanner, PlanInfeasible
 
         planner = self.planner_for(g)
         if isinstance(planner, CostPlanner):

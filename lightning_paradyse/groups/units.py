@@ -6,9 +6,10 @@ dealt document by document: a group trains its documents packed into one sequenc
 either and cuts a group's batch out of the global one; every rank computes the same from the batch alone.
 
 Cutting is exact: rows are independent sequences; right padding past a group's longest row is never computed,
-which changes no real token of a causal model (refused otherwise by :func:`~lightning_paradyse.slicing.find_padding`)
+which changes no real token of a causal model (refused otherwise by
+:func:`~lightning_paradyse.runtime.slicing.find_padding`)
 and drops only padding, whose targets are ignored (checked by
-:func:`~lightning_paradyse.slicing.check_padding_targets`). Labels a model shifts itself are shifted over the
+:func:`~lightning_paradyse.runtime.slicing.check_padding_targets`). Labels a model shifts itself are shifted over the
 global batch first, then cut (:meth:`Units.shifted_sources`): a row's last kept token keeps its target.
 """
 
@@ -22,8 +23,8 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
-from lightning_paradyse.slicing import IGNORE_INDEX, TOKEN_1D_KEYS, BatchInfo, shifted_labels
-from lightning_paradyse.spec import document_bounds
+from lightning_paradyse.modes.specs import document_bounds
+from lightning_paradyse.runtime.slicing import IGNORE_INDEX, TOKEN_1D_KEYS, BatchInfo, shifted_labels
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,8 @@ class Units:
 
 def _cut(batch: Any, b: int, s: int, tokens: Any, rows: Tensor | None) -> Any:
     """Every ``[b, s, ...]`` tensor: rows picked (``rows``), then its tokens cut by ``tokens(t, dim)``; the per-token
-    ``[s]`` entries of a dict (:data:`~lightning_paradyse.slicing.TOKEN_1D_KEYS`) cut alike; with ``rows``, other
+    ``[s]`` entries of a dict (:data:`~lightning_paradyse.runtime.slicing.TOKEN_1D_KEYS`) cut alike; with ``rows``,
+    other
     tensors whose first dimension is ``b`` lose the other rows. Slices are contiguous (a step may ``view`` them)."""
 
     def cut(t: Tensor) -> Tensor:

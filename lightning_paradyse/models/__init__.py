@@ -12,6 +12,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
 from lightning_paradyse.models.gpt import GPT, GPTBlock, GPTConfig
 from lightning_paradyse.models.llama import (
     MLP,
@@ -23,6 +27,14 @@ from lightning_paradyse.models.llama import (
     RotaryEmbedding,
     init_weights,
 )
+
+
+def lm_loss_sum(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Sum of token cross-entropies of a language model: ``tokens/targets [b, t]``."""
+    logits = model(tokens, positions)  # [b, t, vocab]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+
 
 __all__ = [
     "CONFIGS",
@@ -39,6 +51,7 @@ __all__ = [
     "RotaryEmbedding",
     "build_model",
     "init_weights",
+    "lm_loss_sum",
     "resolve_config",
 ]
 

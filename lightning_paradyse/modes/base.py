@@ -27,7 +27,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from lightning_paradyse.spec import AttnSpec, AttnWeights, MlpSpec, MlpWeights, SeqContext
+from lightning_paradyse.modes.specs import AttnSpec, AttnWeights, MlpSpec, MlpWeights, SeqContext
 
 _AUTOCAST_ELIGIBLE = (torch.float16, torch.bfloat16, torch.float32)
 """Dtypes autocast casts to its own (float64 is left alone)."""

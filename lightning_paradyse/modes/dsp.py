@@ -4,7 +4,8 @@ For models whose hidden states are a grid (``[b, T, S, h]``: frames x patches) a
 one axis at a time. The grid is sharded along one axis; a block that attends along the *other* axis runs its
 attention entirely on this rank's tokens: every sequence it attends over is whole here. A block that attends
 along the sharded axis first moves the shard to the other axis with one all-to-all
-(:func:`~lightning_paradyse.comm.move_shard`, done by :mod:`lightning_paradyse.parallel` before the block),
+(:func:`~lightning_paradyse.distributed.comm.move_shard`, done by :mod:`lightning_paradyse.runtime.parallel` before
+the block),
 instead of the two all-to-alls (q/k/v in, output back) per attention that Ulysses pays to keep the sharding.
 
 This module is the op side: attention on the local sequences ``[n, L, h]`` with gathered (ZeRO-3) q/k/v/o,
@@ -18,13 +19,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lightning_paradyse.attention import full_attention
-from lightning_paradyse.comm import Group, move_shard
-from lightning_paradyse.layout import split_sizes
+from lightning_paradyse.distributed.comm import Group, move_shard
+from lightning_paradyse.distributed.layout import split_sizes
+from lightning_paradyse.modes.attention import full_attention
 from lightning_paradyse.modes.base import Mode, add_bias, merge_heads, prepare_heads
+from lightning_paradyse.modes.specs import AttnSpec, AttnWeights, MlpSpec, MlpWeights, SeqContext
 from lightning_paradyse.modes.ulysses import zero3_project
 from lightning_paradyse.modes.zero3 import zero3_linear_t, zero3_mlp
-from lightning_paradyse.spec import AttnSpec, AttnWeights, MlpSpec, MlpWeights, SeqContext
 
 
 @dataclass
@@ -34,7 +35,7 @@ class GridState:
     ``sharded`` is the grid dimension (1: frames, 2: patches) split over the group right now; ``lengths`` the whole
     length of each. The step starts sharded along the frames (:meth:`reset`); before a block whose attention runs
     ``dsp`` along the sharded axis the shard moves to the other axis (:meth:`enter`), and after the last block it
-    returns to the frames (:meth:`leave`). :mod:`lightning_paradyse.parallel` calls these from its block hooks.
+    returns to the frames (:meth:`leave`). :mod:`lightning_paradyse.runtime.parallel` calls these from its block hooks.
     """
 
     sharded: int = 1

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from lightning_paradyse.comm import (
+from lightning_paradyse.distributed.comm import (
     all_gather_rows,
     broadcast_from,
     gqa_kv_index,
@@ -66,7 +66,7 @@ from lightning_paradyse.modes.base import (
     split_heads,
 )
 from lightning_paradyse.modes.ring import ring_backward, ring_forward
-from lightning_paradyse.spec import AttnSpec, AttnWeights, MlpSpec, MlpWeights, SeqContext, row_sizes
+from lightning_paradyse.modes.specs import AttnSpec, AttnWeights, MlpSpec, MlpWeights, SeqContext, row_sizes
 
 Parts = dict[str, torch.Tensor]
 """Named weight pieces in packing order."""

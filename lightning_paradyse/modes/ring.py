@@ -2,7 +2,7 @@
 
 Each rank keeps its queries; key/value blocks travel around the ring (``p - 1`` hops), each hop
 overlapped with the attention of the block in hand, and the partial results are merged with the
-stable log-sum-exp rule of :func:`~lightning_paradyse.attention.merge`. For causal attention the
+stable log-sum-exp rule of :func:`~lightning_paradyse.modes.attention.merge`. For causal attention the
 layout is the balanced head-tail order (rank ``r`` holds chunks ``r`` and ``2p-1-r``), so every rank
 attends to the same number of key tiles; tiles entirely in the future are skipped.
 
@@ -22,13 +22,13 @@ from typing import Any
 
 import torch
 
-from lightning_paradyse.attention import Scores, block_backward, block_forward, in_window, merge
-from lightning_paradyse.comm import ring_pass_start
-from lightning_paradyse.layout import SeqLayout
+from lightning_paradyse.distributed.comm import ring_pass_start
+from lightning_paradyse.distributed.layout import SeqLayout
+from lightning_paradyse.modes.attention import Scores, block_backward, block_forward, in_window, merge
 from lightning_paradyse.modes.base import Mode, add_bias, autocast_off, merge_heads, prepare_heads
+from lightning_paradyse.modes.specs import AttnSpec, AttnWeights, MlpSpec, MlpWeights, SeqContext
 from lightning_paradyse.modes.ulysses import zero3_project
 from lightning_paradyse.modes.zero3 import zero3_linear_t, zero3_mlp
-from lightning_paradyse.spec import AttnSpec, AttnWeights, MlpSpec, MlpWeights, SeqContext
 
 Tile = tuple[slice, slice, bool]  # (local query slice, key slice in the block, causal diagonal)
 MaskedTile = tuple[slice, slice, bool, torch.Tensor | None]  # + allowed [tq, tk] for packed documents

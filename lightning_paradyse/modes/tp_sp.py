@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lightning_paradyse.attention import full_attention
-from lightning_paradyse.comm import gather_seq, gather_weight, gqa_kv_index, scatter_seq
+from lightning_paradyse.distributed.comm import gather_seq, gather_weight, gqa_kv_index, scatter_seq
+from lightning_paradyse.modes.attention import full_attention
 from lightning_paradyse.modes.base import (
     Autocast,
     Mode,
@@ -29,7 +29,7 @@ from lightning_paradyse.modes.base import (
     mlp_hidden,
     prepare_heads,
 )
-from lightning_paradyse.spec import AttnSpec, AttnWeights, MlpSpec, MlpWeights, SeqContext, row_sizes
+from lightning_paradyse.modes.specs import AttnSpec, AttnWeights, MlpSpec, MlpWeights, SeqContext, row_sizes
 
 
 def _kv_local(

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import torch
 
-from lightning_paradyse.attention import full_attention
-from lightning_paradyse.comm import gqa_kv_index, heads_to_seq, seq_to_heads
+from lightning_paradyse.distributed.comm import gqa_kv_index, heads_to_seq, seq_to_heads
+from lightning_paradyse.modes.attention import full_attention
 from lightning_paradyse.modes.base import Mode, add_bias, heads_infeasible, prepare_heads
+from lightning_paradyse.modes.specs import AttnSpec, AttnWeights, MlpSpec, MlpWeights, SeqContext
 from lightning_paradyse.modes.zero3 import zero3_linear, zero3_linear_t, zero3_mlp
-from lightning_paradyse.spec import AttnSpec, AttnWeights, MlpSpec, MlpWeights, SeqContext
 
 
 def zero3_project(

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from lightning_paradyse.comm import (
+from lightning_paradyse.distributed.comm import (
     Group,
     all_gather_rows,
     gather_weight,
@@ -24,7 +24,7 @@ from lightning_paradyse.comm import (
     reduce_scatter_rows,
 )
 from lightning_paradyse.modes.base import Autocast, add_bias, mlp_hidden
-from lightning_paradyse.spec import MlpSpec, MlpWeights, row_sizes
+from lightning_paradyse.modes.specs import MlpSpec, MlpWeights, row_sizes
 
 
 class _Zero3Linear(torch.autograd.Function):

@@ -1,7 +1,8 @@
 """The user paths the differential layer walks: ordinary LightningModules, as users write them.
 
 Nothing here knows about parallelism. Each module is what a user would bring: the package's own
-:class:`~lightning_paradyse.lit.LanguageModel` (it calls its model with a positional ``positions=None``), Hugging
+:class:`~lightning_paradyse.lightning.language_model.LanguageModel` (it calls its model with a positional
+``positions=None``), Hugging
 Face models called the ways their documentation shows, Lightning's own features switched on by Trainer flags,
 and the optimizers and hooks of common recipes.
 """
@@ -22,7 +23,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from lightning_paradyse.lit import LanguageModel
+from lightning_paradyse.lightning.language_model import LanguageModel
 from lightning_paradyse.models import build_model
 from tests.exact.harness import Case
 from tests.support.families import hf_llama

@@ -35,7 +35,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_paradyse import ParaDySeStrategy
-from lightning_paradyse.spawn import run_distributed
+from lightning_paradyse.distributed.spawn import run_distributed
 from tests.support.lightning import quiet_trainer, strategy_environment
 
 TOL = 1e-9

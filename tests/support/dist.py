@@ -2,7 +2,7 @@
 
 import socket
 
-from lightning_paradyse.spawn import run_distributed
+from lightning_paradyse.distributed.spawn import run_distributed
 
 __all__ = ["free_ports", "run_distributed"]
 

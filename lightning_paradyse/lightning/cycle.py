@@ -1,0 +1,334 @@
+"""The per-batch cycle of :class:`~lightning_paradyse.lightning.strategy.ParaDySeStrategy`: one object owns every
+batch's state.
+
+The strategy runs Lightning's lifecycle and hands each batch to its :class:`StepCycle`, in this order:
+
+1. :meth:`StepCycle.begin` (the strategy's ``on_train_batch_start`` and its evaluation steps): the batch described
+   on the host and validated, the ranks split into groups and every group's plan chosen
+   (:meth:`~lightning_paradyse.groups.runner.GroupRunner.decide`, or one group of every rank:
+   :meth:`~lightning_paradyse.groups.runner.GroupRunner.whole`), every rank's plan and batch agreed (one
+   all-gather of a digest), the step entered (:meth:`~lightning_paradyse.groups.runner.GroupRunner.enter`); the
+   :class:`~lightning_paradyse.lightning.records.StepRecord` the callback logs;
+2. :meth:`StepCycle.shard`: the module's step gets this rank's tokens of its group's batch;
+3. :meth:`StepCycle.global_output`: the loss the module returns made the global one (one all-reduce);
+4. :meth:`StepCycle.after_backward`: the gradients summed where they belong
+   (:meth:`~lightning_paradyse.groups.runner.GroupRunner.finish`).
+
+Every batch takes this one path: a single sequence, validation, test and ``groups=False`` are a step on one group of
+every rank. A batch no plan fits (``on_infeasible="skip"``) is marked skipped on every rank alike.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.nn as nn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+
+from lightning_paradyse.distributed.comm import Group, all_gather_rows, all_reduce_sum, collective_device, group_size
+from lightning_paradyse.groups.runner import GroupRunner, GroupStep, imbalance
+from lightning_paradyse.groups.units import Units
+from lightning_paradyse.lightning.options import StrategyOptions
+from lightning_paradyse.lightning.records import (
+    HISTORY_LIMIT,
+    PlanRecord,
+    StepRecord,
+    batch_digest,
+    describe,
+    plan_metrics,
+)
+from lightning_paradyse.modes.plan import Plan
+from lightning_paradyse.planning.fixed import Planner
+from lightning_paradyse.planning.planner import PlanSkipped
+from lightning_paradyse.runtime import guards, hf_checkpointing, parallel
+from lightning_paradyse.runtime.slicing import BatchInfo, describe_batch, find_tokens, on_device, shard_batch, to_host
+
+
+class GlobalLoss(torch.autograd.Function):
+    """Forward: the sum of every rank's ``local`` (all-reduce); backward: the gradient, unchanged.
+
+    Each rank returns ``w_r * local_r``; the sum is the global loss on every rank, and since each
+    rank's contribution enters the sum with coefficient 1, the identity backward gives every rank the
+    gradient of its own contribution, which the modes' collectives and the replicated-gradient
+    all-reduce then combine into the exact gradient of the global loss.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, local: Tensor, group: Group) -> Tensor:
+        return local.clone() if group_size(group) == 1 else all_reduce_sum(local, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
+
+
+class StepCycle:
+    """Every batch's state and its cycle (see the module docstring). Made once per strategy; :meth:`bind` at setup.
+
+    Args:
+        options: The strategy's options.
+        check_plan: The strategy's check of a plan against its modes and the model (raises naming the layer).
+    """
+
+    def __init__(self, options: StrategyOptions, check_plan: Callable[[Plan], None]) -> None:
+        self.options = options
+        self.check_plan = check_plan
+        self.runner = GroupRunner(options.plan_bucket, options.on_infeasible)
+        """The groups of a step (the collaborator that owns that feature's per-run state)."""
+        self.record: StepRecord | None = None
+        """What the last batch ran with (the callback logs it)."""
+        self.history: deque[PlanRecord] = deque(maxlen=HISTORY_LIMIT)
+        """The plans executed (training, validation, test), in order: the last :data:`~.step.HISTORY_LIMIT`."""
+        self.plans_executed = 0
+        self.skipped_batches = 0
+        self.pending: BatchInfo | None = None
+        """The batch begun and not yet run: what the module's step is handed (``skip``: no plan fit it)."""
+        self.checkpointed: tuple[int, ...] = ()
+        """Layers the model's Hugging Face gradient checkpointing marks (read before every batch)."""
+        self.window: tuple[int, str] | None = None
+        self._module: nn.Module | None = None
+        self._group: Group = None
+        self._rank = 0
+        self._planner: Planner | None = None
+        self._blocks: list[str] = []
+        self._host_batch: tuple[Any, Any] | None = None
+        self._last_plan: Plan | None = None
+        self._last_groups: Any = None
+
+    def bind(self, module: nn.Module, group: Group, rank: int, planner: Planner, blocks: list[str]) -> None:
+        """The parallelized module, the world's group, this rank, the planner and the rewritten blocks (setup)."""
+        self._module, self._group, self._rank, self._planner, self._blocks = module, group, rank, planner, blocks
+        self.runner.bind(module, group)
+
+    @property
+    def module(self) -> nn.Module:
+        if self._module is None:
+            raise RuntimeError("ParaDySeStrategy: the step cycle is not set up yet (call through a Trainer)")
+        return self._module
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan of the step in flight (this rank's group's)."""
+        step = self.runner.step
+        return None if step is None else step.plan
+
+    # ------------------------------------------------------------------ 1. begin
+
+    def keep_host_batch(self, moved: Any, loader_batch: Any | None) -> None:
+        """The batch Lightning moved to the device and the loader's batch it holds the values of (``None``: the
+        transfer may change them)."""
+        self._host_batch = None if loader_batch is None else (moved, loader_batch)
+
+    def on_host(self, batch: Any) -> Any:
+        """The batch on the host: the loader's batch it was moved from, else a copy (one wait on a GPU)."""
+        kept, self._host_batch = self._host_batch, None
+        if kept is not None and kept[0] is batch:
+            return to_host(kept[1])  # the loader's tensors (on the host already: nothing is copied)
+        return to_host(batch)
+
+    def inspect(self, batch: Any) -> BatchInfo:
+        """Validate a global batch and describe it; raises (identically on every rank) before any collective."""
+        info = describe_batch(
+            batch,
+            group_size(self._group),
+            self._rank,
+            causal=parallel.is_causal(self.module),
+            max_seq_len=self.options.max_seq_len,
+            mean_loss=self.options.mean_loss,
+        )
+        guards.check_window(info.seq_len, self.window)
+        return info
+
+    def begin(self, batch: Any, stage: str, check_pending: bool = False) -> StepRecord:
+        """Validate, plan, agree, enter (see the module docstring); returns (and keeps in :attr:`record`) what the
+        callback logs. ``check_pending``: the one-time step check (:mod:`~lightning_paradyse.lightning.step_check`)
+        may run
+        on this batch; a plain batch then runs on one group of every rank, as the check needs. Raises, identically
+        on every rank and before any collective of the step, for a bad batch, a plan that cannot run, or ranks
+        that disagree."""
+        self.checkpointed = hf_checkpointing.checkpointed_layers(self.module, self._blocks)
+        host = self.on_host(batch)
+        info = self.inspect(host)  # described on the host (its tensors there)
+        grouped = self.runner.ready and stage == "train" and not (check_pending and info.doc_ids is None)
+        units = Units.of(info) if grouped else None
+        self.runner.times = ()
+        if units is not None:
+            step = self.runner.decide(
+                batch,
+                host,
+                info,
+                units,
+                self._rank,
+                parallel.is_causal(self.module),
+                self.options.mean_loss,
+                self.finish_plan,
+            )
+            reason = "no split of the ranks into groups fits the memory budget"
+        else:
+            step, reason = self._whole(on_device(info, find_tokens(batch).device))
+        if step is None:  # decided alike on every rank, which the digest checks
+            self.agree(batch_digest(info.seq_len, info.batch, info.checksum))
+            self.runner.flush()
+            return self._keep(self._skip(info, reason, stage))
+        self.agree(step.digest(info.checksum))
+        self.runner.enter(step)
+        self.pending = step.info
+        self.history.append(PlanRecord(stage, step.info.seq_len, step.info.batch, step.plan))
+        self.plans_executed += 1
+        return self._keep(self._record(stage, info, step))
+
+    def finish_plan(self, plan: Plan) -> Plan:
+        """``plan`` with both ops of every layer the model's Hugging Face gradient checkpointing marks recomputed."""
+        return hf_checkpointing.with_recompute(plan, self.checkpointed)
+
+    def _whole(self, info: BatchInfo) -> tuple[GroupStep | None, str]:
+        """The step on one group of every rank: the planner's plan for the whole batch (``None``: skipped)."""
+        assert self._planner is not None, "the strategy makes its planner in setup"
+        try:
+            planned = self._planner.plan(info.seq_len, info.batch)
+        except PlanSkipped as skipped:
+            return None, str(skipped)
+        plan = self.finish_plan(planned)
+        self.check_plan(plan)
+        predicted = _predictions(self._planner, info.seq_len, info.batch) if plan == planned else {}
+        return self.runner.whole(info, plan, self._rank, predicted), ""
+
+    def agree(self, digest: int) -> None:
+        """Raise on every rank unless every rank holds the same ``digest`` (of plan and batch): one all-gather."""
+        p = group_size(self._group)
+        if p == 1:
+            return
+        mine = torch.tensor([digest], dtype=torch.int64, device=collective_device(self._group))
+        every = all_gather_rows(mine, [1] * p, self._group).tolist()  # [1] -> [p]
+        if len(set(every)) != 1:
+            raise RuntimeError(
+                f"the ranks disagree on the plan or the batch (digest per rank: {every}); every rank must see the "
+                f"same batches (same data and seed, no per-rank sampler) and the planner must be deterministic"
+            )
+
+    def _skip(self, info: BatchInfo, reason: str, stage: str) -> StepRecord:
+        """No plan fits this batch: its step is skipped on every rank (the planner decided alike everywhere)."""
+        self.skipped_batches += 1
+        rank_zero_warn(
+            f"[paradyse] skipping a batch of length {info.seq_len} ({self.skipped_batches} so far): {reason}"
+        )
+        self.pending = replace(info, skip=True)
+        return StepRecord(stage, info.seq_len, info.batch, None)
+
+    def _keep(self, record: StepRecord) -> StepRecord:
+        self.record = record
+        return record
+
+    def _record(self, stage: str, info: BatchInfo, step: GroupStep) -> StepRecord:
+        """What the callback logs of a step: the plan's numbers, the groups', and a line when they change."""
+        modes = self.options.modes
+        metrics = plan_metrics(step.plan, modes, stage)
+        if step.whole:
+            metrics |= step.model_metrics
+            line = None
+            if step.plan != self._last_plan:
+                line, self._last_plan = (
+                    f"[paradyse] {stage} length {info.seq_len}: plan {describe(step.plan)}",
+                    step.plan,
+                )
+            return StepRecord(stage, step.info.seq_len, step.info.batch, step.plan, metrics, line)
+        found = step.assignment
+        metrics |= {
+            "groups/count": float(len(found.sizes)),
+            "groups/own_size": float(step.size),
+            "groups/largest_size": float(found.sizes[0]),
+            "groups/predicted_time_s": float(found.time),
+            "groups/predicted_imbalance": imbalance(found.times),
+            "groups/solve_s": step.solve_s,
+        }
+        line, key = None, (found.sizes, step.plans)
+        if key != self._last_groups:
+            sizes = "+".join(map(str, found.sizes))
+            line = f"[paradyse] {stage} length {info.seq_len}: groups {sizes}, rank 0's plan {describe(step.plans[0])}"
+            self._last_groups = key
+        return StepRecord(stage, step.info.seq_len, step.info.batch, step.plan, metrics, line, found.sizes)
+
+    # ------------------------------------------------------------------ 2. the module's step on this rank's tokens
+
+    def take(self, hook: str) -> BatchInfo:
+        """The batch begun for the module's ``hook`` (once)."""
+        info, self.pending = self.pending, None
+        if info is None:
+            raise RuntimeError(
+                f"ParaDySeStrategy.{hook}: the batch was not configured (ParaDySeStrategy.begin_batch runs before "
+                f"every batch, from the strategy's on_train_batch_start and its evaluation steps)"
+            )
+        return info
+
+    def shard(
+        self, info: BatchInfo, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The module's step arguments with the batch replaced by this rank's tokens of its group's batch (the
+        labels a Hugging Face model is handed are shifted over the whole batch)."""
+        step = self.runner.step
+        if info.skip or step is None or not (args or "batch" in kwargs):
+            return args, kwargs
+        given = args[0] if args else kwargs["batch"]
+        local, sources = shard_batch(given if step.batch is None else step.batch, info, step.rank)
+        if step.shifts:  # labels are shifted over the whole batch, not the group's units
+            sources = tuple(
+                replace(src, shifted=step.shifts[src.key][0], n_items=step.shifts[src.key][1])
+                if src.key in step.shifts
+                else src
+                for src in sources
+            )
+        parallel.set_step_sources(self.module, sources, info.padding)
+        if args:
+            return (local, *args[1:]), kwargs
+        return args, {**kwargs, "batch": local}
+
+    # ------------------------------------------------------------------ 3. the global loss
+
+    def global_output(self, output: Any, info: BatchInfo) -> Any:
+        """Replace the local loss of a step's output (a tensor or a dict with ``loss``) by the global loss."""
+        if isinstance(output, Tensor):
+            return self.global_loss(output, info)
+        if isinstance(output, Mapping) and isinstance(output.get("loss"), Tensor):
+            return {**output, "loss": self.global_loss(output["loss"], info)}
+        return output
+
+    def global_loss(self, local: Tensor, info: BatchInfo) -> Tensor:
+        """``GlobalLoss(local * w_r)``: the exact single-process loss on every rank."""
+        consumed = bool(parallel.step_state(self.module).labels_consumed)
+        weight = 1.0 if consumed or not self.options.mean_loss else info.n_local / info.n_global
+        return GlobalLoss.apply(local * weight, self._group)  # type: ignore[no-any-return]  # over every rank
+
+    # ------------------------------------------------------------------ 4. after the backward
+
+    def after_backward(self, accumulating: bool) -> None:
+        """The gradients summed where they belong (:meth:`~.groups.runner.GroupRunner.finish`), unless micro-batches
+        are left to accumulate."""
+        self.runner.finish(accumulating)
+
+    def after_step(self, output: Any, accumulating: bool) -> None:
+        """A grouped step whose module returned no loss (no backward hands its shards back) ends here."""
+        step = self.runner.step
+        if step is not None and not step.whole and guards.step_loss(output) is None:
+            self.runner.finish(accumulating)
+
+    def teardown(self) -> None:
+        """Drop every reference to the process groups and the batch (the strategy destroys the world group next)."""
+        self.pending, self._host_batch, self._group = None, None, None
+        self.runner.teardown()
+
+
+def _predictions(planner: Any, seq_len: int, batch: int) -> dict[str, float]:
+    """The cost model's predicted step time and peak memory of the plan, when the planner has them."""
+    step = getattr(planner, "step", None)
+    if step is None:
+        return {}
+    planned = step(seq_len, batch)  # cached: the plan just chosen
+    return {"plan/predicted_time_s": float(planned.time_s), "plan/predicted_peak_mib": planned.peak_bytes / 2**20}
+
+
+__all__ = ["GlobalLoss", "StepCycle"]

@@ -1,0 +1,64 @@
+"""How the strategy's processes start: Lightning's launchers, with what our model and checkpoints need.
+
+* ``spawn`` / ``fork`` / ``forkserver``: :class:`SpawnLauncher`, Lightning's multiprocessing launcher that first makes
+  the module picklable (Hugging Face gradient checkpointing) and hands rank 0's *consolidated* weights back (the
+  local shards would not load into the launching process's model);
+* ``popen``: Lightning's script launcher (each process re-runs the command, as ``torchrun`` does);
+* nothing when an external launcher (``torchrun``, SLURM) created the processes, or for one process.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers.launcher import _Launcher
+from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
+from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
+
+from lightning_paradyse.runtime import hf_checkpointing
+
+
+class SpawnLauncher(_MultiProcessingLauncher):
+    """The spawn launcher: the module made picklable first (Hugging Face gradient checkpointing); rank 0's
+    *consolidated* weights handed back (the strategy keeps them in ``final_state_dict`` at teardown)."""
+
+    @override
+    def launch(self, function: Callable[..., Any], *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        module = self._strategy.lightning_module
+        if module is not None:  # spawn and forkserver pickle it into every worker
+            hf_checkpointing.prepare_for_launch(module)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+    @override
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:
+        strategy: Any = self._strategy
+        if strategy.local_rank != 0:
+            return None
+        callback = trainer.checkpoint_callback
+        best = getattr(callback, "best_model_path", None) if callback else None
+        weights_path = None
+        final = getattr(strategy, "final_state_dict", None)
+        if trainer.state.fn == TrainerFn.FITTING and final is not None:
+            weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
+            strategy.checkpoint_io.save_checkpoint(final, weights_path)
+        return _WorkerOutput(best, weights_path, trainer.state, results, self.get_extra_results(trainer))
+
+
+def make_launcher(strategy: Any, start_method: str) -> _Launcher | None:
+    """The launcher of ``strategy`` for ``start_method`` (``None``: the processes exist already, or one process)."""
+    environment = strategy.cluster_environment
+    assert environment is not None
+    if environment.creates_processes_externally or strategy.num_processes * strategy.num_nodes == 1:
+        return None
+    if start_method == "popen":
+        return _SubprocessScriptLauncher(environment, strategy.num_processes, strategy.num_nodes)
+    return SpawnLauncher(strategy, start_method=start_method)  # type: ignore[arg-type]
+
+
+__all__ = ["SpawnLauncher", "make_launcher"]

@@ -1,0 +1,310 @@
+"""The cost-model planner: the fastest plan for a batch within a per-rank memory budget.
+
+:class:`CostPlanner` implements the strategy's ``Planner`` protocol (``plan(seq_len, batch) -> Plan``).
+For each batch it builds the cost tables of the :class:`~lightning_paradyse.cost.model.CostModel` and
+solves them exactly (:func:`lightning_paradyse.cost.search.solve`): every per-layer, per-op assignment
+of the allowed modes and recompute flags is implicitly considered, not a greedy subset.
+
+**Length buckets.** Plans are cached per ``(bucket, batch)``, where the bucket of a length ``s`` is
+``ceil(s / bucket_tokens) * bucket_tokens`` (default 512 tokens) and the plan is computed for the
+bucket's upper end: memory grows with the length, so that plan fits every length of the bucket, and a
+new plan is searched only once per bucket. When the upper end does not fit but the length itself
+might, the length is planned exactly (and cached under its own length).
+
+**Determinism.** The inputs (model dimensions, profile or cluster, budget, length, batch) are the same
+on every rank and the search breaks ties deterministically, so every rank computes the same plan
+without communicating. **Infeasibility** is detected in that computation, i.e. on every rank before
+any collective of the step: :class:`PlanInfeasible` names the length, the budget and the least memory
+any plan needs; with ``on_infeasible="skip"`` it is :class:`PlanSkipped` instead (a subclass, counted in
+``skipped``, logged as a warning) so that the caller can skip the batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.nn as nn
+
+from lightning_paradyse.calibration.profile import Profile, load_profile
+from lightning_paradyse.cost.cluster import Cluster, load_cluster
+from lightning_paradyse.cost.dims import ModelDims, dims_from_config, dims_from_module
+from lightning_paradyse.cost.model import CostModel
+from lightning_paradyse.cost.search import PlanProblem, Solution, min_peak, solve
+from lightning_paradyse.cost.time import Machine
+from lightning_paradyse.models import ModelConfig
+from lightning_paradyse.modes import MODES
+from lightning_paradyse.modes.plan import LayerPlan, OpPlan, Plan, uniform_plan
+from lightning_paradyse.runtime.parallel import feasible_modes
+
+log = logging.getLogger(__name__)
+
+GiB = 2**30
+
+
+def format_bytes(n: float) -> str:
+    """``12.3 GiB``-style sizes for messages."""
+    for unit, size in (("TiB", 2**40), ("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+class PlanInfeasible(ValueError):
+    """No plan fits the memory budget for a batch."""
+
+    def __init__(self, seq_len: int, batch: int, budget: int, minimum: int | None) -> None:
+        self.seq_len, self.batch, self.budget, self.minimum = seq_len, batch, budget, minimum
+        least = (
+            "no allowed mode can run"
+            if minimum is None
+            else f"the smallest any plan needs is {format_bytes(minimum)} ({minimum} bytes)"
+        )
+        super().__init__(
+            f"no plan fits a batch of {batch} x {seq_len} tokens in the memory budget of {format_bytes(budget)} "
+            f"({budget} bytes) per rank: {least}. Use shorter sequences, more ranks, a larger memory_budget, "
+            f"or allow more modes (recompute, metp)."
+        )
+
+
+class PlanSkipped(PlanInfeasible):
+    """A :class:`PlanInfeasible` for a batch the caller chose to skip (``on_infeasible="skip"``)."""
+
+
+@dataclass(frozen=True)
+class PlannedStep:
+    """A plan with its predicted cost."""
+
+    plan: Plan
+    time_s: float
+    """Predicted seconds of the step."""
+    peak_bytes: int
+    """Predicted peak bytes per rank."""
+    seq_len: int
+    """The length the plan was computed for (the bucket's upper end, or the length itself)."""
+    batch: int = 1
+    """The sequences the plan was computed for (the batch bucket's upper end, or the batch itself)."""
+
+
+def to_plan(problem: PlanProblem, seq: Sequence[int]) -> Plan:
+    """The :class:`Plan` of a solution's choice indices (attention, MLP per layer)."""
+    ops = [OpPlan(problem.choices[c].mode, problem.choices[c].recompute) for c in seq]
+    return Plan(tuple(LayerPlan(ops[i], ops[i + 1]) for i in range(0, len(ops), 2)))
+
+
+class CostPlanner:
+    """Exact cost-model planner with a per-bucket cache (see the module docstring).
+
+    Args:
+        model: The cost model (model dimensions, group size, machine or profile).
+        budget_bytes: Per-rank memory budget in bytes.
+        modes: The modes the planner may use.
+        recompute: The recompute flags it may use (``(False, True)``: both).
+        allowed: Per op ``(attention modes, MLP modes)`` the model can run (default: from the model's
+            dimensions; pass ``lightning_paradyse.runtime.parallel.feasible_modes`` for a parallelized module).
+        bucket_tokens: Width of a length bucket.
+        on_infeasible: ``raise`` (:class:`PlanInfeasible`) or ``skip`` (:class:`PlanSkipped`, counted).
+        prefer_tp_sp: Take ``tp_sp`` everywhere (no recomputation) when it fits and is predicted at most this
+            fraction slower than the fastest plan. The uncalibrated model measured at setup leaves the per-op
+            overheads out, which are largest for ``ring`` and ``metp`` (many small calls): without a profile the
+            strategy sets 0.25 so that a short batch is not given a mode that only looks faster on paper.
+    """
+
+    def __init__(
+        self,
+        model: CostModel,
+        budget_bytes: int,
+        modes: Sequence[str] = tuple(MODES),
+        recompute: Sequence[bool] = (False, True),
+        allowed: tuple[Sequence[str], Sequence[str]] | None = None,
+        bucket_tokens: int = 512,
+        on_infeasible: str = "raise",
+        prefer_tp_sp: float = 0.0,
+    ) -> None:
+        if on_infeasible not in ("raise", "skip"):
+            raise ValueError(f"on_infeasible must be 'raise' or 'skip', got {on_infeasible!r}")
+        if bucket_tokens < 1 or budget_bytes < 1:
+            raise ValueError(f"bucket_tokens and budget_bytes must be positive, got {bucket_tokens}, {budget_bytes}")
+        self.model, self.budget = model, int(budget_bytes)
+        self.modes, self.recompute = tuple(modes), tuple(recompute)
+        base = model.allowed_modes(self.modes)
+        chosen = allowed if allowed is not None else base
+        self.allowed: tuple[tuple[str, ...], tuple[str, ...]] = (
+            tuple(m for m in self.modes if m in chosen[0]),
+            tuple(m for m in self.modes if m in chosen[1]),
+        )
+        if not self.allowed[0] or not self.allowed[1]:
+            raise ValueError(f"no allowed mode can run the attention {self.allowed[0]} / MLP {self.allowed[1]}")
+        self.bucket_tokens, self.on_infeasible = bucket_tokens, on_infeasible
+        self.prefer_tp_sp = float(prefer_tp_sp)
+        self.skipped = 0
+        """Batches skipped because no plan fit (``on_infeasible="skip"``)."""
+        self._cache: dict[tuple[int, int], PlannedStep] = {}
+        self._infeasible: set[tuple[int, int]] = set()
+        self._least: dict[tuple[int, int], int | None] = {}
+
+    def bucket(self, seq_len: int) -> int:
+        """The upper end of ``seq_len``'s bucket: the next power of two up to ``bucket_tokens`` (a short batch is not
+        planned as if it were ``bucket_tokens`` long: its best mode differs), multiples of ``bucket_tokens`` beyond."""
+        if seq_len <= self.bucket_tokens:
+            return min(self.bucket_tokens, 1 << max(0, seq_len - 1).bit_length())
+        return math.ceil(seq_len / self.bucket_tokens) * self.bucket_tokens
+
+    @staticmethod
+    def bucket_rows(batch: int) -> int:
+        """The upper end of ``batch``'s bucket of sequences: the next power of two (a step of 37 rows is planned
+        for 64; every batch size between two powers of two shares one search)."""
+        return 1 << max(0, batch - 1).bit_length()
+
+    def problem(self, seq_len: int, batch: int, modes: Sequence[str] | None = None) -> PlanProblem:
+        """The cost tables for a batch shape (restricted to ``modes`` if given)."""
+        use = self.modes if modes is None else tuple(m for m in self.modes if m in modes)
+        allowed = (tuple(m for m in use if m in self.allowed[0]), tuple(m for m in use if m in self.allowed[1]))
+        return self.model.problem(seq_len, batch, use, self.recompute, allowed)
+
+    def step(self, seq_len: int, batch: int) -> PlannedStep:
+        """The plan for a batch with its predicted time and peak, cached per bucket: planned for the upper ends of
+        the length's and the batch's buckets (its peak bounds the real shape's, which needs no more memory), or,
+        when that shape does not fit the budget, for the batch itself."""
+        if seq_len < 1 or batch < 1:
+            raise ValueError(f"seq_len and batch must be positive, got {seq_len}, {batch}")
+        top = (self.bucket(seq_len), self.bucket_rows(batch))
+        for key in (top, (seq_len, batch)) if top != (seq_len, batch) else (top,):
+            if key in self._cache:
+                return self._cache[key]
+            if key in self._infeasible:
+                continue
+            found = self._solve(*key)
+            if found is None:
+                self._infeasible.add(key)
+                continue
+            self._cache[key] = found
+            return found
+        return self._fail(seq_len, batch)
+
+    def plan(self, seq_len: int, batch: int) -> Plan:
+        """The fastest plan within the budget for ``batch`` sequences of ``seq_len`` tokens."""
+        return self.step(seq_len, batch).plan
+
+    def _solve(self, seq_len: int, batch: int) -> PlannedStep | None:
+        problem = self.problem(seq_len, batch)
+        found = solve(problem, self.budget)
+        if found is None:
+            return None
+        best = PlannedStep(to_plan(problem, found.seq), found.time, found.peak, seq_len, batch)
+        if self.prefer_tp_sp > 0 and all("tp_sp" in ops for ops in self.allowed) and False in self.recompute:
+            simple = uniform_plan("tp_sp", self.model.dims.n_layers)
+            time_s, peak = self.model.plan_cost(simple, seq_len, batch)
+            if peak <= self.budget and time_s <= found.time * (1 + self.prefer_tp_sp):
+                return PlannedStep(simple, time_s, peak, seq_len, batch)
+        return best
+
+    def minimum(self, seq_len: int, batch: int, modes: Sequence[str] | None = None) -> Solution | None:
+        """The plan needing the least memory (its peak is the smallest any plan needs)."""
+        return min_peak(self.problem(seq_len, batch, modes))
+
+    def _fail(self, seq_len: int, batch: int) -> PlannedStep:
+        key = (seq_len, batch)
+        if key not in self._least:  # the error's "least memory any plan needs", computed once per shape
+            least = self.minimum(seq_len, batch)
+            self._least[key] = None if least is None else least.peak
+        error_type = PlanSkipped if self.on_infeasible == "skip" else PlanInfeasible
+        error = error_type(seq_len, batch, self.budget, self._least[key])
+        if self.on_infeasible == "skip":
+            self.skipped += 1
+            log.warning("skipping the batch (%d so far): %s", self.skipped, error)
+        raise error
+
+    def fits(self, seq_len: int, batch: int, modes: Sequence[str] | None = None) -> bool:
+        """Whether some plan (using only ``modes`` if given) fits the budget."""
+        least = self.minimum(seq_len, batch, modes)
+        return least is not None and least.peak <= self.budget
+
+    def largest_length(self, batch: int = 1, modes: Sequence[str] | None = None, limit: int = 2**24) -> int:
+        """The largest length some plan (using only ``modes``) fits, 0 if none; at most ``limit``."""
+        return largest_true(lambda s: self.fits(s, batch, modes), self.model.p, limit)
+
+    def __repr__(self) -> str:
+        return (
+            f"CostPlanner(p={self.model.p}, budget={format_bytes(self.budget)}, modes={list(self.modes)}, "
+            f"bucket_tokens={self.bucket_tokens}, cached={len(self._cache)})"
+        )
+
+
+def _source_model(dims: ModelDims, p: int, source: Any, **model_kwargs: Any) -> CostModel:
+
+    if isinstance(source, Machine):  # measured or described rates, nothing calibrated per op
+        return CostModel(dims, p, source, **model_kwargs)
+    if isinstance(source, (str, Path)):
+        path = Path(source)
+        is_profile = path.suffix == ".json" and '"calibration"' in path.read_text()
+        source = load_profile(path) if is_profile else load_cluster(path)
+    if isinstance(source, Profile):
+        if source.p != p:
+            raise ValueError(f"the profile was measured on {source.p} ranks but the group has {p}; profile again")
+        return source.cost_model(dims, **model_kwargs)
+    if isinstance(source, Cluster):
+        model_kwargs.setdefault("optimizer_bytes_per_param", source.optimizer_bytes_per_param)
+        return CostModel(dims, p, source.machine(), **model_kwargs)
+    raise TypeError(
+        f"source must be a Profile, a Cluster, a Machine or a path to a profile or cluster file, "
+        f"got {type(source).__name__}"
+    )
+
+
+def make_planner(
+    model: nn.Module | ModelConfig | ModelDims,
+    p: int,
+    budget_bytes: int,
+    source: Any,
+    modes: Sequence[str] = tuple(MODES),
+    **kwargs: Any,
+) -> CostPlanner:
+    """A :class:`CostPlanner` for a parallelized module, a model config or dimensions.
+
+    ``source`` is a :class:`~lightning_paradyse.calibration.profile.Profile`, a
+    :class:`~lightning_paradyse.cost.cluster.Cluster`, a :class:`~lightning_paradyse.cost.time.Machine`
+    (e.g. :func:`~lightning_paradyse.calibration.quick.quick_machine`), or a path to a JSON profile or a cluster file.
+    For a parallelized module the dimensions come from its dispatch modules' specs and the allowed
+    modes per op from :func:`lightning_paradyse.runtime.parallel.feasible_modes` (every layer must allow them).
+    ``kwargs`` go to :class:`CostPlanner` (``recompute``, ``bucket_tokens``, ``on_infeasible``, ``prefer_tp_sp``) or to
+    :class:`~lightning_paradyse.cost.model.CostModel` (``optimizer_bytes_per_param``, ``switch_s``, ...).
+    """
+
+    planner_keys = {"recompute", "bucket_tokens", "on_infeasible", "prefer_tp_sp"}
+    planner_kwargs = {k: v for k, v in kwargs.items() if k in planner_keys}
+    model_kwargs = {k: v for k, v in kwargs.items() if k not in planner_keys}
+    allowed = None
+    if isinstance(model, nn.Module):
+        dims = dims_from_module(model)
+        per_layer = feasible_modes(model, p, list(modes))
+        allowed = tuple(tuple(m for m in modes if all(m in layer[o] for layer in per_layer)) for o in (0, 1))
+    elif isinstance(model, ModelDims):
+        dims = model
+    else:
+        dims = dims_from_config(model, 4)
+    cost = _source_model(dims, p, source, **model_kwargs)
+    return CostPlanner(cost, budget_bytes, modes, allowed=allowed, **planner_kwargs)  # type: ignore[arg-type]
+
+
+def largest_true(pred: Callable[[int], bool], low: int, limit: int) -> int:
+    """The largest ``n`` in ``[low, limit]`` with ``pred(n)`` for a monotone (true, then false) ``pred``; 0 if none."""
+    if not pred(low):
+        return 0
+    hi = low
+    while hi < limit and pred(min(2 * hi, limit)):
+        hi = min(2 * hi, limit)
+    if hi >= limit:
+        return limit
+    lo, hi = hi, min(2 * hi, limit)  # pred(lo) holds, pred(hi) fails
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if pred(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo

@@ -1,0 +1,902 @@
+"""Apply the unified layout to a model and run it per batch: the API the strategy is built on.
+
+The model never knows it is parallel. In one documented order:
+
+1. :func:`parallelize` (once, at setup): find the transformer blocks (:func:`find_blocks`), rewrite
+   each in place (:func:`~lightning_paradyse.graph.rewrite.rewrite_block`: trace, find roles,
+   verify, install dispatch modules holding 1/p shards), and install forward pre-hooks that give
+   the model the global positions of its local tokens (and, for Hugging Face models trained with
+   ``labels``, the globally shifted labels and the global token count).
+2. :func:`configure` (every batch): the batch's layout and plan, a table look-up on every dispatch
+   module; :func:`set_step_sources`: the batch's tensors and their slices (labels are traced back to them).
+3. forward / backward on the local tokens, then :func:`reduce_replicated_grads` (norms, embeddings,
+   head and the output biases are replicated; their gradients are summed over the group).
+
+:func:`consolidated` / :func:`load_consolidated` convert between the shards and the plain model's
+state dict, so checkpoints load into the unparallelized model.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from lightning_paradyse.distributed.comm import (
+    Group,
+    all_gather_rows,
+    all_reduce_sum,
+    collective_device,
+    group_rank,
+    group_size,
+    no_counting,
+)
+from lightning_paradyse.graph.dispatch import (
+    AttentionDispatch,
+    OpaqueDispatch,
+    OpDispatch,
+    ShardSource,
+    cut_piece,
+    join_pieces,
+)
+from lightning_paradyse.graph.passes import RoleError
+from lightning_paradyse.graph.rewrite import rewrite_block
+from lightning_paradyse.modes.dsp import GridState
+from lightning_paradyse.modes.plan import Plan
+from lightning_paradyse.modes.specs import SeqContext, row_sizes, shard_rows
+from lightning_paradyse.runtime.slicing import IGNORE_INDEX, PAD_MASK_KEYS, BatchSource, check_padding_targets
+
+
+@dataclass
+class StepState:
+    """What the forward pre-hooks read during one step: owned by the registry, never by the user's modules."""
+
+    ctx: SeqContext | None = None
+    sources: tuple[BatchSource, ...] = ()
+    """Every tensor of the batch that was sliced along the sequence, with its slice (for tracing labels back)."""
+    padding: torch.Tensor | None = None
+    """Right padding of the batch, ``[b, s]`` (see :func:`lightning_paradyse.runtime.slicing.find_padding`)."""
+    labels_consumed: bool = False
+    """Whether a model consumed ``labels`` through the hook this step (its loss is then a global sum share)."""
+    blocks: list[str] = field(default_factory=list)
+    grid: GridState | None = None
+    """Grid models (``axes=2``): which grid dimension is sharded now (see :mod:`lightning_paradyse.modes.dsp`)."""
+
+
+class _StepHook:
+    """A hook of ours: ``fn(state, *hook_args)`` with the step state it was made with.
+
+    The user's modules carry no attribute of ours; the hooks (registered through the public hook API) hold the
+    state, so a deep copy of a parallelized module copies the hooks with one new state of its own.
+    """
+
+    def __init__(self, state: StepState, fn: Any) -> None:
+        self.state, self.fn = state, fn
+
+    def __call__(self, *args: Any) -> Any:
+        return self.fn(self.state, *args)
+
+
+_REGISTRY: weakref.WeakKeyDictionary[nn.Module, StepState] = weakref.WeakKeyDictionary()
+"""Parallelized modules -> their step state (found once through their hooks, then looked up here)."""
+
+
+def _find_state(module: nn.Module) -> StepState | None:
+    state = _REGISTRY.get(module)
+    if state is not None:
+        return state
+    hooks = (h for m in module.modules() for d in (m._forward_pre_hooks, m._forward_hooks) for h in d.values())
+    state = next((h.state for h in hooks if isinstance(h, _StepHook)), None)
+    if state is not None:
+        _REGISTRY[module] = state
+    return state
+
+
+def step_state(module: nn.Module) -> StepState:
+    """The :class:`StepState` of a parallelized module."""
+    state = _find_state(module)
+    if state is None:
+        raise RuntimeError(
+            "the module has not been parallelized (call lightning_paradyse.runtime.parallel.parallelize)"
+        )
+    return state
+
+
+def is_parallelized(module: nn.Module) -> bool:
+    """Whether :func:`parallelize` rewrote ``module`` (or the module it was deep-copied from)."""
+    return _find_state(module) is not None
+
+
+# --------------------------------------------------------------------------------------------------
+# Finding and rewriting the blocks
+# --------------------------------------------------------------------------------------------------
+
+
+def _looks_like_block(module: nn.Module) -> bool:
+    mods = list(module.modules())
+    if any(isinstance(m, nn.MultiheadAttention) for m in mods):
+        return True
+    projections = sum(isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D" for m in mods)  # GPT-2's Conv1D
+    return projections >= 4 and any("attn" in n.lower() or "attention" in n.lower() for n, _ in module.named_modules())
+
+
+def find_blocks(module: nn.Module, blocks: str | None = None) -> list[tuple[str, nn.Module]]:
+    """The transformer blocks inside ``module`` as ``(name, block)``, in order.
+
+    With ``blocks`` (a dotted path to an ``nn.ModuleList``) that list; otherwise the one ModuleList
+    whose children all look like transformer blocks (an attention and at least four linears).
+    """
+    if blocks is not None:
+        try:
+            found = module.get_submodule(blocks)
+        except AttributeError:
+            raise ValueError(f"blocks={blocks!r}: no such sub-module") from None
+        if not isinstance(found, nn.ModuleList) or len(found) == 0:
+            raise ValueError(f"blocks={blocks!r} must name a non-empty nn.ModuleList of transformer blocks")
+        return [(f"{blocks}.{i}", b) for i, b in enumerate(found)]
+    candidates = [
+        (name, m)
+        for name, m in module.named_modules()
+        if isinstance(m, nn.ModuleList) and len(m) > 0 and all(_looks_like_block(b) for b in m)
+    ]
+    outer = [(n, m) for n, m in candidates if not any(n.startswith(o + ".") for o, _ in candidates if o != n)]
+    if not outer:
+        raise ValueError(
+            f"no list of transformer blocks found in {type(module).__name__}; pass blocks='path.to.layers'"
+        )
+    if len(outer) > 1:
+        names = ", ".join(n for n, _ in outer)
+        raise ValueError(f"several lists of transformer blocks found ({names}); choose one with blocks='...'")
+    name, found = outer[0]
+    return [(f"{name}.{i}", b) for i, b in enumerate(found)]
+
+
+def parallelize(module: nn.Module, group: Group, blocks: str | None = None, axes: int = 1) -> list[str]:
+    """Rewrite every transformer block of ``module`` in place (see the module docstring).
+
+    ``axes``: sequence axes of the hidden states between blocks: 1 for ``[b, s, h]`` (language models), 2 for a
+    grid ``[b, T, S, h]`` whose blocks attend along one axis each (frames x patches); the batch is then split
+    along ``T`` and the ``dsp`` mode can move the shard between the axes (:func:`_install_grid_hooks`).
+
+    Returns the block names. Raises ``ValueError`` naming the block and the missing role when a block
+    cannot be understood; nothing is ever run unparallelized silently.
+    """
+    if is_parallelized(module):
+        raise RuntimeError("the module is already parallelized")
+    if axes not in (1, 2):
+        raise ValueError(f"axes={axes!r}: 1 (a sequence, [b, s, h]) or 2 (a grid, [b, T, S, h]) are supported")
+    found = find_blocks(module, blocks)
+    _OPS.clear()  # the walks before the rewrite found no dispatch modules where there are about to be some
+    state = StepState(blocks=[n for n, _ in found], grid=GridState() if axes == 2 else None)
+    rope = _rotary_embedding(module)
+    for layer, (name, block) in enumerate(found):
+        try:
+            ops = rewrite_block(block, name, layer, group, axes, rope)
+        except RoleError as err:
+            raise ValueError(str(err)) from None
+        for op in ops:
+            op.grid = state.grid
+    _OPS.clear()
+    if any(isinstance(op, OpaqueDispatch) for _, op in dispatchers(module)):
+        _refuse_router_loss(module)
+    module.register_forward_pre_hook(_StepHook(state, _anchor))
+    _install_hooks(module, [n for n, _ in found], state)
+    _REGISTRY[module] = state
+    if state.grid is not None:
+        _install_grid_hooks([b for _, b in found], state)
+    return state.blocks
+
+
+ROUTER_LOSS_REFUSAL = (
+    "the mixture-of-experts auxiliary (load-balancing) loss is computed from every token's router logits at once: "
+    "on a slice of the sequence it is another loss, and ParaDySeStrategy does not make it global yet; train with "
+    "output_router_logits=False (the model config's default), or without ParaDySeStrategy"
+)
+
+
+def _refuse_router_loss(module: nn.Module) -> None:
+    """Refuse the MoE auxiliary loss: at setup when a config asks for it, at run time when a call does."""
+    for sub in module.modules():
+        if getattr(getattr(sub, "config", None), "output_router_logits", False):
+            raise ValueError(f"{type(sub).__name__}: config.output_router_logits=True: {ROUTER_LOSS_REFUSAL}")
+
+    def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if _Call(mod, args, kwargs).get("output_router_logits"):  # the same call on every rank: all raise here
+            raise ValueError(f"{type(mod).__name__} called with output_router_logits=True: {ROUTER_LOSS_REFUSAL}")
+
+    for sub in module.modules():
+        if _accepts(sub.forward, "output_router_logits"):
+            sub.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _rotary_embedding(module: nn.Module) -> Any:
+    """The model's own rotary embedding (a module with ``inv_freq`` called with ``position_ids``, as Hugging Face
+    models have), as ``rope(x, position_ids, block)`` for the blocks' example inputs; ``None`` if there is none."""
+    for rope in module.modules():
+        has_freq = any(n.endswith("inv_freq") for n, _ in rope.named_buffers(recurse=False))
+        if has_freq and _accepts(rope.forward, "position_ids"):
+            return functools.partial(_call_rope, rope)
+    return None
+
+
+def _call_rope(rope: nn.Module, x: torch.Tensor, position_ids: torch.Tensor, block: nn.Module) -> Any:
+    kwargs = {}
+    if "layer_type" in inspect.signature(rope.forward).parameters:  # one rotary per layer type (Gemma 3)
+        kinds = [
+            str(getattr(m, attr))
+            for m in block.modules()
+            for attr in ("layer_type", "attention_type")
+            if isinstance(getattr(m, attr, None), str)
+        ]
+        if kinds:
+            kwargs["layer_type"] = kinds[0]
+    device = next((b.device for b in rope.buffers()), x.device)  # the model's device; x is on the host copy's
+    with torch.no_grad():
+        out = rope(x.to(device), position_ids.to(device), **kwargs)
+    return tuple(t.to(x.device) for t in out) if isinstance(out, (tuple, list)) else out.to(x.device)
+
+
+def _install_grid_hooks(found: list[nn.Module], state: StepState) -> None:
+    """Dimension switching: before a block whose attention runs ``dsp`` along the sharded grid axis, one
+    all-to-all moves the shard to the other axis; after the last block the shard returns to the frames
+    (dim 1), the layout the batch was split in. The hooks close over the step state, so every rank switches at
+    the same blocks.
+    """
+    for i, block in enumerate(found):
+        block.register_forward_pre_hook(_StepHook(state, _grid_before(first=i == 0)))
+    found[-1].register_forward_hook(_StepHook(state, _grid_after))
+
+
+def _anchor(state: StepState, mod: nn.Module, args: tuple[Any, ...]) -> None:
+    """The hook that marks the parallelized module itself (it changes nothing)."""
+
+
+def _grid_before(first: bool) -> Any:
+    def hook(state: StepState, block: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        grid, ctx = state.grid, state.ctx
+        if grid is None or ctx is None:
+            raise RuntimeError(
+                "the grid model ran before lightning_paradyse.runtime.parallel.configure() set its layout"
+            )
+        attn = next(m for m in block.modules() if isinstance(m, AttentionDispatch))
+        switch = attn.op_plan is not None and attn.op_plan.mode == "dsp" and attn.attend_axis == grid.sharded
+        return (grid.enter(args[0], switch, first, ctx.p, ctx.group), *args[1:])
+
+    return hook
+
+
+def _grid_after(state: StepState, block: nn.Module, args: tuple[Any, ...], out: Any) -> Any:
+    grid, ctx = state.grid, state.ctx
+    assert grid is not None and ctx is not None
+    return grid.leave(out, ctx.p, ctx.group)
+
+
+def feasible_modes(module: nn.Module, p: int, modes: list[str]) -> list[tuple[list[str], list[str]]]:
+    """Per layer, the modes among ``modes`` that can run its attention and its MLP on ``p`` ranks."""
+    out: list[tuple[list[str], list[str]]] = [(list(modes), list(modes)) for _ in range(n_layers(module))]
+    for _, op in dispatchers(module):
+        allowed = out[op.layer][0 if isinstance(op, AttentionDispatch) else 1]
+        allowed[:] = [m for m in allowed if op.infeasible(m, p) is None]
+    return out
+
+
+def _accepts(fn: Any, name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or (any(p.kind is p.VAR_KEYWORD for p in params.values()) and name == "shift_labels")
+
+
+def _install_hooks(module: nn.Module, block_names: list[str], state: StepState) -> None:
+    """Positions for the module that owns the blocks (or its nearest ancestor accepting them); labels for HF.
+
+    The hooks close over the step state (nothing is stored on the user's modules).
+    """
+    owner_path = block_names[0].rsplit(".", 2)[0] if block_names[0].count(".") >= 2 else ""
+    chain = [owner_path]
+    while chain[-1]:
+        chain.append(chain[-1].rsplit(".", 1)[0] if "." in chain[-1] else "")
+    for path in chain:
+        owner = module.get_submodule(path) if path else module
+        arg = next((a for a in ("positions", "position_ids") if _accepts(owner.forward, a)), None)
+        if arg is not None:
+            owner.register_forward_pre_hook(_StepHook(state, _position_hook(arg)), with_kwargs=True)
+            break
+    for path in chain:
+        owner = module.get_submodule(path) if path else module
+        if _accepts(owner.forward, "labels") and _shifts_labels(owner):
+            owner.register_forward_pre_hook(_StepHook(state, _labels_hook), with_kwargs=True)
+    for path in chain:
+        owner = module.get_submodule(path) if path else module
+        if "attention_mask" in _parameters(owner.forward):
+            owner.register_forward_pre_hook(_StepHook(state, _mask_hook), with_kwargs=True)
+            break
+
+
+def _shifts_labels(owner: nn.Module) -> bool:
+    """Whether ``owner`` shifts the ``labels`` it is given (a causal LM: ``shift_labels=`` in its signature, or a
+    Hugging Face ``...ForCausalLM`` / ``...LMHeadModel``). A masked-LM or classification head takes ``labels`` as
+    they are, with ``**kwargs`` that would swallow ``shift_labels``: its loss is a mean over this rank's targets,
+    which the strategy weighs by the rank's share of the targets."""
+    if "shift_labels" in _parameters(owner.forward):
+        return True
+    name = type(owner).__name__
+    return _accepts(owner.forward, "shift_labels") and (name.endswith("ForCausalLM") or name.endswith("LMHeadModel"))
+
+
+def _parameters(fn: Any) -> set[str]:
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def _mask_hook(
+    state: StepState, mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Refuse an ``attention_mask`` the modes would not honour, on every rank before the model runs.
+
+    The modes apply the attention pattern themselves (causal or not, sliding windows, packed documents); a mask the
+    model is given may only say what they already do: all ones, or the batch's own mask with the right padding of a
+    causal model the strategy validated (:func:`~lightning_paradyse.runtime.slicing.find_padding`). A 4D mask, a dict of
+    masks or any other 2D mask would change the attention in one process and not here.
+    """
+    ctx = state.ctx
+    mask = _Call(mod, args, kwargs).get("attention_mask")
+    if ctx is None or mask is None:
+        return args, kwargs
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        problem = "a dict of masks" if isinstance(mask, dict) else f"a {getattr(mask, 'dim', lambda: '?')()}D mask"
+        ok = False
+    else:
+        source = _trace(mask, state.sources)  # the batch's own mask, whose right padding the strategy validated
+        ok = bool(mask.bool().all()) or (
+            state.padding is not None and source is not None and source.key in PAD_MASK_KEYS
+        )
+        problem = "a 2D mask that is not the batch's attention_mask"
+    if state.sources and not _agree(ok, ctx, _device_of(args, kwargs, mod)):
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"{type(mod).__name__} was called with attention_mask= {problem}: the parallel modes apply the attention "
+            f"pattern themselves (causal or bidirectional, sliding windows, packed documents by doc_ids) and would "
+            f"not apply this mask; pass the batch's own attention_mask (right padding of causal models is honoured) "
+            f"or none, and pack documents with doc_ids instead of block-diagonal masks"
+        )
+    return args, kwargs
+
+
+class _Call:
+    """A module call's arguments bound to its ``forward`` signature: read and replace them by name."""
+
+    def __init__(self, mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.args, self.kwargs = list(args), dict(kwargs)
+        try:
+            params = list(inspect.signature(mod.forward).parameters.values())
+        except (TypeError, ValueError):
+            params = []
+        positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        self.index = {name: i for i, name in enumerate(positional) if i < len(args)}
+
+    def get(self, name: str) -> Any:
+        """The argument ``name`` (``None`` when absent or passed as ``None``: the same to the model)."""
+        if name in self.index:
+            return self.args[self.index[name]]
+        return self.kwargs.get(name)
+
+    def set(self, name: str, value: Any) -> None:
+        if name in self.index:
+            self.args[self.index[name]] = value
+        else:
+            self.kwargs[name] = value
+
+    def result(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return tuple(self.args), self.kwargs
+
+
+def _agree(ok: bool, ctx: SeqContext, device: torch.device) -> bool:
+    """Whether ``ok`` holds on every rank of the group (one 4-byte all-reduce, not counted as mode traffic)."""
+    if ctx.p == 1:
+        return ok
+    flag = torch.tensor([0.0 if ok else 1.0], device=device)
+    with no_counting():
+        return float(all_reduce_sum(flag, ctx.group)) == 0.0  # [1] summed over the group
+
+
+def _position_hook(arg: str) -> Any:
+    """Give the model the global positions of its local tokens when the call gives none (``None`` = absent).
+
+    Positions the call does give must be the layout's own or a slice of the batch (packed positions); anything
+    else (e.g. ``arange`` of the local length) would train another model, so it is refused on every rank.
+    """
+
+    def hook(
+        state: StepState, mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        ctx = state.ctx
+        if ctx is None:
+            return args, kwargs
+        call = _Call(mod, args, kwargs)
+        given = call.get(arg)
+        device = _device_of(args, kwargs, mod)
+        if given is None:
+            positions = ctx.positions(device)  # [s_r] global positions of the local tokens
+            call.set(arg, positions if arg == "positions" else positions[None])  # position_ids: [1, s_r]
+            return call.result()
+        if not state.sources:  # the library used directly (no batch registered): the caller owns its positions
+            return args, kwargs
+        ok = isinstance(given, torch.Tensor) and (
+            _same_values(given, ctx.positions(given.device)) or _trace(given, state.sources) is not None
+        )
+        if not _agree(ok, ctx, device):
+            raise ValueError(
+                f"the model was called with {arg}= that are neither the global positions of this rank's tokens nor "
+                f"a tensor of the batch; leave {arg} out (or None) and ParaDySeStrategy gives the model the global "
+                f"positions, or put per-token positions in the batch (e.g. batch['{arg}'])"
+            )
+        return args, kwargs
+
+    return hook
+
+
+def _same_values(value: torch.Tensor, positions: torch.Tensor) -> bool:
+    """Whether ``value`` (``[s_r]``, ``[1, s_r]`` or ``[b, s_r]``) holds ``positions`` in every row."""
+    if value.dim() == 0 or value.shape[-1] != positions.numel() or value.is_floating_point():
+        return False
+    rows = value.reshape(-1, positions.numel())  # [..., s_r] -> [rows, s_r]
+    return bool(torch.equal(rows, positions.expand(rows.shape[0], -1)))
+
+
+def _is_slice(value: torch.Tensor, src: BatchSource) -> bool:
+    """Whether ``value`` is this rank's slice of the batch tensor ``src`` (the same object, or equal values)."""
+    return value is src.local or (value.shape == src.local.shape and torch.equal(value, src.local.to(value.dtype)))
+
+
+def _trace(value: torch.Tensor, sources: tuple[BatchSource, ...]) -> BatchSource | None:
+    """The batch tensor whose slice ``value`` is, else ``None``."""
+    return next((src for src in sources if _is_slice(value, src)), None)
+
+
+def _labels_hook(
+    state: StepState, mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Hugging Face models: labels shifted over the whole sequence, and the global count of real labels.
+
+    ``labels=`` (any tensor of the batch, e.g. the batch's ``labels`` or ``input_ids``) becomes
+    ``shift_labels=`` this rank's slice of the globally shifted labels; ``shift_labels=`` a tensor of the batch is
+    kept. Either way ``num_items_in_batch`` is the global count, so the model's loss is this rank's share of the
+    single-process loss. Labels that cannot be traced back to the batch are refused on every rank.
+    """
+    ctx = state.ctx
+    call = _Call(mod, args, kwargs)
+    labels, shift = call.get("labels"), call.get("shift_labels")
+    if ctx is None or (labels is None and shift is None):
+        return args, kwargs
+    given = shift if shift is not None else labels
+    name = "shift_labels" if shift is not None else "labels"
+    candidates = [s for s in state.sources if s.whole.dim() >= 2]
+    found = [1.0 if isinstance(given, torch.Tensor) and _is_slice(given, s) else 0.0 for s in candidates]
+    agreed = _agreed_source(found, candidates, ctx, _device_of(args, kwargs, mod))
+    if agreed is None:
+        raise ValueError(
+            f"the model was called with {name}= that is not a tensor of the batch (ParaDySeStrategy hands each "
+            f"rank a slice of the sequence and must shift labels over the whole sequence): pass {name}=batch[...] "
+            f"(e.g. labels=batch['input_ids'] or batch['labels']), or put the labels in the batch"
+        )
+    whole = agreed.whole if shift is not None else agreed.shifted_whole()  # [b, s] shifted globally
+    if state.padding is not None:
+        check_padding_targets(state.padding, whole, name)
+    items = agreed.items(whole) if shift is None else int((whole != IGNORE_INDEX).sum())
+    local = ctx.layout.shard(whole, ctx.rank).to(given.device)  # [b, s] -> [b, s_r]
+    call.set("shift_labels", local)
+    call.set("num_items_in_batch", torch.tensor(max(items, 1), device=local.device))
+    state.labels_consumed = True
+    return call.result()
+
+
+def _agreed_source(
+    found: list[float], candidates: list[BatchSource], ctx: SeqContext, device: torch.device
+) -> BatchSource | None:
+    """The candidate every rank traced its labels to (one small all-reduce), or ``None``."""
+    if not candidates:
+        return None
+    votes = torch.tensor(found, device=device)
+    if ctx.p > 1:
+        with no_counting():
+            votes = all_reduce_sum(votes, ctx.group)  # [n] ranks that matched each candidate
+    return next((c for c, v in zip(candidates, votes.tolist()) if v == ctx.p), None)
+
+
+def _device_of(args: tuple[Any, ...], kwargs: dict[str, Any], mod: nn.Module) -> torch.device:
+    """The device of the call's first tensor, else of the module's first parameter (else the CPU)."""
+    for value in list(args) + list(kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value.device
+    return next((p.device for p in mod.parameters()), torch.device("cpu"))
+
+
+# --------------------------------------------------------------------------------------------------
+# Per batch
+# --------------------------------------------------------------------------------------------------
+
+
+_OPS: weakref.WeakKeyDictionary[nn.Module, list[tuple[str, OpDispatch]]] = weakref.WeakKeyDictionary()
+"""Modules -> their dispatch modules: found by one walk, then read on every step (a rewritten model's structure
+is fixed; :func:`parallelize` forgets what it found before)."""
+
+
+def dispatchers(module: nn.Module) -> list[tuple[str, OpDispatch]]:
+    """Every dispatch module with its name, in model order (the module walked once, then remembered)."""
+    found = _OPS.get(module)
+    if found is None:
+        found = [(n, m) for n, m in module.named_modules() if isinstance(m, OpDispatch)]
+        _OPS[module] = found
+    return found
+
+
+def n_layers(module: nn.Module) -> int:
+    """Number of rewritten blocks."""
+    return len(step_state(module).blocks)
+
+
+def attention_windows(module: nn.Module) -> list[int | None]:
+    """Per layer, the causal sliding window the modes apply to its attention (``None``: global)."""
+    return [op.spec.window for _, op in dispatchers(module) if isinstance(op, AttentionDispatch)]
+
+
+def is_causal(module: nn.Module) -> bool:
+    """Whether any block is (or may be, when decided per call) causal: the balanced layout is then used."""
+    attn = [m for _, m in dispatchers(module) if isinstance(m, AttentionDispatch)]
+    return any(m.roles.causal is None or m.roles.causal for m in attn)
+
+
+def check_plan(module: nn.Module, plan: Plan, p: int) -> None:
+    """Raise a ``ValueError`` (before any collective) if ``plan`` does not fit the model or the group."""
+    layers = n_layers(module)
+    if len(plan) != layers:
+        raise ValueError(f"the plan has {len(plan)} layers but the model has {layers} blocks")
+    for _, op in dispatchers(module):
+        layer = plan.layers[op.layer]
+        mode = layer.attention.mode if isinstance(op, AttentionDispatch) else layer.mlp.mode
+        reason = op.infeasible(mode, p)
+        if reason:
+            raise ValueError(f"layer {op.layer}: {reason}; choose another mode for this layer")
+
+
+def configure(module: nn.Module, ctx: SeqContext, plan: Plan) -> None:
+    """Set the batch's layout and plan on every dispatch module (after :func:`check_plan`)."""
+    check_plan(module, plan, ctx.p)
+    state = step_state(module)
+    state.ctx, state.sources, state.padding, state.labels_consumed = ctx, (), None, False
+    if state.grid is not None:
+        if ctx.layout.balanced or ctx.doc_ids is not None:
+            raise ValueError(
+                "a grid model (axes=2) splits its frames in contiguous chunks and takes no packed documents: use "
+                "bidirectional attention (no causal mask) and one sequence of frames per batch row"
+            )
+        state.grid.reset(ctx.layout.seq_len)
+    for _, op in dispatchers(module):
+        layer = plan.layers[op.layer]
+        op.configure(ctx, layer.attention if isinstance(op, AttentionDispatch) else layer.mlp)
+
+
+def set_step_sources(module: nn.Module, sources: tuple[BatchSource, ...], padding: torch.Tensor | None = None) -> None:
+    """The batch tensors the step was handed and their global originals (labels are traced back to them), and
+    the batch's right padding."""
+    state = step_state(module)
+    state.sources, state.padding, state.labels_consumed = sources, padding, False
+
+
+# --------------------------------------------------------------------------------------------------
+# Gradients and state
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShardRef:
+    """How a sharded parameter relates to the plain model."""
+
+    plain: str
+    """Name of the plain parameter in the module."""
+    source: ShardSource
+
+
+def shard_sources(module: nn.Module) -> dict[str, ShardRef]:
+    """Every sharded parameter's name in ``module`` -> its plain parameter and piece."""
+    out: dict[str, ShardRef] = {}
+    for path, op in dispatchers(module):
+        block = path[: len(path) - len(op.core_path)]
+        for pname, src in op.sources.items():
+            out[f"{path}.{pname}"] = ShardRef(block + src.name, src)
+    return out
+
+
+def replicated_sources(module: nn.Module) -> dict[str, str]:
+    """Every replicated dispatch parameter (output biases) name in ``module`` -> its plain parameter name."""
+    out: dict[str, str] = {}
+    for path, op in dispatchers(module):
+        block = path[: len(path) - len(op.core_path)]
+        for pname, name in op.replicated_sources.items():
+            out[f"{path}.{pname}"] = block + name
+    return out
+
+
+def replicated_parameters(module: nn.Module) -> Iterator[nn.Parameter]:
+    """Parameters every rank holds whole (their gradients are summed over the group)."""
+    sharded = set(shard_sources(module))
+    return (p for n, p in module.named_parameters() if n not in sharded)
+
+
+@dataclass(frozen=True)
+class ReplicatedGrads:
+    """This rank's gradients of the replicated parameters as one flat message (what the group sums).
+
+    ``message`` is ``[numel + n]``: every gradient flattened in ``reduce_dtype`` (bf16 summed in float32; a gradient
+    missing on this rank, e.g. an idle group's, as zeros), then one presence flag per parameter. Every rank builds
+    the same-sized message whatever gradients it holds; :meth:`apply` takes the sum of every rank's.
+    """
+
+    params: tuple[nn.Parameter, ...]
+    message: torch.Tensor
+
+    @staticmethod
+    def of(module: nn.Module) -> ReplicatedGrads:
+        params = tuple(w for w in replicated_parameters(module) if w.requires_grad)
+        if not params:
+            return ReplicatedGrads((), torch.zeros(0))
+        dtype = functools.reduce(torch.promote_types, [w.dtype for w in params], torch.float32)  # bf16 sums in fp32
+        with torch.no_grad():
+            present = torch.tensor([w.grad is not None for w in params], dtype=dtype, device=params[0].device)
+            grads = [
+                w.grad.reshape(-1).to(dtype) if w.grad is not None else w.new_zeros(w.numel(), dtype=dtype)
+                for w in params
+            ]
+            return ReplicatedGrads(params, torch.cat([*grads, present]))  # [numel + n]
+
+    def apply(self, total: torch.Tensor, seen: list[float] | None = None) -> None:
+        """Set every gradient to its part of ``total`` (the sum of every rank's message); one missing on every rank
+        stays ``None``. Reads the presence flags on the host (one synchronisation) unless given (``seen``)."""
+        at = 0
+        if seen is None:
+            seen = total[-len(self.params) :].tolist()
+        for w, present in zip(self.params, seen):
+            n = w.numel()
+            if present:
+                w.grad = total[at : at + n].view_as(w).to(w.dtype).clone()
+            at += n
+
+
+def settle_opaque_grads(module: nn.Module, group: Group) -> None:
+    """The shards of a mixture of experts that no rank's tokens used lose their (zero) gradient
+    (:meth:`~.graph.dispatch.OpaqueDispatch.settle_grads`; a small all-reduce per such op, none for other models)."""
+    for _, op in dispatchers(module):
+        if isinstance(op, OpaqueDispatch):
+            op.settle_grads(group)
+
+
+def reduce_replicated_grads(module: nn.Module, group: Group) -> None:
+    """Sum the gradients of replicated parameters over the group, in one coalesced all-reduce.
+
+    A gradient missing on some ranks (a rank that ran no forward, e.g. an idle group of
+    :mod:`lightning_paradyse.groups`) counts as zero there; one missing on every rank stays ``None``. Every
+    rank sends the same-sized message, whatever gradients it holds. First, the shards of a mixture of experts that
+    no rank's tokens used lose their (zero) gradient (:func:`settle_opaque_grads`).
+    """
+    settle_opaque_grads(module, group)
+    if group_size(group) == 1:
+        return
+    grads = ReplicatedGrads.of(module)
+    if grads.params:
+        with torch.no_grad():
+            grads.apply(all_reduce_sum(grads.message, group))  # [numel + n] summed over the group
+
+
+def gather_param_like(value: torch.Tensor, ref: ShardRef, group: Group) -> torch.Tensor:
+    """The whole piece behind a shard (in the plain parameter's row view, :func:`~.dispatch.cut_piece`), from every
+    rank's ``value`` shaped like the shard; :func:`~.dispatch.join_pieces` makes the plain parameter of them."""
+    return all_gather_rows(value, row_sizes(ref.source.rows, group_size(group)), group)  # [rows/p, k] -> [rows, k]
+
+
+def shard_param_like(plain: torch.Tensor, ref: ShardRef, group: Group) -> torch.Tensor:
+    """This rank's shard of a plain parameter (or a tensor shaped like it): the inverse of :func:`gather_param_like`."""
+    return shard_rows(cut_piece(plain, ref.source), group_size(group), group_rank(group))
+
+
+def _value(param: torch.Tensor, grads: bool) -> torch.Tensor | None:
+    return param.grad if grads else param.detach()
+
+
+def tied_aliases(module: nn.Module) -> dict[str, str]:
+    """Every second (third, ...) name of a shared parameter -> the name ``named_parameters`` keeps (the first).
+
+    Tied weights (an LM head sharing the token embedding) are one parameter under two names: ``state_dict``
+    lists both, ``named_parameters`` only the first.
+    """
+    first: dict[int, str] = {}
+    out: dict[str, str] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            out[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return out
+
+
+def consolidated(module: nn.Module, group: Group, grads: bool = False, host: bool = False) -> dict[str, torch.Tensor]:
+    """The plain model's state dict (or gradients) from a parallelized module, on every rank.
+
+    Names are relative to ``module``; the result loads into the unparallelized module with
+    ``load_state_dict``: buffers and every name of a tied parameter are included when ``grads`` is false
+    (gradients are keyed like ``named_parameters``, tied parameters once). ``host``: every tensor on the host, each
+    gathered piece moved there as soon as it is gathered (a GPU holds one gathered parameter at a time: checkpoints).
+    """
+    out: dict[str, torch.Tensor] = {}
+    shards, replicated = shard_sources(module), replicated_sources(module)
+    pieces: dict[str, list[tuple[ShardSource, torch.Tensor]]] = {}
+    place = (lambda t: t.cpu()) if host else (lambda t: t)
+    for name, param in module.named_parameters():
+        value = _value(param, grads)
+        if name in shards:
+            ref = shards[name]
+            piece = place(gather_param_like(value, ref, group)) if value is not None else None
+            if piece is not None:
+                pieces.setdefault(ref.plain, []).append((ref.source, piece))
+        elif value is not None:
+            out[replicated.get(name, name)] = place(value)
+    for plain, parts in pieces.items():
+        out[plain] = join_pieces(parts)
+    if not grads:
+        for alias, name in tied_aliases(module).items():
+            key = shards[name].plain if name in shards else replicated.get(name, name)
+            if key in out:
+                out[replicated.get(alias, alias)] = out[key]
+        persistent = set(module.state_dict(keep_vars=True))
+        out.update({n: place(b.detach()) for n, b in module.named_buffers() if n in persistent})
+    return out
+
+
+def load_consolidated(module: nn.Module, state: dict[str, torch.Tensor], group: Group, strict: bool = True) -> None:
+    """Load a plain state dict (as :func:`consolidated` returns) into the shards of a parallelized module.
+
+    A tied parameter is read under its first name, or under another of its names when the first is absent;
+    its other names count as used (a plain checkpoint lists every name, an older one of ours only the first).
+    """
+    shards, replicated = shard_sources(module), replicated_sources(module)
+    names: dict[str, list[str]] = {}  # first name -> every name of the parameter, plain
+    for alias, name in tied_aliases(module).items():
+        names.setdefault(name, [name]).append(replicated.get(alias, alias))
+    used: set[str] = set()
+    missing: list[str] = []
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            ref = shards.get(name)
+            wanted = ref.plain if ref is not None else replicated.get(name, name)
+            keys = [wanted, *names.get(name, [name])[1:]]
+            key = next((k for k in keys if k in state), None)
+            if key is None:
+                missing.append(wanted)
+                continue
+            if ref is not None:
+                param.copy_(shard_param_like(state[key], ref, group))
+            else:
+                param.copy_(state[key])
+            used.update(keys)
+        for name, buf in module.named_buffers():
+            if name in state:
+                buf.copy_(state[name])
+                used.add(name)
+    unexpected = sorted(set(state) - used)
+    if strict and (missing or unexpected):
+        raise KeyError(f"state dict does not match the model: missing {sorted(set(missing))}, unexpected {unexpected}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Whole-model quantities over the shards
+# --------------------------------------------------------------------------------------------------
+
+
+def sharded_parameter_ids(module: nn.Module) -> set[int]:
+    """``id`` of every parameter held as a 1/p shard (the others are replicated)."""
+    shards = shard_sources(module)
+    return {id(p) for n, p in module.named_parameters() if n in shards}
+
+
+def grad_norm(
+    parameters: Iterator[torch.Tensor] | list[torch.Tensor], sharded: set[int], group: Group, norm_type: float = 2.0
+) -> torch.Tensor:
+    """The norm of the *whole* model's gradients, the same on every rank (a collective over the group).
+
+    Shards contribute their part (summed over the group); replicated parameters, whose gradients every rank holds
+    whole after :func:`reduce_replicated_grads`, count once.
+    """
+    params = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in params if p.grad is not None]
+    return tensor_norm(grads, [id(p) in sharded for p in params], group, norm_type)
+
+
+def tensor_norm(tensors: list[torch.Tensor], shard: list[bool], group: Group, norm_type: float = 2.0) -> torch.Tensor:
+    """The norm of the whole tensors of which ``tensors`` hold this rank's part (a collective over the group).
+
+    ``shard[i]``: ``tensors[i]`` is one rank's piece of a tensor split over the group (its part summed over the
+    group); otherwise every rank holds it whole and it counts once.
+    """
+    if not tensors:
+        return torch.tensor(0.0)
+    if norm_type == float("inf"):
+        per = torch.stack([t.detach().abs().max().to(tensors[0].dtype) for t in tensors])  # [n]
+        shard_max = torch.stack([v for v, s in zip(per, shard) if s]).max() if any(shard) else per.new_zeros(())
+        rest = torch.stack([v for v, s in zip(per, shard) if not s]).max() if not all(shard) else per.new_zeros(())
+        if group_size(group) > 1:
+            every = all_gather_rows(shard_max.reshape(1), [1] * group_size(group), group)  # [1] -> [p]
+            shard_max = every.max()
+        return torch.maximum(shard_max, rest)
+    powers = torch.stack([torch.linalg.vector_norm(t.detach(), norm_type) ** norm_type for t in tensors])  # [n]
+    flags = torch.tensor([float(s) for s in shard], dtype=powers.dtype, device=powers.device)
+    shard_part = (powers * flags).sum()
+    if group_size(group) > 1:
+        shard_part = all_reduce_sum(shard_part.reshape(1), group)[0]  # [1] summed over the group
+    return (shard_part + (powers * (1 - flags)).sum()) ** (1.0 / norm_type)
+
+
+def clip_grad_norm(
+    parameters: Iterator[torch.Tensor] | list[torch.Tensor],
+    max_norm: float,
+    sharded: set[int],
+    group: Group,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` over the whole model: the global norm, the same coefficient everywhere."""
+    params = [p for p in parameters if p.grad is not None]
+    total = grad_norm(params, sharded, group, float(norm_type))
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite: it cannot be clipped")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in params:
+        assert p.grad is not None
+        p.grad.detach().mul_(coef.to(p.grad.device, p.grad.dtype))
+    return total
+
+
+DIGEST_CHUNK = 1 << 22
+"""Elements squared at a time by :func:`replica_digest` (a transient of 16-32 MiB, whatever the parameter)."""
+
+
+def replica_digest(module: nn.Module) -> torch.Tensor:
+    """``[n, 2]`` float64: sum and sum of squares of every replicated parameter (equal on every rank when they
+    received the same updates). Sums accumulate in float64 without a float64 copy of the parameter; squares are
+    taken a chunk at a time."""
+    params = [p.detach() for p in replicated_parameters(module)]
+    if not params:
+        return torch.zeros(0, 2, dtype=torch.float64)
+    rows = []
+    for p in params:
+        flat = p.reshape(-1)
+        wide = torch.promote_types(p.dtype, torch.float32)  # bf16 squared in float32; float64 stays float64
+        squares = sum(c.to(wide).square().sum(dtype=torch.float64) for c in flat.split(DIGEST_CHUNK))
+        rows.append(torch.stack([flat.sum(dtype=torch.float64), torch.as_tensor(squares, device=p.device)]))
+    return torch.stack(rows)  # [n, 2] on the parameters' device
+
+
+def replicas_differ(module: nn.Module, group: Group) -> list[str]:
+    """Names of replicated parameters that differ between ranks (a collective: one small all-gather)."""
+    p = group_size(group)
+    if p == 1:
+        return []
+    digest = replica_digest(module)
+    every = all_gather_rows(digest.to(collective_device(group))[None], [1] * p, group).cpu()  # [n, 2] -> [p, n, 2]
+    names = [n for n, _ in _replicated_named(module)]
+    differ = (every != every[:1]).any(dim=2).any(dim=0)  # [n]
+    return [name for name, bad in zip(names, differ.tolist()) if bad]
+
+
+def _replicated_named(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    sharded = set(shard_sources(module))
+    return [(n, p) for n, p in module.named_parameters() if n not in sharded]

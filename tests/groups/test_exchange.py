@@ -1,0 +1,161 @@
+"""Steps on groups of different sizes (1, 2 and 4 at once) equal one process training every sequence.
+
+Four gloo processes hold the 1/4 shards. Each step splits them into aligned groups (``4``, ``2+2``,
+``2+1+1``, ``1+1+1+1``, and a split with an idle group), gives every group its own sequences packed
+into one (document-aware attention, positions restarting per document) and its own plan (every mode,
+mixed plans, recomputation), and combines the gradients with :mod:`lightning_paradyse.groups`. The
+reference runs each sequence alone through the plain model; loss and every gradient must match within
+the mode-test tolerances. A second step on the same model checks that gradients accumulate onto the
+shards and that the shard parameters are untouched by a step.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from lightning_paradyse.distributed.comm import all_reduce_sum
+from lightning_paradyse.distributed.layout import SeqLayout
+from lightning_paradyse.groups import GroupSet, blocks, check_sizes, enter_group, exit_group
+from lightning_paradyse.models import build_model
+from lightning_paradyse.modes import MODES
+from lightning_paradyse.modes.plan import LayerPlan, OpPlan, Plan, random_plan
+from lightning_paradyse.modes.specs import SeqContext
+from lightning_paradyse.runtime.parallel import (
+    configure,
+    consolidated,
+    feasible_modes,
+    is_causal,
+    parallelize,
+    reduce_replicated_grads,
+)
+from lightning_paradyse.tools.mode_check import grad_errors, tolerance_failures
+from tests.runtime.test_packing import pack
+from tests.support.dist import run_distributed
+
+LENGTHS = [37, 9, 17, 23, 6, 13]
+
+STEPS: list[tuple[tuple[int, ...], list[list[int]]]] = [
+    ((4,), [[0, 1, 2, 3, 4, 5]]),  # one group of 4: everything packed
+    ((2, 2), [[0, 4], [1, 2, 3, 5]]),
+    ((2, 1, 1), [[0], [1, 2], [3, 4, 5]]),  # sizes 2 and 1 at once
+    ((1, 1, 1, 1), [[0], [1, 4], [2, 5], [3]]),
+    ((2, 1, 1), [[0, 2, 3], [1, 4, 5], []]),  # an idle group
+]
+
+
+def _plan_for(model: torch.nn.Module, g: int, pick: int) -> Plan:
+    """A feasible plan on ``g`` ranks: uniform modes in turn, then mixed ones with recomputation."""
+    feasible = feasible_modes(model, g, list(MODES))
+    if pick < len(MODES):
+        mode = list(MODES)[pick]
+        return Plan(
+            tuple(
+                LayerPlan(OpPlan(mode if mode in a else a[0]), OpPlan(mode if mode in b else b[0], recompute=True))
+                for a, b in feasible
+            )
+        )
+    mixed = random_plan(len(feasible), list(MODES), seed=pick)
+    return Plan(
+        tuple(
+            LayerPlan(
+                layer.attention if layer.attention.mode in a else OpPlan(a[0], layer.attention.recompute),
+                layer.mlp if layer.mlp.mode in b else OpPlan(b[0], layer.mlp.recompute),
+            )
+            for layer, (a, b) in zip(mixed.layers, feasible)
+        )
+    )
+
+
+def _reference(plain: torch.nn.Module, docs: list[torch.Tensor], count: int) -> tuple[torch.Tensor, dict[str, Any]]:
+    reference = copy.deepcopy(plain)
+    loss = sum(F.cross_entropy(reference(d[None], torch.arange(len(d)))[0, :-1], d[1:], reduction="sum") for d in docs)
+    assert isinstance(loss, torch.Tensor)
+    (loss / count).backward()
+    return (loss / count).detach(), {n: w.grad for n, w in reference.named_parameters() if w.grad is not None}
+
+
+def _group_step(
+    model: torch.nn.Module,
+    groups: GroupSet,
+    sizes: tuple[int, ...],
+    members: list[list[int]],
+    docs: list[torch.Tensor],
+    count: int,
+    pick: int,
+    replicated: bool = True,
+) -> torch.Tensor:
+    """One step of this rank's group; returns this rank's share of the loss."""
+    index, pg = groups.mine(sizes)
+    g = sizes[index]
+    rank = groups.rank - blocks(sizes)[index].start
+    enter_group(model, groups.world, sizes)
+    loss = torch.zeros(())
+    mine = [docs[j] for j in members[index]]
+    if mine:
+        tokens, targets, positions, doc_ids = pack(mine)
+        layout = SeqLayout.for_sequence(len(tokens), g, is_causal(model))
+        configure(model, SeqContext(layout, pg, doc_ids), _plan_for(model, g, pick + index))
+        logits = model(layout.shard(tokens[None], rank), layout.shard(positions, rank, dim=0))
+        loss = F.cross_entropy(logits[0], layout.shard(targets, rank, dim=0), reduction="sum") / count
+        loss.backward()
+    exit_group(model, groups.world, sizes, replicated)
+    return loss.detach()
+
+
+def _worker(rank: int, world: int, name: str) -> list[tuple[str, Any]]:
+    group = dist.group.WORLD
+    groups = GroupSet(group)
+    torch.manual_seed(7)
+    plain = build_model(name)
+    docs = [torch.randint(0, 128, (n,)) for n in LENGTHS]
+    count = sum(len(d) - 1 for d in docs)
+    ref_loss, ref_grads = _reference(plain, docs, count)
+    template = copy.deepcopy(plain)
+    parallelize(template, group)
+    out: list[tuple[str, Any]] = []
+    for pick, (sizes, members) in enumerate(STEPS):
+        check_sizes(sizes, world)
+        model = copy.deepcopy(template)
+        before = {n: w.detach().clone() for n, w in model.named_parameters()}
+        loss = all_reduce_sum(_group_step(model, groups, sizes, members, docs, count, pick), group)
+        label = f"{name} groups={sizes} docs={members}"
+        errors = grad_errors(consolidated(model, group, True), ref_grads)
+        out.append((label, (float(abs(loss - ref_loss) / ref_loss), errors)))
+        unchanged = all(torch.equal(before[n], w.detach()) for n, w in model.named_parameters())
+        assert unchanged, f"{label}: a step changed a parameter"
+        if pick == 2:  # two micro-batches on different splits accumulate; replicated gradients reduced once
+            model = copy.deepcopy(template)
+            args = (docs, count, pick)
+            loss2 = _group_step(model, groups, sizes, members, *args, replicated=False)
+            loss2 = loss2 + _group_step(model, groups, (1, 1, 1, 1), STEPS[3][1], *args, replicated=False)
+            reduce_replicated_grads(model, group)
+            loss2 = all_reduce_sum(loss2, group)
+            doubled = {n: 2 * r for n, r in ref_grads.items()}
+            errors = grad_errors(consolidated(model, group, True), doubled)
+            out.append((f"{label} + accumulated", (float(abs(loss2 - 2 * ref_loss) / ref_loss), errors)))
+    return out
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "gpt-tiny"])
+def test_mixed_group_sizes_match_single_process(name: str) -> None:
+    results = run_distributed(_worker, 4, name, timeout=300)[0]
+    assert len(results) == len(STEPS) + 1
+    bad = tolerance_failures(results, torch.float32)
+    assert not bad, "\n".join(bad)
+
+
+def test_group_sizes_are_checked() -> None:
+    check_sizes((4, 2, 1, 1), 8)
+    assert [list(r) for r in blocks((4, 2, 1, 1))] == [[0, 1, 2, 3], [4, 5], [6], [7]]
+    with pytest.raises(ValueError, match="powers of two"):
+        check_sizes((3, 1), 4)
+    with pytest.raises(ValueError, match="sum to 3"):
+        check_sizes((2, 1), 4)
+    with pytest.raises(ValueError, match="largest first"):
+        check_sizes((1, 2, 1), 4)

@@ -1,0 +1,216 @@
+"""Heterogeneous group sizes per step (FlexSP-style): the solver against brute force, and on the cost model."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from lightning_paradyse.groups.solver import (
+    Assignment,
+    assign,
+    assign_exact,
+    assign_greedy,
+    assign_rows,
+    brute_force,
+    layouts,
+    sequential_cost,
+)
+from lightning_paradyse.models import CONFIGS
+from lightning_paradyse.planning.planner import PlanInfeasible, make_planner
+
+CLUSTER = Path(__file__).resolve().parents[2] / "configs" / "clusters" / "a100-80gb-nvlink-8.yaml"
+
+
+def packed_cost(a: float, b: float, comm: float, latency: float, cap: int) -> Callable[..., float | None]:
+    """A monotone packed-group cost: quadratic attention and linear work split over ``g`` ranks, communication
+    growing with ``g``, memory ``sum(s)/g <= cap``."""
+
+    def cost(lengths: tuple[int, ...], g: int) -> float | None:
+        tokens = sum(lengths)
+        if tokens / g > cap:
+            return None
+        work = (a * sum(s * s for s in lengths) + b * tokens) / g
+        return work + comm * tokens * (g - 1) / g + latency * (g > 1)
+
+    return cost
+
+
+def check(found: Assignment | None, lengths: list[int], world: int) -> None:
+    assert found is not None
+    assert sum(found.sizes) == world and all(g & (g - 1) == 0 for g in found.sizes)
+    assert sorted(i for group in found.groups for i in group) == list(range(len(lengths)))
+
+
+def test_layouts_are_every_split_into_powers_of_two() -> None:
+    assert layouts(1) == ((1,),)
+    assert layouts(2) == ((2,), (1, 1))
+    assert layouts(4) == ((4,), (2, 2), (2, 1, 1), (1, 1, 1, 1))
+    assert len(layouts(8)) == 10 and len(set(layouts(8))) == 10
+    assert all(sum(s) == 8 and list(s) == sorted(s, reverse=True) for s in layouts(8))
+    assert len(layouts(3)) == 2  # 2 + 1, 1 + 1 + 1: any world size works
+    with pytest.raises(ValueError, match="world must be positive"):
+        layouts(0)
+
+
+def test_exact_solver_matches_brute_force_on_random_instances() -> None:
+    rng = random.Random(0)
+    gaps = []
+    for trial in range(300):
+        world = rng.choice([2, 4, 8])
+        n = rng.randint(1, 6 if world < 8 else 4)
+        lengths = [rng.choice([rng.randint(16, 256), rng.randint(256, 4096)]) for _ in range(n)]
+        cost = packed_cost(
+            a=rng.uniform(0.1, 2.0) * 1e-6,
+            b=rng.uniform(0.5, 2.0) * 1e-4,
+            comm=rng.uniform(0, 2) * 1e-4,
+            latency=rng.uniform(0, 0.05),
+            cap=rng.choice([512, 2048, 10**9]),
+        )
+        reference = brute_force(lengths, world, cost)
+        exact = assign_exact(lengths, world, cost)
+        greedy = assign_greedy(lengths, world, cost)
+        if reference is None:
+            assert exact is None and greedy is None, f"trial {trial}: no assignment fits, but one was returned"
+            continue
+        check(exact, lengths, world)
+        check(greedy, lengths, world)
+        assert exact is not None and greedy is not None
+        assert exact.time == pytest.approx(reference.time, rel=1e-12), f"trial {trial}: {exact} vs {reference}"
+        for members, g, t in zip(exact.groups, exact.sizes, exact.times):  # the reported times are the cost's
+            assert t == (cost(tuple(lengths[i] for i in members), g) if members else 0.0)
+        assert greedy.time >= exact.time * (1 - 1e-12)
+        gaps.append(greedy.time / exact.time - 1)
+        busy_reference = brute_force(lengths, world, cost, all_busy=True)  # no idle group (the strategy's setting)
+        busy, busy_greedy = assign_exact(lengths, world, cost, all_busy=True), assign_greedy(lengths, world, cost, True)
+        if busy_reference is None:
+            assert busy is None, f"trial {trial}: no busy assignment fits, but one was returned"
+            continue
+        assert busy is not None and all(busy.groups), f"trial {trial}: {busy}"
+        assert busy.time == pytest.approx(busy_reference.time, rel=1e-12), f"trial {trial}: {busy} vs {busy_reference}"
+        assert busy_greedy is None or (all(busy_greedy.groups) and busy_greedy.time >= busy.time * (1 - 1e-12))
+    assert len(gaps) > 200
+    print(f"greedy vs exact: mean gap {sum(gaps) / len(gaps):.2%}, worst {max(gaps):.2%}")
+
+
+def rows_shape(a: float, c: float, fixed: float, cap: float | None, world: int) -> Callable[..., float | None]:
+    """A monotone cost of ``b`` padded rows of ``s`` tokens on ``g`` ranks: work split over ``g``, a fixed cost
+    for groups smaller than the world (the weight exchange), a per-row overhead, memory ``b s / g <= cap``."""
+
+    def shape(s: int, b: int, g: int) -> float | None:
+        if s < g or (cap is not None and b * s / g > cap):
+            return None
+        return b * (a * s + c * s * s) / g + fixed * (g < world) + 0.3 * b**0.5
+
+    return shape
+
+
+def test_rows_solver_matches_brute_force_on_random_instances() -> None:
+    """:func:`assign_rows` (consecutive runs of rows by length, dynamic programme) is exact for rows costs."""
+    rng = random.Random(7)
+    for trial in range(400):
+        world = rng.choice([1, 2, 3, 4])
+        lengths = [rng.randint(1, 40) for _ in range(rng.randint(1, 6))]
+        shape = rows_shape(rng.random(), rng.random() * 0.05, rng.random() * 3, rng.choice([None, 60.0, 200.0]), world)
+
+        def cost(lengths: tuple[int, ...], g: int, shape: Callable[..., float | None] = shape) -> float | None:
+            return shape(max(lengths), len(lengths), g)
+
+        for busy in (False, True):
+            found, reference = assign_rows(lengths, world, shape, busy), brute_force(lengths, world, cost, busy)
+            assert (found is None) == (reference is None), f"trial {trial}: {found} vs {reference}"
+            if found is None or reference is None:
+                continue
+            check(found, lengths, world)
+            assert found.time == pytest.approx(reference.time, rel=1e-12), f"trial {trial}: {found} vs {reference}"
+            assert not busy or all(found.groups), found
+            for members, g, t in zip(found.groups, found.sizes, found.times):
+                assert t == (cost(tuple(lengths[i] for i in members), g) if members else 0.0)
+            assert assign(lengths, world, cost, all_busy=busy, shape=shape) == found
+
+
+def test_rows_solver_needs_few_cost_evaluations_on_many_rows() -> None:
+    """173 rows on 4 ranks (the benchmark's shortest global batch): ``O(k n log n)`` evaluations per layout
+    and order, not the greedy search's ``O(n^2)`` per move."""
+    rng = random.Random(3)
+    lengths = [rng.randint(8, 23) for _ in range(173)]
+    shape = rows_shape(1e-3, 1e-5, 0.5, 2000.0, 4)
+    calls = [0]
+
+    def counted(s: int, b: int, g: int) -> float | None:
+        calls[0] += 1
+        return shape(s, b, g)
+
+    found = assign_rows(lengths, 4, counted, all_busy=True)
+    check(found, lengths, 4)
+    assert calls[0] < 25_000, calls[0]
+    assert found == assign_rows(lengths, 4, shape, all_busy=True)  # deterministic
+
+
+def test_assign_is_deterministic_and_switches_to_the_approximation() -> None:
+    cost = packed_cost(1e-6, 1e-4, 1e-4, 0.01, 10**9)
+    lengths = [100, 3000, 50, 800, 800, 20]
+    assert assign(lengths, 4, cost) == assign(lengths, 4, cost) == assign_exact(lengths, 4, cost)
+    many = [random.Random(1).randint(16, 4096) for _ in range(14)]
+    assert assign(many, 8, cost, exact_up_to=10) == assign_greedy(many, 8, cost)
+
+
+def test_on_the_cost_model_short_sequences_get_groups_of_their_own() -> None:
+    """llama-7b on 8x A100 (cluster file): a step of one very long sequence, and a step of shorter ones."""
+    config = CONFIGS["llama-7b"]
+    planners = {g: make_planner(config, g, 74 * 2**30, CLUSTER) for g in (1, 2, 4, 8)}
+
+    def seq_cost(s: int, g: int) -> float | None:
+        try:
+            return planners[g].step(s, 1).time_s
+        except PlanInfeasible:
+            return None
+
+    cost = sequential_cost(seq_cost)
+    long = [65536, 2048, 4096, 1024]  # 64K tokens fit only the memory of all 8 GPUs: one group, everything in it
+    found = assign(long, 8, cost)
+    check(found, long, 8)
+    assert found is not None and found.sizes == (8,)
+    mixed = [4096, 4096, 1024, 1024, 1024, 1024, 1024, 1024]  # shorter: groups side by side beat one 8-way split
+    found = assign(mixed, 8, cost)
+    check(found, mixed, 8)
+    one_group = cost(tuple(mixed), 8)
+    assert found is not None and one_group is not None and found.time < 0.8 * one_group, (found, one_group)
+    assert len(found.sizes) > 1 and max(found.sizes) < 8, found
+    print(found, f"one group of 8: {one_group:.3f} s")
+
+
+def test_at_eight_ranks_many_short_rows_go_data_parallel_on_the_strategys_own_cost() -> None:
+    """The strategy's cost of a group's rows (:func:`~lightning_paradyse.groups.cost.group_shape_cost`: the planner
+    of each group size on the machine of every size, plus the weight exchange) at p = 8 on an 8x H100 node: a batch
+    of many short rows (16-510 tokens, the quick benchmark's kind) is split into groups of one when that is what the
+    cost predicts fastest, and a long sequence stays on one group of 8."""
+    from lightning_paradyse.cost.dims import dims_from_config
+    from lightning_paradyse.groups.cost import group_shape_cost, machine_for_groups
+
+    cluster = CLUSTER.with_name("h100-80gb-nvlink-8.yaml")
+    world = 8
+    top = make_planner(CONFIGS["llama-tiny"], world, 70 * 2**30, cluster)
+    machine = machine_for_groups(top.model.machine, world)
+    planners = {g: make_planner(CONFIGS["llama-tiny"], g, 70 * 2**30, machine) for g in (1, 2, 4)} | {world: top}
+    dims = dims_from_config(CONFIGS["llama-tiny"], top.model.dims.dtype_bytes)
+    shape = group_shape_cost(dims, world, planners.__getitem__)
+
+    def cost(lengths: tuple[int, ...], g: int) -> float | None:
+        return shape(max(lengths), len(lengths), g)
+
+    rows = [random.Random(8).randint(16, 510) for _ in range(64)]
+    found = assign(rows, world, cost, all_busy=True, shape=shape)
+    check(found, rows, world)
+    assert found is not None
+    one_group = cost(tuple(rows), world)
+    data_parallel = assign_rows(rows, world, lambda s, b, g: shape(s, b, g) if g == 1 else None, all_busy=True)
+    assert one_group is not None and data_parallel is not None
+    assert data_parallel.time < one_group  # its numbers: a group of 8 pays its collectives on little work
+    assert found.sizes == (1,) * world and found.time == data_parallel.time, (found, one_group)
+    print(f"p=8, 64 rows: split {found.sizes}, {found.time * 1e3:.3f} ms; one group {one_group * 1e3:.3f} ms")
+    long = [8192]
+    found = assign(long, world, cost, all_busy=True, shape=shape)
+    assert found is not None and found.sizes == (world,)

@@ -1,0 +1,58 @@
+"""The units of a batch (rows or documents), a group's batch cut out of it, and the group costs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_paradyse.cost.dims import dims_from_config
+from lightning_paradyse.groups import imbalance, packed_cost, rows_cost
+from lightning_paradyse.groups.units import Units
+from lightning_paradyse.models import CONFIGS
+from lightning_paradyse.runtime.slicing import describe_batch, shifted_labels
+
+
+def _ragged() -> dict[str, torch.Tensor]:
+    ids = torch.arange(3 * 8).view(3, 8)
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0  # 5 real tokens
+    mask[2, 2:] = 0  # 2 real tokens
+    labels = ids.clone()
+    labels[mask == 0] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels, "weights": torch.tensor([1.0, 2.0, 3.0])}
+
+
+def test_rows_of_a_right_padded_batch_are_cut_to_the_groups_longest_row() -> None:
+    batch = _ragged()
+    units = Units.of(describe_batch(batch, 2, 0, causal=True))
+    assert units is not None and not units.packed and units.lengths == (8, 5, 2)
+    sub = units.cut(batch, [2, 1])
+    assert units.length([2, 1]) == 5
+    assert torch.equal(sub["input_ids"], batch["input_ids"][[2, 1], :5])
+    assert torch.equal(sub["attention_mask"], batch["attention_mask"][[2, 1], :5])
+    assert torch.equal(sub["weights"], torch.tensor([3.0, 2.0]))  # per-row tensors follow their rows
+    assert all(v.is_contiguous() for v in sub.values())
+    shifts = units.shifted_sources(batch, [2, 1])
+    whole = shifted_labels(batch["labels"])
+    assert torch.equal(shifts["labels"][0], whole[[2, 1], :5]) and shifts["labels"][1] == int((whole != -100).sum())
+
+
+def test_one_sequence_has_no_units_and_documents_are_cut_in_order() -> None:
+    one = {"input_ids": torch.zeros(1, 8, dtype=torch.long)}
+    assert Units.of(describe_batch(one, 2, 0, causal=True)) is None
+    doc_ids = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2])
+    packed = {"input_ids": torch.arange(8)[None], "targets": torch.arange(8)[None], "doc_ids": doc_ids}
+    units = Units.of(describe_batch(packed, 2, 0, causal=True))
+    assert units is not None and units.packed and units.lengths == (3, 2, 3)
+    sub = units.cut(packed, [2, 0])
+    assert sub["input_ids"].tolist() == [[5, 6, 7, 0, 1, 2]] and sub["doc_ids"].tolist() == [2, 2, 2, 0, 0, 0]
+
+
+def test_group_costs_are_monotone_and_count_attention_per_unit() -> None:
+    dims = dims_from_config(CONFIGS["llama-tiny"], 4)
+    rows, packed = rows_cost(dims), packed_cost(dims)
+    assert rows((100, 40), 1) == pytest.approx(2 * rows((100,), 1))  # a batch of the longest row
+    assert rows((100, 40), 2) == pytest.approx(rows((100, 40), 1) / 2)
+    assert rows((1,), 2) is None  # a group needs a token per rank
+    assert packed((50, 50), 1) < packed((100,), 1)  # documents do not attend to each other
+    assert imbalance([2.0, 1.0, 0.0]) == pytest.approx(2.0 / 1.5) and imbalance([]) == 1.0

@@ -1,0 +1,132 @@
+"""The fixed cost of a step: what a data-parallel step adds to DDP's, counted (never timed).
+
+Two processes train the command line's LightningModule on batches of many short rows; the groups' solver is made
+to split every step into groups of one (data parallelism, as the planner does for such batches). During one
+training step, from the first callback hook to the last, a dispatch mode counts every collective (the package's
+and Lightning's). On a GPU (ranks sharing it, marked ``gpu``) CUDA's synchronisation debug mode also counts the
+step's host synchronisations; on the host a read of a tensor value is free and nothing tells the tensors a GPU would
+hold apart, so that count needs the GPU.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import warnings
+from collections import Counter
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from lightning_paradyse import ParaDySeStrategy
+from lightning_paradyse.distributed.spawn import run_distributed
+from lightning_paradyse.groups.solver import Assignment
+from lightning_paradyse.lightning.language_model import LanguageModel
+from tests.support.dist import free_ports
+from tests.support.lightning import ACCELERATOR, quiet_trainer, strategy_environment
+
+COUNTED_STEP = 3
+"""The step counted: after the one-time step check (step 0) and the first exchange's caches."""
+
+
+class Collectives(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.namespace in ("c10d", "_c10d_functional"):
+            self.calls[func._overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class Count(pl.Callback):
+    def __init__(self) -> None:
+        self.collectives: Counter[str] = Counter()
+        self.syncs = 0
+        self._mode: Collectives | None = None
+        self._warnings: Any = None
+        self._caught: list[Any] = []
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int) -> None:
+        if i == COUNTED_STEP:
+            if trainer.strategy.root_device.type == "cuda":
+                torch.cuda.synchronize()
+                self._warnings = warnings.catch_warnings(record=True)
+                self._caught = self._warnings.__enter__()
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+            self._mode = Collectives()
+            self._mode.__enter__()
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self.collectives, self._mode = self._mode.calls, None
+        if self._warnings is not None:
+            torch.cuda.set_sync_debug_mode("default")
+            self._warnings.__exit__(None, None, None)
+            self.syncs = sum("synchroniz" in str(w.message) for w in self._caught)
+            self._warnings = None
+
+
+def rows(steps: int) -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(steps):
+        x = torch.randint(0, 128, (16, 33), generator=gen)  # 16 rows of 32 tokens
+        out.append({"input_ids": x[:, :-1], "targets": x[:, 1:]})
+    return out
+
+
+def data_parallel(lengths: Any, world: int, cost: Any, **kwargs: Any) -> Assignment:
+    """Every step on groups of one, rows dealt round robin."""
+    members = [list(range(r, len(lengths), world)) for r in range(world)]
+    times = tuple(float(cost(tuple(lengths[i] for i in m), 1)) for m in members)
+    return Assignment((1,) * world, tuple(tuple(m) for m in members), times)
+
+
+def worker(rank: int, world: int, ports: tuple[int, ...]) -> bytes:
+    import lightning_paradyse.groups.solver as solver
+
+    strategy_environment(rank, world)
+    os.environ["MASTER_PORT"] = str(ports[0])
+    solver.assign = data_parallel  # type: ignore[assignment]
+    pl.seed_everything(0, verbose=False)
+    count = Count()
+    trainer = quiet_trainer(world, ParaDySeStrategy(timeout=60), [count], max_steps=COUNTED_STEP + 1)
+    trainer.fit(LanguageModel("llama-tiny"), DataLoader(rows(COUNTED_STEP + 1), batch_size=None))
+    assert trainer.strategy.step_record.split == (1,) * world  # type: ignore[attr-defined]
+    buffer = io.BytesIO()
+    torch.save({"collectives": dict(count.collectives), "syncs": count.syncs}, buffer)
+    return buffer.getvalue()
+
+
+def counted_step() -> dict[str, Any]:
+    raw = run_distributed(worker, 2, free_ports(1), timeout=240)
+    counted = [torch.load(io.BytesIO(r), weights_only=False) for r in raw]
+    assert all(run == counted[0] for run in counted), counted
+    return counted[0]  # type: ignore[no-any-return]
+
+
+def test_a_data_parallel_step_adds_the_batch_digest_and_the_global_loss_to_the_gradient_reduction() -> None:
+    collectives = counted_step()["collectives"]
+    # the weight exchange in and the gradients out (the shards', the replicated ones' and the group times riding
+    # along): DDP's all-reduce in two halves. Beyond them: the batch digest (plan and batch agreed before any
+    # collective of the step) and the global loss the step returns
+    assert collectives == {"alltoall_base_": 2, "_allgather_base_": 1, "allreduce_": 1}, collectives
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(ACCELERATOR != "gpu" or not torch.cuda.is_available(), reason="PARADYSE_TEST_ACCELERATOR=gpu")
+def test_a_data_parallel_step_synchronises_the_host_at_most_three_times() -> None:
+    # the group time (the step's kernels before the clock is read), the digest's agreement, and the returned
+    # gradients' presence flags with every rank's times
+    assert counted_step()["syncs"] <= 3

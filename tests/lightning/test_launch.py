@@ -1,0 +1,52 @@
+"""A finished spawn fit leaves no process group behind, so its workers exit cleanly.
+
+``dist.destroy_process_group`` only unregisters a group; a gloo group that something still refers to lives on with
+its worker threads until the interpreter finalizes, and a worker still holding the last collective's work then
+aborts the process (``terminate called without an active exception``) after a finished fit. The strategy's teardown
+drops every reference of its own first; ``benchmarks/exit_check.py`` checks in each worker that the group is gone
+(exit status 2 if not, 1 for an abnormal exit).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("plan", ["metp"])  # the plan of the report (every plan keeps the group alike)
+def test_spawn_fit_releases_process_group(plan: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/exit_check.py", "--fits", "1", "--plan", plan, "--check-release"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(("start_method", "timeout"), [("spawn", 5), ("popen", 15)])
+def test_a_stalled_rank_does_not_outlive_the_run(start_method: str, timeout: int) -> None:
+    """Rank 1 sleeps inside its step; rank 0's collective times out and every process of the run ends.
+
+    Under ``popen`` rank 0 launched rank 1 itself and stops it (before: it slept on after the run had failed);
+    under ``spawn`` the launcher stops the workers. The collective timeout leaves ``popen``'s workers time to
+    start (it also bounds the rendezvous).
+    """
+    args = ["--start-method", start_method, "--stall-rank", "1", "--timeout", str(timeout), "--grace", "20"]
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/stall_check.py", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "processes of the run left 20 s after the fit: 0" in proc.stdout, proc.stdout

@@ -1,0 +1,223 @@
+"""The exact planner against brute-force enumeration, and the planner's contract.
+
+* Exactness: on random cost tables for 3 layers x 2 ops x (3 modes x 2 recompute flags) -- 46,656 plans
+  each -- with switching costs and per-mode buffers, the dynamic programme's plan is as fast as the
+  fastest plan any enumeration finds within the budget, never over the budget, infeasible exactly
+  when enumeration finds nothing, and :func:`min_peak` equals the enumerated minimum.
+* The infeasibility error names the length, the budget and the least memory any plan needs.
+* Determinism (two planners, same plans) and caching by length bucket.
+* Speed on a realistic instance (80 layers, 4 modes x 2 flags) and the planner on a real cost model
+  (every shipped cluster, Llama-7B): the adaptive planner's largest trainable length is at least every
+  single mode's, as exact planning guarantees.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_paradyse.cost.cluster import load_cluster
+from lightning_paradyse.cost.dims import dims_from_config, dims_from_module
+from lightning_paradyse.cost.model import CostModel
+from lightning_paradyse.cost.search import Choice, PlanProblem, all_plans, evaluate, exhaustive, min_peak, solve
+from lightning_paradyse.models import CONFIGS, build_model
+from lightning_paradyse.modes import MODES
+from lightning_paradyse.modes.plan import Plan
+from lightning_paradyse.planning.planner import CostPlanner, PlanInfeasible, PlanSkipped, make_planner, to_plan
+from lightning_paradyse.runtime.parallel import parallelize
+
+CLUSTERS = sorted((Path(__file__).resolve().parents[2] / "configs" / "clusters").glob("*.yaml"))
+
+
+def random_problem(rng: np.random.Generator, layers: int = 3, switch: bool = True, buffers: bool = True) -> PlanProblem:
+    """Random integer memory tables, float times; one mode is not allowed for the MLP half the time."""
+    choices = tuple(Choice(m, rc) for m in ("a", "b", "c") for rc in (False, True))
+    C, K = len(choices), 2 * layers
+    mlp_allowed = tuple(c for c in range(C) if rng.random() < 0.5 or choices[c].mode != "c")
+    sw = rng.uniform(0, 3, (C, C)) if switch else None
+    if sw is not None:
+        np.fill_diagonal(sw, 0.0)
+    return PlanProblem(
+        choices=choices,
+        ops=tuple(k % 2 for k in range(K)),
+        allowed=(tuple(range(C)), mlp_allowed),
+        time=rng.uniform(1, 10, (2, C)),
+        saved=rng.integers(0, 100, (2, C)),
+        fwd=rng.integers(0, 100, (2, C)),
+        bwd=rng.integers(0, 100, (2, C)),
+        fwd_offset=np.full(K, int(rng.integers(0, 20))),
+        bwd_offset=np.sort(rng.integers(0, 50, K))[::-1].copy(),
+        end_need=int(rng.integers(0, 50)),
+        fixed_need=int(rng.integers(0, 100)),
+        static=int(rng.integers(0, 30)),
+        switch=sw,
+        buffers={m: int(rng.integers(0, 60)) for m in "abc"} if buffers else {},
+        base_time=1.5,
+    )
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_dynamic_programme_is_exact(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    problem = random_problem(rng, switch=seed % 2 == 0, buffers=seed % 4 < 2)
+    seqs, _times, peaks = all_plans(problem)
+    assert len(seqs) == 6**3 * len(problem.allowed[1]) ** 3
+    least = min_peak(problem)
+    assert least is not None and least.peak == peaks.min()
+    for budget in (least.peak - 1, least.peak, *np.quantile(peaks, [0.1, 0.5, 0.9]).astype(int), peaks.max()):
+        found, reference = solve(problem, budget), exhaustive(problem, budget)
+        if reference is None:
+            assert found is None, f"budget {budget}: the programme found a plan enumeration says cannot fit"
+            continue
+        assert found is not None, f"budget {budget}: a plan fits but the programme found none"
+        assert found.time == pytest.approx(reference.time, rel=1e-12)
+        assert found.peak <= budget
+        assert evaluate(problem, found.seq) == (found.time, found.peak)
+
+
+def _tiny_planner(budget: int, **kwargs: object) -> CostPlanner:
+    config = dataclasses.replace(CONFIGS["llama-tiny"], n_layers=3)
+    cluster = load_cluster(CLUSTERS[0])
+    model = CostModel(dims_from_config(config, 4), 2, cluster.machine(), optimizer_bytes_per_param=8)
+    return CostPlanner(model, budget, **kwargs)  # type: ignore[arg-type]
+
+
+def test_real_cost_tables_match_enumeration_and_respect_the_budget() -> None:
+    planner = _tiny_planner(2**30)
+    problem = planner.problem(4096, 1)
+    _, _, peaks = all_plans(problem)
+    for budget in np.quantile(peaks, [0.0, 0.05, 0.3, 0.7, 1.0]).astype(int):
+        found, reference = solve(problem, budget), exhaustive(problem, budget)
+        assert (found is None) == (reference is None)
+        if found is not None and reference is not None:
+            assert found.time == pytest.approx(reference.time, rel=1e-12) and found.peak <= budget
+            plan = to_plan(problem, found.seq)
+            assert planner.model.plan_cost(plan, 4096, 1) == pytest.approx((found.time, found.peak))
+
+
+def test_infeasible_budget_names_length_budget_and_minimum() -> None:
+    planner = _tiny_planner(2**30)
+    least = planner.minimum(50_000, 2)
+    assert least is not None
+    tight = _tiny_planner(least.peak - 1)
+    with pytest.raises(PlanInfeasible) as err:
+        tight.plan(50_000, 2)
+    message = str(err.value)
+    assert "50000 tokens" in message and "2 x" in message
+    assert str(least.peak - 1) in message and str(least.peak) in message
+    assert err.value.minimum == least.peak and err.value.budget == least.peak - 1
+    assert _tiny_planner(least.peak).step(50_000, 2).peak_bytes <= least.peak
+    skipping = _tiny_planner(least.peak - 1, on_infeasible="skip")
+    with pytest.raises(PlanSkipped):
+        skipping.plan(50_000, 2)
+    assert skipping.skipped == 1
+
+
+def test_plans_are_deterministic_and_cached_by_bucket() -> None:
+    a, b = _tiny_planner(40 * 2**20), _tiny_planner(40 * 2**20)
+    lengths = [700, 1024, 1025, 3000, 513, 2048, 700]
+    assert [a.plan(s, 1) for s in lengths] == [b.plan(s, 1) for s in lengths]
+    assert sorted(a._cache) == [(1024, 1), (1536, 1), (2048, 1), (3072, 1)]
+    step = a.step(700, 1)
+    assert step.seq_len == 1024 and a.step(513, 1) is step  # one search per bucket, for its upper end
+    assert a.step(1025, 1).seq_len == 1536
+    assert isinstance(a.plan(700, 1), Plan) and len(a.plan(700, 1)) == 3
+
+
+def test_batches_are_planned_per_power_of_two_bucket() -> None:
+    """A step of ``b`` sequences is planned for the next power of two (one search per bucket); the group cost
+    interpolates the time between the buckets around ``b``, monotone in ``b``."""
+    from lightning_paradyse.groups.cost import planner_step_time
+
+    planner = _tiny_planner(2**30)
+    step = planner.step(700, 3)
+    assert (step.seq_len, step.batch) == (1024, 4) and planner.step(1000, 4) is step
+    assert planner.step(700, 5).batch == 8 and planner.step(700, 1).batch == 1
+    times = [planner_step_time(planner.model.dims, lambda g: planner)(1024, b, 2) for b in range(1, 17)]
+    assert all(t is not None for t in times)
+    assert times == sorted(times) and times[3] == planner.step(1024, 4).time_s  # type: ignore[type-var]
+    assert times[2] == pytest.approx((planner.step(1024, 2).time_s + planner.step(1024, 4).time_s) / 2)
+
+
+def test_bucket_top_infeasible_falls_back_to_the_length_itself() -> None:
+    probe = _tiny_planner(2**30, bucket_tokens=4096)
+    budget = probe.minimum(4000, 1).peak  # type: ignore[union-attr]
+    planner = _tiny_planner(budget, bucket_tokens=4096)
+    assert not planner.fits(4096, 1)
+    assert planner.step(4000, 1).seq_len == 4000
+
+
+def test_speed_on_80_layers() -> None:
+    config = CONFIGS["llama-70b"]
+    cluster = load_cluster(CLUSTERS[0])
+    model = CostModel(dims_from_config(config, 2), 8, cluster.machine(), optimizer_bytes_per_param=0)
+    problem = model.problem(65536, 1)
+    assert problem.n_positions == 160 and len(problem.choices) == 8
+    least = min_peak(problem)
+    assert least is not None
+    start = time.perf_counter()
+    for budget in (least.peak, int(least.peak * 1.2), int(least.peak * 2)):
+        assert solve(problem, budget) is not None
+    per_solve = (time.perf_counter() - start) / 3
+    assert per_solve < 0.5, f"{per_solve * 1e3:.1f} ms per solve"
+
+
+@pytest.mark.parametrize("cluster_path", CLUSTERS, ids=[p.stem for p in CLUSTERS])
+def test_adaptive_trains_at_least_as_long_as_every_mode(cluster_path: Path) -> None:
+    cluster = load_cluster(cluster_path)
+    model = CostModel(
+        dims_from_config(CONFIGS["llama-7b"], 2), cluster.gpus, cluster.machine(), optimizer_bytes_per_param=12
+    )
+    for recompute in ((False,), (False, True)):
+        planner = CostPlanner(model, cluster.budget_bytes(), recompute=recompute)
+        adaptive = planner.largest_length()
+        single = {m: planner.largest_length(modes=[m]) for m in MODES}
+        assert adaptive > 0 and all(adaptive >= n for n in single.values()), (adaptive, single)
+        assert planner.fits(adaptive, 1) and not planner.fits(adaptive + 1, 1)
+        step = planner.step(adaptive, 1)
+        assert step.peak_bytes <= cluster.budget_bytes()
+
+
+def test_planner_from_a_parallelized_module() -> None:
+    torch.manual_seed(0)
+    module = build_model(CONFIGS["llama-tiny"])
+    parallelize(module, None)
+    dims = dims_from_module(module)
+    assert dims == dims_from_config(CONFIGS["llama-tiny"], 4)
+    planner = make_planner(module, 2, 2**30, CLUSTERS[0])
+    plan = planner.plan(600, 1)
+    assert len(plan) == CONFIGS["llama-tiny"].n_layers
+
+
+def test_a_model_mixing_sliding_and_full_layers_is_planned_per_layer() -> None:
+    """Llama-7B's widths with a full layer and a sliding one (window 4,096) at 32K tokens on 8 GPUs: the cost tables
+    have a row per window, each attention position reads its layer's, the search stays exact (against enumeration),
+    and under tight budgets the two layers' attentions get different modes."""
+    cluster = load_cluster(CLUSTERS[0])
+    dims = dims_from_config(dataclasses.replace(CONFIGS["llama-7b"], n_layers=2), 2)
+    model = CostModel(dataclasses.replace(dims, windows=(None, 4096)), 8, cluster.machine())
+    s = 32768
+    problem = model.problem(s, 1)
+    assert problem.ops == (0, 1, 2, 1) and problem.time.shape == (3, len(problem.choices))
+    for c, ch in enumerate(problem.choices):
+        assert problem.time[0, c] == model.op_cost(ch.mode, "attention", ch.recompute, s, 1).time_s
+        assert problem.time[2, c] == model.op_cost(ch.mode, "attention", ch.recompute, s, 1, window=4096).time_s
+        assert problem.time[2, c] < problem.time[0, c]
+    least = min_peak(problem)
+    assert least is not None
+    differs = 0
+    for budget in np.linspace(least.peak, 2 * least.peak, 12).astype(int):
+        best, brute = solve(problem, budget), exhaustive(problem, budget)
+        assert best is not None and brute is not None
+        assert best.time == pytest.approx(brute.time) and best.peak <= budget
+        plan = to_plan(problem, best.seq)
+        assert model.plan_cost(plan, s, 1) == pytest.approx((best.time, best.peak))
+        differs += plan.layers[0].attention != plan.layers[1].attention
+    assert differs > 0
+    mirrored = CostModel(dataclasses.replace(dims, windows=(4096, None)), 8, cluster.machine()).problem(s, 1)
+    assert mirrored.ops == (0, 1, 2, 1) and np.array_equal(mirrored.time[[2, 1, 0]], problem.time)

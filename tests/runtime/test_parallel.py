@@ -1,0 +1,52 @@
+"""What a model is called with at run time, checked by the hooks
+:func:`~lightning_paradyse.runtime.parallel.parallelize`
+installs: an input that would change the attention is honoured or refused, never ignored."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_paradyse.distributed.layout import SeqLayout
+from lightning_paradyse.modes.plan import uniform_plan
+from lightning_paradyse.modes.specs import SeqContext
+from lightning_paradyse.runtime.parallel import configure, parallelize, set_step_sources
+from lightning_paradyse.runtime.slicing import BatchSource
+from tests.support.families import hf_llama
+
+pytest.importorskip("transformers")
+
+IDS = torch.arange(1, 9)[None]  # [1, 8]
+
+
+def _configured(padding: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.nn.Module:
+    model = hf_llama(n_layers=1)
+    parallelize(model, None)
+    configure(model, SeqContext(SeqLayout(IDS.shape[1], 1), None), uniform_plan("tp_sp", 1))
+    sources = [BatchSource("input_ids", IDS, IDS)]
+    if mask is not None:
+        sources.append(BatchSource("attention_mask", mask, mask))
+    set_step_sources(model, tuple(sources), padding)
+    return model
+
+
+@pytest.mark.parametrize(
+    ("kind", "mask"),
+    [
+        ("4D", torch.zeros(1, 1, 8, 8)),
+        ("dict", {"full_attention": torch.zeros(1, 1, 8, 8)}),
+        ("2D not the batch's", torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0]])),
+        ("2D not the batch's", torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1]])),
+    ],
+)
+def test_attention_masks_the_modes_would_not_apply_are_refused(kind: str, mask: object) -> None:
+    model = _configured()
+    with pytest.raises(ValueError, match=r"attention_mask= a .*the parallel modes apply the attention pattern"):
+        model(input_ids=IDS, attention_mask=mask)
+
+
+def test_attention_masks_the_modes_honour_pass() -> None:
+    """All ones, or the batch's own right padding of a causal model (validated by the strategy)."""
+    _configured()(input_ids=IDS, attention_mask=torch.ones_like(IDS))
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0]])
+    _configured(padding=~mask.bool(), mask=mask)(input_ids=IDS, attention_mask=mask)
