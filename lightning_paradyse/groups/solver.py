@@ -286,25 +286,46 @@ def _reached(run: Callable[[int, int, int], float], after: list[float], i: int, 
     return run(i, e, g) >= after[e]
 
 
+Tables = dict[tuple[int, ...], tuple[list[float], list[int]]]
+"""Per suffix of a sequence of group sizes, the rows ``best`` and ``cut`` of :func:`_runs`' programme: they depend on
+the suffix alone (the groups after it), so every sequence of one decision that ends alike shares them."""
+
+
 def _runs(
-    ordered: Sequence[int], sizes: tuple[int, ...], cost: ShapeCost, all_busy: bool
+    ordered: Sequence[int],
+    sizes: tuple[int, ...],
+    cost: ShapeCost,
+    all_busy: bool,
+    tables: Tables | None = None,
+    memo: dict[tuple[int, int, int], float] | None = None,
 ) -> tuple[float, list[int]] | None:
     """The fastest split of the rows ``ordered`` (lengths, longest first) into consecutive runs, run ``j`` to a
-    group of ``sizes[j]`` ranks: ``(time, run starts)``, or ``None`` if no split fits."""
+    group of ``sizes[j]`` ranks: ``(time, run starts)``, or ``None`` if no split fits. ``tables`` and ``memo`` carry
+    the programme's rows per suffix of ``sizes`` and the costs of runs from one call to the next (same rows)."""
     n, k = len(ordered), len(sizes)
     inf = math.inf
+    tables = {} if tables is None else tables
+    memo = {} if memo is None else memo
 
     def run(i: int, end: int, g: int) -> float:  # rows [i, end) on g ranks (an empty run idles)
         if end == i:
             return inf if all_busy else 0.0
-        t = cost(ordered[i], end - i, g)
-        return inf if t is None else t
+        key = (ordered[i], end - i, g)
+        t = memo.get(key)
+        if t is None:
+            found = cost(ordered[i], end - i, g)
+            t = memo[key] = inf if found is None else found
+        return t
 
     # best[j][i]: the fastest time of groups j.. on rows i..; cut[j][i]: where group j's run ends
-    best = [[inf] * (n + 1) for _ in range(k + 1)]
-    cut = [[n] * (n + 1) for _ in range(k + 1)]
+    best: list[list[float]] = [[inf] * (n + 1) for _ in range(k + 1)]
+    cut: list[list[int]] = [[n] * (n + 1) for _ in range(k + 1)]
     best[k][n] = 0.0
     for j in range(k - 1, -1, -1):
+        suffix = sizes[j:]
+        if j > 0 and suffix in tables:  # the groups j.. of another sequence that ends alike
+            best[j], cut[j] = tables[suffix]
+            continue
         starts = [0] if j == 0 else range(n + 1)
         later = k - j - 1  # groups after j, each needing a row when all are busy
         for i in starts:
@@ -318,6 +339,8 @@ def _runs(
                 t = max(run(i, end, sizes[j]), best[j + 1][end])
                 if t < best[j][i]:
                     best[j][i], cut[j][i] = t, end
+        if j > 0:
+            tables[suffix] = (best[j], cut[j])
     if best[0][0] == inf:
         return None
     starts, i = [], 0
@@ -333,11 +356,13 @@ def assign_rows(lengths: Sequence[int], world: int, cost: ShapeCost, all_busy: b
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     ordered = [lengths[i] for i in order]
     best: Assignment | None = None
+    tables: Tables = {}
+    memo: dict[tuple[int, int, int], float] = {}
     for sizes in layouts(world):
         if all_busy and len(sizes) > len(lengths):
             continue
         for sequence in _orders(sizes):
-            found = _runs(ordered, sequence, cost, all_busy)
+            found = _runs(ordered, sequence, cost, all_busy, tables, memo)
             if found is None or (best is not None and found[0] >= best.time):
                 continue
             starts = [*found[1], len(ordered)]
