@@ -286,6 +286,32 @@ def _reached(run: Callable[[int, int, int], float], after: list[float], i: int, 
     return run(i, e, g) >= after[e]
 
 
+def _row(
+    run: Callable[[int, int, int], float],
+    after: list[float],
+    g: int,
+    n: int,
+    starts: Sequence[int],
+    later: int,
+    all_busy: bool,
+) -> tuple[list[float], list[int]]:
+    """One row of :func:`_runs`' programme: for every start ``i``, the fastest time of this group of ``g`` ranks (rows
+    ``[i, end)``) and the ``later`` groups after it (``after[end]``), and the best ``end``."""
+    best, cut = [math.inf] * (n + 1), [n] * (n + 1)
+    for i in starts:
+        lo, hi = i + (1 if all_busy else 0), n - (later if all_busy else 0)  # each later group needs a row
+        if later == 0:
+            lo = n  # the last group takes every row left
+        if lo > hi:
+            continue
+        e = _crossing(lo, hi, functools.partial(_reached, run, after, i, g))
+        for end in (e - 1, e) if e > lo else (e,):
+            t = max(run(i, end, g), after[end])
+            if t < best[i]:
+                best[i], cut[i] = t, end
+    return best, cut
+
+
 Tables = dict[tuple[int, ...], tuple[list[float], list[int]]]
 """Per suffix of a sequence of group sizes, the rows ``best`` and ``cut`` of :func:`_runs`' programme: they depend on
 the suffix alone (the groups after it), so every sequence of one decision that ends alike shares them."""
@@ -327,18 +353,7 @@ def _runs(
             best[j], cut[j] = tables[suffix]
             continue
         starts = [0] if j == 0 else range(n + 1)
-        later = k - j - 1  # groups after j, each needing a row when all are busy
-        for i in starts:
-            lo, hi = i + (1 if all_busy else 0), n - (later if all_busy else 0)
-            if j == k - 1:
-                lo = n  # the last group takes every row left
-            if lo > hi:
-                continue
-            e = _crossing(lo, hi, functools.partial(_reached, run, best[j + 1], i, sizes[j]))
-            for end in (e - 1, e) if e > lo else (e,):
-                t = max(run(i, end, sizes[j]), best[j + 1][end])
-                if t < best[j][i]:
-                    best[j][i], cut[j][i] = t, end
+        best[j], cut[j] = _row(run, best[j + 1], sizes[j], n, starts, k - j - 1, all_busy)
         if j > 0:
             tables[suffix] = (best[j], cut[j])
     if best[0][0] == inf:
