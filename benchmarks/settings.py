@@ -97,9 +97,8 @@ class TraceSettings:
     """Seed of the lengths, of the text windows and of a shuffled order."""
     order: TraceOrder = "sorted"
     """How sequences fill the global batches (:attr:`lightning_paradyse.data.batching.BatchingConfig.order`):
-    ``sorted``,
-    shortest first, the paper's curriculum (a batch holds sequences of similar lengths); ``shuffled``, a seeded
-    random order (a batch mixes lengths)."""
+    ``sorted``, shortest first, the paper's curriculum (a batch holds sequences of similar lengths); ``shuffled``, a
+    seeded random order (a batch mixes lengths)."""
     long_share: float = 0.125
     """``mixed``: the share of long sequences, log-uniform in ``[max_len / 2, max_len]``; the others are short,
     log-uniform in ``[min_len, max_len / 16]``."""

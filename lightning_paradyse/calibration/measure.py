@@ -166,8 +166,7 @@ def _sdpa_times(dims: ModelDims, settings: Any, p: int, s: int) -> tuple[float, 
 def _band_times(dims: ModelDims, settings: Any, p: int, window: int) -> tuple[float, float, float]:
     """``(attention FLOPs, forward seconds, backward seconds)`` of one query chunk of a sliding window in the SDPA
     path (:func:`~lightning_paradyse.modes.attention.full_attention`): ``w`` queries against the ``2w - 1`` keys they
-    can
-    see, over ``n/p`` heads, with the band mask; all ``w(2w - 1)`` pairs counted, as the kernel computes them."""
+    can see, over ``n/p`` heads, with the band mask; all ``w(2w - 1)`` pairs counted, as the kernel computes them."""
     b, heads, w = settings.batch, max(dims.n_heads // p, 1), window
     make = functools.partial(torch.randn, dtype=_dtype(settings), device=_device(settings), requires_grad=True)
     q, k, v = (

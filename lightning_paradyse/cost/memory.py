@@ -194,9 +194,8 @@ class _Shape:
     def pad(self) -> float:
         """The padded buffers of a sequence gather or reduce-scatter when the ranks hold different token counts
         (see :func:`~lightning_paradyse.distributed.comm.all_gather_rows`): the ``[p * max_r]`` output and the
-        ``[max_r]``
-        padded input, which gloo may release only after the call has returned; nothing when the counts are equal
-        (the collective then reads the input and writes the result in place)."""
+        ``[max_r]`` padded input, which gloo may release only after the call has returned; nothing when the counts are
+        equal (the collective then reads the input and writes the result in place)."""
         lens = SeqLayout.for_sequence(self.s, self.p, self.d.causal).local_lens
         return self.b * (self.p + 1) * max(lens) * self.d.hidden * self.e if len(set(lens)) > 1 else 0.0
 

@@ -30,10 +30,9 @@ the work each mode really does for them:
 * a causal window over ``s`` tokens has ``sum_i min(i+1, w) = s*w - w(w-1)/2`` (query, key) pairs for ``s > w``
   (:func:`window_pairs`; per document with packing, :func:`attention_pairs`);
 * the SDPA path (``tp_sp``, ``ulysses``: :func:`lightning_paradyse.modes.attention.full_attention`) runs a sequence
-  longer
-  than the window by query chunks of ``w`` tokens, each against the ``<= 2w - 1`` keys it can see, with a band mask;
-  a chunk computes its whole rectangle (``w(2w-1)`` pairs, about twice the pairs in the window), at the rate of that
-  masked call (kernel ``sdpa_band``, measured per window when the model has windows; else the causal kernel's rate
+  longer than the window by query chunks of ``w`` tokens, each against the ``<= 2w - 1`` keys it can see, with a band
+  mask; a chunk computes its whole rectangle (``w(2w-1)`` pairs, about twice the pairs in the window), at the rate of
+  that masked call (kernel ``sdpa_band``, measured per window when the model has windows; else the causal kernel's rate
   over ``2w`` tokens, as many pairs, stands in) (:func:`sdpa_pairs`, :func:`sdpa_size`);
 * ring attention (``ring``, ``metp``: :func:`lightning_paradyse.modes.ring.doc_tiles`) skips a tile whose keys are
   all older than the window and masks a tile the window's edge crosses; a masked tile is computed whole by the
@@ -291,8 +290,7 @@ def attention_pairs(seq_len: int, causal: bool, window: int | None = None, docs:
 
 def sdpa_chunks(seq_len: int, window: int) -> list[tuple[int, int]]:
     """``[(queries, keys), ...]`` of the query chunks :func:`lightning_paradyse.modes.attention.full_attention` runs
-    for one
-    document of ``s > w`` tokens: chunk ``[c0, c0 + w)`` against the keys ``[max(0, c0 - w + 1), c0 + w)``."""
+    for one document of ``s > w`` tokens: chunk ``[c0, c0 + w)`` against the keys ``[max(0, c0 - w + 1), c0 + w)``."""
     out = []
     for c0 in range(0, seq_len, window):
         c1, k0 = min(c0 + window, seq_len), max(0, c0 - window + 1)

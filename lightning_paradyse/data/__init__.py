@@ -7,8 +7,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+SUBMODULES = ("batching", "corpus", "datamodule", "length_traces")
+
 
 def __getattr__(name: str) -> Any:  # the data modules, imported (with Lightning) when asked for
+    if name in SUBMODULES:  # `from lightning_paradyse.data import batching` asks here first: no Lightning for it
+        return importlib.import_module(f"lightning_paradyse.data.{name}")
     module = importlib.import_module("lightning_paradyse.data.datamodule")
     if name in getattr(module, "__all__", ()):
         return getattr(module, name)

@@ -450,8 +450,7 @@ def move_shard(x: torch.Tensor, src: int, dst: int, src_sizes: Sequence[int], gr
 
     ``[.., n_src/p (this rank's), .., n_dst, ..] -> [.., n_src, .., n_dst/p, ..]`` for dimensions ``src`` and
     ``dst``, contiguous chunks (:func:`~lightning_paradyse.distributed.layout.split_sizes`) on both; ``src_sizes`` are
-    every
-    rank's chunk of ``src``. Dimension switching (DSP) between blocks that attend along different axes of a
+    every rank's chunk of ``src``. Dimension switching (DSP) between blocks that attend along different axes of a
     multi-dimensional sequence. Backward moves the gradient's shard back the same way.
     """
     if group_size(group) == 1:

@@ -273,7 +273,9 @@ def exit_group(
     accumulating).
 
     ``extra``: ``[k]`` numbers (e.g. this rank's measured seconds) sent to every rank in the same all-to-all, in the
-    gradients' dtype; returns every rank's, ``[P, k]``, or ``None`` when the split is one group (nothing moves).
+    gradients' dtype (bf16 keeps about three digits); returns every rank's, ``[P, k]`` (float64 on the host when the
+    replicated gradients ride along, else on the gradients' device in their dtype), or ``None`` when the split is one
+    group or the model has no shard (nothing moves).
     """
     p, rank = group_size(world), group_rank(world)
     shards: dict[int, dict[str, torch.Tensor]] = {}
@@ -299,6 +301,7 @@ def exit_group(
             total = got[0, :m].to(wide)
             for i in range(1, p):  # in rank order on every rank: the replicas stay equal
                 total = total + got[i, :m].to(wide)
+            settle_opaque_grads(module, world)  # after the return: an expert no rank used is left without a gradient
             flags = total[m - len(folded.params) :]
             if extra is None:
                 folded.apply(total, flags.tolist())
@@ -324,8 +327,7 @@ def _foldable(module: nn.Module, world: Group, dtype: torch.dtype, p: int) -> Re
     extra_bytes = ((p - 1) - 2 * (p - 1) / p) * numel * itemsize  # all-to-all of copies against a ring all-reduce
     if extra_bytes > FOLD_BYTES:
         return None
-    settle_opaque_grads(module, world)
-    return ReplicatedGrads.of(module)
+    return ReplicatedGrads.of(module)  # the replicated parameters only: settling the shards waits for the return
 
 
 def drop_group(module: nn.Module) -> None:

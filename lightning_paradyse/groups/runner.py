@@ -1,19 +1,22 @@
-"""The step runner: a training batch of several sequences or documents on groups of different sizes.
+"""The step runner: every batch on groups of ranks, a training batch of several sequences or documents on groups of
+different sizes.
 
-:class:`GroupRunner` is the collaborator the strategy owns (``ParaDySeStrategy(groups=...)``). Per training batch
-the strategy calls, in order:
+:class:`GroupRunner` is the collaborator the strategy's per-batch cycle owns
+(:class:`~lightning_paradyse.lightning.cycle.StepCycle`). Per batch the cycle calls, in order:
 
 1. :meth:`GroupRunner.decide`: the batch's units (:class:`~lightning_paradyse.groups.units.Units`: rows or
    documents), the split of the ranks into groups and the units of each group
    (:func:`~lightning_paradyse.groups.solver.assign` on :func:`~lightning_paradyse.groups.cost.group_cost`), every
-   group's batch cut out and its plan checked, on every rank alike and before any collective;
+   group's batch cut out and its plan checked, on every rank alike and before any collective; or
+   :meth:`GroupRunner.whole`: one group of every rank on the whole batch (a single sequence, evaluation,
+   ``groups=False``);
 2. :meth:`GroupRunner.enter`: this rank's ``1/g`` shards (:func:`~lightning_paradyse.groups.exchange.enter_group`,
-   one all-to-all), then the group's layout and plan;
-3. the module's training step on this rank's tokens of its group's batch (the strategy's ``_shard_step``);
-4. :meth:`GroupRunner.finish` after the backward: the measured group times (all-gathered, logged against the
-   predictions), the gradients back onto the ``1/P`` shards
-   (:func:`~lightning_paradyse.groups.exchange.exit_group`) and the replicated gradients summed over every rank
-   when no micro-batch is left to accumulate.
+   one all-to-all; none for one group), then the group's layout and plan;
+3. the module's step on this rank's tokens of its group's batch (the cycle's ``shard``);
+4. :meth:`GroupRunner.finish` after the backward, when no micro-batch is left to accumulate: the gradients back
+   onto the ``1/P`` shards with the replicated gradients summed over every rank and every rank's measured group
+   time riding along (:func:`~lightning_paradyse.groups.exchange.exit_group`, one all-to-all), logged against the
+   predictions; for one group, the replicated gradients' all-reduce.
 
 **Micro-batches** (gradient accumulation): while micro-batches are left before the optimizer step, the ``1/g``
 shards are kept, their gradients accumulating in place (DDP's ``no_sync``). A micro-batch split like the previous
@@ -62,7 +65,8 @@ from lightning_paradyse.runtime.slicing import BatchInfo, describe_batch, find_t
 
 @dataclass(frozen=True)
 class GroupStep:
-    """One training step of this rank on its group: what the strategy configures and runs."""
+    """One step of this rank on its group (a training step on groups, or any batch on one group of every rank):
+    what the cycle configures and runs."""
 
     assignment: Assignment
     """Group sizes and the units of each group (the same on every rank)."""

@@ -91,8 +91,8 @@ class Units:
 def _cut(batch: Any, b: int, s: int, tokens: Any, rows: Tensor | None) -> Any:
     """Every ``[b, s, ...]`` tensor: rows picked (``rows``), then its tokens cut by ``tokens(t, dim)``; the per-token
     ``[s]`` entries of a dict (:data:`~lightning_paradyse.runtime.slicing.TOKEN_1D_KEYS`) cut alike; with ``rows``,
-    other
-    tensors whose first dimension is ``b`` lose the other rows. Slices are contiguous (a step may ``view`` them)."""
+    other tensors whose first dimension is ``b`` lose the other rows. Slices are contiguous (a step may ``view``
+    them)."""
 
     def cut(t: Tensor) -> Tensor:
         if rows is not None and t.dim() >= 1 and t.shape[0] == b:

@@ -12,8 +12,7 @@ The strategy decides per batch (validate, plan, verify that every rank holds the
 * each plan change on a console line of its own (through the progress bar when one is shown);
 * the plans executed, in :attr:`history`;
 * at the end of a fit, a picture of every training step (:mod:`lightning_paradyse.lightning.plot`: the plan per layer,
-  the
-  group split, predicted against measured time) and the same numbers as CSV, in the run's log folder.
+  the group split, predicted against measured time) and the same numbers as CSV, in the run's log folder.
 
 The strategy adds a switcher when the user did not (the only import between the two modules: this one imports
 nothing of the strategy; both share :mod:`lightning_paradyse.lightning.records`).

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
 from lightning_paradyse.distributed.comm import Group, all_gather_rows, all_reduce_sum, collective_device, group_size
@@ -83,7 +84,8 @@ class StepCycle:
         self.record: StepRecord | None = None
         """What the last batch ran with (the callback logs it)."""
         self.history: deque[PlanRecord] = deque(maxlen=HISTORY_LIMIT)
-        """The plans executed (training, validation, test), in order: the last :data:`~.step.HISTORY_LIMIT`."""
+        """The plans executed (training, validation, test), in order: the last
+        :data:`~lightning_paradyse.lightning.records.HISTORY_LIMIT`."""
         self.plans_executed = 0
         self.skipped_batches = 0
         self.pending: BatchInfo | None = None
@@ -96,7 +98,7 @@ class StepCycle:
         self._rank = 0
         self._planner: Planner | None = None
         self._blocks: list[str] = []
-        self._host_batch: tuple[Any, Any] | None = None
+        self._host_batch: tuple[Any, Any, list[tuple[int, int]]] | None = None
         self._last_plan: Plan | None = None
         self._last_groups: Any = None
 
@@ -121,13 +123,15 @@ class StepCycle:
 
     def keep_host_batch(self, moved: Any, loader_batch: Any | None) -> None:
         """The batch Lightning moved to the device and the loader's batch it holds the values of (``None``: the
-        transfer may change them)."""
-        self._host_batch = None if loader_batch is None else (moved, loader_batch)
+        transfer may change them), with the moved tensors' identities and version counters."""
+        self._host_batch = None if loader_batch is None else (moved, loader_batch, _tensor_versions(moved))
 
     def on_host(self, batch: Any) -> Any:
-        """The batch on the host: the loader's batch it was moved from, else a copy (one wait on a GPU)."""
+        """The batch on the host: the loader's batch it was moved from while the batch still holds the tensors that
+        were moved, unchanged (no batch-start hook replaced or modified one in place), else a copy (one wait on a
+        GPU)."""
         kept, self._host_batch = self._host_batch, None
-        if kept is not None and kept[0] is batch:
+        if kept is not None and kept[0] is batch and _tensor_versions(batch) == kept[2]:
             return to_host(kept[1])  # the loader's tensors (on the host already: nothing is copied)
         return to_host(batch)
 
@@ -147,10 +151,9 @@ class StepCycle:
     def begin(self, batch: Any, stage: str, check_pending: bool = False) -> StepRecord:
         """Validate, plan, agree, enter (see the module docstring); returns (and keeps in :attr:`record`) what the
         callback logs. ``check_pending``: the one-time step check (:mod:`~lightning_paradyse.lightning.step_check`)
-        may run
-        on this batch; a plain batch then runs on one group of every rank, as the check needs. Raises, identically
-        on every rank and before any collective of the step, for a bad batch, a plan that cannot run, or ranks
-        that disagree."""
+        may run on this batch; a plain batch then runs on one group of every rank, as the check needs. Raises,
+        identically on every rank and before any collective of the step, for a bad batch, a plan that cannot run, or
+        ranks that disagree."""
         self.checkpointed = hf_checkpointing.checkpointed_layers(self.module, self._blocks)
         host = self.on_host(batch)
         info = self.inspect(host)  # described on the host (its tensors there)
@@ -320,6 +323,13 @@ class StepCycle:
         """Drop every reference to the process groups and the batch (the strategy destroys the world group next)."""
         self.pending, self._host_batch, self._group = None, None, None
         self.runner.teardown()
+
+
+def _tensor_versions(batch: Any) -> list[tuple[int, int]]:
+    """Every tensor of a batch as ``(id, version counter)``: a tensor replaced or changed in place differs."""
+    out: list[tuple[int, int]] = []
+    apply_to_collection(batch, Tensor, lambda t: out.append((id(t), t._version)))
+    return out
 
 
 def _predictions(planner: Any, seq_len: int, batch: int) -> dict[str, float]:

@@ -24,8 +24,7 @@ START_METHODS = ("spawn", "fork", "forkserver", "popen")
 @dataclass(frozen=True)
 class StrategyOptions:
     """What a :class:`~lightning_paradyse.lightning.strategy.ParaDySeStrategy` was asked for, checked (see its
-    docstring for
-    the meaning of each option)."""
+    docstring for the meaning of each option)."""
 
     modes: tuple[str, ...]
     """The modes the planner may use (``dsp`` added for ``axes=2``)."""

@@ -1,8 +1,7 @@
 """The picture of a fit: the plan per layer and step, the group split per step, predicted against measured time.
 
 :func:`steps_svg` draws the training steps a :class:`~lightning_paradyse.lightning.callbacks.ParaDySeSwitcher`
-recorded as one
-SVG file (no plotting library needed: the file is written by hand and opens in any browser):
+recorded as one SVG file (no plotting library needed: the file is written by hand and opens in any browser):
 
 * two heat maps, attention and MLP: one column per step, one row per layer, coloured by mode (recomputed ops
   lighter);

@@ -2,8 +2,7 @@
 
 The strategy decides (validate, plan, verify, activate: :meth:`~lightning_paradyse.lightning.strategy.ParaDySeStrategy.
 begin_batch`) and leaves a :class:`StepRecord`; :class:`~lightning_paradyse.lightning.callbacks.ParaDySeSwitcher` only
-logs
-it. Neither imports the other's module: both speak through this one.
+logs it. Neither imports the other's module: both speak through this one.
 """
 
 from __future__ import annotations

@@ -3,8 +3,7 @@
 On the first training batch whose first tokens have a real target (``ParaDySeStrategy(check_step=True)``), the
 module's step runs twice on the batch's first ``8p`` tokens, with no gradient and no trace left
 (:func:`~lightning_paradyse.runtime.guards.side_effects_undone`): sharded over the ranks as every step runs, and whole
-on
-every rank (a group of one holding every weight). The two losses must agree to the precision's tolerance;
+on every rank (a group of one holding every weight). The two losses must agree to the precision's tolerance;
 otherwise the step computes across its slice (e.g. shifts the targets itself) and the run stops on every rank
 with the fix (:func:`~lightning_paradyse.runtime.guards.check_step_losses`).
 """

@@ -6,15 +6,13 @@ teardown); each hook delegates to a collaborator in a few lines:
 
 * :class:`~lightning_paradyse.lightning.options.StrategyOptions`: every option, checked in ``__init__``;
 * :class:`~lightning_paradyse.lightning.cycle.StepCycle`: every batch's state and its one path (describe and validate
-  the
-  batch, split the ranks into groups or keep one group of all of them, plan, agree on one digest, enter; this
+  the batch, split the ranks into groups or keep one group of all of them, plan, agree on one digest, enter; this
   rank's tokens for the module's step; the global loss; the gradients after backward), and the
   :class:`~lightning_paradyse.lightning.records.StepRecord` the
   :class:`~lightning_paradyse.lightning.callbacks.ParaDySeSwitcher`
   callback (added when absent) logs;
 * :class:`~lightning_paradyse.lightning.step_check.StepCheck`: the one-time check that the module's step does not
-  compute
-  across the tokens of its slice;
+  compute across the tokens of its slice;
 * :mod:`~lightning_paradyse.lightning.launch`: how the processes start;
 * the planner of the run (made at setup: fixed, thresholds, the cost model's, or the grid's).
 
@@ -118,8 +116,7 @@ class ParaDySeStrategy(ParallelStrategy):
             layer, each a mode name or a mapping such as ``{attention: ring, mlp: metp, recompute: true}``.
         thresholds: ``(short_max, middle_max)``: with ``plan="auto"`` and no ``profile``, use the simple
             length-threshold policy (:class:`~lightning_paradyse.planning.fixed.ThresholdPolicy`) instead of the
-            planner.
-        memory_budget: Per-rank memory budget in bytes or as a string such as ``"4GiB"``, for the planner
+            planner. memory_budget: Per-rank memory budget in bytes or as a string such as ``"4GiB"``, for the planner
             (default: 90% of the GPU's memory on CUDA, none on CPU).
         profile: Path of a cost profile (``python cli.py profile``) or a cluster file. With ``plan="auto"`` the
             exact planner picks, per batch, the fastest plan within ``memory_budget`` on its cost model: the
@@ -306,7 +303,8 @@ class ParaDySeStrategy(ParallelStrategy):
 
     @property
     def history(self) -> Any:
-        """The plans executed (training, validation, test), in order: the last :data:`~.step.HISTORY_LIMIT`."""
+        """The plans executed (training, validation, test), in order: the last
+        :data:`~lightning_paradyse.lightning.records.HISTORY_LIMIT`."""
         return self.cycle.history
 
     @property

@@ -5,8 +5,7 @@ one axis at a time. The grid is sharded along one axis; a block that attends alo
 attention entirely on this rank's tokens: every sequence it attends over is whole here. A block that attends
 along the sharded axis first moves the shard to the other axis with one all-to-all
 (:func:`~lightning_paradyse.distributed.comm.move_shard`, done by :mod:`lightning_paradyse.runtime.parallel` before
-the block),
-instead of the two all-to-alls (q/k/v in, output back) per attention that Ulysses pays to keep the sharding.
+the block), instead of the two all-to-alls (q/k/v in, output back) per attention that Ulysses pays to keep the sharding.
 
 This module is the op side: attention on the local sequences ``[n, L, h]`` with gathered (ZeRO-3) q/k/v/o,
 and the token-wise ZeRO-3 MLP. The activation traffic of a switch is ``(T*S/p)*h*(p-1)/p`` per rank; the

@@ -29,8 +29,7 @@ device per layer, forward + backward, ``b = 1``) and how each is generalised her
   ``3*W*(p-1)/p`` for the ``W`` sharded matrix elements of an op (forward gather, backward
   re-gather, gradient reduce-scatter; gradients of half-precision weights travel in float32,
   :data:`~lightning_paradyse.distributed.comm.GRAD_REDUCE_DTYPE`). Exactly: a sharded bias is gathered by an autograd
-  all-gather
-  whose backward is a single reduce-scatter, so biases cost ``2*W_bias*(p-1)/p``. Replicated biases
+  all-gather whose backward is a single reduce-scatter, so biases cost ``2*W_bias*(p-1)/p``. Replicated biases
   (``o``, ``down``) never move inside the op.
 * **METP** (ParaDySe reference, sections 3 and 4: ``~12h^2`` weight elements forward, ``~2x``
   backward): attention sends ``p`` broadcasts of the packed per-head-group shard forward, ``p``

@@ -6,8 +6,7 @@
 * ``thresholds=`` without a profile: :class:`~lightning_paradyse.planning.fixed.ThresholdPolicy`;
 * otherwise the cost model's exact planner (:func:`~lightning_paradyse.planning.planner.make_planner`) on a profile, a
   cluster file, or this machine measured now (:func:`~lightning_paradyse.calibration.quick.cached_quick_machine`, with
-  the
-  largest weight exchange of the groups measured beside it), within the memory budget (:func:`budget_bytes`).
+  the largest weight exchange of the groups measured beside it), within the memory budget (:func:`budget_bytes`).
 """
 
 from __future__ import annotations

@@ -2,9 +2,8 @@
 
 Nothing here knows about parallelism. Each module is what a user would bring: the package's own
 :class:`~lightning_paradyse.lightning.language_model.LanguageModel` (it calls its model with a positional
-``positions=None``), Hugging
-Face models called the ways their documentation shows, Lightning's own features switched on by Trainer flags,
-and the optimizers and hooks of common recipes.
+``positions=None``), Hugging Face models called the ways their documentation shows, Lightning's own features switched
+on by Trainer flags, and the optimizers and hooks of common recipes.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """The README's main job, ``python cli.py fit --config configs/cpu_2proc.yaml``, in float64 on 1, 2 and 3 processes.
 
 The shipped config and its module (:class:`~lightning_paradyse.lightning.language_model.LanguageModel`, which calls
-its model with a
-positional ``positions=None``) on the bundled corpus: one plain Lightning process (``--trainer.strategy=auto``)
-and the strategy on 2 and 3 processes must end with the same weights and optimizer state (1e-9 relative). The
-memory budget is doubled: float64 tensors are twice the size the shipped budget was chosen for; on 3 processes the
-planner measures its rates at setup (the shipped profile is for 2).
+its model with a positional ``positions=None``) on the bundled corpus: one plain Lightning process
+(``--trainer.strategy=auto``) and the strategy on 2 and 3 processes must end with the same weights and optimizer state
+(1e-9 relative). The memory budget is doubled: float64 tensors are twice the size the shipped budget was chosen for; on
+3 processes the planner measures its rates at setup (the shipped profile is for 2).
 """
 
 from __future__ import annotations

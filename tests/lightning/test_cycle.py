@@ -130,3 +130,24 @@ def test_a_data_parallel_step_synchronises_the_host_at_most_three_times() -> Non
     # the group time (the step's kernels before the clock is read), the digest's agreement, and the returned
     # gradients' presence flags with every rank's times
     assert counted_step()["syncs"] <= 3
+
+
+def test_the_batch_is_described_from_the_loaders_copy_only_while_no_hook_changed_it() -> None:
+    """The loader's batch stands for the moved one (no copy, no device read) until a batch-start hook replaces a
+    tensor of the moved batch or changes one in place: the cycle then describes the batch the step runs on."""
+    from lightning_paradyse.lightning.cycle import StepCycle
+    from lightning_paradyse.lightning.options import StrategyOptions
+
+    cycle = StepCycle(StrategyOptions.of(), lambda plan: None)
+    loader = {"input_ids": torch.ones(1, 4, dtype=torch.long), "targets": torch.ones(1, 4, dtype=torch.long)}
+    moved = {k: v.clone() for k, v in loader.items()}  # what a transfer to a device gives
+    cycle.keep_host_batch(moved, loader)
+    assert cycle.on_host(moved)["targets"] is loader["targets"]
+    cycle.keep_host_batch(moved, loader)
+    moved["targets"][:, :2] = -100  # e.g. an on_train_batch_start that masks a prompt in place
+    assert cycle.on_host(moved)["targets"].tolist() == [[-100, -100, 1, 1]]
+    cycle.keep_host_batch(moved, loader)
+    moved["targets"] = torch.zeros(1, 4, dtype=torch.long)  # or replaces an entry
+    assert cycle.on_host(moved)["targets"].tolist() == [[0, 0, 0, 0]]
+    cycle.keep_host_batch(moved, None)  # a transfer hook of the module's own: never the loader's copy
+    assert cycle.on_host(moved) is not loader

@@ -4,8 +4,7 @@ Each rank runs the plain model on the whole sequence (the reference), then the s
 parallelized under each plan (uniform plans of every mode, also with recomputation at p <= 2, and
 random per-layer, per-op mixed plans with random recompute flags), and compares the loss and every
 parameter gradient, consolidated to the plain model's names (``lightning_paradyse.tools.mode_check``). fp32 tolerances
-from the
-issue: 1e-5 relative on the loss, 1e-4 on gradients. Models cover causal GQA with kv heads < p (Llama
+from the issue: 1e-5 relative on the loss, 1e-4 on gradients. Models cover causal GQA with kv heads < p (Llama
 kv=2 at p=4, MQA kv=1 at p=3), MHA, a causal GPT with biases and a bidirectional BERT; lengths
 divisible and not divisible by p. One spawn per world size keeps the suite fast.
 """
