@@ -56,7 +56,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
@@ -862,7 +862,3 @@ def _keep_user_samplers(trainer: pl.Trainer) -> None:
     kept instead, and :meth:`ParaDySeStrategy.begin_batch` checks that every rank holds the same batch.
     """
     trainer._accelerator_connector.use_distributed_sampler = False
-
-
-if "paradyse" not in StrategyRegistry:
-    ParaDySeStrategy.register_strategies(StrategyRegistry)
