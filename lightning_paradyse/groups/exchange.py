@@ -272,10 +272,10 @@ def exit_group(
     ``replicated=False`` they are left for one such call before the optimizer step (several micro-batches
     accumulating).
 
-    ``extra``: ``[k]`` numbers (e.g. this rank's measured seconds) sent to every rank in the same all-to-all, in the
-    gradients' dtype (bf16 keeps about three digits); returns every rank's, ``[P, k]`` (float64 on the host when the
-    replicated gradients ride along, else on the gradients' device in their dtype), or ``None`` when the split is one
-    group or the model has no shard (nothing moves).
+    ``extra``: ``[k]`` float64 numbers (e.g. this rank's measured seconds and its share of the loss) sent to every
+    rank in the same all-to-all, their bits packed into the gradients' dtype (:func:`pack_float64`: they arrive
+    exactly, whatever that dtype); returns every rank's, ``[P, k]`` float64 on the host, or ``None`` when the split
+    is one group or the model has no shard (nothing moves).
     """
     p, rank = group_size(world), group_rank(world)
     shards: dict[int, dict[str, torch.Tensor]] = {}
@@ -289,24 +289,28 @@ def exit_group(
         folded = _foldable(module, world, next(iter(routes)), p) if replicated and routes else None
         for n, (dtype, bucket) in enumerate(routes.items()):
             device = bucket[0].pieces[0][1].device
-            tails = [] if n else [t for t in (None if folded is None else folded.message, extra) if t is not None]
-            tail = torch.cat([t.reshape(-1).to(device, dtype) for t in tails]) if tails else None  # [m + k]
-            got = _return_grads(bucket, shards, p, world, tail)  # [P, m + k] from every rank
+            packed = None if n or extra is None else pack_float64(extra.to(device), dtype)  # [k * 8 / itemsize]
+            message = None if n or folded is None else folded.message.to(device, dtype)  # [m]
+            tails = [t for t in (message, packed) if t is not None]
+            tail = torch.cat([t.reshape(-1) for t in tails]) if tails else None  # [m + k']
+            got = _return_grads(bucket, shards, p, world, tail)  # [P, m + k'] from every rank
             if n > 0 or got is None:
                 continue
+            m = 0 if folded is None else folded.message.numel()
+            numbers = None if packed is None else unpack_float64(got[:, m:])  # [P, k] float64, on the device
             if folded is None:
-                received = got if extra is not None else None
+                received = None if numbers is None else numbers.cpu()
                 continue
-            m, wide = folded.message.numel(), folded.message.dtype
+            wide = folded.message.dtype
             total = got[0, :m].to(wide)
             for i in range(1, p):  # in rank order on every rank: the replicas stay equal
                 total = total + got[i, :m].to(wide)
             settle_opaque_grads(module, world)  # after the return: an expert no rank used is left without a gradient
             flags = total[m - len(folded.params) :]
-            if extra is None:
+            if numbers is None:
                 folded.apply(total, flags.tolist())
             else:  # the presence flags and every rank's numbers in one read on the host
-                host = torch.cat([flags, got[:, m:].reshape(-1).to(wide)]).tolist()
+                host = torch.cat([flags.to(torch.float64), numbers.reshape(-1)]).tolist()
                 folded.apply(total, host[: len(folded.params)])
                 received = torch.tensor(host[len(folded.params) :], dtype=torch.float64).view(p, -1)  # [P, k]
         if folded is not None:
@@ -314,6 +318,19 @@ def exit_group(
     if replicated:
         reduce_replicated_grads(module, world)
     return received
+
+
+def pack_float64(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[k]`` numbers as float64 bits in elements of ``dtype``, ``[k * 8 / itemsize]``: a collective that only moves
+    them (an all-to-all) delivers them exactly, whatever ``dtype`` (bf16 would keep three digits of a value)."""
+    bits = values.reshape(-1).to(torch.float64).view(torch.uint8)  # [k] -> [8 k]
+    return bits.view(dtype)  # [8 k] -> [8 k / itemsize]
+
+
+def unpack_float64(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`pack_float64` per row: ``[r, k * 8 / itemsize]`` -> ``[r, k]`` float64."""
+    rows = packed.shape[0]
+    return packed.contiguous().view(torch.uint8).view(torch.float64).view(rows, -1)  # [r, 8k] bytes -> [r, k]
 
 
 def _foldable(module: nn.Module, world: Group, dtype: torch.dtype, p: int) -> ReplicatedGrads | None:
@@ -422,4 +439,14 @@ def _whole_fits(shards: list[nn.Parameter], p: int) -> bool:
     return 3 * p * share * sum(w.numel() * w.element_size() for w in shards) <= gpu_free_bytes(shards[0].device)
 
 
-__all__ = ["GroupSet", "blocks", "check_sizes", "drop_group", "enter_group", "exit_group", "measure_regroup"]
+__all__ = [
+    "GroupSet",
+    "blocks",
+    "check_sizes",
+    "drop_group",
+    "enter_group",
+    "exit_group",
+    "measure_regroup",
+    "pack_float64",
+    "unpack_float64",
+]

@@ -345,10 +345,14 @@ class GroupRunner:
         self.step = step
         self._started = time.perf_counter()
 
-    def finish(self, accumulating: bool) -> None:
+    def finish(self, accumulating: bool, share: Tensor | None = None) -> list[float] | None:
         """After the backward: the ``1/g`` gradients back onto the ``1/P`` shards with the replicated gradients
         summed over every rank and every rank's measured seconds (one all-to-all over every rank), unless micro-batches
-        are left to accumulate: the shards are then kept and nothing moves."""
+        are left to accumulate: the shards are then kept and nothing moves.
+
+        ``share``: this rank's share of the step's loss (a scalar), sent to every rank in the same all-to-all.
+        Returns every rank's share in rank order, or ``None`` when nothing carried it (one group, micro-batches left,
+        a model without shards): the caller then sums it itself."""
         step, self.step = self.step, None
         module = self._module
         assert module is not None
@@ -357,19 +361,25 @@ class GroupRunner:
             if not accumulating:
                 self.flush()  # a skipped last micro-batch: the earlier ones' kept shards
                 parallel.reduce_replicated_grads(module, self._world)
-            return
+            return None
         synchronize(next(module.parameters()).device)  # the step's kernels, not only their launches (once a step)
         mine = time.perf_counter() - self._started
         self.kept = step.assignment.sizes
         if accumulating:  # the weights the kept shards were gathered from (unchanged since: no optimizer step)
             self._versions = [(w, w._version) for w in module.parameters()]
             self.times = ()  # measured where the gradients return (the micro-batch that steps)
-            return
+            return None
         kept, self.kept, self._versions = self.kept, None, []
-        seconds = torch.tensor([mine], dtype=torch.float64)
-        every = exit_group(module, self._world, kept, replicated=True, extra=seconds)  # [P, 1] or None: one group
-        per_rank = [mine] * group_size(self._world) if every is None else every[:, 0].tolist()
+        numbers = torch.tensor([mine], dtype=torch.float64)
+        if share is not None:  # [2]: seconds, loss share (float64 holds a float32 or bf16 share exactly)
+            numbers = torch.cat([numbers.to(share.device), share.detach().reshape(1).to(torch.float64)])
+        every = exit_group(module, self._world, kept, replicated=True, extra=numbers)  # [P, k] or None: one group
+        if every is None:
+            self.times = (mine,) * len(step.assignment.sizes)
+            return None
+        per_rank = every[:, 0].tolist()
         self.times = tuple(max(per_rank[r] for r in block) for block in blocks(step.assignment.sizes))
+        return None if share is None else every[:, 1].tolist()
 
     def flush(self) -> None:
         """Return the gradients of the kept ``1/g`` shards to the ``1/P`` shards and drop the shards (a collective

@@ -10,9 +10,11 @@ The strategy runs Lightning's lifecycle and hands each batch to its :class:`Step
    all-gather of a digest), the step entered (:meth:`~lightning_paradyse.groups.runner.GroupRunner.enter`); the
    :class:`~lightning_paradyse.lightning.records.StepRecord` the callback logs;
 2. :meth:`StepCycle.shard`: the module's step gets this rank's tokens of its group's batch;
-3. :meth:`StepCycle.global_output`: the loss the module returns made the global one (one all-reduce);
+3. :meth:`StepCycle.global_output`: the loss the module returns made the global one: in a training step on groups
+   every rank's share rides on the gradient return (step 4) and is written into the loss Lightning keeps
+   (:func:`reporting_result`); otherwise one all-reduce;
 4. :meth:`StepCycle.after_backward`: the gradients summed where they belong
-   (:meth:`~lightning_paradyse.groups.runner.GroupRunner.finish`).
+   (:meth:`~lightning_paradyse.groups.runner.GroupRunner.finish`), and the deferred loss settled.
 
 Every batch takes this one path: a single sequence, validation, test and ``groups=False`` are a step on one group of
 every rank. A batch no plan fits (``on_infeasible="skip"``) is marked skipped on every rank alike.
@@ -27,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from lightning.pytorch.loops.optimization.automatic import ClosureResult
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
@@ -51,7 +54,8 @@ from lightning_paradyse.runtime.slicing import BatchInfo, describe_batch, find_t
 
 
 class GlobalLoss(torch.autograd.Function):
-    """Forward: the sum of every rank's ``local`` (all-reduce); backward: the gradient, unchanged.
+    """Forward: the sum of every rank's ``local`` (all-reduce), or ``local`` itself when the sum is settled later
+    (``reduce=False``); backward: the gradient, unchanged.
 
     Each rank returns ``w_r * local_r``; the sum is the global loss on every rank, and since each
     rank's contribution enters the sum with coefficient 1, the identity backward gives every rank the
@@ -60,12 +64,26 @@ class GlobalLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, local: Tensor, group: Group) -> Tensor:
-        return local.clone() if group_size(group) == 1 else all_reduce_sum(local, group)
+    def forward(ctx: Any, local: Tensor, group: Group, reduce: bool = True) -> Tensor:
+        return all_reduce_sum(local, group) if reduce and group_size(group) > 1 else local.clone()
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return grad, None
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        return grad, None, None
+
+
+def reporting_result(cycle: StepCycle, base: type[ClosureResult] = ClosureResult) -> type[ClosureResult]:
+    """Lightning's result of a training step (automatic optimization, ``base``) that hands the loss it keeps (the
+    detached copy the batch-end hooks, logs and progress bar read) to ``cycle``, which writes the global loss into it
+    once the gradient return has summed every rank's share (:meth:`StepCycle.settle_loss`)."""
+
+    class ReportingResult(base):  # type: ignore[valid-type,misc]
+        def _clone_loss(self) -> None:
+            super()._clone_loss()
+            if self.loss is not None:
+                cycle.report(self.loss)
+
+    return ReportingResult
 
 
 class StepCycle:
@@ -93,6 +111,11 @@ class StepCycle:
         self.checkpointed: tuple[int, ...] = ()
         """Layers the model's Hugging Face gradient checkpointing marks (read before every batch)."""
         self.window: tuple[int, str] | None = None
+        self.reports_loss = False
+        """Lightning hands this cycle the loss it keeps (:func:`reporting_result` is installed): a training step on
+        groups may then settle the global loss on the gradient return."""
+        self._share: Tensor | None = None
+        self._reported: Tensor | None = None
         self._module: nn.Module | None = None
         self._group: Group = None
         self._rank = 0
@@ -292,26 +315,55 @@ class StepCycle:
 
     # ------------------------------------------------------------------ 3. the global loss
 
-    def global_output(self, output: Any, info: BatchInfo) -> Any:
-        """Replace the local loss of a step's output (a tensor or a dict with ``loss``) by the global loss."""
+    def global_output(self, output: Any, info: BatchInfo, defer: bool = False) -> Any:
+        """Replace the local loss of a step's output (a tensor or a dict with ``loss``) by the global loss.
+
+        ``defer`` (a training step of automatic optimization that steps): when the step runs on groups, its loss is
+        this rank's share until the gradient return sums every rank's (:meth:`settle_loss`): no collective of its own.
+        """
         if isinstance(output, Tensor):
-            return self.global_loss(output, info)
+            return self.global_loss(output, info, defer)
         if isinstance(output, Mapping) and isinstance(output.get("loss"), Tensor):
-            return {**output, "loss": self.global_loss(output["loss"], info)}
+            return {**output, "loss": self.global_loss(output["loss"], info, defer)}
         return output
 
-    def global_loss(self, local: Tensor, info: BatchInfo) -> Tensor:
-        """``GlobalLoss(local * w_r)``: the exact single-process loss on every rank."""
+    def global_loss(self, local: Tensor, info: BatchInfo, defer: bool = False) -> Tensor:
+        """``GlobalLoss(local * w_r)``: the exact single-process loss on every rank (settled after the backward when
+        deferred)."""
         consumed = bool(parallel.step_state(self.module).labels_consumed)
         weight = 1.0 if consumed or not self.options.mean_loss else info.n_local / info.n_global
-        return GlobalLoss.apply(local * weight, self._group)  # type: ignore[no-any-return]  # over every rank
+        share = local * weight
+        step = self.runner.step
+        deferred = defer and self.reports_loss and step is not None and not step.whole
+        self._share, self._reported = (share.detach(), None) if deferred else (None, None)
+        return GlobalLoss.apply(share, self._group, not deferred)  # type: ignore[no-any-return]  # over every rank
+
+    def report(self, kept: Tensor) -> None:
+        """The loss Lightning keeps of the step (:func:`reporting_result`): the global loss is written into it."""
+        if self._share is not None:
+            self._reported = kept
+
+    def settle_loss(self, shares: list[float] | None) -> None:
+        """The deferred loss: every rank's share summed in rank order (``shares``; ``None``: nothing carried them,
+        one all-reduce instead) and written into the loss Lightning keeps."""
+        share, reported, self._share, self._reported = self._share, self._reported, None, None
+        if share is None:
+            return
+        if shares is None:
+            total = all_reduce_sum(share, self._group)
+        else:
+            total = torch.tensor(shares[0], dtype=share.dtype)
+            for value in shares[1:]:  # in the loss's dtype, as an all-reduce of it would add
+                total = total + torch.tensor(value, dtype=share.dtype)
+        if reported is not None:
+            reported.copy_(total.reshape(reported.shape))
 
     # ------------------------------------------------------------------ 4. after the backward
 
     def after_backward(self, accumulating: bool) -> None:
         """The gradients summed where they belong (:meth:`~.groups.runner.GroupRunner.finish`), unless micro-batches
-        are left to accumulate."""
-        self.runner.finish(accumulating)
+        are left to accumulate; a deferred loss settled (its shares ride on the same return)."""
+        self.settle_loss(self.runner.finish(accumulating, self._share))
 
     def after_step(self, output: Any, accumulating: bool) -> None:
         """A grouped step whose module returned no loss (no backward hands its shards back) ends here."""
@@ -322,6 +374,7 @@ class StepCycle:
     def teardown(self) -> None:
         """Drop every reference to the process groups and the batch (the strategy destroys the world group next)."""
         self.pending, self._host_batch, self._group = None, None, None
+        self._share, self._reported = None, None
         self.runner.teardown()
 
 
@@ -341,4 +394,4 @@ def _predictions(planner: Any, seq_len: int, batch: int) -> dict[str, float]:
     return {"plan/predicted_time_s": float(planned.time_s), "plan/predicted_peak_mib": planned.peak_bytes / 2**20}
 
 
-__all__ = ["GlobalLoss", "StepCycle"]
+__all__ = ["GlobalLoss", "StepCycle", "reporting_result"]

@@ -56,6 +56,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.loops.optimization.automatic import ClosureResult
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.strategy import TBroadcast
@@ -80,7 +81,7 @@ from lightning_paradyse.distributed.devices import (
 )
 from lightning_paradyse.groups.exchange import measure_regroup
 from lightning_paradyse.lightning.callbacks import ParaDySeSwitcher
-from lightning_paradyse.lightning.cycle import StepCycle
+from lightning_paradyse.lightning.cycle import StepCycle, reporting_result
 from lightning_paradyse.lightning.launch import SpawnLauncher, make_launcher
 from lightning_paradyse.lightning.options import StrategyOptions
 from lightning_paradyse.lightning.records import StepRecord
@@ -250,6 +251,7 @@ class ParaDySeStrategy(ParallelStrategy):
         self._optimizer_steps = 0
         self._sharded_ids: set[int] = set()
         self._clip: ClipInterception | None = None
+        self._result_cls: type[ClosureResult] | None = None
         self._plain_model: PlainModel | None = None
         """What the plain model's checkpoints hold (parameter order, state dict keys, tied names), recorded once
         before the rewrite."""
@@ -450,6 +452,8 @@ class ParaDySeStrategy(ParallelStrategy):
                     f"{exchange[1] * 1e3:.1f} ms); the group cost uses the measurement"
                 )
         _ensure_switcher(trainer)
+        self._result_cls = _report_loss(trainer, self.cycle)
+        self.cycle.reports_loss = self._result_cls is not None
         summarize_whole_model(trainer.callbacks)  # type: ignore[attr-defined]  # whole parameter counts, not shards
         _keep_user_samplers(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -594,7 +598,7 @@ class ParaDySeStrategy(ParallelStrategy):
         with self._rank_rng():  # dropout masks independent across ranks
             output = super().training_step(*args, **kwargs)
         cycle.after_step(output, self._accumulating())
-        return cycle.global_output(output, info)
+        return cycle.global_output(output, info, defer=self._steps_now())
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -683,6 +687,14 @@ class ParaDySeStrategy(ParallelStrategy):
         if module is not None and module.automatic_optimization:
             return {"loss": torch.zeros((), device=self.root_device, requires_grad=True), "skipped": True}
         return None
+
+    def _steps_now(self) -> bool:
+        """This training step's loss goes through Lightning's automatic optimization, undivided, straight into the
+        optimizer step (no micro-batch left): its global value can be settled on the gradient return."""
+        trainer = self._trainer
+        if trainer is None or not self._module.automatic_optimization or trainer.accumulate_grad_batches != 1:
+            return False
+        return not self._accumulating()
 
     def _accumulating(self) -> bool:
         trainer = self._trainer
@@ -780,6 +792,9 @@ class ParaDySeStrategy(ParallelStrategy):
         if self._clip is not None:
             self._clip.stop()  # first: torch's own clip_grad_norm_ back whatever happens next
         self._keep_final_state()
+        if self._trainer is not None and self._result_cls is not None:
+            _loop_of(self._trainer).output_result_cls = self._result_cls  # the fit loop's own result class again
+        self.cycle.reports_loss, self._result_cls = False, None
         super().teardown()
         comm.GRAD_REDUCE_DTYPE = torch.float32  # the process-wide default again (set from the option at setup)
         self._destroy_group()
@@ -844,6 +859,23 @@ def _parallelized_blocks(module: torch.nn.Module) -> list[str] | None:
         return parallel.step_state(module).blocks
     except RuntimeError:
         return None
+
+
+def _loop_of(trainer: pl.Trainer) -> Any:
+    """The fit loop's automatic optimization (``None`` where Lightning has none by that name)."""
+    return getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "automatic_optimization", None)
+
+
+def _report_loss(trainer: pl.Trainer, cycle: StepCycle) -> type[ClosureResult] | None:
+    """Make the class of Lightning's training-step results (automatic optimization) hand ``cycle`` the loss it keeps
+    (:func:`~lightning_paradyse.lightning.cycle.reporting_result`); returns the class it replaced, or ``None`` (nothing
+    changed) when the fit loop has no such class: each step's loss is then all-reduced as it is made."""
+    loop = _loop_of(trainer)
+    current = getattr(loop, "output_result_cls", None)
+    if not (isinstance(current, type) and issubclass(current, ClosureResult)):
+        return None
+    loop.output_result_cls = reporting_result(cycle, current)
+    return current
 
 
 def _ensure_switcher(trainer: pl.Trainer) -> None:

@@ -159,3 +159,14 @@ def test_group_sizes_are_checked() -> None:
         check_sizes((2, 1), 4)
     with pytest.raises(ValueError, match="largest first"):
         check_sizes((1, 2, 1), 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_numbers_riding_on_the_return_arrive_exactly_in_any_gradient_dtype(dtype: torch.dtype) -> None:
+    from lightning_paradyse.groups.exchange import pack_float64, unpack_float64
+
+    numbers = torch.tensor([1e-3 / 3, 2.7182818284590455, -7.5e200], dtype=torch.float64)  # no bf16 holds these
+    packed = pack_float64(numbers, dtype)
+    assert packed.dtype == dtype
+    rows = torch.stack([packed, packed.flip(0).flip(0)])  # [2, k'], as the return delivers one row per rank
+    assert torch.equal(unpack_float64(rows), numbers.expand(2, -1))

@@ -116,12 +116,12 @@ def counted_step() -> dict[str, Any]:
     return counted[0]  # type: ignore[no-any-return]
 
 
-def test_a_data_parallel_step_adds_the_batch_digest_and_the_global_loss_to_the_gradient_reduction() -> None:
+def test_a_data_parallel_step_adds_only_the_batch_digest_to_the_gradient_reduction() -> None:
     collectives = counted_step()["collectives"]
-    # the weight exchange in and the gradients out (the shards', the replicated ones' and the group times riding
-    # along): DDP's all-reduce in two halves. Beyond them: the batch digest (plan and batch agreed before any
-    # collective of the step) and the global loss the step returns
-    assert collectives == {"alltoall_base_": 2, "_allgather_base_": 1, "allreduce_": 1}, collectives
+    # the weight exchange in and the gradients out (the shards', the replicated ones', the group times and every
+    # rank's share of the loss riding along): DDP's all-reduce in two halves. Beyond them only the batch digest (plan
+    # and batch agreed before any collective of the step)
+    assert collectives == {"alltoall_base_": 2, "_allgather_base_": 1}, collectives
 
 
 @pytest.mark.gpu
