@@ -259,7 +259,8 @@ class GroupRunner:
                 return rows(max(lengths), len(lengths), g)
             return packed(lengths, g) if self._runs_on(g, sum(lengths), 1) else None
 
-        found = solver.assign(units.lengths, p, cost, all_busy=True, shape=None if units.packed else rows)
+        # rows may leave a group idle (a placeholder step of weight 0); packed documents keep every group busy
+        found = solver.assign(units.lengths, p, cost, all_busy=units.packed, shape=None if units.packed else rows)
         if found is None and self.on_infeasible == "skip":
             return None
         if found is None:
@@ -271,21 +272,26 @@ class GroupRunner:
             )
         plans = []
         for g, members in zip(found.sizes, found.groups):  # every group's plan checked on every rank
-            plan = finish_plan(self.planner_for(g).plan(units.length(members), len(members) if not units.packed else 1))
+            s_b = (units.length(members), len(members) if not units.packed else 1) if members else (g, 1)
+            plan = finish_plan(self.planner_for(g).plan(*s_b))
             parallel.check_plan(self._module, plan, g)
             plans.append(plan)
         index, pg = self._set.mine(found.sizes)
         local_rank = rank - blocks(found.sizes)[index].start
-        members = found.groups[index]
-        sub = units.cut(batch, members)
+        members, g = found.groups[index], found.sizes[index]
+        sub = units.cut(batch, members, idle_tokens=g)  # no members: the idle group's placeholder, a token a rank
         device = find_tokens(batch).device
         mine = describe_batch(  # read on the host batch's cut
-            units.cut(host, members), found.sizes[index], local_rank, causal, mean_loss=mean_loss, require_targets=False
+            units.cut(host, members, idle_tokens=g), g, local_rank, causal, mean_loss=mean_loss, require_targets=False
         )
-        mine = on_device(replace(mine, n_global=info.n_global, checksum=info.checksum), device)
+        mine = replace(mine, n_global=info.n_global, checksum=info.checksum, idle=not members)
+        mine = on_device(mine, device)
         bare = self._cost(units.packed, exchange=False)  # the groups' compute
-        predicted = tuple(bare(tuple(units.lengths[i] for i in m), g) or 0.0 for g, m in zip(found.sizes, found.groups))
-        shifts = {k: (t.to(device), n) for k, (t, n) in units.shifted_sources(host, members).items()}
+        predicted = tuple(
+            (bare(tuple(units.lengths[i] for i in m), g) or 0.0) if m else 0.0
+            for g, m in zip(found.sizes, found.groups)
+        )
+        shifts = {k: (t.to(device), n) for k, (t, n) in units.shifted_sources(host, members, g).items()}
         reuse = self.kept == found.sizes and not self._stale()
         solve_s = time.perf_counter() - started
         return GroupStep(
@@ -375,10 +381,13 @@ class GroupRunner:
             numbers = torch.cat([numbers.to(share.device), share.detach().reshape(1).to(torch.float64)])
         every = exit_group(module, self._world, kept, replicated=True, extra=numbers)  # [P, k] or None: one group
         if every is None:
-            self.times = (mine,) * len(step.assignment.sizes)
+            self.times = tuple(mine if members else 0.0 for members in step.assignment.groups)
             return None
         per_rank = every[:, 0].tolist()
-        self.times = tuple(max(per_rank[r] for r in block) for block in blocks(step.assignment.sizes))
+        self.times = tuple(  # an idle group's placeholder step counts as no time (as predicted)
+            max(per_rank[r] for r in block) if members else 0.0
+            for block, members in zip(blocks(step.assignment.sizes), step.assignment.groups)
+        )
         return None if share is None else every[:, 1].tolist()
 
     def flush(self) -> None:

@@ -42,14 +42,13 @@ class Units:
 
     @classmethod
     def of(cls, info: BatchInfo) -> Units | None:
-        """The batch's units, or ``None`` when it holds a single sequence or document (nothing to share out)."""
+        """The batch's units, or ``None`` when it holds a single document (nothing to share out). A single row is one
+        unit: the groups may run it on fewer ranks than all, leaving the others idle (:meth:`cut`)."""
         if info.doc_ids is not None:
             spans = tuple(document_bounds(info.doc_ids, info.seq_len))
             if len(spans) < 2:
                 return None
             return cls(True, tuple(b - a for a, b in spans), spans, 1, info.seq_len)
-        if info.batch < 2:
-            return None
         if info.padding is None:
             lengths = (info.seq_len,) * info.batch
         else:
@@ -62,10 +61,24 @@ class Units:
         picked = [self.lengths[i] for i in members]
         return sum(picked) if self.packed else max(picked)
 
-    def cut(self, batch: Any, members: Sequence[int]) -> Any:
+    @property
+    def shortest(self) -> int:
+        """The shortest unit (the first of them): an idle group's placeholder row."""
+        return min(range(len(self.lengths)), key=lambda i: (self.lengths[i], i))
+
+    def cut(self, batch: Any, members: Sequence[int], idle_tokens: int = 1) -> Any:
         """The group's batch: packed, its documents in the order ``members`` (every ``[1, s, ...]`` and per-token
         ``[s]`` tensor cut); rows, its rows (every tensor whose first dimension is ``b``) cut to
-        :meth:`length` tokens (also the per-token ``[s]`` entries of a dict)."""
+        :meth:`length` tokens (also the per-token ``[s]`` entries of a dict).
+
+        No ``members`` (rows only): an idle group's placeholder, the first ``idle_tokens`` tokens of the
+        :attr:`shortest` row. Its step runs like any other (hooks and collectives of the module's step run on every
+        rank) and the strategy weighs its loss by 0."""
+        if not members:
+            if self.packed:
+                raise ValueError("a packed batch leaves no group idle: every group packs at least one document")
+            rows = torch.tensor([self.shortest], dtype=torch.long)
+            return _cut(batch, self.b, self.s, lambda t, dim: t.narrow(dim, 0, idle_tokens), rows)
         if self.packed:
             index = torch.cat([torch.arange(*self.spans[d]) for d in members])  # [s_group] token indices
             return _cut(batch, self.b, self.s, lambda t, dim: t.index_select(dim, index.to(t.device)), None)
@@ -73,9 +86,11 @@ class Units:
         n = self.length(members)
         return _cut(batch, self.b, self.s, lambda t, dim: t.narrow(dim, 0, n), rows)
 
-    def shifted_sources(self, batch: Any, members: Sequence[int]) -> dict[str, tuple[Tensor, int]]:
+    def shifted_sources(
+        self, batch: Any, members: Sequence[int], idle_tokens: int = 1
+    ) -> dict[str, tuple[Tensor, int]]:
         """Per ``[b, s]`` entry of a dict batch: the global batch's labels shifted left by one (as a label-shifting
-        model computes them) cut to the group, and their real count in the whole batch."""
+        model computes them) cut to the group (:meth:`cut`), and their real count in the whole batch."""
         if not isinstance(batch, Mapping):
             return {}
         whole = {
@@ -84,7 +99,7 @@ class Units:
             if isinstance(v, Tensor) and v.dim() == 2 and tuple(v.shape) == (self.b, self.s)
         }
         shifted = {k: shifted_labels(v) for k, v in whole.items()}  # shifted over the whole batch, then cut
-        cut = self.cut(shifted, members)
+        cut = self.cut(shifted, members, idle_tokens)
         return {k: (cut[k].contiguous(), int((shifted[k] != IGNORE_INDEX).sum())) for k in shifted}
 
 

@@ -271,10 +271,13 @@ class StepCycle:
             "groups/predicted_time_s": float(found.time),
             "groups/predicted_imbalance": imbalance(found.times),
             "groups/solve_s": step.solve_s,
+            "groups/idle": float(sum(not members for members in found.groups)),
         }
         line, key = None, (found.sizes, step.plans)
         if key != self._last_groups:
             sizes = "+".join(map(str, found.sizes))
+            idle = sum(not members for members in found.groups)
+            sizes += f" ({idle} idle)" if idle else ""
             line = f"[paradyse] {stage} length {info.seq_len}: groups {sizes}, rank 0's plan {describe(step.plans[0])}"
             self._last_groups = key
         return StepRecord(stage, step.info.seq_len, step.info.batch, step.plan, metrics, line, found.sizes)
@@ -333,6 +336,8 @@ class StepCycle:
         consumed = bool(parallel.step_state(self.module).labels_consumed)
         weight = 1.0 if consumed or not self.options.mean_loss else info.n_local / info.n_global
         share = local * weight
+        if info.idle:  # a placeholder step: weighed by 0 (its loss may be a mean over no target: NaN * 0 is not 0)
+            share = (local * 0.0).nan_to_num(0.0, 0.0, 0.0)
         step = self.runner.step
         deferred = defer and self.reports_loss and step is not None and not step.whole
         self._share, self._reported = (share.detach(), None) if deferred else (None, None)

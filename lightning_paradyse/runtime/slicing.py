@@ -57,6 +57,9 @@ class BatchInfo:
     fill_target: bool = False
     """This rank's slice holds no real target and the loss is a mean: one target of the slice is made real so the
     module's mean stays finite; the strategy weighs this rank's loss by ``n_local / n_global = 0``."""
+    idle: bool = False
+    """This rank's group was given no row of the batch: its step runs on a placeholder (a few tokens of the shortest
+    row, :meth:`~lightning_paradyse.groups.units.Units.cut`) whose loss the strategy weighs by 0."""
 
 
 @dataclass(frozen=True)

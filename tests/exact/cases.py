@@ -504,7 +504,20 @@ def group_cases(p: int) -> dict[str, Case]:
         "groups-hf-labels": Case(
             hf("labels-key"), lambda: loader(hf_labels, rows=rows), strategy=dict(plan="auto"), splits=splits[:2]
         ),
+        "groups-idle": Case(  # fewer rows than groups: a group left without one runs a placeholder weighed by 0
+            tiny,
+            lambda: loader(ragged("targets"), rows=len(splits[0]) - 1),
+            strategy=grouped | dict(plan="tp_sp"),
+            splits=splits[:2],
+        ),
+        "groups-idle-hf": Case(
+            hf("masked"),
+            lambda: loader(ragged("labels"), rows=1),
+            strategy=grouped | dict(plan=MIXED),
+            splits=splits[:2],
+        ),
         "groups-auto": Case(lm_main, lambda: loader(ragged("targets"), rows=2 * p)),
+        "groups-auto-one-row": Case(lm_main, lambda: loader(ragged("targets"), rows=1)),  # on every rank, or fewer
         "groups-auto-again": Case(lm_main, lambda: loader(ragged("targets"), rows=2 * p)),
     }
     return cases

@@ -189,7 +189,7 @@ def dealt_splits(splits: tuple[tuple[int, ...], ...] | None) -> Iterator[None]:
         members: list[list[int]] = [[] for _ in sizes]
         for i in range(len(lengths)):
             members[i % len(sizes)].append(i)
-        times = tuple(float(cost(tuple(lengths[i] for i in m), g) or 0.0) for m, g in zip(members, sizes))
+        times = tuple(float(cost(tuple(lengths[i] for i in m), g) or 0.0) if m else 0.0 for m, g in zip(members, sizes))
         return solver.Assignment(sizes, tuple(tuple(m) for m in members), times)
 
     real = solver.assign

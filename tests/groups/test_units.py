@@ -37,15 +37,34 @@ def test_rows_of_a_right_padded_batch_are_cut_to_the_groups_longest_row() -> Non
     assert torch.equal(shifts["labels"][0], whole[[2, 1], :5]) and shifts["labels"][1] == int((whole != -100).sum())
 
 
-def test_one_sequence_has_no_units_and_documents_are_cut_in_order() -> None:
+def test_one_row_is_one_unit_one_document_none_and_documents_are_cut_in_order() -> None:
     one = {"input_ids": torch.zeros(1, 8, dtype=torch.long)}
-    assert Units.of(describe_batch(one, 2, 0, causal=True)) is None
+    units = Units.of(describe_batch(one, 2, 0, causal=True))
+    assert units is not None and units.lengths == (8,)  # it may run on fewer ranks than all, the others idle
+    single = {"input_ids": torch.arange(8)[None], "doc_ids": torch.zeros(8, dtype=torch.long)}
+    assert Units.of(describe_batch(single, 2, 0, causal=True)) is None
     doc_ids = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2])
     packed = {"input_ids": torch.arange(8)[None], "targets": torch.arange(8)[None], "doc_ids": doc_ids}
     units = Units.of(describe_batch(packed, 2, 0, causal=True))
     assert units is not None and units.packed and units.lengths == (3, 2, 3)
     sub = units.cut(packed, [2, 0])
     assert sub["input_ids"].tolist() == [[5, 6, 7, 0, 1, 2]] and sub["doc_ids"].tolist() == [2, 2, 2, 0, 0, 0]
+
+
+def test_an_idle_group_gets_a_placeholder_of_a_token_a_rank_from_the_shortest_row() -> None:
+    x = torch.arange(18).view(3, 6)
+    mask = torch.tensor([[1] * 6, [1, 1, 1, 0, 0, 0], [1] * 4 + [0, 0]])
+    batch = {"input_ids": x, "targets": (x + 100).masked_fill(mask == 0, -100), "attention_mask": mask}
+    units = Units.of(describe_batch(batch, 2, 0, causal=True))
+    assert units is not None and units.lengths == (6, 3, 4) and units.shortest == 1
+    idle = units.cut(batch, (), idle_tokens=2)
+    assert idle["input_ids"].tolist() == [[6, 7]] and idle["targets"].tolist() == [[106, 107]]
+    assert idle["attention_mask"].tolist() == [[1, 1]]
+    with pytest.raises(ValueError, match="packed batch leaves no group idle"):
+        packed = {"input_ids": torch.arange(8)[None], "doc_ids": torch.tensor([0, 0, 1, 1, 1, 1, 2, 2])}
+        described = Units.of(describe_batch(packed, 2, 0, causal=True))
+        assert described is not None
+        described.cut(packed, ())
 
 
 def test_group_costs_are_monotone_and_count_attention_per_unit() -> None:
