@@ -96,7 +96,8 @@ class GroupStep:
     whole: bool = False
     """One group of every rank on the whole batch (a single sequence, evaluation, ``groups=False``): no exchange."""
     model_metrics: dict[str, float] = field(default_factory=dict)
-    """The cost model's predictions of a whole step's plan (``plan/predicted_time_s``, ...; none without one)."""
+    """The cost model's predictions of the plan of one group of every rank (``plan/predicted_time_s``, ...; none
+    without a cost model, or with more than one group)."""
 
     @property
     def size(self) -> int:
@@ -113,6 +114,16 @@ class GroupStep:
             (self.assignment.sizes, self.assignment.groups, tuple(map(str, self.plans)), checksum, self.reuse)
         ).encode()
         return int.from_bytes(hashlib.sha256(text).digest()[:8], "little", signed=True)
+
+
+def plan_predictions(planner: Planner, seq_len: int, batch: int) -> dict[str, float]:
+    """The cost model's predicted step time and peak memory of the plan ``planner`` chose for ``batch`` sequences of
+    ``seq_len`` tokens (cached: nothing is planned again), when it has a cost model."""
+    step = getattr(planner, "step", None)
+    if step is None:
+        return {}
+    planned = step(seq_len, batch)
+    return {"plan/predicted_time_s": float(planned.time_s), "plan/predicted_peak_mib": planned.peak_bytes / 2**20}
 
 
 def imbalance(times: Sequence[float]) -> float:
@@ -270,12 +281,15 @@ class GroupRunner:
                 f"({info.seq_len} tokens) in the memory budget; use groups=False, a larger memory_budget or shorter "
                 f"batches"
             )
-        plans = []
+        plans, model_metrics = [], {}
         for g, members in zip(found.sizes, found.groups):  # every group's plan checked on every rank
             s_b = (units.length(members), len(members) if not units.packed else 1) if members else (g, 1)
-            plan = finish_plan(self.planner_for(g).plan(*s_b))
+            planned = self.planner_for(g).plan(*s_b)
+            plan = finish_plan(planned)
             parallel.check_plan(self._module, plan, g)
             plans.append(plan)
+            if g == p and plan == planned:  # one group of every rank: the cost model's numbers of its whole step
+                model_metrics = plan_predictions(self.planner_for(g), *s_b)
         index, pg = self._set.mine(found.sizes)
         local_rank = rank - blocks(found.sizes)[index].start
         members, g = found.groups[index], found.sizes[index]
@@ -295,7 +309,8 @@ class GroupRunner:
         reuse = self.kept == found.sizes and not self._stale()
         solve_s = time.perf_counter() - started
         return GroupStep(
-            found, units, index, pg, local_rank, sub, mine, tuple(plans), shifts, predicted, solve_s, reuse
+            found, units, index, pg, local_rank, sub, mine, tuple(plans), shifts, predicted, solve_s, reuse,
+            model_metrics=model_metrics,
         )
 
     def _cost(self, packed: bool, exchange: bool, shaped: bool = False) -> Any:
@@ -405,4 +420,4 @@ class GroupRunner:
         return any(w._version != version for w, version in self._versions)
 
 
-__all__ = ["GroupRunner", "GroupStep", "imbalance"]
+__all__ = ["GroupRunner", "GroupStep", "imbalance", "plan_predictions"]

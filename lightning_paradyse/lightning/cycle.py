@@ -35,7 +35,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
 from lightning_paradyse.distributed.comm import Group, all_gather_rows, all_reduce_sum, collective_device, group_size
-from lightning_paradyse.groups.runner import GroupRunner, GroupStep, imbalance
+from lightning_paradyse.groups.runner import GroupRunner, GroupStep, imbalance, plan_predictions
 from lightning_paradyse.groups.units import Units
 from lightning_paradyse.lightning.options import StrategyOptions
 from lightning_paradyse.lightning.records import (
@@ -221,7 +221,7 @@ class StepCycle:
             return None, str(skipped)
         plan = self.finish_plan(planned)
         self.check_plan(plan)
-        predicted = _predictions(self._planner, info.seq_len, info.batch) if plan == planned else {}
+        predicted = plan_predictions(self._planner, info.seq_len, info.batch) if plan == planned else {}
         return self.runner.whole(info, plan, self._rank, predicted), ""
 
     def agree(self, digest: int) -> None:
@@ -253,9 +253,8 @@ class StepCycle:
     def _record(self, stage: str, info: BatchInfo, step: GroupStep) -> StepRecord:
         """What the callback logs of a step: the plan's numbers, the groups', and a line when they change."""
         modes = self.options.modes
-        metrics = plan_metrics(step.plan, modes, stage)
+        metrics = plan_metrics(step.plan, modes, stage) | step.model_metrics
         if step.whole:
-            metrics |= step.model_metrics
             line = None
             if step.plan != self._last_plan:
                 line, self._last_plan = (
@@ -388,15 +387,6 @@ def _tensor_versions(batch: Any) -> list[tuple[int, int]]:
     out: list[tuple[int, int]] = []
     apply_to_collection(batch, Tensor, lambda t: out.append((id(t), t._version)))
     return out
-
-
-def _predictions(planner: Any, seq_len: int, batch: int) -> dict[str, float]:
-    """The cost model's predicted step time and peak memory of the plan, when the planner has them."""
-    step = getattr(planner, "step", None)
-    if step is None:
-        return {}
-    planned = step(seq_len, batch)  # cached: the plan just chosen
-    return {"plan/predicted_time_s": float(planned.time_s), "plan/predicted_peak_mib": planned.peak_bytes / 2**20}
 
 
 __all__ = ["GlobalLoss", "StepCycle", "reporting_result"]
