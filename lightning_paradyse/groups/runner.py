@@ -309,7 +309,18 @@ class GroupRunner:
         reuse = self.kept == found.sizes and not self._stale()
         solve_s = time.perf_counter() - started
         return GroupStep(
-            found, units, index, pg, local_rank, sub, mine, tuple(plans), shifts, predicted, solve_s, reuse,
+            found,
+            units,
+            index,
+            pg,
+            local_rank,
+            sub,
+            mine,
+            tuple(plans),
+            shifts,
+            predicted,
+            solve_s,
+            reuse,
             model_metrics=model_metrics,
         )
 

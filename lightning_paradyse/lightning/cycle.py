@@ -22,6 +22,7 @@ every rank. A batch no plan fits (``on_infeasible="skip"``) is marked skipped on
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -37,6 +38,7 @@ from torch import Tensor
 from lightning_paradyse.distributed.comm import Group, all_gather_rows, all_reduce_sum, collective_device, group_size
 from lightning_paradyse.groups.runner import GroupRunner, GroupStep, imbalance, plan_predictions
 from lightning_paradyse.groups.units import Units
+from lightning_paradyse.lightning.fixed_cost import FixedCost
 from lightning_paradyse.lightning.options import StrategyOptions
 from lightning_paradyse.lightning.records import (
     HISTORY_LIMIT,
@@ -111,6 +113,8 @@ class StepCycle:
         self.checkpointed: tuple[int, ...] = ()
         """Layers the model's Hugging Face gradient checkpointing marks (read before every batch)."""
         self.window: tuple[int, str] | None = None
+        self.fixed = FixedCost()
+        """The fixed part of the training steps (measured; added to the step record's predictions)."""
         self.reports_loss = False
         """Lightning hands this cycle the loss it keeps (:func:`reporting_result` is installed): a training step on
         groups may then settle the global loss on the gradient return."""
@@ -177,12 +181,16 @@ class StepCycle:
         may run on this batch; a plain batch then runs on one group of every rank, as the check needs. Raises,
         identically on every rank and before any collective of the step, for a bad batch, a plan that cannot run, or
         ranks that disagree."""
+        training = stage == "train"
+        if training:
+            self.fixed.begin()
         self.checkpointed = hf_checkpointing.checkpointed_layers(self.module, self._blocks)
         host = self.on_host(batch)
         info = self.inspect(host)  # described on the host (its tensors there)
         grouped = self.runner.ready and stage == "train" and not (check_pending and info.doc_ids is None)
         units = Units.of(info) if grouped else None
         self.runner.times = ()
+        deciding = time.perf_counter()
         if units is not None:
             step = self.runner.decide(
                 batch,
@@ -197,16 +205,21 @@ class StepCycle:
             reason = "no split of the ranks into groups fits the memory budget"
         else:
             step, reason = self._whole(on_device(info, find_tokens(batch).device))
+        decided = time.perf_counter() - deciding
+        if training:
+            self.fixed.decided(decided)
         if step is None:  # decided alike on every rank, which the digest checks
             self.agree(batch_digest(info.seq_len, info.batch, info.checksum))
             self.runner.flush()
             return self._keep(self._skip(info, reason, stage))
         self.agree(step.digest(info.checksum))
+        if training:
+            self.fixed.enter()  # the priced part: the exchange in, forward, backward, the gradient return
         self.runner.enter(step)
         self.pending = step.info
         self.history.append(PlanRecord(stage, step.info.seq_len, step.info.batch, step.plan))
         self.plans_executed += 1
-        return self._keep(self._record(stage, info, step))
+        return self._keep(self._record(stage, info, step, decided))
 
     def finish_plan(self, plan: Plan) -> Plan:
         """``plan`` with both ops of every layer the model's Hugging Face gradient checkpointing marks recomputed."""
@@ -250,10 +263,15 @@ class StepCycle:
         self.record = record
         return record
 
-    def _record(self, stage: str, info: BatchInfo, step: GroupStep) -> StepRecord:
-        """What the callback logs of a step: the plan's numbers, the groups', and a line when they change."""
+    def _record(self, stage: str, info: BatchInfo, step: GroupStep, decided: float) -> StepRecord:
+        """What the callback logs of a step: the plan's numbers, the groups', and a line when they change. A
+        training step's predicted time adds its unpriced part: the measured estimate and its own ``decided``
+        seconds."""
         modes = self.options.modes
-        metrics = plan_metrics(step.plan, modes, stage) | step.model_metrics
+        fixed = self.fixed.seconds + decided if stage == "train" else 0.0
+        metrics = plan_metrics(step.plan, modes, stage) | _plus_fixed(step.model_metrics, fixed)
+        if stage == "train":
+            metrics["plan/predicted_fixed_s"] = fixed
         if step.whole:
             line = None
             if step.plan != self._last_plan:
@@ -267,7 +285,7 @@ class StepCycle:
             "groups/count": float(len(found.sizes)),
             "groups/own_size": float(step.size),
             "groups/largest_size": float(found.sizes[0]),
-            "groups/predicted_time_s": float(found.time),
+            "groups/predicted_time_s": float(found.time) + fixed,
             "groups/predicted_imbalance": imbalance(found.times),
             "groups/solve_s": step.solve_s,
             "groups/idle": float(sum(not members for members in found.groups)),
@@ -368,6 +386,11 @@ class StepCycle:
         """The gradients summed where they belong (:meth:`~.groups.runner.GroupRunner.finish`), unless micro-batches
         are left to accumulate; a deferred loss settled (its shares ride on the same return)."""
         self.settle_loss(self.runner.finish(accumulating, self._share))
+        self.fixed.leave()
+
+    def stepped(self) -> None:
+        """The optimizer stepped (the strategy's ``optimizer_step``): the end of a training step."""
+        self.fixed.stepped()
 
     def after_step(self, output: Any, accumulating: bool) -> None:
         """A grouped step whose module returned no loss (no backward hands its shards back) ends here."""
@@ -379,7 +402,15 @@ class StepCycle:
         """Drop every reference to the process groups and the batch (the strategy destroys the world group next)."""
         self.pending, self._host_batch, self._group = None, None, None
         self._share, self._reported = None, None
+        self.fixed.reset()
         self.runner.teardown()
+
+
+def _plus_fixed(model_metrics: dict[str, float], fixed: float) -> dict[str, float]:
+    """The cost model's numbers of a whole step with the step's measured fixed part added to its time."""
+    if "plan/predicted_time_s" not in model_metrics:
+        return model_metrics
+    return {**model_metrics, "plan/predicted_time_s": model_metrics["plan/predicted_time_s"] + fixed}
 
 
 def _tensor_versions(batch: Any) -> list[tuple[int, int]]:

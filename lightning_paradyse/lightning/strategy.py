@@ -646,6 +646,7 @@ class ParaDySeStrategy(ParallelStrategy):
                 return loss
             return super().optimizer_step(optimizer, lambda: loss, model, **kwargs)  # earlier micro-batches' grads
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self.cycle.stepped()
         self._optimizer_steps += 1
         if guards.replica_check_due(self._optimizer_steps, self.options.check_replicas_every):
             guards.check_replicas(self._module, self._group, f"after optimizer step {self._optimizer_steps}")

@@ -172,7 +172,7 @@ def parallelize(module: nn.Module, group: Group, blocks: str | None = None, axes
     if axes not in (1, 2):
         raise ValueError(f"axes={axes!r}: 1 (a sequence, [b, s, h]) or 2 (a grid, [b, T, S, h]) are supported")
     found = find_blocks(module, blocks)
-    _OPS.clear()  # the walks before the rewrite found no dispatch modules where there are about to be some
+    _forget_walks()  # the walks before the rewrite found no dispatch modules where there are about to be some
     state = StepState(blocks=[n for n, _ in found], grid=GridState() if axes == 2 else None)
     rope = _rotary_embedding(module)
     for layer, (name, block) in enumerate(found):
@@ -182,7 +182,7 @@ def parallelize(module: nn.Module, group: Group, blocks: str | None = None, axes
             raise ValueError(str(err)) from None
         for op in ops:
             op.grid = state.grid
-    _OPS.clear()
+    _forget_walks()
     if any(isinstance(op, OpaqueDispatch) for _, op in dispatchers(module)):
         _refuse_router_loss(module)
     module.register_forward_pre_hook(_StepHook(state, _anchor))
@@ -378,12 +378,7 @@ class _Call:
 
     def __init__(self, mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.args, self.kwargs = list(args), dict(kwargs)
-        try:
-            params = list(inspect.signature(mod.forward).parameters.values())
-        except (TypeError, ValueError):
-            params = []
-        positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        self.index = {name: i for i, name in enumerate(positional) if i < len(args)}
+        self.index = {name: i for i, name in enumerate(_positional_names(mod.forward)) if i < len(args)}
 
     def get(self, name: str) -> Any:
         """The argument ``name`` (``None`` when absent or passed as ``None``: the same to the model)."""
@@ -399,6 +394,29 @@ class _Call:
 
     def result(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         return tuple(self.args), self.kwargs
+
+
+def _positional_names(forward: Any) -> tuple[str, ...]:
+    """The names a call of ``forward`` (a module's bound ``forward``) may pass positionally: read from its signature
+    once per function (:func:`_method_positional_names`), not on every step."""
+    func = getattr(forward, "__func__", None)
+    if func is None:  # not a bound method (rare): read every time
+        return _signature_positional(forward)
+    return _method_positional_names(func)
+
+
+@functools.lru_cache(maxsize=1024)
+def _method_positional_names(func: Any) -> tuple[str, ...]:
+    """:func:`_positional_names` of a method's function: its positional parameters after ``self``."""
+    return _signature_positional(func)[1:]
+
+
+def _signature_positional(fn: Any) -> tuple[str, ...]:
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return ()
+    return tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
 
 
 def _agree(ok: bool, ctx: SeqContext, device: torch.device) -> bool:
@@ -532,6 +550,15 @@ _OPS: weakref.WeakKeyDictionary[nn.Module, list[tuple[str, OpDispatch]]] = weakr
 is fixed; :func:`parallelize` forgets what it found before)."""
 
 
+_REPLICATED: weakref.WeakKeyDictionary[nn.Module, tuple[nn.Parameter, ...]] = weakref.WeakKeyDictionary()
+"""Modules -> their replicated parameters (:func:`replicated_parameters`), found by one walk like :data:`_OPS`."""
+
+
+def _forget_walks() -> None:
+    _OPS.clear()
+    _REPLICATED.clear()
+
+
 def dispatchers(module: nn.Module) -> list[tuple[str, OpDispatch]]:
     """Every dispatch module with its name, in model order (the module walked once, then remembered)."""
     found = _OPS.get(module)
@@ -629,9 +656,14 @@ def replicated_sources(module: nn.Module) -> dict[str, str]:
 
 
 def replicated_parameters(module: nn.Module) -> Iterator[nn.Parameter]:
-    """Parameters every rank holds whole (their gradients are summed over the group)."""
-    sharded = set(shard_sources(module))
-    return (p for n, p in module.named_parameters() if n not in sharded)
+    """Parameters every rank holds whole (their gradients are summed over the group); the module walked once, then
+    remembered (read on every step)."""
+    found = _REPLICATED.get(module)
+    if found is None:
+        sharded = set(shard_sources(module))
+        found = tuple(p for n, p in module.named_parameters() if n not in sharded)
+        _REPLICATED[module] = found
+    return iter(found)
 
 
 @dataclass(frozen=True)

@@ -182,7 +182,15 @@ def test_groups_of_different_sizes_train_like_one_process(reference: dict[str, d
     assert dealt_run["pictures"] == ["paradyse_steps.csv", "paradyse_steps.svg"]  # rank 0, in the logger's folder
     (lines,) = dealt_run["logged"]  # the logger's metrics, every log_every_n_steps=2 steps
     header = lines[0].split(",")
-    assert {"step", "plan/measured_time_s", "groups/count", "groups/measured_imbalance"} <= set(header), header
+    assert {
+        "step",
+        "plan/measured_time_s",
+        "plan/predicted_fixed_s",
+        "groups/count",
+        "groups/measured_imbalance",
+    } <= set(header), header
+    fixed = [float(row.split(",")[header.index("plan/predicted_fixed_s")] or 0) for row in lines[1:]]
+    assert fixed and fixed[-1] > 0, fixed  # the step's unpriced part, measured on the steps before
     steps = grouped_steps(lines)
     assert steps == [2, 4, 6], steps
     assert len(runs[0]["dealt-accumulate"]["imbalance"]) == 3  # the micro-batches that step (their times return)

@@ -1,0 +1,89 @@
+"""The fixed part of a training step: wall time less the priced part, the median of the last steps."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_paradyse.lightning import fixed_cost
+from lightning_paradyse.lightning.fixed_cost import WINDOW, FixedCost
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    made = Clock()
+    monkeypatch.setattr(fixed_cost.time, "perf_counter", made)
+    return made
+
+
+def step(cost: FixedCost, clock: Clock, before: float, priced: tuple[float, ...], after: float) -> None:
+    """One training step: ``before`` seconds to the priced part, its pieces (with 1 s between them), ``after``."""
+    cost.begin()
+    clock.now += before
+    for i, seconds in enumerate(priced):
+        if i:
+            clock.now += 1.0
+        cost.enter()
+        clock.now += seconds
+        cost.leave()
+    clock.now += after
+    cost.stepped()
+
+
+def test_the_fixed_part_is_the_wall_time_less_the_priced_part(clock: Clock) -> None:
+    cost = FixedCost()
+    assert cost.seconds == 0.0  # nothing measured yet
+    step(cost, clock, before=0.5, priced=(3.0,), after=0.25)
+    assert cost.seconds == pytest.approx(0.75)
+    step(cost, clock, before=0.5, priced=(2.0, 2.0), after=0.5)  # two priced pieces, 1 s between them
+    assert cost.seconds == pytest.approx((0.75 + 2.0) / 2)  # median of two
+
+
+def test_the_decision_is_left_out_of_the_estimate(clock: Clock) -> None:
+    cost = FixedCost()
+    cost.begin()
+    clock.now += 0.75
+    cost.decided(0.5)  # of the 0.75 s before the priced part
+    cost.enter()
+    clock.now += 3.0
+    cost.leave()
+    clock.now += 0.25
+    cost.stepped()
+    assert cost.seconds == pytest.approx(0.5)
+    cost.decided(9.0)  # outside a training batch: ignored
+    step(cost, clock, before=0.5, priced=(1.0,), after=0.0)
+    assert cost.seconds == pytest.approx(0.5)
+
+
+def test_the_estimate_is_the_median_of_the_last_steps_and_ignores_an_outlier(clock: Clock) -> None:
+    cost = FixedCost()
+    for _ in range(WINDOW - 1):
+        step(cost, clock, before=0.1, priced=(1.0,), after=0.1)
+    step(cost, clock, before=5.0, priced=(1.0,), after=0.1)  # a cold decision
+    assert cost.seconds == pytest.approx(0.2)
+    for _ in range(WINDOW):
+        step(cost, clock, before=0.3, priced=(1.0,), after=0.1)  # the window moved on
+    assert cost.seconds == pytest.approx(0.4)
+
+
+def test_a_step_without_a_priced_part_or_a_begin_is_not_measured(clock: Clock) -> None:
+    cost = FixedCost()
+    cost.begin()
+    clock.now += 1.0
+    cost.stepped()  # e.g. a skipped batch: nothing priced
+    cost.stepped()  # no batch begun
+    cost.enter()  # entered outside a training batch (no begin): ignored
+    clock.now += 1.0
+    cost.leave()
+    cost.stepped()
+    assert cost.seconds == 0.0
+    step(cost, clock, before=0.5, priced=(1.0,), after=0.5)
+    cost.reset()
+    assert cost.seconds == 0.0
