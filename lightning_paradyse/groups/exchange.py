@@ -402,7 +402,8 @@ def _return_grads(
 
 def measure_regroup(module: nn.Module, world: Group, reps: int = 3) -> float | None:
     """Seconds of :func:`enter_group` + :func:`exit_group` into groups of one rank (the largest exchange),
-    the median of ``reps`` on every rank and the slowest rank's (collective; gradients are left as they were).
+    the median of ``reps`` after one untimed on every rank and the slowest rank's (collective; gradients are left
+    as they were).
 
     ``None`` (on every rank alike, agreed before any exchange) when a GPU could not hold the whole weights and
     their gradients beside what it holds: the caller then prices the exchange on the cost model alone."""
@@ -417,13 +418,14 @@ def measure_regroup(module: nn.Module, world: Group, reps: int = 3) -> float | N
         return None
     before = [w.grad for w in shards]
     times = []
-    for _ in range(reps):
+    for rep in range(reps + 1):  # the first one untimed: a process group's first all-to-all sets up its links
         synchronize(shards[0].device if shards else device)
         start = time.perf_counter()
         enter_group(module, world, (1,) * p)
         exit_group(module, world, (1,) * p, replicated=False)
         synchronize(shards[0].device if shards else device)  # the exchange's kernels, not only their launches
-        times.append(time.perf_counter() - start)
+        if rep:
+            times.append(time.perf_counter() - start)
     for w, grad in zip(shards, before):
         w.grad = grad
     mine = torch.tensor([sorted(times)[len(times) // 2]], dtype=torch.float64, device=device)

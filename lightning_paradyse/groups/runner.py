@@ -26,7 +26,9 @@ moves what DDP moves: one weight gather and one gradient reduction per optimizer
 cannot change between micro-batches (no optimizer step); should something change them in place, the kept
 shards are found stale (by the parameters' version counters) and gathered again.
 
-The exchange's real cost is measured once at setup (:meth:`GroupRunner.setup`).
+The exchange's real cost is measured once at setup (:meth:`GroupRunner.setup`), and every group size's planner
+plans ahead the buckets short batches fall in (:meth:`GroupRunner.warm`): a decision then plans nothing new on the
+first steps of a fit.
 """
 
 from __future__ import annotations
@@ -126,6 +128,11 @@ def plan_predictions(planner: Planner, seq_len: int, batch: int) -> dict[str, fl
     return {"plan/predicted_time_s": float(planned.time_s), "plan/predicted_peak_mib": planned.peak_bytes / 2**20}
 
 
+WARM_BUCKETS = 16
+"""Setup plans ahead, for every group size, the shapes of up to this many length buckets' worth of tokens
+(``plan_bucket`` tokens each: 8,192 by default) as rows of every power-of-two length up to ``plan_bucket``."""
+
+
 def imbalance(times: Sequence[float]) -> float:
     """Slowest over mean of the groups' times (1.0: perfectly balanced)."""
     busy = [t for t in times if t > 0]
@@ -160,6 +167,8 @@ class GroupRunner:
         self._versions: list[tuple[Tensor, int]] = []
         self.exchanges = 0
         """Weight exchanges into groups so far (micro-batches that reuse kept shards do not count)."""
+        self.warmed: tuple[int, float] = (0, 0.0)
+        """Shapes planned ahead at setup and the seconds that took (:meth:`warm`)."""
 
     @property
     def ready(self) -> bool:
@@ -199,12 +208,28 @@ class GroupRunner:
             predicted = exchange_seconds(self._dims, planner.model.machine, p, 1)
             if measured is None:
                 measured = measure_regroup(module, world)
+            self.warm()
             if measured is None:  # the whole weights would not fit a GPU beside the model: priced, not measured
                 self.exchange_scale = 1.0
                 return None
             self.exchange_scale = measured / predicted if predicted > 0 else 1.0
             return measured, predicted
         return None
+
+    def warm(self) -> tuple[int, float]:
+        """Every group size's planner plans ahead the buckets of short batches
+        (:meth:`~lightning_paradyse.planning.planner.CostPlanner.warm`, up to :data:`WARM_BUCKETS` buckets' worth
+        of tokens): the same plans a decision would make on first sight, made here on every rank alike, so that
+        the first steps' decisions plan nothing new. Returns (and keeps in :attr:`warmed`) the shapes planned and
+        the seconds taken."""
+        started, planned = time.perf_counter(), 0
+        p = group_size(self._world)
+        for g in sorted({1 << k for k in range(p.bit_length()) if 1 << k <= p} | {p}):
+            planner = self.planner_for(g)
+            if isinstance(planner, CostPlanner):
+                planned += planner.warm(WARM_BUCKETS * planner.bucket_tokens)
+        self.warmed = (planned, time.perf_counter() - started)
+        return self.warmed
 
     def teardown(self) -> None:
         """Drop the process groups and the model (the strategy destroys the world group next)."""
@@ -431,4 +456,4 @@ class GroupRunner:
         return any(w._version != version for w, version in self._versions)
 
 
-__all__ = ["GroupRunner", "GroupStep", "imbalance", "plan_predictions"]
+__all__ = ["WARM_BUCKETS", "GroupRunner", "GroupStep", "imbalance", "plan_predictions"]

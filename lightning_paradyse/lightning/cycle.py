@@ -18,6 +18,10 @@ The strategy runs Lightning's lifecycle and hands each batch to its :class:`Step
 
 Every batch takes this one path: a single sequence, validation, test and ``groups=False`` are a step on one group of
 every rank. A batch no plan fits (``on_infeasible="skip"``) is marked skipped on every rank alike.
+
+A training step's record predicts its whole time: the cost model's part, its decision's seconds and the fixed part
+the cycle measures on the run's steps (:mod:`~lightning_paradyse.lightning.fixed_cost`; :meth:`StepCycle.stepped`
+marks the end of a step).
 """
 
 from __future__ import annotations

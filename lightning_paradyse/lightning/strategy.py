@@ -451,6 +451,9 @@ class ParaDySeStrategy(ParallelStrategy):
                     f"[paradyse] groups: exchanging the weights takes {exchange[0] * 1e3:.1f} ms (predicted "
                     f"{exchange[1] * 1e3:.1f} ms); the group cost uses the measurement"
                 )
+            planned, seconds = self.cycle.runner.warmed
+            if planned:
+                rank_zero_info(f"[paradyse] groups: {planned} batch shapes planned ahead in {seconds:.2f} s")
         _ensure_switcher(trainer)
         self._result_cls = _report_loss(trainer, self.cycle)
         self.cycle.reports_loss = self._result_cls is not None

@@ -186,6 +186,28 @@ class CostPlanner:
             return found
         return self._fail(seq_len, batch)
 
+    def warm(self, max_tokens: int) -> int:
+        """Plan ahead every bucket a short batch can fall in (what :meth:`step` would plan on first sight, so every
+        later decision is the same): lengths of ``p`` tokens up to ``bucket_tokens`` (the powers of two), rows
+        doubling while ``length * rows <= max_tokens`` and the shape fits the budget. Returns the shapes planned."""
+        planned, power = 0, 1 << max(0, self.model.p - 1).bit_length()  # a group needs a token a rank
+        while power < 2 * self.bucket_tokens and self.model.p <= self.bucket_tokens:
+            length, power = min(power, self.bucket_tokens), 2 * power  # the buckets of :meth:`bucket`
+            rows = 1
+            while length * rows <= max_tokens:
+                key = (length, rows)
+                if key in self._infeasible:
+                    break
+                if key not in self._cache:
+                    found = self._solve(*key)
+                    planned += 1
+                    if found is None:
+                        self._infeasible.add(key)
+                        break
+                    self._cache[key] = found
+                rows *= 2
+        return planned
+
     def plan(self, seq_len: int, batch: int) -> Plan:
         """The fastest plan within the budget for ``batch`` sequences of ``seq_len`` tokens."""
         return self.step(seq_len, batch).plan

@@ -72,6 +72,7 @@ class Record(pl.Callback):
         self.imbalance: list[tuple[float, float]] = []
         self.state: dict[str, Tensor] = {}
         self.exchanges = 0
+        self.warmed = 0
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *args: Any) -> None:
@@ -90,6 +91,7 @@ class Record(pl.Callback):
         strategy = trainer.strategy
         self.state = {k: v.detach().clone() for k, v in strategy.lightning_module_state_dict().items()}
         self.exchanges = strategy.cycle.runner.exchanges  # type: ignore[attr-defined]
+        self.warmed = strategy.cycle.runner.warmed[0]  # type: ignore[attr-defined]
 
 
 def dealt(lengths: Any, world: int, cost: Any, **kwargs: Any) -> Assignment:
@@ -126,7 +128,7 @@ def fit(devices: int, groups: bool, accumulate: int = 1) -> dict[str, Any]:
         pictures = sorted(p.name for p in Path(logs).rglob("paradyse_steps.*"))
         logged = [p.read_text().splitlines() for p in Path(logs).rglob("metrics.csv")]
     out = {"losses": record.losses, "state": record.state, "imbalance": record.imbalance, "splits": record.splits}
-    out["exchanges"] = record.exchanges
+    out["exchanges"], out["warmed"] = record.exchanges, record.warmed
     return out | {"pictures": pictures, "logged": logged}
 
 
@@ -175,6 +177,7 @@ def test_groups_of_different_sizes_train_like_one_process(reference: dict[str, d
         assert_same_training(run, ref, f"groups/{name}")
         assert all(other[name]["losses"] == run["losses"] for other in runs), f"{name}: ranks report other losses"
     print("solver's splits (groups, rank 0's group size):", runs[0]["solver"]["splits"])
+    assert runs[0]["solver"]["warmed"] > 0  # the cost planners of every group size planned short shapes at setup
     dealt_run = runs[0]["dealt"]
     assert [count for count, _ in dealt_run["splits"]] == [len(s) for s in SPLITS]
     assert len(dealt_run["imbalance"]) == 6  # logged every grouped step: predicted and measured

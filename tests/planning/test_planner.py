@@ -144,6 +144,26 @@ def test_batches_are_planned_per_power_of_two_bucket() -> None:
     assert times[2] == pytest.approx((planner.step(1024, 2).time_s + planner.step(1024, 4).time_s) / 2)
 
 
+def test_warming_plans_ahead_what_steps_would_plan_and_stops_at_the_budget() -> None:
+    """``warm`` plans the bucket tops short batches fall in, the same plans :meth:`step` makes on first sight; rows
+    stop doubling where the budget or the token cap is reached."""
+    probe = _tiny_planner(2**30, bucket_tokens=64)
+    budget = probe.step(16, 8).peak_bytes  # 16 rows of 16 tokens (or 8 of 32) no longer fit
+    warmed, cold = _tiny_planner(budget, bucket_tokens=64), _tiny_planner(budget, bucket_tokens=64)
+    planned = warmed.warm(max_tokens=256)
+    assert planned == len(warmed._cache) + len(warmed._infeasible)
+    assert {s for s, _ in warmed._cache} == {2, 4, 8, 16, 32, 64}  # lengths from p = 2 tokens up to the bucket
+    assert all(s * b <= 256 for s, b in [*warmed._cache, *warmed._infeasible])
+    assert (16, 8) in warmed._cache and (16, 16) in warmed._infeasible and (16, 32) not in warmed._infeasible
+    for s, b in sorted(warmed._cache):
+        assert warmed.step(s, b) == cold.step(s, b)
+    assert warmed.warm(max_tokens=256) == 0  # nothing left to plan
+    before = dict(warmed._cache)
+    for s, b in ((3, 3), (9, 3), (17, 2), (30, 2), (64, 1)):
+        warmed.plan(s, b)  # decisions on shapes whose bucket fits plan nothing new
+    assert warmed._cache == before
+
+
 def test_bucket_top_infeasible_falls_back_to_the_length_itself() -> None:
     probe = _tiny_planner(2**30, bucket_tokens=4096)
     budget = probe.minimum(4000, 1).peak  # type: ignore[union-attr]
