@@ -6,8 +6,10 @@ For the benchmark's model (:class:`benchmarks.settings.ModelSettings`) on a clus
 64 MiB per-rank budget, it times :func:`lightning_paradyse.groups.solver.assign` on the rows of one ordinary
 batch (random lengths under a 4,096-token budget, as the benchmark's global batches hold them), the way
 :class:`~lightning_paradyse.groups.GroupRunner` calls it: *cold* (fresh planners: every bucket the decision
-touches is searched once, as on the first steps of a fit) and *warm* (the planners' buckets known, as on a
-shape seen before: what most steps of a long fit pay). Prints one line per world size and row count.
+touches is searched once), *after the setup's warm-up* (fresh planners that planned ahead the short batches'
+buckets, as the strategy's setup does: what the first steps of a fit pay), and *warm* (the same decision again:
+what a shape seen before pays), with the warm-up's own time (paid once, at setup). Prints one line per world size
+and row count.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import argparse
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable
@@ -24,25 +27,31 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 from benchmarks.settings import ModelSettings
 from lightning_paradyse.groups import solver
 from lightning_paradyse.groups.cost import group_cost, group_shape_cost
+from lightning_paradyse.groups.runner import WARM_BUCKETS
 from lightning_paradyse.planning.planner import CostPlanner, make_planner
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def decision_seconds(world: int, rows: int, cluster: str, budget: int, seed: int = 0) -> tuple[float, float]:
-    """``(cold, warm)`` seconds of one decision on ``rows`` rows over ``world`` ranks."""
+def decision_seconds(world: int, rows: int, cluster: str, budget: int, seed: int = 0) -> dict[str, float]:
+    """Seconds of one decision on ``rows`` rows over ``world`` ranks: ``cold`` (fresh planners), ``set_up`` (fresh
+    planners warmed as the strategy's setup warms them, :meth:`~lightning_paradyse.groups.GroupRunner.warm`),
+    ``warm`` (the same decision again), and ``warm_up``: the setup's planning ahead, for all group sizes."""
     config = ModelSettings().config()
     rng = random.Random(seed)
     lengths = [rng.randint(8, max(8, 4096 // rows)) for _ in range(rows)]
-    planners: dict[int, CostPlanner] = {}
 
-    def planner_for(g: int) -> CostPlanner:
-        if g not in planners:
-            planners[g] = make_planner(config, g, budget, cluster, bucket_tokens=512)
-        return planners[g]
+    def planners() -> Callable[[int], CostPlanner]:
+        made: dict[int, CostPlanner] = {}
 
-    times = []
-    for _ in range(2):  # cold (new planners), then warm (their buckets known; the costs made anew)
+        def planner_for(g: int) -> CostPlanner:
+            if g not in made:
+                made[g] = make_planner(config, g, budget, cluster, bucket_tokens=512)
+            return made[g]
+
+        return planner_for
+
+    def decide(planner_for: Callable[[int], CostPlanner]) -> float:
         start = time.perf_counter()
         dims = planner_for(world).model.dims
         shape = group_shape_cost(dims, world, planner_for)
@@ -53,8 +62,23 @@ def decision_seconds(world: int, rows: int, cluster: str, budget: int, seed: int
                 planner_for(g).plan(max(lengths[i] for i in members), len(members))
             else:
                 planner_for(g).plan(g, 1)
-        times.append(time.perf_counter() - start)
-    return times[0], times[1]
+        return time.perf_counter() - start
+
+    fresh = planners()
+    out = {"cold": decide(fresh), "warm": decide(fresh)}  # the costs are made anew; the planners' buckets known
+    set_up = planners()
+    start = time.perf_counter()
+    for g in sizes(world):
+        planner = set_up(g)
+        planner.warm(WARM_BUCKETS * planner.bucket_tokens)
+    out["warm_up"] = time.perf_counter() - start
+    out["set_up"] = decide(set_up)
+    return out
+
+
+def sizes(world: int) -> list[int]:
+    """The group sizes of ``world`` ranks (powers of two and the world)."""
+    return sorted({1 << k for k in range(world.bit_length()) if 1 << k <= world} | {world})
 
 
 def main() -> None:
@@ -66,8 +90,11 @@ def main() -> None:
     args = parser.parse_args()
     for world in args.world:
         for rows in args.rows:
-            cold, warm = decision_seconds(world, rows, args.cluster, args.budget_mib * 2**20)
-            print(f"{world} ranks, {rows:4d} rows: cold {1e3 * cold:7.1f} ms, warm {1e3 * warm:6.1f} ms")
+            t = {k: 1e3 * v for k, v in decision_seconds(world, rows, args.cluster, args.budget_mib * 2**20).items()}
+            print(
+                f"{world} ranks, {rows:4d} rows: cold {t['cold']:7.1f} ms, after the setup's warm-up "
+                f"{t['set_up']:6.1f} ms, warm {t['warm']:6.1f} ms (warm-up at setup {t['warm_up']:6.0f} ms)"
+            )
 
 
 if __name__ == "__main__":
