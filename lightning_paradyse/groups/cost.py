@@ -27,7 +27,7 @@ from typing import Any
 from lightning_paradyse.cost.dims import ModelDims
 from lightning_paradyse.cost.time import Machine
 from lightning_paradyse.groups.solver import GroupCost, ShapeCost
-from lightning_paradyse.planning.planner import CostPlanner, PlanInfeasible
+from lightning_paradyse.planning.planner import CostPlanner
 
 SHAPE_CACHE = 2**16
 """Shapes ``(s, b, g)`` whose predicted time :func:`planner_step_time` keeps."""
@@ -126,8 +126,9 @@ def planner_step_time(
     """:data:`StepTime` from the cost planner of each group size: the step planned at the shape's buckets
     (:meth:`~lightning_paradyse.planning.planner.CostPlanner.step`), its time rescaled from the bucket's length to
     the real one by the FLOP count and interpolated linearly in the batch between the batch buckets around it
-    (``b`` rows between ``B/2`` and ``B``: the steps planned for both), times ``scales[g]``. Both are monotone,
-    so the cost is; results are cached per shape (:data:`SHAPE_CACHE` of them)."""
+    (``b`` rows between ``B/2`` and ``B``: the steps planned for both; a shape planned for an eighth of its bucket,
+    or exactly, near the budget, takes that plan's time as it is), times ``scales[g]``. Both are monotone, so the
+    cost is; results are cached per shape (:data:`SHAPE_CACHE` of them)."""
 
     a, c = flop_weights(dims)
     scales = scales or {}
@@ -139,13 +140,13 @@ def planner_step_time(
     @functools.lru_cache(maxsize=SHAPE_CACHE)
     def step_time(s: int, b: int, g: int) -> float | None:
         planner = planner_for(g)
-        try:
-            high = planner.step(s, b)
-        except PlanInfeasible:
+        high = planner.try_step(s, b)  # a shape that does not fit is no batch to skip or explain
+        if high is None:
             return None
         time_s = at_length(high, s)
-        if high.batch > b:  # a bucket's upper end: interpolate from the bucket below (which fits when this one does)
-            low = planner.step(s, high.batch // 2)
+        top = (high.seq_len, high.batch) == (planner.bucket(s), planner.bucket_rows(b))
+        if top and high.batch > b:  # a bucket's upper end: interpolate from the bucket below (fits when this one does)
+            low = planner.step(s, high.batch // 2)  # fits: fewer rows of a length that fits
             below = at_length(low, s)
             time_s = below + (time_s - below) * (b - low.batch) / (high.batch - low.batch)
         return time_s * scales.get(g, 1.0)

@@ -8,8 +8,9 @@ of the allowed modes and recompute flags is implicitly considered, not a greedy 
 **Length buckets.** Plans are cached per ``(bucket, batch)``, where the bucket of a length ``s`` is
 ``ceil(s / bucket_tokens) * bucket_tokens`` (default 512 tokens) and the plan is computed for the
 bucket's upper end: memory grows with the length, so that plan fits every length of the bucket, and a
-new plan is searched only once per bucket. When the upper end does not fit but the length itself
-might, the length is planned exactly (and cached under its own length).
+new plan is searched only once per bucket. When the upper end does not fit, the upper end of an eighth of the
+bucket (in length and in rows) is planned; when that does not fit either but the shape itself might, the shape is
+planned exactly (each cached under its own key). Near the budget a decision's many shapes so share a few searches.
 
 **Determinism.** The inputs (model dimensions, profile or cluster, budget, length, batch) are the same
 on every rank and the search breaks ties deterministically, so every rank computes the same plan
@@ -145,6 +146,8 @@ class CostPlanner:
         """Batches skipped because no plan fit (``on_infeasible="skip"``)."""
         self._cache: dict[tuple[int, int], PlannedStep] = {}
         self._infeasible: set[tuple[int, int]] = set()
+        self._too_many: dict[int, int] = {}
+        """Per planned length, the fewest rows known not to fit (more rows of it need more memory: not searched)."""
         self._least: dict[tuple[int, int], int | None] = {}
 
     def bucket(self, seq_len: int) -> int:
@@ -160,6 +163,13 @@ class CostPlanner:
         for 64; every batch size between two powers of two shares one search)."""
         return 1 << max(0, batch - 1).bit_length()
 
+    def fine(self, seq_len: int, batch: int) -> tuple[int, int]:
+        """The upper ends of the eighth of ``seq_len``'s bucket and of ``batch``'s bucket they fall in: what is
+        planned when the buckets' own upper ends do not fit."""
+        length_step = max(1, min(self.bucket(seq_len), self.bucket_tokens) // 8)
+        rows_step = max(1, self.bucket_rows(batch) // 8)
+        return math.ceil(seq_len / length_step) * length_step, math.ceil(batch / rows_step) * rows_step
+
     def problem(self, seq_len: int, batch: int, modes: Sequence[str] | None = None) -> PlanProblem:
         """The cost tables for a batch shape (restricted to ``modes`` if given)."""
         use = self.modes if modes is None else tuple(m for m in self.modes if m in modes)
@@ -169,22 +179,30 @@ class CostPlanner:
     def step(self, seq_len: int, batch: int) -> PlannedStep:
         """The plan for a batch with its predicted time and peak, cached per bucket: planned for the upper ends of
         the length's and the batch's buckets (its peak bounds the real shape's, which needs no more memory), or,
-        when that shape does not fit the budget, for the batch itself."""
+        when that shape does not fit the budget, for the upper ends of their eighths (:meth:`fine`), or for the
+        batch itself."""
+        found = self.try_step(seq_len, batch)
+        return found if found is not None else self._fail(seq_len, batch)
+
+    def try_step(self, seq_len: int, batch: int) -> PlannedStep | None:
+        """:meth:`step`, or ``None`` when no plan fits (nothing counted, logged or explained: what a caller weighing
+        shapes, such as the group cost, asks)."""
         if seq_len < 1 or batch < 1:
             raise ValueError(f"seq_len and batch must be positive, got {seq_len}, {batch}")
         top = (self.bucket(seq_len), self.bucket_rows(batch))
-        for key in (top, (seq_len, batch)) if top != (seq_len, batch) else (top,):
+        keys = list(dict.fromkeys((top, self.fine(seq_len, batch), (seq_len, batch))))  # distinct, in this order
+        for key in keys:
             if key in self._cache:
                 return self._cache[key]
-            if key in self._infeasible:
+            if self._known_infeasible(key):
                 continue
             found = self._solve(*key)
             if found is None:
-                self._infeasible.add(key)
+                self._mark_infeasible(key)
                 continue
             self._cache[key] = found
             return found
-        return self._fail(seq_len, batch)
+        return None
 
     def warm(self, max_tokens: int) -> int:
         """Plan ahead every bucket a short batch can fall in (what :meth:`step` would plan on first sight, so every
@@ -196,17 +214,25 @@ class CostPlanner:
             rows = 1
             while length * rows <= max_tokens:
                 key = (length, rows)
-                if key in self._infeasible:
+                if self._known_infeasible(key):
                     break
                 if key not in self._cache:
                     found = self._solve(*key)
                     planned += 1
                     if found is None:
-                        self._infeasible.add(key)
+                        self._mark_infeasible(key)
                         break
                     self._cache[key] = found
                 rows *= 2
         return planned
+
+    def _known_infeasible(self, key: tuple[int, int]) -> bool:
+        """Whether no plan fits the shape ``key``: searched before, or more rows of a length that did not fit."""
+        return key in self._infeasible or key[1] >= self._too_many.get(key[0], key[1] + 1)
+
+    def _mark_infeasible(self, key: tuple[int, int]) -> None:
+        self._infeasible.add(key)
+        self._too_many[key[0]] = min(key[1], self._too_many.get(key[0], key[1]))
 
     def plan(self, seq_len: int, batch: int) -> Plan:
         """The fastest plan within the budget for ``batch`` sequences of ``seq_len`` tokens."""
