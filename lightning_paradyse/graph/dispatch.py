@@ -527,7 +527,7 @@ class OpaqueDispatch(OpDispatch):
             for i, (name, shape) in enumerate(self.shapes.items())
         }
         for name, tensor in params.items():
-            if tensor.requires_grad:
+            if tensor.requires_grad and not ctx.idle:  # a placeholder's tokens use no expert
                 tensor.register_hook(self._visit(name))
         params.update({name: getattr(self, local) for name, local in self.buffers_of.items()})
         return params

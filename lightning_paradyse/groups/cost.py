@@ -126,9 +126,8 @@ def planner_step_time(
     """:data:`StepTime` from the cost planner of each group size: the step planned at the shape's buckets
     (:meth:`~lightning_paradyse.planning.planner.CostPlanner.step`), its time rescaled from the bucket's length to
     the real one by the FLOP count and interpolated linearly in the batch between the batch buckets around it
-    (``b`` rows between ``B/2`` and ``B``: the steps planned for both; a shape planned for an eighth of its bucket,
-    or exactly, near the budget, takes that plan's time as it is), times ``scales[g]``. Both are monotone, so the
-    cost is; results are cached per shape (:data:`SHAPE_CACHE` of them)."""
+    (``b`` rows between ``B/2`` and ``B``: the steps planned for both), times ``scales[g]``. Both are monotone,
+    so the cost is; results are cached per shape (:data:`SHAPE_CACHE` of them)."""
 
     a, c = flop_weights(dims)
     scales = scales or {}
@@ -144,8 +143,7 @@ def planner_step_time(
         if high is None:
             return None
         time_s = at_length(high, s)
-        top = (high.seq_len, high.batch) == (planner.bucket(s), planner.bucket_rows(b))
-        if top and high.batch > b:  # a bucket's upper end: interpolate from the bucket below (fits when this one does)
+        if high.batch > b:  # a bucket's upper end: interpolate from the bucket below (which fits when this one does)
             low = planner.step(s, high.batch // 2)  # fits: fewer rows of a length that fits
             below = at_length(low, s)
             time_s = below + (time_s - below) * (b - low.batch) / (high.batch - low.batch)

@@ -8,7 +8,7 @@ different sizes.
    documents), the split of the ranks into groups and the units of each group
    (:func:`~lightning_paradyse.groups.solver.assign` on :func:`~lightning_paradyse.groups.cost.group_cost`), every
    group's batch cut out and its plan checked, on every rank alike and before any collective; or
-   :meth:`GroupRunner.whole`: one group of every rank on the whole batch (a single sequence, evaluation,
+   :meth:`GroupRunner.whole`: one group of every rank on the whole batch (a single packed document, evaluation,
    ``groups=False``);
 2. :meth:`GroupRunner.enter`: this rank's ``1/g`` shards (:func:`~lightning_paradyse.groups.exchange.enter_group`,
    one all-to-all; none for one group), then the group's layout and plan;
@@ -96,7 +96,8 @@ class GroupStep:
     reuse: bool = False
     """Run on the ``1/g`` shards kept from the previous micro-batch (same split, weights unchanged): no exchange."""
     whole: bool = False
-    """One group of every rank on the whole batch (a single sequence, evaluation, ``groups=False``): no exchange."""
+    """One group of every rank on the whole batch (a single packed document, evaluation, ``groups=False``): no
+    exchange."""
     model_metrics: dict[str, float] = field(default_factory=dict)
     """The cost model's predictions of the plan of one group of every rank (``plan/predicted_time_s``, ...; none
     without a cost model, or with more than one group)."""
@@ -203,12 +204,13 @@ class GroupRunner:
         self._dims = dims_from_module(module)  # raises (alike on every rank) for a model the cost cannot describe
         self._module, self._world, self._planner = module, world, planner
         p = group_size(world)
+        if isinstance(planner, CostPlanner):
+            self.warm()  # raises (alike on every rank, before any collective) where a group size cannot be planned
         self._set = GroupSet(world)
         if isinstance(planner, CostPlanner):
             predicted = exchange_seconds(self._dims, planner.model.machine, p, 1)
             if measured is None:
                 measured = measure_regroup(module, world)
-            self.warm()
             if measured is None:  # the whole weights would not fit a GPU beside the model: priced, not measured
                 self.exchange_scale = 1.0
                 return None
@@ -398,7 +400,7 @@ class GroupRunner:
             enter_group(module, self._world, step.assignment.sizes)
             self.exchanges += 1
         doc_ids = step.info.doc_ids
-        parallel.configure(module, SeqContext(step.info.layout, step.group, doc_ids), step.plan)
+        parallel.configure(module, SeqContext(step.info.layout, step.group, doc_ids, step.info.idle), step.plan)
         self.step = step
         self._started = time.perf_counter()
 

@@ -16,8 +16,8 @@ The strategy runs Lightning's lifecycle and hands each batch to its :class:`Step
 4. :meth:`StepCycle.after_backward`: the gradients summed where they belong
    (:meth:`~lightning_paradyse.groups.runner.GroupRunner.finish`), and the deferred loss settled.
 
-Every batch takes this one path: a single sequence, validation, test and ``groups=False`` are a step on one group of
-every rank. A batch no plan fits (``on_infeasible="skip"``) is marked skipped on every rank alike.
+Every batch takes this one path: a single packed document, validation, test and ``groups=False`` are a step on one
+group of every rank. A batch no plan fits (``on_infeasible="skip"``) is marked skipped on every rank alike.
 
 A training step's record predicts its whole time: the cost model's part, its decision's seconds and the fixed part
 the cycle measures on the run's steps (:mod:`~lightning_paradyse.lightning.fixed_cost`; :meth:`StepCycle.stepped`

@@ -143,8 +143,9 @@ class ParaDySeStrategy(ParallelStrategy):
             per step the ranks are split into groups (``P`` groups of one is data parallelism, one group of ``P``
             sequence parallelism) and the sequences assigned to them so that the slowest group is fastest on the
             cost model, attention counted per document; each group runs its own plan. ``None`` (default): on with
-            ``plan="auto"``, off with a fixed plan. A single sequence, validation and test use one group of every
-            rank.
+            ``plan="auto"``, off with a fixed plan. A single packed document, validation and test use one group of
+            every rank; a batch of fewer rows than groups may leave groups idle (they run a placeholder weighed by
+            0).
         elementwise_optimizers: Class names of optimizers the user vouches update every entry from that entry's
             gradient and state alone (as AdamW does), beyond PyTorch's own element-wise ones; others are refused
             (:func:`~lightning_paradyse.runtime.guards.check_optimizers`).
@@ -436,6 +437,7 @@ class ParaDySeStrategy(ParallelStrategy):
         self.precision_plugin.convert_module(self._module)
         self._parallelize()  # rank 0's weights broadcast bucket by bucket, then each rank keeps its shards
         self.model_to_device()  # only the shards and the replicated parameters reach the GPU
+        parallel.forget_walks()  # a model fitted before may hold other parameters now
         self.planner = self._make_planner()
         self.cycle.bind(self._module, self._group, self.global_rank, self.planner, self._block_names)
         if self.groups and group_size(self._group) > 1:

@@ -134,6 +134,9 @@ class SeqContext:
     doc_ids: torch.Tensor | None = None
     """Packed documents: the document id of every token of the whole sequence, ``[s]`` in natural order
     (documents contiguous). Attention never crosses a document boundary. ``None``: one document."""
+    idle: bool = False
+    """The group runs a placeholder (a group given no row of the batch, weighed by 0): nothing its tokens do
+    counts, e.g. an expert they are routed to is not thereby used."""
 
     def __post_init__(self) -> None:
         if self.doc_ids is not None and tuple(self.doc_ids.shape) != (self.layout.seq_len,):

@@ -8,9 +8,8 @@ of the allowed modes and recompute flags is implicitly considered, not a greedy 
 **Length buckets.** Plans are cached per ``(bucket, batch)``, where the bucket of a length ``s`` is
 ``ceil(s / bucket_tokens) * bucket_tokens`` (default 512 tokens) and the plan is computed for the
 bucket's upper end: memory grows with the length, so that plan fits every length of the bucket, and a
-new plan is searched only once per bucket. When the upper end does not fit, the upper end of an eighth of the
-bucket (in length and in rows) is planned; when that does not fit either but the shape itself might, the shape is
-planned exactly (each cached under its own key). Near the budget a decision's many shapes so share a few searches.
+new plan is searched only once per bucket. When the upper end does not fit but the length itself
+might, the length is planned exactly (and cached under its own length).
 
 **Determinism.** The inputs (model dimensions, profile or cluster, budget, length, batch) are the same
 on every rank and the search breaks ties deterministically, so every rank computes the same plan
@@ -163,13 +162,6 @@ class CostPlanner:
         for 64; every batch size between two powers of two shares one search)."""
         return 1 << max(0, batch - 1).bit_length()
 
-    def fine(self, seq_len: int, batch: int) -> tuple[int, int]:
-        """The upper ends of the eighth of ``seq_len``'s bucket and of ``batch``'s bucket they fall in: what is
-        planned when the buckets' own upper ends do not fit."""
-        length_step = max(1, min(self.bucket(seq_len), self.bucket_tokens) // 8)
-        rows_step = max(1, self.bucket_rows(batch) // 8)
-        return math.ceil(seq_len / length_step) * length_step, math.ceil(batch / rows_step) * rows_step
-
     def problem(self, seq_len: int, batch: int, modes: Sequence[str] | None = None) -> PlanProblem:
         """The cost tables for a batch shape (restricted to ``modes`` if given)."""
         use = self.modes if modes is None else tuple(m for m in self.modes if m in modes)
@@ -179,22 +171,21 @@ class CostPlanner:
     def step(self, seq_len: int, batch: int) -> PlannedStep:
         """The plan for a batch with its predicted time and peak, cached per bucket: planned for the upper ends of
         the length's and the batch's buckets (its peak bounds the real shape's, which needs no more memory), or,
-        when that shape does not fit the budget, for the upper ends of their eighths (:meth:`fine`), or for the
-        batch itself."""
-        found = self.try_step(seq_len, batch)
+        when that shape does not fit the budget, for the batch itself."""
+        found = self.try_step(seq_len, batch, prune=False)
         return found if found is not None else self._fail(seq_len, batch)
 
-    def try_step(self, seq_len: int, batch: int) -> PlannedStep | None:
+    def try_step(self, seq_len: int, batch: int, prune: bool = True) -> PlannedStep | None:
         """:meth:`step`, or ``None`` when no plan fits (nothing counted, logged or explained: what a caller weighing
-        shapes, such as the group cost, asks)."""
+        shapes, such as the group cost, asks). ``prune``: a shape with more rows of a length that did not fit is
+        not searched (memory grows with the rows); :meth:`step` searches every batch it is given."""
         if seq_len < 1 or batch < 1:
             raise ValueError(f"seq_len and batch must be positive, got {seq_len}, {batch}")
         top = (self.bucket(seq_len), self.bucket_rows(batch))
-        keys = list(dict.fromkeys((top, self.fine(seq_len, batch), (seq_len, batch))))  # distinct, in this order
-        for key in keys:
+        for key in (top, (seq_len, batch)) if top != (seq_len, batch) else (top,):
             if key in self._cache:
                 return self._cache[key]
-            if self._known_infeasible(key):
+            if key in self._infeasible or (prune and self._too_many_rows(key)):
                 continue
             found = self._solve(*key)
             if found is None:
@@ -214,7 +205,7 @@ class CostPlanner:
             rows = 1
             while length * rows <= max_tokens:
                 key = (length, rows)
-                if self._known_infeasible(key):
+                if key in self._infeasible or self._too_many_rows(key):
                     break
                 if key not in self._cache:
                     found = self._solve(*key)
@@ -226,9 +217,9 @@ class CostPlanner:
                 rows *= 2
         return planned
 
-    def _known_infeasible(self, key: tuple[int, int]) -> bool:
-        """Whether no plan fits the shape ``key``: searched before, or more rows of a length that did not fit."""
-        return key in self._infeasible or key[1] >= self._too_many.get(key[0], key[1] + 1)
+    def _too_many_rows(self, key: tuple[int, int]) -> bool:
+        """Whether the shape ``key`` has at least as many rows as a shape of its length that did not fit."""
+        return key[1] >= self._too_many.get(key[0], key[1] + 1)
 
     def _mark_infeasible(self, key: tuple[int, int]) -> None:
         self._infeasible.add(key)

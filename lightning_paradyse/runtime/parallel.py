@@ -172,7 +172,7 @@ def parallelize(module: nn.Module, group: Group, blocks: str | None = None, axes
     if axes not in (1, 2):
         raise ValueError(f"axes={axes!r}: 1 (a sequence, [b, s, h]) or 2 (a grid, [b, T, S, h]) are supported")
     found = find_blocks(module, blocks)
-    _forget_walks()  # the walks before the rewrite found no dispatch modules where there are about to be some
+    forget_walks()  # the walks before the rewrite found no dispatch modules where there are about to be some
     state = StepState(blocks=[n for n, _ in found], grid=GridState() if axes == 2 else None)
     rope = _rotary_embedding(module)
     for layer, (name, block) in enumerate(found):
@@ -182,7 +182,7 @@ def parallelize(module: nn.Module, group: Group, blocks: str | None = None, axes
             raise ValueError(str(err)) from None
         for op in ops:
             op.grid = state.grid
-    _forget_walks()
+    forget_walks()
     if any(isinstance(op, OpaqueDispatch) for _, op in dispatchers(module)):
         _refuse_router_loss(module)
     module.register_forward_pre_hook(_StepHook(state, _anchor))
@@ -554,7 +554,9 @@ _REPLICATED: weakref.WeakKeyDictionary[nn.Module, tuple[nn.Parameter, ...]] = we
 """Modules -> their replicated parameters (:func:`replicated_parameters`), found by one walk like :data:`_OPS`."""
 
 
-def _forget_walks() -> None:
+def forget_walks() -> None:
+    """Forget what the walks found (:func:`dispatchers`, :func:`replicated_parameters`): after a rewrite, and when a
+    fit sets a model up (its parameters may have been replaced since the last fit)."""
     _OPS.clear()
     _REPLICATED.clear()
 

@@ -164,25 +164,18 @@ def test_warming_plans_ahead_what_steps_would_plan_and_stops_at_the_budget() -> 
     assert warmed._cache == before
 
 
-def test_near_the_budget_shapes_share_an_eighth_of_their_bucket_and_probes_count_nothing() -> None:
-    """Where a bucket's upper end does not fit, the upper end of the eighth of the bucket a shape falls in is planned
-    (shared by the shapes in it), then the shape itself; ``try_step`` answers ``None`` for a shape nothing fits
-    without counting a skipped batch, and more rows of a length that did not fit are not searched again."""
-    probe = _tiny_planner(2**30, bucket_tokens=512)
-    solved = probe._solve(112, 40)
-    assert solved is not None
-    planner = _tiny_planner(solved.peak_bytes, bucket_tokens=512, on_infeasible="skip")  # (128, 64) does not fit
-    assert planner.fine(100, 40) == (112, 40) and planner.fine(700, 3) == (704, 3) and planner.fine(5, 1) == (5, 1)
-    found = planner.try_step(100, 40)
-    assert found is not None and (found.seq_len, found.batch) == (112, 40) and (128, 64) in planner._infeasible
-    assert planner.try_step(97, 39) is found  # the same eighth: nothing new is searched
+def test_probing_a_shape_counts_nothing_and_skips_more_rows_of_a_length_that_did_not_fit() -> None:
+    """``try_step`` answers ``None`` for a shape nothing fits without counting a skipped batch, and does not search
+    more rows of a length that did not fit; ``step`` searches every batch it is given and counts a skip."""
+    planner = _tiny_planner(_tiny_planner(2**30).step(100, 40).peak_bytes, on_infeasible="skip")  # (128, 64) fits
+    assert planner.try_step(100, 40) is not None
     assert planner.try_step(128, 4096) is None and planner.skipped == 0  # a probe: nothing counted or logged
     searched = len(planner._cache) + len(planner._infeasible)
-    assert planner.try_step(128, 5000) is None  # more rows of a length that did not fit
+    assert planner.try_step(128, 5000) is None  # more rows of a length that did not fit: not searched
     assert len(planner._cache) + len(planner._infeasible) == searched
     with pytest.raises(PlanSkipped):
-        planner.step(128, 4096)  # a batch: skipped and counted
-    assert planner.skipped == 1
+        planner.step(128, 5000)  # a batch: searched, skipped and counted
+    assert planner.skipped == 1 and len(planner._cache) + len(planner._infeasible) > searched
 
 
 def test_bucket_top_infeasible_falls_back_to_the_length_itself() -> None:
