@@ -27,7 +27,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 from benchmarks.settings import ModelSettings
 from lightning_paradyse.groups import solver
 from lightning_paradyse.groups.cost import group_cost, group_shape_cost
-from lightning_paradyse.groups.runner import WARM_BUCKETS
+from lightning_paradyse.groups.runner import WARM_BUCKETS, group_sizes
 from lightning_paradyse.planning.planner import CostPlanner, make_planner
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,17 +68,12 @@ def decision_seconds(world: int, rows: int, cluster: str, budget: int, seed: int
     out = {"cold": decide(fresh), "warm": decide(fresh)}  # the costs are made anew; the planners' buckets known
     set_up = planners()
     start = time.perf_counter()
-    for g in sizes(world):
+    for g in group_sizes(world):
         planner = set_up(g)
         planner.warm(WARM_BUCKETS * planner.bucket_tokens)
     out["warm_up"] = time.perf_counter() - start
     out["set_up"] = decide(set_up)
     return out
-
-
-def sizes(world: int) -> list[int]:
-    """The group sizes of ``world`` ranks (powers of two and the world)."""
-    return sorted({1 << k for k in range(world.bit_length()) if 1 << k <= world} | {world})
 
 
 def main() -> None:

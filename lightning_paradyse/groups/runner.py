@@ -134,6 +134,11 @@ WARM_BUCKETS = 16
 (``plan_bucket`` tokens each: 8,192 by default) as rows of every power-of-two length up to ``plan_bucket``."""
 
 
+def group_sizes(world: int) -> list[int]:
+    """The sizes a group of ``world`` ranks can have: the powers of two up to it, and the world itself."""
+    return sorted({1 << k for k in range(world.bit_length()) if 1 << k <= world} | {world})
+
+
 def imbalance(times: Sequence[float]) -> float:
     """Slowest over mean of the groups' times (1.0: perfectly balanced)."""
     busy = [t for t in times if t > 0]
@@ -225,8 +230,7 @@ class GroupRunner:
         the first steps' decisions plan nothing new. Returns (and keeps in :attr:`warmed`) the shapes planned and
         the seconds taken."""
         started, planned = time.perf_counter(), 0
-        p = group_size(self._world)
-        for g in sorted({1 << k for k in range(p.bit_length()) if 1 << k <= p} | {p}):
+        for g in group_sizes(group_size(self._world)):
             planner = self.planner_for(g)
             if isinstance(planner, CostPlanner):
                 planned += planner.warm(WARM_BUCKETS * planner.bucket_tokens)
@@ -311,12 +315,13 @@ class GroupRunner:
         plans, model_metrics = [], {}
         for g, members in zip(found.sizes, found.groups):  # every group's plan checked on every rank
             s_b = (units.length(members), len(members) if not units.packed else 1) if members else (g, 1)
-            planned = self.planner_for(g).plan(*s_b)
+            planner = self.planner_for(g)
+            planned = planner.plan(*s_b)
             plan = finish_plan(planned)
             parallel.check_plan(self._module, plan, g)
             plans.append(plan)
             if g == p and plan == planned:  # one group of every rank: the cost model's numbers of its whole step
-                model_metrics = plan_predictions(self.planner_for(g), *s_b)
+                model_metrics = plan_predictions(planner, *s_b)
         index, pg = self._set.mine(found.sizes)
         local_rank = rank - blocks(found.sizes)[index].start
         members, g = found.groups[index], found.sizes[index]
@@ -458,4 +463,4 @@ class GroupRunner:
         return any(w._version != version for w, version in self._versions)
 
 
-__all__ = ["WARM_BUCKETS", "GroupRunner", "GroupStep", "imbalance", "plan_predictions"]
+__all__ = ["WARM_BUCKETS", "GroupRunner", "GroupStep", "group_sizes", "imbalance", "plan_predictions"]

@@ -183,16 +183,11 @@ class CostPlanner:
             raise ValueError(f"seq_len and batch must be positive, got {seq_len}, {batch}")
         top = (self.bucket(seq_len), self.bucket_rows(batch))
         for key in (top, (seq_len, batch)) if top != (seq_len, batch) else (top,):
-            if key in self._cache:
-                return self._cache[key]
-            if key in self._infeasible or (prune and self._too_many_rows(key)):
+            if key not in self._cache and prune and self._too_many_rows(key):
                 continue
-            found = self._solve(*key)
-            if found is None:
-                self._mark_infeasible(key)
-                continue
-            self._cache[key] = found
-            return found
+            found = self._search(key)
+            if found is not None:
+                return found
         return None
 
     def warm(self, max_tokens: int) -> int:
@@ -203,27 +198,31 @@ class CostPlanner:
         while power < 2 * self.bucket_tokens and self.model.p <= self.bucket_tokens:
             length, power = min(power, self.bucket_tokens), 2 * power  # the buckets of :meth:`bucket`
             rows = 1
-            while length * rows <= max_tokens:
-                key = (length, rows)
-                if key in self._infeasible or self._too_many_rows(key):
+            while length * rows <= max_tokens and not self._too_many_rows((length, rows)):
+                known = (length, rows) in self._cache or (length, rows) in self._infeasible
+                planned += not known
+                if self._search((length, rows)) is None:
                     break
-                if key not in self._cache:
-                    found = self._solve(*key)
-                    planned += 1
-                    if found is None:
-                        self._mark_infeasible(key)
-                        break
-                    self._cache[key] = found
                 rows *= 2
         return planned
+
+    def _search(self, key: tuple[int, int]) -> PlannedStep | None:
+        """The plan of the shape ``key``: cached, or searched once (``None``, remembered, when nothing fits)."""
+        if key in self._cache:
+            return self._cache[key]
+        if key in self._infeasible:
+            return None
+        found = self._solve(*key)
+        if found is None:
+            self._infeasible.add(key)
+            self._too_many[key[0]] = min(key[1], self._too_many.get(key[0], key[1]))
+        else:
+            self._cache[key] = found
+        return found
 
     def _too_many_rows(self, key: tuple[int, int]) -> bool:
         """Whether the shape ``key`` has at least as many rows as a shape of its length that did not fit."""
         return key[1] >= self._too_many.get(key[0], key[1] + 1)
-
-    def _mark_infeasible(self, key: tuple[int, int]) -> None:
-        self._infeasible.add(key)
-        self._too_many[key[0]] = min(key[1], self._too_many.get(key[0], key[1]))
 
     def plan(self, seq_len: int, batch: int) -> Plan:
         """The fastest plan within the budget for ``batch`` sequences of ``seq_len`` tokens."""
