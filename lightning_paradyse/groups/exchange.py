@@ -18,7 +18,10 @@ order per step:
 A data-parallel step (``P`` groups of one) therefore moves what DDP moves: one weight gather
 (``(1 - 1/P)`` of the weights per rank) and one gradient reduce-scatter, the two halves of DDP's all-reduce;
 with gradient accumulation the runner keeps the ``1/g`` shards between micro-batches split alike
-(:class:`~lightning_paradyse.groups.runner.GroupRunner`), so that holds per optimizer step.
+(:class:`~lightning_paradyse.groups.runner.GroupRunner`), so that holds per optimizer step. After a
+data-parallel step the next step's weights ride with its agreement instead (:func:`gather_whole`: one all-gather
+of every rank's digest and ``1/P`` shards, whose sizes the layout fixes whatever the step decided), and step 1
+cuts the ``1/g`` shards out of them: no collective of its own.
 Every world collective happens outside autograd at fixed points, so groups whose plans differ cannot interleave
 them differently. An idle group still takes part in both exchanges and contributes zero gradients.
 """
@@ -209,13 +212,66 @@ def _routes(module: nn.Module, p: int, sizes: Sequence[int], rank: int) -> dict[
     return out
 
 
-def enter_group(module: nn.Module, world: Group, sizes: Sequence[int]) -> None:
+WholeWeights = dict[int, dict[str, torch.Tensor]]
+"""Every op's whole weights (``id`` of its dispatch module -> piece name -> ``[rows, ...]``), gathered by
+:func:`gather_whole`."""
+
+
+def whole_dtype(module: nn.Module, world: Group) -> torch.dtype | None:
+    """The one dtype of the model's shard parameters when :func:`gather_whole` can gather them (``None``: no
+    shard, or several dtypes); the same on every rank."""
+    p, rank = group_size(world), group_rank(world)
+    dtypes = list(_routes(module, p, (1,) * p, rank))
+    return dtypes[0] if len(dtypes) == 1 else None
+
+
+def gather_whole(module: nn.Module, world: Group, header: torch.Tensor) -> tuple[torch.Tensor, WholeWeights]:
+    """Every rank's ``header`` and the whole weights of every op, in ONE all-gather over the world: every rank sends
+    its header and its ``1/P`` shards, whose sizes the layout fixes whatever the step (a rank that decided another
+    step sends and receives the same sizes: nothing hangs before the headers are compared).
+
+    ``header``: ``[k]`` int64 (e.g. the step's digest), its bits packed into the weights' dtype. Returns every
+    rank's, ``[P, k]`` int64 on the host, and the whole weights (:func:`enter_group` cuts any split's ``1/g``
+    shards out of them without a collective). Needs :func:`whole_dtype`.
+    """
+    p, rank = group_size(world), group_rank(world)
+    routes = _routes(module, p, (1,) * p, rank)
+    if len(routes) != 1:
+        raise ValueError("gather_whole needs the shard parameters in one dtype (see whole_dtype)")
+    ((dtype, bucket),) = routes.items()
+    device = bucket[0].pieces[0][1].device
+    packed = header.reshape(-1).to(device, torch.int64).view(torch.uint8).view(dtype)  # [k] -> [8 k / itemsize]
+    t = packed.numel()
+    with torch.no_grad():
+        shards = [w.detach().reshape(-1) for route in bucket for _, w, _ in route.pieces]  # model order
+        sizes = [t + sum(route.received(i) for route in bucket) for i in range(p)]  # rank i's header and shards
+        got = all_gather_rows(torch.cat([packed, *shards]), sizes, world)  # [t + numel/P] -> [P t + numel]
+        chunks = torch.split(got, sizes)
+        headers = torch.stack([c[:t] for c in chunks]).contiguous().view(torch.uint8).view(torch.int64)  # [P, k]
+        parts = [  # per rank, per route, per piece
+            [
+                torch.split(x, r.ex.received(i))
+                for r, x in zip(bucket, torch.split(c[t:], [q.received(i) for q in bucket]))
+            ]
+            for i, c in enumerate(chunks)
+        ]
+        whole: WholeWeights = {}
+        for k, route in enumerate(bucket):
+            whole[id(route.op)] = {
+                name: torch.cat([parts[i][k][n].view(-1, *w.shape[1:]) for i in range(p)])  # [rows, ...]
+                for n, (name, w, _) in enumerate(route.pieces)
+            }
+    return headers.cpu(), whole
+
+
+def enter_group(module: nn.Module, world: Group, sizes: Sequence[int], whole: WholeWeights | None = None) -> None:
     """Step 1 of the module docstring: give every dispatch module this rank's ``1/g`` shards for the split
     ``sizes`` (every rank's group is known from it).
 
     One all-to-all over the world (per parameter dtype) moves exactly the rows each rank reads and lacks: rank
     ``j`` receives from every owner the part of its ``1/P`` shard that lies in ``j``'s ``1/g`` rows (``(1/g -
-    1/P)`` of the weights per rank; nothing when the split is the world).
+    1/P)`` of the weights per rank; nothing when the split is the world). With ``whole`` (the weights
+    :func:`gather_whole` brought with the step's agreement) the shards are cut out of them: no collective.
     """
     p, rank = group_size(world), group_rank(world)
     check_sizes(sizes, p)
@@ -224,6 +280,15 @@ def enter_group(module: nn.Module, world: Group, sizes: Sequence[int]) -> None:
             raise RuntimeError("enter_group called twice without exit_group")
         op.group_shards = {}
     if len(sizes) == 1:
+        return
+    if whole is not None:
+        for routes in _routes(module, p, sizes, rank).values():
+            for route in routes:
+                for name, w, rows in route.pieces:
+                    lo, hi = _wanted(rows, sizes, rank)
+                    full = whole[id(route.op)][name]  # [rows, ...]
+                    shard = full if (lo, hi) == (0, rows) else full[lo:hi].clone()  # [rows/g, ...]: the rest freed
+                    route.op.group_shards[name] = shard.requires_grad_(w.requires_grad)  # type: ignore[index]
         return
     for routes in _routes(module, p, sizes, rank).values():
         with torch.no_grad():
@@ -448,7 +513,9 @@ __all__ = [
     "drop_group",
     "enter_group",
     "exit_group",
+    "gather_whole",
     "measure_regroup",
     "pack_float64",
     "unpack_float64",
+    "whole_dtype",
 ]

@@ -10,8 +10,10 @@ different sizes.
    group's batch cut out and its plan checked, on every rank alike and before any collective; or
    :meth:`GroupRunner.whole`: one group of every rank on the whole batch (a single packed document, evaluation,
    ``groups=False``);
-2. :meth:`GroupRunner.enter`: this rank's ``1/g`` shards (:func:`~lightning_paradyse.groups.exchange.enter_group`,
-   one all-to-all; none for one group), then the group's layout and plan;
+2. :meth:`GroupRunner.agree`: every rank's digest of the step (one all-gather; after a data-parallel step it brings
+   the whole weights too), then :meth:`GroupRunner.enter`: this rank's ``1/g`` shards
+   (:func:`~lightning_paradyse.groups.exchange.enter_group`, one all-to-all; none for one group, nor when the
+   agreement brought the weights), then the group's layout and plan;
 3. the module's step on this rank's tokens of its group's batch (the cycle's ``shard``);
 4. :meth:`GroupRunner.finish` after the backward, when no micro-batch is left to accumulate: the gradients back
    onto the ``1/P`` shards with the replicated gradients summed over every rank and every rank's measured group
@@ -44,16 +46,19 @@ import torch.nn as nn
 from torch import Tensor
 
 from lightning_paradyse.cost.dims import dims_from_module
-from lightning_paradyse.distributed.comm import Group, group_size, synchronize
+from lightning_paradyse.distributed.comm import Group, all_gather_rows, collective_device, group_size, synchronize
 from lightning_paradyse.groups import solver
 from lightning_paradyse.groups.cost import exchange_seconds, group_cost, group_shape_cost, machine_for_groups
 from lightning_paradyse.groups.exchange import (
     GroupSet,
+    WholeWeights,
     blocks,
     drop_group,
     enter_group,
     exit_group,
+    gather_whole,
     measure_regroup,
+    whole_dtype,
 )
 from lightning_paradyse.groups.solver import Assignment
 from lightning_paradyse.groups.units import Units
@@ -175,6 +180,10 @@ class GroupRunner:
         """Weight exchanges into groups so far (micro-batches that reuse kept shards do not count)."""
         self.warmed: tuple[int, float] = (0, 0.0)
         """Shapes planned ahead at setup and the seconds that took (:meth:`warm`)."""
+        self._gather_next = False
+        """The last step was data parallel: the next agreement brings the whole weights (:meth:`agree`)."""
+        self._whole: WholeWeights | None = None
+        self._whole_ok: bool | None = None
 
     @property
     def ready(self) -> bool:
@@ -183,7 +192,7 @@ class GroupRunner:
 
     def bind(self, module: nn.Module, world: Group) -> None:
         """The parallelized module and the world's group (every run, grouped or not)."""
-        self._module, self._world = module, world
+        self._module, self._world, self._whole_ok = module, world, None
 
     def whole(self, info: BatchInfo, plan: Plan, rank: int, predicted: dict[str, float] | None = None) -> GroupStep:
         """The step of a batch on one group of every rank with ``plan`` (``info``: the batch's description)."""
@@ -241,7 +250,7 @@ class GroupRunner:
         """Drop the process groups and the model (the strategy destroys the world group next)."""
         if self.kept is not None and self._module is not None:  # a fit stopped between micro-batches
             drop_group(self._module)
-        self.kept, self._versions = None, []
+        self.kept, self._versions, self._whole, self._gather_next, self._whole_ok = None, [], None, False, None
         self._set, self.step, self._planners, self._runs, self._costs = None, None, {}, {}, {}
         self._world, self._module, self._planner = None, None, None
 
@@ -393,16 +402,39 @@ class GroupRunner:
                 self._runs[key] = False
         return self._runs[key]
 
+    def agree(self, digest: int) -> list[int]:
+        """Every rank's ``digest`` (of the step's plans and batch), in rank order: one all-gather over every rank,
+        before any other collective of the step (the caller compares them).
+
+        After a data-parallel step (groups of one, its gradients returned) the same all-gather also brings every
+        rank the whole weights (:func:`~lightning_paradyse.groups.exchange.gather_whole`: the sizes it moves do not
+        depend on the step decided, so ranks that disagree still meet in it), which :meth:`enter` cuts the step's
+        shards out of: a data-parallel step after another makes one collective besides the gradient return, as DDP.
+        Whether it does is known alike on every rank (it follows the last step, which they agreed on). A step on
+        other groups after a data-parallel one has moved more weights than it needed (the whole model, not its
+        ``1/g`` rows): the cost of that guess."""
+        gather, self._gather_next, self._whole = self._gather_next, False, None
+        p = group_size(self._world)
+        if p == 1:
+            return [digest]
+        if gather:
+            assert self._module is not None
+            every, self._whole = gather_whole(self._module, self._world, torch.tensor([digest], dtype=torch.int64))
+            return every[:, 0].tolist()  # type: ignore[no-any-return]
+        mine = torch.tensor([digest], dtype=torch.int64, device=collective_device(self._world))
+        return all_gather_rows(mine, [1] * p, self._world).tolist()  # type: ignore[no-any-return]  # [1] -> [p]
+
     def enter(self, step: GroupStep) -> None:
-        """This rank's ``1/g`` shards (a collective over every rank; none when ``step.reuse``), then its group's
-        layout and plan."""
+        """This rank's ``1/g`` shards (a collective over every rank; none when ``step.reuse``, or when the
+        agreement brought the whole weights), then its group's layout and plan."""
         module = self._module
         assert module is not None
+        whole, self._whole = self._whole, None
         if step.whole:
             self.flush()  # shards kept from a grouped micro-batch give their gradients back first
         elif not step.reuse:
             self.flush()
-            enter_group(module, self._world, step.assignment.sizes)
+            enter_group(module, self._world, step.assignment.sizes, whole)
             self.exchanges += 1
         doc_ids = step.info.doc_ids
         parallel.configure(module, SeqContext(step.info.layout, step.group, doc_ids, step.info.idle), step.plan)
@@ -438,6 +470,7 @@ class GroupRunner:
         if share is not None:  # [2]: seconds, loss share (float64 holds a float32 or bf16 share exactly)
             numbers = torch.cat([numbers.to(share.device), share.detach().reshape(1).to(torch.float64)])
         every = exit_group(module, self._world, kept, replicated=True, extra=numbers)  # [P, k] or None: one group
+        self._gather_next = kept == (1,) * len(kept) and self._gathers_whole()
         if every is None:
             self.times = tuple(mine if members else 0.0 for members in step.assignment.groups)
             return None
@@ -448,11 +481,18 @@ class GroupRunner:
         )
         return None if share is None else every[:, 1].tolist()
 
+    def _gathers_whole(self) -> bool:
+        """Whether the agreement may bring the whole weights (the shards in one dtype; read once a run)."""
+        if self._whole_ok is None:
+            assert self._module is not None
+            self._whole_ok = whole_dtype(self._module, self._world) is not None
+        return self._whole_ok
+
     def flush(self) -> None:
         """Return the gradients of the kept ``1/g`` shards to the ``1/P`` shards and drop the shards (a collective
         over every rank; nothing when none are kept). Before a differently split micro-batch, the optimizer
         step, or a batch that does not run on groups."""
-        kept, self.kept = self.kept, None
+        kept, self.kept, self._whole = self.kept, None, None
         if kept is not None:
             assert self._module is not None
             exit_group(self._module, self._world, kept, replicated=False)

@@ -7,7 +7,8 @@ The strategy runs Lightning's lifecycle and hands each batch to its :class:`Step
    on the host and validated, the ranks split into groups and every group's plan chosen
    (:meth:`~lightning_paradyse.groups.runner.GroupRunner.decide`, or one group of every rank:
    :meth:`~lightning_paradyse.groups.runner.GroupRunner.whole`), every rank's plan and batch agreed (one
-   all-gather of a digest), the step entered (:meth:`~lightning_paradyse.groups.runner.GroupRunner.enter`); the
+   all-gather of a digest, which after a data-parallel step brings the whole weights too), the step entered
+   (:meth:`~lightning_paradyse.groups.runner.GroupRunner.enter`); the
    :class:`~lightning_paradyse.lightning.records.StepRecord` the callback logs;
 2. :meth:`StepCycle.shard`: the module's step gets this rank's tokens of its group's batch;
 3. :meth:`StepCycle.global_output`: the loss the module returns made the global one: in a training step on groups
@@ -39,7 +40,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
-from lightning_paradyse.distributed.comm import Group, all_gather_rows, all_reduce_sum, collective_device, group_size
+from lightning_paradyse.distributed.comm import Group, all_reduce_sum, group_size
 from lightning_paradyse.groups.runner import GroupRunner, GroupStep, imbalance, plan_predictions
 from lightning_paradyse.groups.units import Units
 from lightning_paradyse.lightning.fixed_cost import FixedCost
@@ -242,12 +243,10 @@ class StepCycle:
         return self.runner.whole(info, plan, self._rank, predicted), ""
 
     def agree(self, digest: int) -> None:
-        """Raise on every rank unless every rank holds the same ``digest`` (of plan and batch): one all-gather."""
-        p = group_size(self._group)
-        if p == 1:
-            return
-        mine = torch.tensor([digest], dtype=torch.int64, device=collective_device(self._group))
-        every = all_gather_rows(mine, [1] * p, self._group).tolist()  # [1] -> [p]
+        """Raise on every rank unless every rank holds the same ``digest`` (of plan and batch): one all-gather
+        (:meth:`~lightning_paradyse.groups.runner.GroupRunner.agree`: after a data-parallel step it brings the
+        whole weights too)."""
+        every = self.runner.agree(digest)
         if len(set(every)) != 1:
             raise RuntimeError(
                 f"the ranks disagree on the plan or the batch (digest per rank: {every}); every rank must see the "

@@ -170,3 +170,44 @@ def test_numbers_riding_on_the_return_arrive_exactly_in_any_gradient_dtype(dtype
     assert packed.dtype == dtype
     rows = torch.stack([packed, packed.flip(0).flip(0)])  # [2, k'], as the return delivers one row per rank
     assert torch.equal(unpack_float64(rows), numbers.expand(2, -1))
+
+
+def _gather_worker(rank: int, world: int, dtype: torch.dtype) -> list[str]:
+    """Every split's shards cut out of the weights gathered with the agreement, against the all-to-all's."""
+    from lightning_paradyse.groups.exchange import drop_group, gather_whole, whole_dtype
+    from lightning_paradyse.runtime.parallel import dispatchers
+
+    group = dist.group.WORLD
+    torch.manual_seed(7)
+    model = build_model("llama-tiny").to(dtype)
+    parallelize(model, group)
+    assert whole_dtype(model, group) == dtype
+    digest = -(2**62) + 12345 * rank  # every rank's own: the headers arrive bit for bit in any weight dtype
+    wrong = []
+    for sizes in [s for s, _ in STEPS] + [(1, 1, 1, 1)]:
+        enter_group(model, group, sizes)
+        moved = {(name, key): w.clone() for name, op in dispatchers(model) for key, w in op.group_shards.items()}
+        drop_group(model)
+        headers, whole = gather_whole(model, group, torch.tensor([digest]))
+        if headers[:, 0].tolist() != [-(2**62) + 12345 * r for r in range(world)]:
+            wrong.append(f"{sizes}: headers {headers.tolist()}")
+        enter_group(model, group, sizes, whole)
+        cut = {(name, key): w for name, op in dispatchers(model) for key, w in op.group_shards.items()}
+        drop_group(model)
+        if cut.keys() != moved.keys():
+            wrong.append(f"{sizes}: pieces {sorted(cut)} against {sorted(moved)}")
+        wrong += [
+            f"{sizes}: {key}"
+            for key in moved
+            if key in cut
+            and not (torch.equal(cut[key], moved[key]) and cut[key].requires_grad == moved[key].requires_grad)
+        ]
+    return wrong
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_weights_gathered_with_the_agreement_give_every_split_its_shards(dtype: torch.dtype) -> None:
+    """After a data-parallel step the step's agreement gathers the whole weights (its sizes fixed by the layout);
+    every split's ``1/g`` shards cut out of them equal, bit for bit, what the split's own all-to-all moves."""
+    for wrong in run_distributed(_gather_worker, 4, dtype, timeout=180):
+        assert not wrong, wrong

@@ -31,7 +31,8 @@ from tests.support.dist import free_ports
 from tests.support.lightning import ACCELERATOR, quiet_trainer, strategy_environment
 
 COUNTED_STEP = 3
-"""The step counted: after the one-time step check (step 0) and the first exchange's caches."""
+"""The step counted: after the one-time step check (step 0), the first exchange's caches, and a data-parallel
+step (step 2)."""
 
 
 class Collectives(TorchDispatchMode):
@@ -116,12 +117,12 @@ def counted_step() -> dict[str, Any]:
     return counted[0]  # type: ignore[no-any-return]
 
 
-def test_a_data_parallel_step_adds_only_the_batch_digest_to_the_gradient_reduction() -> None:
+def test_a_data_parallel_step_makes_the_two_halves_of_ddps_all_reduce_and_nothing_else() -> None:
     collectives = counted_step()["collectives"]
-    # the weight exchange in and the gradients out (the shards', the replicated ones', the group times and every
-    # rank's share of the loss riding along): DDP's all-reduce in two halves. Beyond them only the batch digest (plan
-    # and batch agreed before any collective of the step)
-    assert collectives == {"alltoall_base_": 2, "_allgather_base_": 1}, collectives
+    # after a data-parallel step: the weights in, riding with the batch digest (plan and batch agreed in the same
+    # all-gather, before any other collective of the step), and the gradients out (the shards', the replicated
+    # ones', the group times and every rank's share of the loss riding along): DDP's all-reduce in two halves
+    assert collectives == {"_allgather_base_": 1, "alltoall_base_": 1}, collectives
 
 
 @pytest.mark.gpu
