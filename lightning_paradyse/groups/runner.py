@@ -402,6 +402,11 @@ class GroupRunner:
                 self._runs[key] = False
         return self._runs[key]
 
+    @property
+    def weights_ride_agreement(self) -> bool:
+        """Whether the next :meth:`agree` brings the whole weights (the last step was data parallel)."""
+        return self._gather_next and group_size(self._world) > 1
+
     def agree(self, digest: int) -> list[int]:
         """Every rank's ``digest`` (of the step's plans and batch), in rank order: one all-gather over every rank,
         before any other collective of the step (the caller compares them).

@@ -217,6 +217,8 @@ class StepCycle:
             self.agree(batch_digest(info.seq_len, info.batch, info.checksum))
             self.runner.flush()
             return self._keep(self._skip(info, reason, stage))
+        if training and self.runner.weights_ride_agreement:
+            self.fixed.enter()  # the agreement brings the weights: the priced exchange starts with it
         self.agree(step.digest(info.checksum))
         if training:
             self.fixed.enter()  # the priced part: the exchange in, forward, backward, the gradient return

@@ -8,7 +8,8 @@ steps (a small model, a few hundred tokens) it is most of the step, and a predic
 
 :class:`FixedCost` measures it on every training step that steps the optimizer, as the step's wall time (from the
 start of the strategy's per-batch cycle to the end of the optimizer step) less the time spent in the priced part
-(from entering the groups to the end of the gradient return) and less the step's decision (the split and the plans:
+(from the weights moving into the groups, with the agreement when they ride on it, to the end of the gradient
+return) and less the step's decision (the split and the plans:
 known before the step runs, cold when a length bucket is planned for the first time, warm after), and keeps the
 median of the last :data:`WINDOW` steps. The step record adds that estimate and the step's own decision time to
 its predictions (``plan/predicted_fixed_s``).
@@ -58,8 +59,8 @@ class FixedCost:
             self._decided += seconds
 
     def enter(self) -> None:
-        """The priced part starts (the groups are entered)."""
-        if self._began is not None:
+        """The priced part starts (the weights start moving into the groups; once until :meth:`leave`)."""
+        if self._began is not None and self._entered is None:
             self._entered = time.perf_counter()
 
     def leave(self) -> None:
