@@ -270,22 +270,6 @@ def _orders(sizes: tuple[int, ...]) -> list[tuple[int, ...]]:
     return sorted(set(itertools.permutations(sizes)), reverse=True)
 
 
-def _crossing(lo: int, hi: int, reached: Callable[[int], bool]) -> int:
-    """The first ``e`` in ``[lo, hi]`` where the monotone ``reached(e)`` holds (``hi`` if none): a group's run
-    ending at ``e`` costs at least as much as the best of the groups after it."""
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if reached(mid):
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
-
-
-def _reached(run: Callable[[int, int, int], float], after: list[float], i: int, g: int, e: int) -> bool:
-    return run(i, e, g) >= after[e]
-
-
 def _row(
     run: Callable[[int, int, int], float],
     after: list[float],
@@ -296,15 +280,23 @@ def _row(
     all_busy: bool,
 ) -> tuple[list[float], list[int]]:
     """One row of :func:`_runs`' programme: for every start ``i``, the fastest time of this group of ``g`` ranks (rows
-    ``[i, end)``) and the ``later`` groups after it (``after[end]``), and the best ``end``."""
+    ``[i, end)``) and the ``later`` groups after it (``after[end]``), and the best ``end``.
+
+    The best end is next to the crossing: the first ``e`` where the group's run costs at least as much as the groups
+    after it. With ``starts`` ascending the crossing never moves back (a later start runs shorter, fewer rows: by
+    the cost's monotonicity it reaches ``after[e]`` no earlier), so one sweep finds every start's: what a bisection
+    per start finds, in about ``3 n`` costs looked up instead of ``n log n``."""
     best, cut = [math.inf] * (n + 1), [n] * (n + 1)
+    e = 0
     for i in starts:
         lo, hi = i + (1 if all_busy else 0), n - (later if all_busy else 0)  # each later group needs a row
         if later == 0:
             lo = n  # the last group takes every row left
         if lo > hi:
             continue
-        e = _crossing(lo, hi, functools.partial(_reached, run, after, i, g))
+        e = max(e, lo)  # the previous start's crossing, or this one's first end
+        while e < hi and run(i, e, g) < after[e]:
+            e += 1
         for end in (e - 1, e) if e > lo else (e,):
             t = max(run(i, end, g), after[end])
             if t < best[i]:
