@@ -24,8 +24,9 @@ group never makes it faster or free up memory, which holds for any real step.
   rows in the order of length: dealing the longest rows to the group with the longest row, the next ones to
   the group with the next longest, keeping every group's count, changes no count and lengthens no group's
   longest row. Per layout and order of its group sizes, a dynamic programme over the sorted rows finds the
-  runs, each group's run by bisection (its cost grows with its run, the best of the groups after it shrinks):
-  ``O(k n log n)`` cost evaluations for ``k`` groups and ``n`` rows.
+  runs, each group's run next to where its cost crosses the best of the groups after it (its cost grows with its
+  run, theirs shrinks), found for every start in one sweep (the crossing never moves back as the start moves on):
+  ``O(k n)`` cost lookups for ``k`` groups and ``n`` rows.
 * :func:`brute_force`: every layout and every map of sequences to groups; the reference of the tests.
 
 Ties are broken deterministically (time, then layouts in :func:`layouts` order, then the first assignment

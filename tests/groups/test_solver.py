@@ -132,8 +132,8 @@ def test_rows_solver_matches_brute_force_on_random_instances() -> None:
 
 
 def test_rows_solver_needs_few_cost_evaluations_on_many_rows() -> None:
-    """173 rows on 4 ranks (the benchmark's shortest global batch): ``O(k n log n)`` evaluations per layout
-    and order, not the greedy search's ``O(n^2)`` per move."""
+    """173 rows on 4 ranks (the benchmark's shortest global batch): ``O(k n)`` lookups per layout and order,
+    not the greedy search's ``O(n^2)`` per move (850 distinct evaluations)."""
     rng = random.Random(3)
     lengths = [rng.randint(8, 23) for _ in range(173)]
     shape = rows_shape(1e-3, 1e-5, 0.5, 2000.0, 4)
@@ -145,7 +145,7 @@ def test_rows_solver_needs_few_cost_evaluations_on_many_rows() -> None:
 
     found = assign_rows(lengths, 4, counted, all_busy=True)
     check(found, lengths, 4)
-    assert calls[0] < 25_000, calls[0]
+    assert calls[0] < 2_000, calls[0]
     assert found == assign_rows(lengths, 4, shape, all_busy=True)  # deterministic
 
 
