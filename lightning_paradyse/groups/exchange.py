@@ -19,9 +19,9 @@ A data-parallel step (``P`` groups of one) therefore moves what DDP moves: one w
 (``(1 - 1/P)`` of the weights per rank) and one gradient reduce-scatter, the two halves of DDP's all-reduce;
 with gradient accumulation the runner keeps the ``1/g`` shards between micro-batches split alike
 (:class:`~lightning_paradyse.groups.runner.GroupRunner`), so that holds per optimizer step. After a
-data-parallel step the next step's weights ride with its agreement instead (:func:`gather_whole`: one all-gather
-of every rank's digest and ``1/P`` shards, whose sizes the layout fixes whatever the step decided), and step 1
-cuts the ``1/g`` shards out of them: no collective of its own.
+data-parallel step the next training batch's weights ride with its agreement instead (:func:`gather_whole`: one
+all-gather of every rank's digest and ``1/P`` shards, whose sizes the layout fixes whatever the step decided), and
+step 1 cuts the ``1/g`` shards out of them: no collective of its own.
 Every world collective happens outside autograd at fixed points, so groups whose plans differ cannot interleave
 them differently. An idle group still takes part in both exchanges and contributes zero gradients.
 """

@@ -177,11 +177,13 @@ class GroupRunner:
         """The split whose ``1/g`` shards are kept across micro-batches (their gradients not yet returned)."""
         self._versions: list[tuple[Tensor, int]] = []
         self.exchanges = 0
-        """Weight exchanges into groups so far (micro-batches that reuse kept shards do not count)."""
+        """Weight exchanges into groups so far, the shards cut out of weights the agreement brought included
+        (micro-batches that reuse kept shards do not count)."""
         self.warmed: tuple[int, float] = (0, 0.0)
         """Shapes planned ahead at setup and the seconds that took (:meth:`warm`)."""
         self._gather_next = False
-        """The last step was data parallel: the next agreement brings the whole weights (:meth:`agree`)."""
+        """The last training step was data parallel: the next training batch's agreement brings the whole weights
+        (:meth:`agree`)."""
         self._whole: WholeWeights | None = None
         self._whole_ok: bool | None = None
 
@@ -404,26 +406,29 @@ class GroupRunner:
 
     @property
     def weights_ride_agreement(self) -> bool:
-        """Whether the next :meth:`agree` brings the whole weights (the last step was data parallel)."""
+        """Whether the next training batch's :meth:`agree` brings the whole weights (the last training step was
+        data parallel)."""
         return self._gather_next and group_size(self._world) > 1
 
-    def agree(self, digest: int) -> list[int]:
+    def agree(self, digest: int, training: bool = True) -> list[int]:
         """Every rank's ``digest`` (of the step's plans and batch), in rank order: one all-gather over every rank,
         before any other collective of the step (the caller compares them).
 
-        After a data-parallel step (groups of one, its gradients returned) the same all-gather also brings every
-        rank the whole weights (:func:`~lightning_paradyse.groups.exchange.gather_whole`: the sizes it moves do not
-        depend on the step decided, so ranks that disagree still meet in it), which :meth:`enter` cuts the step's
-        shards out of: a data-parallel step after another makes one collective besides the gradient return, as DDP.
-        Whether it does is known alike on every rank (it follows the last step, which they agreed on). A step on
-        other groups after a data-parallel one has moved more weights than it needed (the whole model, not its
-        ``1/g`` rows): the cost of that guess."""
-        gather, self._gather_next, self._whole = self._gather_next, False, None
+        After a data-parallel step (groups of one, its gradients returned) the next training batch's all-gather also
+        brings every rank the whole weights (:func:`~lightning_paradyse.groups.exchange.gather_whole`: the sizes it
+        moves do not depend on the step decided, so ranks that disagree, or skip the batch, still meet in it), which
+        :meth:`enter` cuts the step's shards out of: a data-parallel step after another makes one collective besides
+        the gradient return, as DDP. Whether it does is known alike on every rank (it follows the last training
+        step, which they agreed on; an evaluation batch in between, ``training=False``, agrees on its digest alone
+        and leaves it). A step on other groups after a data-parallel one has moved more weights than it needed (the
+        whole model, not its ``1/g`` rows): the cost of that guess."""
+        self._whole = None
         p = group_size(self._world)
         if p == 1:
             return [digest]
-        if gather:
+        if training and self._gather_next:
             assert self._module is not None
+            self._gather_next = False
             every, self._whole = gather_whole(self._module, self._world, torch.tensor([digest], dtype=torch.int64))
             return every[:, 0].tolist()  # type: ignore[no-any-return]
         mine = torch.tensor([digest], dtype=torch.int64, device=collective_device(self._world))

@@ -214,12 +214,12 @@ class StepCycle:
         if training:
             self.fixed.decided(decided)
         if step is None:  # decided alike on every rank, which the digest checks
-            self.agree(batch_digest(info.seq_len, info.batch, info.checksum))
+            self.agree(batch_digest(info.seq_len, info.batch, info.checksum), training)
             self.runner.flush()
             return self._keep(self._skip(info, reason, stage))
         if training and self.runner.weights_ride_agreement:
             self.fixed.enter()  # the agreement brings the weights: the priced exchange starts with it
-        self.agree(step.digest(info.checksum))
+        self.agree(step.digest(info.checksum), training)
         if training:
             self.fixed.enter()  # the priced part: the exchange in, forward, backward, the gradient return
         self.runner.enter(step)
@@ -244,11 +244,11 @@ class StepCycle:
         predicted = plan_predictions(self._planner, info.seq_len, info.batch) if plan == planned else {}
         return self.runner.whole(info, plan, self._rank, predicted), ""
 
-    def agree(self, digest: int) -> None:
+    def agree(self, digest: int, training: bool = True) -> None:
         """Raise on every rank unless every rank holds the same ``digest`` (of plan and batch): one all-gather
-        (:meth:`~lightning_paradyse.groups.runner.GroupRunner.agree`: after a data-parallel step it brings the
-        whole weights too)."""
-        every = self.runner.agree(digest)
+        (:meth:`~lightning_paradyse.groups.runner.GroupRunner.agree`: for a training batch after a data-parallel
+        step it brings the whole weights too)."""
+        every = self.runner.agree(digest, training)
         if len(set(every)) != 1:
             raise RuntimeError(
                 f"the ranks disagree on the plan or the batch (digest per rank: {every}); every rank must see the "

@@ -31,8 +31,8 @@ from tests.support.dist import free_ports
 from tests.support.lightning import ACCELERATOR, quiet_trainer, strategy_environment
 
 COUNTED_STEP = 3
-"""The step counted: after the one-time step check (step 0), the first exchange's caches, and a data-parallel
-step (step 2)."""
+"""The step counted: after the one-time step check (step 0), the first exchange's caches, a data-parallel step
+(step 2) and a validation batch."""
 
 
 class Collectives(TorchDispatchMode):
@@ -50,6 +50,8 @@ class Count(pl.Callback):
     def __init__(self) -> None:
         self.collectives: Counter[str] = Counter()
         self.syncs = 0
+        self.validated: list[int] = []
+        """The optimizer steps done when each validation batch ended."""
         self._mode: Collectives | None = None
         self._warnings: Any = None
         self._caught: list[Any] = []
@@ -65,6 +67,10 @@ class Count(pl.Callback):
                 torch.cuda.set_sync_debug_mode("warn")
             self._mode = Collectives()
             self._mode.__enter__()
+
+    @override
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.validated.append(trainer.global_step)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -102,9 +108,19 @@ def worker(rank: int, world: int, ports: tuple[int, ...]) -> bytes:
     solver.assign = data_parallel  # type: ignore[assignment]
     pl.seed_everything(0, verbose=False)
     count = Count()
-    trainer = quiet_trainer(world, ParaDySeStrategy(timeout=60), [count], max_steps=COUNTED_STEP + 1)
-    trainer.fit(LanguageModel("llama-tiny"), DataLoader(rows(COUNTED_STEP + 1), batch_size=None))
+    trainer = quiet_trainer(
+        world,
+        ParaDySeStrategy(timeout=60),
+        [count],
+        max_steps=COUNTED_STEP + 1,
+        val_check_interval=COUNTED_STEP,  # a validation batch between step 2 and the counted step
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+    )
+    loader = DataLoader(rows(COUNTED_STEP + 1), batch_size=None)
+    trainer.fit(LanguageModel("llama-tiny"), loader, DataLoader(rows(1), batch_size=None))
     assert trainer.strategy.step_record.split == (1,) * world  # type: ignore[attr-defined]
+    assert count.validated[0] == COUNTED_STEP, count.validated  # before the counted step
     buffer = io.BytesIO()
     torch.save({"collectives": dict(count.collectives), "syncs": count.syncs}, buffer)
     return buffer.getvalue()
@@ -119,7 +135,8 @@ def counted_step() -> dict[str, Any]:
 
 def test_a_data_parallel_step_makes_the_two_halves_of_ddps_all_reduce_and_nothing_else() -> None:
     collectives = counted_step()["collectives"]
-    # after a data-parallel step: the weights in, riding with the batch digest (plan and batch agreed in the same
+    # after a data-parallel step (and a validation batch, which agrees on its digest alone and leaves the weights
+    # to the next training batch): the weights in, riding with the batch digest (plan and batch agreed in the same
     # all-gather, before any other collective of the step), and the gradients out (the shards', the replicated
     # ones', the group times and every rank's share of the loss riding along): DDP's all-reduce in two halves
     assert collectives == {"_allgather_base_": 1, "alltoall_base_": 1}, collectives

@@ -87,3 +87,18 @@ def test_a_step_without_a_priced_part_or_a_begin_is_not_measured(clock: Clock) -
     step(cost, clock, before=0.5, priced=(1.0,), after=0.5)
     cost.reset()
     assert cost.seconds == 0.0
+
+
+def test_the_priced_part_starts_at_its_first_mark(clock: Clock) -> None:
+    """When the weights ride on the agreement the cycle marks the priced part before it and again after it: the
+    second mark keeps the first."""
+    cost = FixedCost()
+    cost.begin()
+    clock.now += 0.5
+    cost.enter()  # before the agreement that gathers the weights
+    clock.now += 1.0
+    cost.enter()  # after it: no new start
+    clock.now += 2.0
+    cost.leave()
+    cost.stepped()
+    assert cost.seconds == pytest.approx(0.5)
