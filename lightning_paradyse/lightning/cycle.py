@@ -7,8 +7,8 @@ The strategy runs Lightning's lifecycle and hands each batch to its :class:`Step
    on the host and validated, the ranks split into groups and every group's plan chosen
    (:meth:`~lightning_paradyse.groups.runner.GroupRunner.decide`, or one group of every rank:
    :meth:`~lightning_paradyse.groups.runner.GroupRunner.whole`), every rank's plan and batch agreed (one
-   all-gather of a digest, which after a data-parallel step brings the whole weights too), the step entered
-   (:meth:`~lightning_paradyse.groups.runner.GroupRunner.enter`); the
+   all-gather of a digest, which for a training batch after a data-parallel step brings the whole weights too), the
+   step entered (:meth:`~lightning_paradyse.groups.runner.GroupRunner.enter`); the
    :class:`~lightning_paradyse.lightning.records.StepRecord` the callback logs;
 2. :meth:`StepCycle.shard`: the module's step gets this rank's tokens of its group's batch;
 3. :meth:`StepCycle.global_output`: the loss the module returns made the global one: in a training step on groups
