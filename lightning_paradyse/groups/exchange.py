@@ -248,19 +248,7 @@ def gather_whole(module: nn.Module, world: Group, header: torch.Tensor) -> tuple
         got = all_gather_rows(torch.cat([packed, *shards]), sizes, world)  # [t + numel/P] -> [P t + numel]
         chunks = torch.split(got, sizes)
         headers = torch.stack([c[:t] for c in chunks]).contiguous().view(torch.uint8).view(torch.int64)  # [P, k]
-        parts = [  # per rank, per route, per piece
-            [
-                torch.split(x, r.ex.received(i))
-                for r, x in zip(bucket, torch.split(c[t:], [q.received(i) for q in bucket]))
-            ]
-            for i, c in enumerate(chunks)
-        ]
-        whole: WholeWeights = {}
-        for k, route in enumerate(bucket):
-            whole[id(route.op)] = {
-                name: torch.cat([parts[i][k][n].view(-1, *w.shape[1:]) for i in range(p)])  # [rows, ...]
-                for n, (name, w, _) in enumerate(route.pieces)
-            }
+        whole = _assembled(bucket, [c[t:] for c in chunks])  # [rows, ...] per op and piece
     return headers.cpu(), whole
 
 
@@ -281,37 +269,44 @@ def enter_group(module: nn.Module, world: Group, sizes: Sequence[int], whole: Wh
         op.group_shards = {}
     if len(sizes) == 1:
         return
-    if whole is not None:
-        for routes in _routes(module, p, sizes, rank).values():
-            for route in routes:
-                for name, w, rows in route.pieces:
+    for routes in _routes(module, p, sizes, rank).values():
+        if whole is None:
+            with torch.no_grad():
+                send = [
+                    w.detach()[spans[j][0] : spans[j][1]].reshape(-1)
+                    for j in range(p)
+                    for route in routes
+                    for (_, w, _), spans in zip(route.pieces, route.ex.sends)
+                ]  # destination rank, then model order, then the op's pieces
+                in_sizes = [sum(r.sent(j) for r in routes) for j in range(p)]
+                out_sizes = [sum(r.received(i) for r in routes) for i in range(p)]
+                recv = all_to_all_rows(torch.cat(send), in_sizes, out_sizes, world)  # [numel] -> [numel']
+                moved = _assembled(routes, torch.split(recv, out_sizes))  # [rows/g, ...] per op and piece
+        for route in routes:
+            for name, w, rows in route.pieces:
+                if whole is None:
+                    shard = moved[id(route.op)][name]
+                else:
                     lo, hi = _wanted(rows, sizes, rank)
                     full = whole[id(route.op)][name]  # [rows, ...]
                     shard = full if (lo, hi) == (0, rows) else full[lo:hi].clone()  # [rows/g, ...]: the rest freed
-                    route.op.group_shards[name] = shard.requires_grad_(w.requires_grad)  # type: ignore[index]
-        return
-    for routes in _routes(module, p, sizes, rank).values():
-        with torch.no_grad():
-            send = [
-                w.detach()[spans[j][0] : spans[j][1]].reshape(-1)
-                for j in range(p)
-                for route in routes
-                for (_, w, _), spans in zip(route.pieces, route.ex.sends)
-            ]  # destination rank, then model order, then the op's pieces
-            in_sizes = [sum(r.sent(j) for r in routes) for j in range(p)]
-            out_sizes = [sum(r.received(i) for r in routes) for i in range(p)]
-            recv = all_to_all_rows(torch.cat(send), in_sizes, out_sizes, world)  # [numel] -> [numel']
-            parts = [  # per source rank, per route, per piece
-                [
-                    torch.split(x, r.ex.received(i))
-                    for r, x in zip(routes, torch.split(chunk, [r.received(i) for r in routes]))
-                ]
-                for i, chunk in enumerate(torch.split(recv, out_sizes))
-            ]
-        for k, route in enumerate(routes):
-            for n, (name, w, _) in enumerate(route.pieces):
-                shard = torch.cat([parts[i][k][n].view(-1, *w.shape[1:]) for i in range(p)])  # [rows/g, ...]
                 route.op.group_shards[name] = shard.requires_grad_(w.requires_grad)  # type: ignore[index]
+
+
+def _assembled(routes: list[_Route], chunks: Sequence[torch.Tensor]) -> WholeWeights:
+    """Per op and piece, the rows every rank sent (``chunks[i]``: rank ``i``'s, its ops in model order, each op's
+    pieces in order) joined in rank order, which is row order: ``[rows, ...]``."""
+    parts = [  # per source rank, per route, per piece
+        [torch.split(x, r.ex.received(i)) for r, x in zip(routes, torch.split(chunk, [q.received(i) for q in routes]))]
+        for i, chunk in enumerate(chunks)
+    ]
+    return {
+        id(route.op): {
+            name: torch.cat([rank_parts[k][n].view(-1, *w.shape[1:]) for rank_parts in parts])
+            for n, (name, w, _) in enumerate(route.pieces)
+        }
+        for k, route in enumerate(routes)
+    }
 
 
 FOLD_BYTES = 1 << 20
