@@ -125,8 +125,9 @@ def planner_step_time(
 ) -> StepTime:
     """:data:`StepTime` from the cost planner of each group size: the step planned at the shape's buckets
     (:meth:`~lightning_paradyse.planning.planner.CostPlanner.step`), its time rescaled from the bucket's length to
-    the real one by the FLOP count and interpolated linearly in the batch between the batch buckets around it
-    (``b`` rows between ``B/2`` and ``B``: the steps planned for both), times ``scales[g]``. Both are monotone,
+    the real one by the FLOP count and, for a coarse bucket, interpolated linearly in the batch between its ends
+    (``b`` rows between ``B/2`` and ``B``: the steps planned for both; near the budget, where a fine bucket's
+    step is taken, its time as it is: at most one fine step more rows), times ``scales[g]``. Both are monotone,
     so the cost is; results are cached per shape (:data:`SHAPE_CACHE` of them)."""
 
     a, c = flop_weights(dims)
@@ -143,7 +144,7 @@ def planner_step_time(
         if high is None:
             return None
         time_s = at_length(high, s)
-        if high.batch > b:  # a bucket's upper end: interpolate from the bucket below (which fits when this one does)
+        if (high.seq_len, high.batch) == planner.coarse(s, b) and high.batch > b:  # interpolate from B/2 rows
             low = planner.step(s, high.batch // 2)  # fits: fewer rows of a length that fits
             below = at_length(low, s)
             time_s = below + (time_s - below) * (b - low.batch) / (high.batch - low.batch)

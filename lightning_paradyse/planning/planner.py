@@ -8,8 +8,12 @@ of the allowed modes and recompute flags is implicitly considered, not a greedy 
 **Length buckets.** Plans are cached per ``(bucket, batch)``, where the bucket of a length ``s`` is
 ``ceil(s / bucket_tokens) * bucket_tokens`` (default 512 tokens) and the plan is computed for the
 bucket's upper end: memory grows with the length, so that plan fits every length of the bucket, and a
-new plan is searched only once per bucket. When the upper end does not fit but the length itself
-might, the length is planned exactly (and cached under its own length).
+new plan is searched only once per bucket. Batches of ``b`` sequences are bucketed alike, by the next
+power of two. When the buckets' upper end does not fit but the shape itself might, the shape is planned
+for its own length and the upper end of its *fine* row bucket (the power-of-two bucket cut in eight), or
+for the most rows of its fine bucket that fit: shapes near the budget share a few searches, and a shape
+is found feasible exactly when its own search would find it so. Lengths are not cut finer: the ranks'
+padded buffers for an uneven split make a length's memory not always grow with it.
 
 **Determinism.** The inputs (model dimensions, profile or cluster, budget, length, batch) are the same
 on every rank and the search breaks ties deterministically, so every rank computes the same plan
@@ -148,6 +152,8 @@ class CostPlanner:
         self._too_many: dict[int, int] = {}
         """Per planned length, the fewest rows known not to fit (more rows of it need more memory: not searched)."""
         self._least: dict[tuple[int, int], int | None] = {}
+        self._frontiers: dict[tuple[int, int], int] = {}
+        """Per length and fine row bucket, the most rows that fit in it (:meth:`_frontier`)."""
 
     def bucket(self, seq_len: int) -> int:
         """The upper end of ``seq_len``'s bucket: the next power of two up to ``bucket_tokens`` (a short batch is not
@@ -161,6 +167,21 @@ class CostPlanner:
         """The upper end of ``batch``'s bucket of sequences: the next power of two (a step of 37 rows is planned
         for 64; every batch size between two powers of two shares one search)."""
         return 1 << max(0, batch - 1).bit_length()
+
+    @staticmethod
+    def fine_rows(batch: int) -> int:
+        """The upper end of ``batch``'s fine bucket: its coarse bucket (:meth:`bucket_rows`) cut in ``FINE`` equal
+        steps (37 rows are planned as 40). Where the coarse buckets' upper end does not fit the budget, the shapes
+        of one length near it share this search. Lengths have no fine buckets: memory grows with the rows, but
+        not always with the length (a length the ranks split unevenly pays padded buffers that a longer, even
+        one does not)."""
+        top = CostPlanner.bucket_rows(batch)
+        step = (top - top // 2) // FINE
+        return batch if step < 1 else top // 2 + math.ceil((batch - top // 2) / step) * step
+
+    def coarse(self, seq_len: int, batch: int) -> tuple[int, int]:
+        """The upper ends of the shape's coarse buckets: ``(bucket(seq_len), bucket_rows(batch))``."""
+        return self.bucket(seq_len), self.bucket_rows(batch)
 
     def problem(self, seq_len: int, batch: int, modes: Sequence[str] | None = None) -> PlanProblem:
         """The cost tables for a batch shape (restricted to ``modes`` if given)."""
@@ -177,18 +198,27 @@ class CostPlanner:
 
     def try_step(self, seq_len: int, batch: int, prune: bool = True) -> PlannedStep | None:
         """:meth:`step`, or ``None`` when no plan fits (nothing counted, logged or explained: what a caller weighing
-        shapes, such as the group cost, asks). ``prune``: a shape with more rows of a length that did not fit is
-        not searched (memory grows with the rows); :meth:`step` searches every batch it is given."""
+        shapes, such as the group cost, asks). ``prune``: a shape with more rows, each at least as long, than one
+        that did not fit is not searched (memory grows with both); :meth:`step` searches every batch it is given.
+
+        The shapes tried, the first that fits taken: the coarse buckets' upper ends, the length with the fine
+        bucket's rows (:meth:`fine_rows`), then the most rows of the length that fit in the fine bucket
+        (:meth:`_frontier`: every batch of the length near the budget shares that search)."""
         if seq_len < 1 or batch < 1:
             raise ValueError(f"seq_len and batch must be positive, got {seq_len}, {batch}")
-        top = (self.bucket(seq_len), self.bucket_rows(batch))
-        for key in (top, (seq_len, batch)) if top != (seq_len, batch) else (top,):
+        fine = self.fine_rows(batch)
+        for key in dict.fromkeys((self.coarse(seq_len, batch), (seq_len, fine))):
             if key not in self._cache and prune and self._too_many_rows(key):
                 continue
             found = self._search(key)
             if found is not None:
                 return found
-        return None
+        if prune and self._too_many_rows((seq_len, batch)):
+            return None
+        most = self._frontier(seq_len, batch)
+        if most >= batch:
+            return self._search((seq_len, most))
+        return None if prune else self._search((seq_len, batch))  # a batch to run: its own shape, to be sure
 
     def warm(self, max_tokens: int) -> int:
         """Plan ahead every bucket a short batch can fall in (what :meth:`step` would plan on first sight, so every
@@ -219,6 +249,23 @@ class CostPlanner:
         else:
             self._cache[key] = found
         return found
+
+    def _frontier(self, seq_len: int, batch: int) -> int:
+        """The most rows of ``seq_len`` tokens that fit in ``batch``'s fine bucket (:meth:`fine_rows`), 0 if none:
+        found by bisection, ``batch`` itself tried first (memory grows with the rows), once per length and bucket,
+        so that every batch of the length in the bucket shares one search."""
+        top = self.fine_rows(batch)
+        if (seq_len, top) not in self._frontiers:
+            low = top - max(1, (self.bucket_rows(batch) // 2) // FINE)  # the fine bucket is (low, top]
+            lo, hi, mid = low, top + 1, batch  # rows <= lo fit (or lo is the bucket's lower end), >= hi do not
+            while hi - lo > 1:
+                if self._search((seq_len, mid)) is None:
+                    hi = mid
+                else:
+                    lo = mid
+                mid = (lo + hi) // 2
+            self._frontiers[seq_len, top] = 0 if lo == low else lo
+        return self._frontiers[seq_len, top]
 
     def _too_many_rows(self, key: tuple[int, int]) -> bool:
         """Whether the shape ``key`` has at least as many rows as a shape of its length that did not fit."""
@@ -271,6 +318,10 @@ class CostPlanner:
             f"CostPlanner(p={self.model.p}, budget={format_bytes(self.budget)}, modes={list(self.modes)}, "
             f"bucket_tokens={self.bucket_tokens}, cached={len(self._cache)})"
         )
+
+
+FINE = 8
+"""Fine row buckets per coarse one (:meth:`CostPlanner.fine_rows`)."""
 
 
 def _source_model(dims: ModelDims, p: int, source: Any, **model_kwargs: Any) -> CostModel:

@@ -186,6 +186,27 @@ def test_bucket_top_infeasible_falls_back_to_the_length_itself() -> None:
     assert planner.step(4000, 1).seq_len == 4000
 
 
+def test_shapes_near_the_budget_share_fine_row_buckets_and_fit_exactly_when_their_own_shape_fits() -> None:
+    """Where a coarse bucket's upper end does not fit, a shape is planned for its length with its fine bucket's
+    rows, or with the most rows of the fine bucket that fit: never fewer than its own, at most one fine step more,
+    and it fits exactly when the shape itself fits (what the shape's own search says)."""
+    probe = _tiny_planner(2**30)
+    budget = probe.step(100, 40).peak_bytes  # (128, 64) fits, (128, 128) or (256, 64) do not
+    planner, exact = _tiny_planner(budget), _tiny_planner(budget)
+    near = [(s, b) for s in range(90, 141, 7) for b in range(33, 130, 3)]
+    for s, b in near:
+        found, own = planner.try_step(s, b), exact._solve(s, b)
+        assert (found is None) == (own is None), (s, b)
+        if found is None or own is None:
+            continue
+        if (found.seq_len, found.batch) != planner.coarse(s, b):  # the coarse bucket did not fit
+            assert exact._solve(*planner.coarse(s, b)) is None, (s, b)
+            assert found.seq_len == s and b <= found.batch <= planner.fine_rows(b), (s, b, found)
+        assert found.peak_bytes <= budget and found.time_s >= own.time_s * (1 - 1e-12)
+    assert [planner.fine_rows(b) for b in (1, 5, 16, 17, 37, 65, 72, 73, 129)] == [1, 5, 16, 18, 40, 72, 72, 80, 144]
+    assert len(planner._cache) + len(planner._infeasible) < len(near) / 2  # the shapes share their searches
+
+
 def test_speed_on_80_layers() -> None:
     config = CONFIGS["llama-70b"]
     cluster = load_cluster(CLUSTERS[0])
