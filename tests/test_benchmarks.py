@@ -163,3 +163,15 @@ def test_activation_checkpointing_of_the_built_in_runs_is_exact() -> None:
     (plain, grads), (checkpointed, grads_ac) = results
     assert torch.equal(plain, checkpointed) and grads.keys() == grads_ac.keys()
     assert all(torch.allclose(grads[n], grads_ac[n], rtol=1e-12, atol=1e-14) for n in grads)
+
+
+def test_decision_times_replay_a_trace_as_a_fit_decides_it() -> None:
+    """``decision_time.py --traces``: one decision a global batch of the trace, planners warmed as at setup."""
+    from benchmarks.decision_time import trace_seconds
+    from benchmarks.settings import TraceSettings
+    from benchmarks.workload import build_trace
+
+    cluster = str(Path(__file__).resolve().parents[1] / "configs" / "clusters" / "h100-80gb-nvlink-8.yaml")
+    trace = build_trace(TraceSettings("github", n=24, max_len=512, seed=1), 2, 1024)
+    times = trace_seconds(2, trace, cluster, 64 * 2**20)
+    assert len(times) == len(trace.batches) > 1 and all(t > 0 for t in times)
