@@ -259,7 +259,9 @@ class CostPlanner:
         top = self.fine_rows(batch)
         if (seq_len, top) not in self._frontiers:
             low = top - max(1, (self.bucket_rows(batch) // 2) // FINE)  # the fine bucket is (low, top]
-            lo, hi, mid = low, top + 1, batch  # rows <= lo fit (or lo is the bucket's lower end), >= hi do not
+            # rows <= lo fit (or lo is the bucket's lower end), rows >= hi do not (known ones not searched again)
+            lo, hi = low, min(top + 1, self._too_many.get(seq_len, top + 1))
+            mid = batch if batch < hi else (lo + hi) // 2
             while hi - lo > 1:
                 if self._search((seq_len, mid)) is None:
                     hi = mid
