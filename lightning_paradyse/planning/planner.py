@@ -10,12 +10,13 @@ of the allowed modes and recompute flags is implicitly considered, not a greedy 
 bucket's upper end: memory grows with the length, so that plan fits every length of the bucket (but for
 the padded buffers of a length the ranks split unevenly, which the upper end's even split does not have:
 on the benchmark's model at 2-4 ranks, at most 0.6% of the budget over), and a new plan is searched only
-once per bucket. Batches of ``b`` sequences are bucketed alike, by the next
-power of two. When the buckets' upper end does not fit but the shape itself might, the shape is planned
-for its own length and the upper end of its *fine* row bucket (the power-of-two bucket cut in eight), or
-for the most rows of its fine bucket that fit: shapes near the budget share a few searches, and a shape
-is found feasible exactly when its own search would find it so. Lengths are not cut finer: the ranks'
-padded buffers for an uneven split make a length's memory not always grow with it.
+once per bucket. Batches of ``b`` sequences are bucketed alike, by the next power of two.
+
+**Near the budget**, where the buckets' upper end does not fit but the shape itself might, the shape is
+planned for its own length and the upper end of its *fine* row bucket (the power-of-two bucket cut in
+eight), or for the most rows of its fine bucket that fit: shapes near the budget share a few searches,
+and a shape is found feasible exactly when its own search would find it so. Lengths are not cut finer:
+the padded buffers of an uneven split make a length's memory not always grow with it.
 
 **Determinism.** The inputs (model dimensions, profile or cluster, budget, length, batch) are the same
 on every rank and the search breaks ties deterministically, so every rank computes the same plan
@@ -177,9 +178,14 @@ class CostPlanner:
         of one length near it share this search. Lengths have no fine buckets: memory grows with the rows, but
         not always with the length (a length the ranks split unevenly pays padded buffers that a longer, even
         one does not)."""
+        step, low = CostPlanner._fine_step(batch), CostPlanner.bucket_rows(batch) // 2
+        return batch if step < 1 else low + math.ceil((batch - low) / step) * step
+
+    @staticmethod
+    def _fine_step(batch: int) -> int:
+        """Rows in one fine step of ``batch``'s coarse bucket (0: the bucket has fewer than ``FINE`` rows)."""
         top = CostPlanner.bucket_rows(batch)
-        step = (top - top // 2) // FINE
-        return batch if step < 1 else top // 2 + math.ceil((batch - top // 2) / step) * step
+        return (top - top // 2) // FINE
 
     def coarse(self, seq_len: int, batch: int) -> tuple[int, int]:
         """The upper ends of the shape's coarse buckets: ``(bucket(seq_len), bucket_rows(batch))``."""
@@ -200,8 +206,8 @@ class CostPlanner:
 
     def try_step(self, seq_len: int, batch: int, prune: bool = True) -> PlannedStep | None:
         """:meth:`step`, or ``None`` when no plan fits (nothing counted, logged or explained: what a caller weighing
-        shapes, such as the group cost, asks). ``prune``: a shape with more rows, each at least as long, than one
-        that did not fit is not searched (memory grows with both); :meth:`step` searches every batch it is given.
+        shapes, such as the group cost, asks). ``prune``: a shape with more rows of a length that did not fit is
+        not searched (memory grows with the rows); :meth:`step` searches every batch it is given.
 
         The shapes tried, the first that fits taken: the coarse buckets' upper ends, the length with the fine
         bucket's rows (:meth:`fine_rows`), then the most rows of the length that fit in the fine bucket
@@ -258,7 +264,7 @@ class CostPlanner:
         so that every batch of the length in the bucket shares one search."""
         top = self.fine_rows(batch)
         if (seq_len, top) not in self._frontiers:
-            low = top - max(1, (self.bucket_rows(batch) // 2) // FINE)  # the fine bucket is (low, top]
+            low = top - max(1, self._fine_step(batch))  # the fine bucket is (low, top]
             # rows <= lo fit (or lo is the bucket's lower end), rows >= hi do not (known ones not searched again)
             lo, hi = low, min(top + 1, self._too_many.get(seq_len, top + 1))
             mid = batch if batch < hi else (lo + hi) // 2
