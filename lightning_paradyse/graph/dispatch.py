@@ -13,6 +13,7 @@ call, which is a table look-up: no weight moves.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -216,44 +217,20 @@ class OpDispatch(nn.Module):
 class _TokenTable:
     """Per-token positional inputs (positions, rotary cos/sin) of the local tokens, looked up by position.
 
-    Values for tokens of other ranks are all-gathered once per call when a mode needs the whole sequence,
-    except integer position ids equal to the layout's positions, which are known everywhere.
+    Values for tokens of other ranks are all-gathered once per call when a mode needs the whole sequence, integer
+    position ids too: whether they are the layout's own positions on every rank (packed documents restart them)
+    would take a comparison read on the host and an agreement per layer, where the gather is one tiny collective
+    that never waits for the host.
     """
-
-    def _are_layout_positions(self) -> bool:
-        """Whether the values are the layout's own positions on *every* rank of the group.
-
-        The answer decides whether a collective runs, so the ranks agree on it (one tiny all-reduce):
-        with packed documents the positions restart per document and may equal the layout's on one
-        rank's tokens but not on another's.
-        """
-        dim = self.dims[0] if len(self.dims) == 1 else None
-        if dim is None or self.values[0].is_floating_point():
-            return False
-        value = self.values[0]
-        local = self.ctx.positions(value.device)
-        shaped = local.view([-1 if i == dim else 1 for i in range(value.dim())]).expand_as(value)
-        differs = torch.tensor([0.0 if torch.equal(value, shaped) else 1.0], device=value.device)
-        with no_counting():  # a 4-byte control message, not part of any mode's traffic
-            return float(all_reduce_sum(differs, self.ctx.group)) == 0.0  # [1] summed over the group
 
     def __init__(self, values: list[torch.Tensor], dims: tuple[int | None, ...], ctx: SeqContext) -> None:
         self.values, self.dims, self.ctx = values, dims, ctx
         self.full: list[torch.Tensor] | None = None
-        self.layout_positions: bool | None = None
 
     def lookup(self, positions: torch.Tensor) -> list[torch.Tensor]:
         """The values at ``positions``: this rank's own tokens, or every token in natural order."""
-        layout = self.ctx.layout
-        if positions.numel() == layout.local_len(self.ctx.rank):
+        if positions.numel() == self.ctx.layout.local_len(self.ctx.rank):
             return self.values
-        if self.layout_positions is None:
-            self.layout_positions = self._are_layout_positions()
-        if self.layout_positions:  # position ids are the layout's own: nothing to gather
-            value, dim = self.values[0], int(self.dims[0])  # type: ignore[arg-type]
-            shape = [positions.numel() if i == dim else n for i, n in enumerate(value.shape)]
-            view = [-1 if i == dim else 1 for i in range(value.dim())]
-            return [positions.to(value.dtype).view(view).expand(shape)]
         if self.full is None:  # values that are not per token (dim None) are the same on every rank
             self.full = [v if d is None else self._gather(v, d) for v, d in zip(self.values, self.dims)]
         return [f if d is None else f.index_select(d, positions) for f, d in zip(self.full, self.dims)]
@@ -261,7 +238,8 @@ class _TokenTable:
     def _gather(self, value: torch.Tensor, dim: int) -> torch.Tensor:
         layout = self.ctx.layout
         moved = value.detach().movedim(dim, 1) if value.dim() > 1 else value.detach()[None]  # token dim -> 1
-        with torch.no_grad():
+        ids = not value.is_floating_point()  # position ids: the layout's metadata, not a mode's traffic
+        with torch.no_grad(), no_counting() if ids else contextlib.nullcontext():
             full = gather_seq(moved.contiguous(), layout, self.ctx.group)  # [.., s_r, ..] -> [.., s, ..]
         full = full.index_select(1, layout.natural_index(full.device))  # gathered -> natural order
         return full.movedim(1, dim) if value.dim() > 1 else full[0]
