@@ -24,7 +24,6 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_paradyse.distributed.comm import (
     Group,
-    all_reduce_sum,
     gather_seq,
     gather_weight,
     group_rank,
@@ -454,7 +453,7 @@ class OpaqueDispatch(OpDispatch):
         self.shapes: dict[str, torch.Size] = {}
         """The module's parameter name -> its whole shape (its first dimension is sharded)."""
         self.visited: set[str] = set()
-        """Parameters whose gathered tensor received a gradient on this rank since the last :meth:`settle_grads`
+        """Parameters whose gathered tensor received a gradient on this rank since the last :meth:`used_flags`
         (an expert no token visited receives none, as in one process)."""
         if len({p.dtype for p in core.parameters()}) > 1:
             raise ValueError(f"{path}: parameters of different dtypes are gathered as one; give them one dtype")
@@ -516,17 +515,19 @@ class OpaqueDispatch(OpDispatch):
 
         return hook
 
-    def settle_grads(self, group: Group) -> None:
-        """After the backward (of the last micro-batch): the shards of parameters no rank's tokens used get no
-        gradient (``None``), as an expert no token visits gets none in one process (an optimizer then skips it:
-        no weight decay, no moment update). One small all-reduce over the group."""
-        names = list(self.names)
-        used = torch.tensor([name in self.visited for name in names], dtype=torch.float32)
+    def used_flags(self) -> torch.Tensor:
+        """``[n_params]`` float32 flags on the host, 1 for a parameter whose gathered tensor received a gradient on
+        this rank since the last call (which forgets them); summed over the ranks they tell which shards to
+        :meth:`settle`."""
+        used = torch.tensor([name in self.visited for name in self.names], dtype=torch.float32)
         self.visited.clear()
-        if group_size(group) > 1:
-            with no_counting():  # control flags, not mode traffic
-                used = all_reduce_sum(used.to(self.req(self.names[names[0]]).device), group)  # [n_params]
-        for name, count in zip(names, used.tolist()):
+        return used
+
+    def settle(self, counts: list[float]) -> None:
+        """After the backward (of the last micro-batch): the shards of parameters no rank's tokens used (a count of
+        0 in ``counts``, :meth:`used_flags` summed over the group) get no gradient (``None``), as an expert no token
+        visits gets none in one process (an optimizer then skips it: no weight decay, no moment update)."""
+        for name, count in zip(self.names, counts):
             if count == 0:
                 self.req(self.names[name]).grad = None
 

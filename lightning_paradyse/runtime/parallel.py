@@ -709,10 +709,22 @@ class ReplicatedGrads:
 
 def settle_opaque_grads(module: nn.Module, group: Group) -> None:
     """The shards of a mixture of experts that no rank's tokens used lose their (zero) gradient
-    (:meth:`~.graph.dispatch.OpaqueDispatch.settle_grads`; a small all-reduce per such op, none for other models)."""
-    for _, op in dispatchers(module):
-        if isinstance(op, OpaqueDispatch):
-            op.settle_grads(group)
+    (:meth:`~.graph.dispatch.OpaqueDispatch.settle`): every such op's flags in one small all-reduce and one read on
+    the host, nothing for other models."""
+    ops = [op for _, op in dispatchers(module) if isinstance(op, OpaqueDispatch)]
+    if not ops:
+        return
+    flags = [op.used_flags() for op in ops]
+    used = torch.cat(flags)  # [sum of n_params]
+    if group_size(group) > 1:
+        device = next(p for op in ops for p in op.parameters()).device
+        with no_counting():  # control flags, not mode traffic
+            used = all_reduce_sum(used.to(device), group)  # [sum of n_params], summed over the group
+    counts = used.tolist()
+    start = 0
+    for op, own in zip(ops, flags):
+        op.settle(counts[start : start + own.numel()])
+        start += own.numel()
 
 
 def reduce_replicated_grads(module: nn.Module, group: Group) -> None:
