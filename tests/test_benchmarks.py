@@ -175,3 +175,18 @@ def test_decision_times_replay_a_trace_as_a_fit_decides_it() -> None:
     trace = build_trace(TraceSettings("github", n=24, max_len=512, seed=1), 2, 1024)
     times = trace_seconds(2, trace, cluster, 64 * 2**20)
     assert len(times) == len(trace.batches) > 1 and all(t > 0 for t in times)
+
+
+@pytest.mark.dist
+def test_step_overhead_times_both_runs_and_the_planner_goes_data_parallel() -> None:
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/step_overhead.py", "--steps", "8", "--warmup", "2", "--repeats", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-3].split()[0] == "paradyse" and "(groups 1+1)" in lines[-3], lines
+    assert lines[-2].split()[0] == "ddp" and lines[-1].startswith("  DDP / ours"), lines

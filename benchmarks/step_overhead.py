@@ -1,0 +1,179 @@
+"""What a data-parallel step costs against DDP's: wall and CPU time per step of many identical short batches.
+
+    python benchmarks/step_overhead.py [--devices 2] [--steps 60] [--repeats 3] [--profile DIR]
+
+Every spawned process trains the quick preset's model (:meth:`benchmarks.settings.BenchSettings.quick`) for
+``--steps`` steps on global batches of ``--rows`` rows of ``--length`` tokens, alternately with
+``ParaDySeStrategy(plan="auto")`` (whose planner sends such batches to groups of one: data parallelism) and with
+Lightning's ``DDPStrategy`` (each rank its ``rows / devices`` rows), ``--repeats`` fits each, one fresh process
+group per fit (a file store: no ports). After ``--warmup`` steps it takes the median step of each fit, between
+consecutive ``on_train_batch_start`` hooks: wall clock, and this process's CPU time (what the process computed,
+its waits excluded). Prints one line per run: the fits' medians on every rank, then DDP's over ours.
+
+``--profile DIR`` first runs one more fit of each, left out of the timings, and writes rank 0's ``cProfile`` of its
+steps after the warm-up (``DIR/<run>.prof``; read with ``python -m pstats``): where the difference goes. The
+profiler slows Python-heavy code most.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import itertools
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset
+
+from benchmarks.settings import BenchSettings
+
+RUNS = ("paradyse", "ddp")
+
+
+class Batches(Dataset[dict[str, torch.Tensor]]):
+    """``steps`` batches of ``rows`` random rows of ``length`` tokens (the same on every rank)."""
+
+    def __init__(self, steps: int, rows: int, length: int) -> None:
+        self.steps, self.rows, self.length = steps, rows, length
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, 128, (self.rows, self.length + 1), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids[:, :-1], "targets": ids[:, 1:]}
+
+
+class StepClock(pl.Callback):
+    """Wall and process CPU time at every batch start and at the end of training; profiles the steps after
+    ``warmup`` when given a profiler."""
+
+    def __init__(self, warmup: int, profiler: cProfile.Profile | None) -> None:
+        self.warmup, self.profiler = warmup, profiler
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+
+    def _tick(self) -> None:
+        self.wall.append(time.perf_counter())
+        self.cpu.append(time.process_time())
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self._tick()
+        if self.profiler is not None and len(self.wall) == self.warmup + 1:
+            self.profiler.enable()
+
+    def on_train_end(self, *args: Any) -> None:
+        self._tick()
+        if self.profiler is not None:
+            self.profiler.disable()
+
+    def medians(self) -> tuple[float, float]:
+        """Median wall and CPU seconds of the steps after the warm-up."""
+        wall, cpu = self.wall[self.warmup :], self.cpu[self.warmup :]
+        return (
+            statistics.median(b - a for a, b in itertools.pairwise(wall)),
+            statistics.median(b - a for a, b in itertools.pairwise(cpu)),
+        )
+
+
+def _fit(run: str, args: argparse.Namespace, rank: int, world: int, store: str, profile: Path | None) -> Any:
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_paradyse import ParaDySeStrategy
+    from lightning_paradyse.lightning.language_model import LanguageModel
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    pl.seed_everything(0, verbose=False)
+    quick = BenchSettings.quick()
+    module = LanguageModel(model=quick.model.config(), lr=1e-3)
+    if run == "paradyse":
+        strategy: Any = ParaDySeStrategy(plan="auto", memory_budget=quick.budget, timeout=120)
+        rows = args.rows  # the global batch: the strategy splits it
+    else:
+        strategy = DDPStrategy(gradient_as_bucket_view=True, timeout=timedelta(seconds=120))
+        rows = args.rows // world  # each rank its share
+    profiler = cProfile.Profile() if profile is not None and rank == 0 else None
+    clock = StepClock(args.warmup, profiler)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_steps=args.steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[clock],
+    )
+    trainer.fit(module, DataLoader(Batches(args.steps, rows, args.length), batch_size=None))
+    split = getattr(getattr(trainer.strategy, "step_record", None), "split", None)
+    if profiler is not None and profile is not None:
+        profiler.dump_stats(profile / f"{run}.prof")
+    if dist.is_initialized():  # a strategy's teardown may have destroyed it
+        dist.destroy_process_group()
+    return (*clock.medians(), split)
+
+
+def _worker(rank: int, world: int, args: argparse.Namespace, store_dir: str) -> dict[str, list[Any]]:
+    dist.destroy_process_group()  # the harness's group: every fit makes its own
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")  # never used: the group exists before Lightning looks
+    from benchmarks.worker import quiet
+
+    quiet()
+    out: dict[str, list[Any]] = {run: [] for run in RUNS}
+    for k in range(-1 if args.profile else 0, args.repeats):
+        for run in RUNS:  # alternated: noise hits both alike
+            profile = Path(args.profile) if k < 0 else None  # a profiled fit first, left out of the timings
+            fit = _fit(run, args, rank, world, os.path.join(store_dir, f"pg-{k}-{run}"), profile)
+            if k >= 0:
+                out[run].append(fit)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument("--length", type=int, default=48)
+    parser.add_argument("--profile", default=None, help="a folder for rank 0's cProfile of one more fit of each run")
+    args = parser.parse_args()
+    if args.rows % args.devices:
+        parser.error("--rows must be a multiple of --devices (DDP gives every rank the same share)")
+    if args.profile:
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
+    from lightning_paradyse.distributed.spawn import run_distributed
+
+    with tempfile.TemporaryDirectory() as store_dir:
+        per_rank = run_distributed(_worker, args.devices, args, store_dir, timeout=60.0 + 30.0 * args.repeats)
+    print(
+        f"{args.devices} processes, {args.steps} steps of {args.rows} x {args.length} tokens, median step after "
+        f"{args.warmup}, {args.repeats} fits each (wall / CPU ms, per fit; rank 0 first):"
+    )
+    medians = {}
+    for run in RUNS:
+        fits = [fit for rank in per_rank for fit in rank[run]]
+        medians[run] = statistics.median(wall for wall, _, _ in fits)
+        cells = "  ".join(f"{1e3 * wall:5.1f} / {1e3 * cpu:5.1f}" for wall, cpu, _ in fits)
+        split = per_rank[0][run][0][2]
+        print(f"  {run:9s} {cells}" + (f"   (groups {'+'.join(map(str, split))})" if split else ""))
+    print(f"  DDP / ours (median wall step): {medians['ddp'] / medians['paradyse']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
