@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import socket
 import tempfile
 import traceback
 from collections.abc import Callable, Iterator
@@ -36,6 +35,7 @@ from typing_extensions import override
 
 from lightning_paradyse import ParaDySeStrategy
 from lightning_paradyse.distributed.spawn import run_distributed
+from tests.support.dist import free_port
 from tests.support.lightning import quiet_trainer, strategy_environment
 
 TOL = 1e-9
@@ -146,12 +146,6 @@ def run(case: Case, devices: int, strategy: Any, port: Callable[[str], int] | No
     finally:
         torch.set_default_dtype(torch.float32)
     return result
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _worker(rank: int, world: int, make: Callable[[], dict[str, Case]], store_path: str) -> dict[str, Result]:

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import io
 import os
-import socket
 from typing import Any
 
 import lightning.pytorch as pl
@@ -62,6 +61,7 @@ from lightning_paradyse.distributed.spawn import run_distributed
 from lightning_paradyse.lightning.language_model import LanguageModel
 from tests.exact.harness import dealt_splits
 from tests.modes.test_dsp import GridLM, grid_batches
+from tests.support.dist import free_ports
 from tests.support.lightning import quiet_trainer, strategy_environment
 
 STEPS = 3
@@ -148,18 +148,6 @@ def fit(model: str, precision: str, devices: int, plan: Any = None) -> dict[str,
     trainer = quiet_trainer(devices, strategy, [recorder], max_steps=STEPS, precision=precision)
     trainer.fit(module, train_dataloaders=DataLoader(data, batch_size=None))  # type: ignore[arg-type]
     return {"losses": recorder.losses, "state": recorder.state}
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct ports free right now (all held open while they are chosen)."""
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def _worker(rank: int, world: int) -> bytes:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import io
 import os
 import re
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +44,7 @@ from lightning_paradyse.models import build_model
 from lightning_paradyse.modes.plan import uniform_plan
 from lightning_paradyse.planning.fixed import ThresholdPolicy, parse_memory_budget
 from lightning_paradyse.runtime.slicing import BatchInfo, find_targets, find_tokens, shard_batch
+from tests.support.dist import free_port
 from tests.support.families import EncoderLM, hf_llama
 from tests.support.lightning import quiet_trainer, strategy_environment
 
@@ -287,12 +287,6 @@ def run_scenarios(world: int, scenarios: list[Scenario]) -> list[dict[str, Any]]
     """Every rank's results of :func:`scenario_worker` on ``world`` spawned processes."""
     raw = run_distributed(scenario_worker, world, scenarios, free_port(), timeout=240)
     return [torch.load(io.BytesIO(r), weights_only=False) for r in raw]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def rel(a: float, b: float) -> float:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +46,7 @@ from lightning_paradyse.runtime.checkpoint import (
     load_optimizer_state,
     plain_targets,
 )
+from tests.support.dist import free_port
 from tests.support.lightning import quiet_trainer, strategy_environment
 
 TOL = 1e-9
@@ -178,12 +178,6 @@ def assert_same_optimizer_state(opt: dict[str, Any], ref: dict[str, Any], what: 
         for key, value in entry.items():
             err = rel_err(opt["state"][i][key], value)
             assert err <= TOL, f"{what}: optimizer {key} of parameter {i}: relative error {err:.1e}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ---------------------------------------------------------------------------------------------- without processes
