@@ -4,7 +4,8 @@
 
 Every spawned process trains the quick preset's model (:meth:`benchmarks.settings.BenchSettings.quick`) for
 ``--steps`` steps on global batches of ``--rows`` rows of ``--length`` tokens, alternately with
-``ParaDySeStrategy(plan="auto")`` (whose planner sends such batches to groups of one: data parallelism) and with
+``ParaDySeStrategy(plan="auto")`` (whose planner sends such batches to groups of one, data parallelism, on an
+idle machine: it weighs measured times, so under other load it may not; each run's last split is printed) and with
 Lightning's ``DDPStrategy`` (each rank its ``rows / devices`` rows), ``--repeats`` fits each, one fresh process
 group per fit (a file store: no ports). After ``--warmup`` steps it takes the median step of each fit, between
 consecutive ``on_train_batch_start`` hooks: wall clock, and this process's CPU time (what the process computed,

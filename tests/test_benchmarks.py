@@ -178,7 +178,9 @@ def test_decision_times_replay_a_trace_as_a_fit_decides_it() -> None:
 
 
 @pytest.mark.dist
-def test_step_overhead_times_both_runs_and_the_planner_goes_data_parallel() -> None:
+def test_step_overhead_times_both_runs_and_names_the_split() -> None:
+    """The split is the planner's, which weighs measured times (data parallel on an idle machine, maybe not on a
+    loaded one): printed, not asserted."""
     proc = subprocess.run(
         [sys.executable, "benchmarks/step_overhead.py", "--steps", "8", "--warmup", "2", "--repeats", "1"],
         cwd=ROOT,
@@ -188,5 +190,5 @@ def test_step_overhead_times_both_runs_and_the_planner_goes_data_parallel() -> N
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
-    assert lines[-3].split()[0] == "paradyse" and "(groups 1+1)" in lines[-3], lines
+    assert lines[-3].split()[0] == "paradyse" and "(groups " in lines[-3], lines
     assert lines[-2].split()[0] == "ddp" and lines[-1].startswith("  DDP / ours"), lines
