@@ -112,16 +112,17 @@ MEMORY_MODEL = {
 
 
 class Tokens(Dataset[dict[str, torch.Tensor]]):
-    """Random token windows of one length (targets shifted in the data)."""
+    """``steps`` batches of ``rows`` random token windows of one length (targets shifted in the data)."""
 
-    def __init__(self, length: int, steps: int, vocab: int) -> None:
-        self.length, self.steps, self.vocab = length, steps, vocab
+    def __init__(self, length: int, steps: int, vocab: int, rows: int = 1) -> None:
+        self.length, self.steps, self.vocab, self.rows = length, steps, vocab, rows
 
     def __len__(self) -> int:
         return self.steps
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        window = torch.randint(0, self.vocab, (1, self.length + 1), generator=torch.Generator().manual_seed(i))
+        shape = (self.rows, self.length + 1)
+        window = torch.randint(0, self.vocab, shape, generator=torch.Generator().manual_seed(i))
         return {"input_ids": window[:, :-1], "targets": window[:, 1:]}
 
 

@@ -34,27 +34,13 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import lightning.pytorch as pl
-import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
+from benchmarks.gpu_check import Tokens
 from benchmarks.settings import BenchSettings
 
 RUNS = ("paradyse", "ddp")
-
-
-class Batches(Dataset[dict[str, torch.Tensor]]):
-    """``steps`` batches of ``rows`` random rows of ``length`` tokens (the same on every rank)."""
-
-    def __init__(self, steps: int, rows: int, length: int) -> None:
-        self.steps, self.rows, self.length = steps, rows, length
-
-    def __len__(self) -> int:
-        return self.steps
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        ids = torch.randint(0, 128, (self.rows, self.length + 1), generator=torch.Generator().manual_seed(i))
-        return {"input_ids": ids[:, :-1], "targets": ids[:, 1:]}
 
 
 class StepClock(pl.Callback):
@@ -118,7 +104,8 @@ def _fit(run: str, args: argparse.Namespace, rank: int, world: int, store: str, 
         enable_checkpointing=False,
         callbacks=[clock],
     )
-    trainer.fit(module, DataLoader(Batches(args.steps, rows, args.length), batch_size=None))
+    data = Tokens(args.length, args.steps, quick.model.config().vocab_size, rows)  # the same batches on every rank
+    trainer.fit(module, DataLoader(data, batch_size=None))
     split = getattr(getattr(trainer.strategy, "step_record", None), "split", None)
     if profiler is not None and profile is not None:
         profiler.dump_stats(profile / f"{run}.prof")
