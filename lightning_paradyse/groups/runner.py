@@ -65,7 +65,7 @@ from lightning_paradyse.groups.units import Units
 from lightning_paradyse.modes.plan import Plan
 from lightning_paradyse.modes.specs import SeqContext
 from lightning_paradyse.planning.fixed import Planner
-from lightning_paradyse.planning.planner import CostPlanner, PlanInfeasible, make_planner
+from lightning_paradyse.planning.planner import CostPlanner, PlanInfeasible, make_planner, single_rank_modes
 from lightning_paradyse.runtime import parallel
 from lightning_paradyse.runtime.slicing import BatchInfo, describe_batch, find_tokens, on_device
 
@@ -270,7 +270,7 @@ class GroupRunner:
                         g,
                         planner.budget,
                         machine_for_groups(planner.model.machine, group_size(self._world)),
-                        planner.modes,
+                        single_rank_modes(planner.modes) if g == 1 else planner.modes,
                         bucket_tokens=self.plan_bucket,
                         recompute=planner.recompute,
                         prefer_tp_sp=planner.prefer_tp_sp,

@@ -390,6 +390,18 @@ def make_planner(
     return CostPlanner(cost, budget_bytes, modes, allowed=allowed, **planner_kwargs)  # type: ignore[arg-type]
 
 
+def single_rank_modes(modes: Sequence[str]) -> tuple[str, ...]:
+    """The modes worth planning for a group of one rank (data parallelism): ``tp_sp`` alone when it is allowed.
+
+    On one rank every mode computes the same local attention and MLP and no collective moves anything, so they
+    differ only in their code's overhead, which the cost model's constants (fitted on the world, where the modes
+    communicate) do not price for one rank: ``tp_sp``'s path is the plain one (gathers and reduce-scatters of a
+    group of one are no-ops) and was the fastest of the four at every shape measured on one rank, ``metp``'s the
+    slowest (it recomputes its projections in the backward). For memory, ``tp_sp`` with recomputation saves as
+    little as any mode does on one rank. ``modes`` unchanged when ``tp_sp`` is not among them."""
+    return ("tp_sp",) if "tp_sp" in modes else tuple(modes)
+
+
 def largest_true(pred: Callable[[int], bool], low: int, limit: int) -> int:
     """The largest ``n`` in ``[low, limit]`` with ``pred(n)`` for a monotone (true, then false) ``pred``; 0 if none."""
     if not pred(low):

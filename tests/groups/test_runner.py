@@ -73,6 +73,7 @@ class Record(pl.Callback):
         self.state: dict[str, Tensor] = {}
         self.exchanges = 0
         self.warmed = 0
+        self.modes: dict[int, tuple[str, ...]] = {}
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *args: Any) -> None:
@@ -92,6 +93,9 @@ class Record(pl.Callback):
         self.state = {k: v.detach().clone() for k, v in strategy.lightning_module_state_dict().items()}
         self.exchanges = strategy.cycle.runner.exchanges  # type: ignore[attr-defined]
         self.warmed = strategy.cycle.runner.warmed[0]  # type: ignore[attr-defined]
+        runner = strategy.cycle.runner  # type: ignore[attr-defined]
+        if runner.ready:  # steps on groups: every group size has a planner
+            self.modes = {g: tuple(runner.planner_for(g).modes) for g in (1, 2, trainer.world_size)}
 
 
 def dealt(lengths: Any, world: int, cost: Any, **kwargs: Any) -> Assignment:
@@ -128,7 +132,7 @@ def fit(devices: int, groups: bool, accumulate: int = 1) -> dict[str, Any]:
         pictures = sorted(p.name for p in Path(logs).rglob("paradyse_steps.*"))
         logged = [p.read_text().splitlines() for p in Path(logs).rglob("metrics.csv")]
     out = {"losses": record.losses, "state": record.state, "imbalance": record.imbalance, "splits": record.splits}
-    out["exchanges"], out["warmed"] = record.exchanges, record.warmed
+    out["exchanges"], out["warmed"], out["modes"] = record.exchanges, record.warmed, record.modes
     return out | {"pictures": pictures, "logged": logged}
 
 
@@ -178,6 +182,8 @@ def test_groups_of_different_sizes_train_like_one_process(reference: dict[str, d
         assert all(other[name]["losses"] == run["losses"] for other in runs), f"{name}: ranks report other losses"
     print("solver's splits (groups, rank 0's group size):", runs[0]["solver"]["splits"])
     assert runs[0]["solver"]["warmed"] > 0  # the cost planners of every group size planned short shapes at setup
+    modes = runs[0]["solver"]["modes"]  # a group of one plans the plain path (single_rank_modes), larger ones all
+    assert modes[1] == ("tp_sp",) and len(modes[2]) > 1 and modes[4] == modes[2], modes
     dealt_run = runs[0]["dealt"]
     assert [count for count, _ in dealt_run["splits"]] == [len(s) for s in SPLITS]
     assert len(dealt_run["imbalance"]) == 6  # logged every grouped step: predicted and measured
