@@ -33,7 +33,8 @@ from lightning_paradyse.groups import solver
 from lightning_paradyse.groups.cost import group_cost, group_shape_cost
 from lightning_paradyse.groups.runner import WARM_BUCKETS, group_sizes
 from lightning_paradyse.models import ModelConfig
-from lightning_paradyse.planning.planner import CostPlanner, make_planner
+from lightning_paradyse.modes import MODES
+from lightning_paradyse.planning.planner import CostPlanner, make_planner, single_rank_modes
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,7 +46,8 @@ def planners(config: ModelConfig, cluster: str, budget: int) -> Callable[[int], 
 
     def planner_for(g: int) -> CostPlanner:
         if g not in made:
-            made[g] = make_planner(config, g, budget, cluster, bucket_tokens=512)
+            modes = single_rank_modes(MODES) if g == 1 else tuple(MODES)  # as the runner's planner of a group of one
+            made[g] = make_planner(config, g, budget, cluster, modes, bucket_tokens=512)
         return made[g]
 
     return planner_for

@@ -192,3 +192,19 @@ def test_step_overhead_times_both_runs_and_names_the_split() -> None:
     lines = proc.stdout.strip().splitlines()
     assert lines[-3].split()[0] == "paradyse" and "(groups " in lines[-3], lines
     assert lines[-2].split()[0] == "ddp" and lines[-1].startswith("  DDP / ours"), lines
+
+
+@pytest.mark.dist
+def test_single_rank_modes_times_every_mode_on_one_rank() -> None:
+    """``single_rank_modes.py``: one line per shape and op, a time for every mode."""
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/single_rank_modes.py", "--shapes", "2x32", "--reps", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = proc.stdout.strip().splitlines()[-2:]
+    assert [row.split()[3] for row in rows] == ["attention", "mlp"], rows
+    assert all(len(row.split()) == 4 + 4 and all(float(x) > 0 for x in row.split()[4:]) for row in rows), rows

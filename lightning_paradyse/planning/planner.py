@@ -396,9 +396,10 @@ def single_rank_modes(modes: Sequence[str]) -> tuple[str, ...]:
     On one rank every mode computes the same local attention and MLP and no collective moves anything, so they
     differ only in their code's overhead, which the cost model's constants (fitted on the world, where the modes
     communicate) do not price for one rank: ``tp_sp``'s path is the plain one (gathers and reduce-scatters of a
-    group of one are no-ops) and was the fastest of the four at every shape measured on one rank, ``metp``'s the
-    slowest (it recomputes its projections in the backward). For memory, ``tp_sp`` with recomputation saves as
-    little as any mode does on one rank. ``modes`` unchanged when ``tp_sp`` is not among them."""
+    group of one are no-ops). Measured on one rank (``benchmarks/single_rank_modes.py``) its attention was the
+    fastest or tied, its MLP within the noise of ``ulysses``' and ``ring``'s, and ``metp`` the slowest in both (it
+    recomputes in the backward). For memory, ``tp_sp`` with recomputation saves as little as any mode does on one
+    rank. ``modes`` unchanged when ``tp_sp`` is not among them."""
     return ("tp_sp",) if "tp_sp" in modes else tuple(modes)
 
 
