@@ -114,6 +114,19 @@ def _memory_factors(rows: Sequence[dict[str, Any]], formulas: Sequence[SegmentMe
     }
 
 
+def memory_factors(
+    mode: str, op: str, rc: bool, rows: Sequence[dict[str, Any]], dims: ModelDims, p: int, flash: bool, batch: int
+) -> dict[str, float]:
+    """The memory factors (``saved``, ``fwd``, ``bwd``) of one (mode, op, recompute), or of the head (``mode ==
+    "head"``), from its measured rows on this version's memory formulas."""
+    lengths = [int(r["seq_len"]) for r in rows]
+    if mode == "head":
+        formulas = [head_memory(s, batch, p, dims) for s in lengths]
+    else:
+        formulas = [segment_memory(mode, op, rc, s, batch, p, dims, flash) for s in lengths]
+    return _memory_factors(rows, formulas)
+
+
 def fit_op(
     mode: str, op: str, rc: bool, rows: Sequence[dict[str, Any]], dims: ModelDims, p: int, machine: Machine, batch: int
 ) -> OpCalibration:
@@ -123,12 +136,11 @@ def fit_op(
     if mode == "head":
         work = [head_time(s, batch, p, dims, machine) for s in lengths]
         fixed, scale = fit_fixed_and_scale(times, lambda k: [k * w for w in work])
-        formulas = [head_memory(s, batch, p, dims) for s in lengths]
     else:
         timings = [op_time(mode, op, rc, s, batch, p, dims, machine) for s in lengths]
         fixed, scale = fit_fixed_and_scale(times, lambda k: [t.total(k) for t in timings])
-        formulas = [segment_memory(mode, op, rc, s, batch, p, dims, machine.flash_tiles) for s in lengths]
-    return OpCalibration(time_fixed=fixed, time_scale=scale, **_memory_factors(rows, formulas))
+    factors = memory_factors(mode, op, rc, rows, dims, p, machine.flash_tiles, batch)
+    return OpCalibration(time_fixed=fixed, time_scale=scale, **factors)
 
 
 def fit_step_scale(rows: Sequence[dict[str, Any]]) -> float:

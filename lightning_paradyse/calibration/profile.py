@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_paradyse.calibration.calibrate import fit_machine, fit_op, fit_step_scale
+from lightning_paradyse.calibration.calibrate import fit_machine, fit_op, fit_step_scale, memory_factors
 from lightning_paradyse.calibration.measure import (
     bench_collectives,
     bench_kernels,
@@ -191,18 +191,49 @@ class Profile:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Profile:
+        """The profile of a JSON document, its memory factors fitted again (:func:`refit_memory`)."""
         if data.get("version") != PROFILE_VERSION:
             raise ValueError(f"profile version {data.get('version')!r} is not {PROFILE_VERSION}; run the profile again")
-        return cls(
-            dims=ModelDims(**data["dims"]),
-            p=int(data["p"]),
-            machine=Machine.from_dict(data["machine"]),
-            calibration={k: OpCalibration.from_dict(v) for k, v in data["calibration"].items()},
-            settings=data.get("settings", {}),
-            measurements=data.get("measurements", {}),
-            validation=data.get("validation", []),
-            meta=data.get("meta", {}),
+        return refit_memory(
+            cls(
+                dims=ModelDims(**data["dims"]),
+                p=int(data["p"]),
+                machine=Machine.from_dict(data["machine"]),
+                calibration={k: OpCalibration.from_dict(v) for k, v in data["calibration"].items()},
+                settings=data.get("settings", {}),
+                measurements=data.get("measurements", {}),
+                validation=data.get("validation", []),
+                meta=data.get("meta", {}),
+            )
         )
+
+
+def refit_memory(profile: Profile) -> Profile:
+    """``profile`` with its memory factors fitted again on its stored segment measurements, on this version's memory
+    formulas, and its validation's predicted peaks recomputed with them (its time constants unchanged).
+
+    A memory factor is the measured over the modelled length-dependent bytes of one segment: it corrects what the
+    formulas leave out, so it belongs to the formulas it was fitted on. Memory is measured exactly (the same on
+    every run on a CPU), so fitting again on the stored measurements gives what profiling again would: a saved
+    profile stays consistent when a version corrects a formula. A profile without stored segments is unchanged."""
+    segments = profile.measurements.get("segments")
+    if not segments:
+        return profile
+    batch = int(profile.settings.get("batch", 1))
+    seg_dims = dataclasses.replace(profile.dims, n_layers=1)
+    calibration = dict(profile.calibration)
+    for mode, op, rc in sorted({(r["mode"], r["op"], bool(r["rc"])) for r in segments}):
+        rows = [r for r in segments if (r["mode"], r["op"], bool(r["rc"])) == (mode, op, rc)]
+        key = "head" if mode == "head" else calibration_key(mode, op, rc)
+        factors = memory_factors(mode, op, rc, rows, seg_dims, profile.p, profile.machine.flash_tiles, batch)
+        calibration[key] = dataclasses.replace(calibration.get(key, OpCalibration()), **factors)
+    refitted = dataclasses.replace(profile, calibration=calibration)
+    model = CostModel(profile.dims, profile.p, profile.machine, calibration, include_static=False, grads_resident=False)
+    validation = []
+    for row in profile.validation:
+        plan = uniform_plan(row["mode"], profile.dims.n_layers, row["rc"])
+        validation.append({**row, "pred_peak": model.plan_cost(plan, row["seq_len"], batch)[1]})
+    return dataclasses.replace(refitted, validation=validation)
 
 
 def load_profile(path: str | Path) -> Profile:

@@ -285,15 +285,44 @@ def _ring_attention(c: _Shape) -> _Core:
 
 
 def _metp_attention(c: _Shape) -> _Core:
+    """Derived from ``modes/metp.py`` and checked against the tracker at ``p = 2, 4`` (``tests/cost/test_memory.py``).
+
+    Forward, at the last head shard: the output accumulator, the earlier shards' outputs and log-sum-exps, the
+    two packed shards (this rank's, the one received), and either the shard's projections while its queries are
+    rotated (q, k, v, the rotated k, four query-sized rotation temporaries, the float64 rotary tables and their
+    casts, two copies of the positions) or the ring's tiles; with fewer key/value heads than ranks the gathered
+    key/value weights and the shard's rows of them besides. Backward, while the last shard's projections are
+    differentiated: the packed shards (this rank's, the one received, the previous shard's gradient, the reduced
+    gradient of this rank's own shard and, from ``p = 4``, the previous reduction's result, which Python keeps
+    alive until it is replaced), the output weight's and the key/value weights' gradients, the ``dx`` accumulator
+    and the previous shard's ``dx``, three hidden-sized gradients in flight, the output gradient and its contiguous
+    copy, the query gradient and its accumulator, four key/value-sized gradients (the gathered key/value weights,
+    their gradient and its accumulator besides when they are gathered); or the ring's moment."""
     d, t, e, a = c.d, c.t, c.e, c.a
-    qr, kvr, nr = c.qr, c.kvr, d.n_heads // c.p
-    shard = d.attn_params() / c.p * e  # one head shard's packed broadcast shard
-    saved = t * d.q_rows * e + c.b * d.n_heads * c.s_r * a
-    group = 1.5 * t * (qr + 2 * kvr) * e + 4 * t * kvr * e + 1.5 * t * qr * a + 3 * c.tile(nr) + c.tile_masks()
-    fwd = Mem(2 * shard, c.X + saved + group)
+    qr, kvr, nr, h = c.qr, c.kvr, d.n_heads // c.p, d.hidden
+    b_q, b_kv = (d.q_rows, 2 * d.kv_rows) if d.biases else (0, 0)
+    if d.n_kv_heads % c.p == 0:  # the k/v shards are the local heads': they travel with the broadcast
+        shard, kv_fwd, kv_bwd = d.attn_params() / c.p * e, 0.0, 0.0
+    else:  # q and o_t travel; the k/v weights are gathered whole, each shard picks its heads' rows
+        shard = (2 * d.q_rows * h + b_q) / c.p * e
+        kv_all = (2 * d.kv_rows * h + b_kv) * e
+        rows = kvr * (2 * h + (2 if d.biases else 0)) * e
+        kv_fwd, kv_bwd = kv_all + rows, 3 * kv_all + rows  # backward: gathered, their gradient, its accumulator
+    saved = t * d.q_rows * e + c.b * d.n_heads * c.s_r * a  # every head shard's output and log-sum-exp
+    earlier = saved * (c.p - 1) / c.p
+    positions = 8 * c.s_r  # int64 positions of the local tokens
+    tables = 24 * c.s_r * d.head_dim if d.rotary else 0.0  # float64 cos/sin and their float32 casts
+    rotating = (4 * t * qr + t * kvr) * e if d.rotary else 0.0
+    projecting = t * (qr + 2 * kvr) * e + rotating + tables + 2 * positions
+    ring = 1.5 * t * (qr + 2 * kvr) * e + 4 * t * kvr * e + 1.5 * t * qr * a + 3 * c.tile(nr) + c.tile_masks()
+    fwd = Mem(2 * shard + kv_fwd, t * h * a + earlier + max(projecting, ring))
+    shards = 4 + (1 if c.p > 2 else 0)
+    weights = shards * shard + (qr + 2 * kvr) * h * e + kv_bwd + _wide_grads(c, shard)
+    dx = t * h * a + (c.X if c.p > 1 else 0.0)  # the accumulator and the previous shard's dx
+    differentiating = 3 * c.X + 2 * t * qr * e + t * qr * (a + e) + 4 * t * kvr * e + positions
     recompute = t * (qr + 2 * kvr) * e + c.rot(c.s_r) + t * qr * e + t * qr * a + 6 * t * kvr * a
-    weights = 4 * shard + qr * d.hidden * e + _wide_grads(c, shard)
-    bwd = Mem(weights, 2 * c.X + recompute + 5 * c.tile(nr) + c.tile_masks())
+    ringing = 2 * t * qr * e + recompute + 5 * c.tile(nr) + c.tile_masks()
+    bwd = Mem(weights, dx + max(differentiating, ringing))
     return _Core(Mem(0.0, saved), True, fwd, bwd)
 
 
@@ -322,12 +351,38 @@ def _zero3_mlp(c: _Shape) -> _Core:
 
 
 def _metp_mlp(c: _Shape) -> _Core:
-    d, t, e = c.d, c.t, c.e
+    """Derived from ``modes/metp.py`` and checked against the tracker at ``p = 2, 4`` (``tests/cost/test_memory.py``).
+
+    Backward, while one ring step's shard is differentiated: the shards alive (the weights in hand and, before the
+    last step, the next one arriving; from ``p = 4`` the gradient accumulators too: this rank's own, the one
+    received, the one sent and the step's own, the last two kept alive by their Python names), the ``dx``
+    accumulator and two hidden-sized gradients, and either the re-run step's ``[t, f/p]`` intermediates and
+    gradients with one weight gradient, or every weight gradient of the shard with five hidden-sized ones, or (from
+    ``p = 4``) the step's gradient being packed beside its pieces and the accumulators, or (short sequences) the
+    last sum of this rank's own shard's gradient beside every accumulator still named. Forward:
+    the two shards, the output accumulator and either the step's intermediates or, at its down projection, the
+    step's output beside them (the gate's activation freed); from ``p = 4``, on short sequences, three shards
+    (a transfer starting while the previous step's shard is still held)."""
+    d, t, e, a = c.d, c.t, c.e, c.a
+    f_r, h = d.ffn // c.p, d.hidden
     shard = d.mlp_params() / c.p * e  # the packed shard travelling on the ring
-    inter = _mlp_saved_factor(d) * t * (d.ffn // c.p) * e
-    fwd = Mem(2 * shard, c.X + inter)
-    bwd = peak(Mem(5 * shard + _wide_grads(c, shard), 2 * c.X), Mem(3 * shard, 3 * c.X + inter))
-    return _Core(Mem(), True, fwd, bwd)
+    acc = shard * reduce_itemsize(e) / e if c.p > 1 else shard  # a gradient accumulator (float32 for half weights)
+    inter = _mlp_saved_factor(d) * t * f_r * e
+    out = c.X + inter - (t * f_r * e if d.gated else 0.0)  # at the down projection (the gate's activation freed)
+    fwd = Mem(2 * shard, t * h * a + max(inter, out))
+    if c.p > 2:  # a later step's transfer starts while the step before still holds its shard
+        fwd = peak(fwd, Mem(3 * shard, t * h * a))
+    mats = 3 if d.gated else 2
+    if c.p <= 2:  # the weights and the next ones arriving, or the weights and the home sum
+        held, packing = shard + max(shard, acc), 0.0
+    else:  # from the third step: the accumulators sent and received; the packing one beside them
+        held = 2 * shard + (3 if c.p <= 4 else 4) * acc
+        packing = held + acc + mats * f_r * h * e
+    rerun = Mem(held + f_r * h * e, t * h * a + 2 * c.X + (_mlp_saved_factor(d) + 2) * t * f_r * e)
+    grads = Mem(held + mats * f_r * h * e, t * h * a + 5 * c.X)
+    packed = Mem(packing, t * h * a + 3 * c.X) if packing else Mem()
+    summing = Mem(shard + (4 if c.p <= 2 else 5) * acc, t * h * a + c.X) if c.p > 1 else Mem()
+    return _Core(Mem(), True, fwd, peak(rerun, grads, packed, summing))
 
 
 _CORES: dict[tuple[str, str], Callable[[_Shape], _Core]] = {
