@@ -31,8 +31,10 @@ from __future__ import annotations
 import functools
 import math
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -197,9 +199,35 @@ class _Route:
         return sum(self.ex.received(i))
 
 
+_ROUTES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], tuple[tuple[Any, ...], Any]]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Per module and split, the routes last made and the shard parameters (with dtype and shape) they were made of."""
+
+
 def _routes(module: nn.Module, p: int, sizes: Sequence[int], rank: int) -> dict[torch.dtype, list[_Route]]:
     """Every op's route for the split ``sizes``, in model order, bucketed by the pieces' dtype (one exchange per
-    dtype; a model has one)."""
+    dtype; a model has one). Made again whenever a shard parameter was replaced or changed dtype or shape since the
+    last call for this split (a data-parallel step reads them three times)."""
+    params = tuple(
+        (w, None if w is None else (w.dtype, w.shape))
+        for _, op in dispatchers(module)
+        for w in map(op._parameters.get, op.sources)
+    )
+    key = (p, tuple(sizes), rank)
+    cached = _ROUTES.setdefault(module, {}).get(key)
+    if (
+        cached is not None
+        and len(cached[0]) == len(params)
+        and all(a is b and sa == sb for (a, sa), (b, sb) in zip(cached[0], params))
+    ):
+        return cached[1]  # type: ignore[no-any-return]
+    routes = _made_routes(module, p, sizes, rank)
+    _ROUTES[module][key] = (params, routes)
+    return routes
+
+
+def _made_routes(module: nn.Module, p: int, sizes: Sequence[int], rank: int) -> dict[torch.dtype, list[_Route]]:
     out: dict[torch.dtype, list[_Route]] = {}
     for _, op in dispatchers(module):
         pieces = _op_pieces(op)
@@ -441,6 +469,8 @@ def _return_grads(
         in_sizes = [sum(r.received(i) for r in routes) + t for i in range(p)]
         out_sizes = [sum(r.sent(j) for r in routes) + t for j in range(p)]
         recv = all_to_all_rows(torch.cat(send), in_sizes, out_sizes, world)  # [numel' + p t] -> [numel + p t]
+        if _read_whole(routes):
+            return _sum_whole(routes, recv.view(p, -1), t)  # [numel + p t] -> [p, numel/p + t]
         sums: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # shard -> its gradient, summed in reduce_dtype
         tails = []
         for j, chunk in enumerate(torch.split(recv, out_sizes)):  # rank j's gradient of the rows it read here
@@ -458,6 +488,36 @@ def _return_grads(
         for w, total in sums.values():
             w.grad = total.to(w.dtype)
     return None if tail is None else torch.stack(tails)  # [P, t]
+
+
+def _read_whole(routes: list[_Route]) -> bool:
+    """Whether the flat sum (:func:`_sum_whole`) applies: every rank read the same rows of this rank's ``1/P`` shard
+    of every piece, hence all of them (every row is read by some group; a data-parallel split), so each rank
+    receives from every rank the gradient of its whole shard in model order; no parameter backs two pieces; and no
+    shard holds a gradient yet (the general path adds into one in place)."""
+    pieces = [w for route in routes for _, w, _ in route.pieces]
+    if len({id(w) for w in pieces}) != len(pieces) or any(w.grad is not None for w in pieces):
+        return False
+    return all(len(set(spans)) == 1 for route in routes for spans in route.ex.sends)
+
+
+def _sum_whole(routes: list[_Route], got: torch.Tensor, t: int) -> torch.Tensor | None:
+    """:func:`_return_grads`' sums where :func:`_read_whole` holds: ``got`` is ``[P, n + t]``, rank ``j``'s gradient
+    of this rank's ``n`` shard elements (model order) and its tail. Every shard's gradient is zero plus every
+    rank's part in rank order, in the summing dtype, as the general path adds them; the shards' gradients are views
+    of the one sum (or, for half precision, its rounding)."""
+    n = got.shape[1] - t
+    params = [w for route in routes for _, w, _ in route.pieces]
+    total = got.new_zeros(n, dtype=reduce_dtype(got.dtype))  # [n]
+    for j in range(got.shape[0]):  # in rank order, on every rank alike
+        total += got[j, :n]
+    at = 0
+    for w in params:
+        k = w.numel()
+        if k and w.requires_grad:
+            w.grad = total[at : at + k].view_as(w).to(w.dtype)
+        at += k
+    return None if t == 0 else got[:, n:]  # [P, t]
 
 
 def measure_regroup(module: nn.Module, world: Group, reps: int = 3) -> float | None:
