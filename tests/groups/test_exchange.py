@@ -218,3 +218,51 @@ def test_the_weights_gathered_with_the_agreement_give_every_split_its_shards(wor
     shards of uneven rows)."""
     for wrong in run_distributed(_gather_worker, world, dtype, timeout=180):
         assert not wrong, wrong
+
+
+def _return_worker(rank: int, world: int, dtype: torch.dtype) -> list[str]:
+    """The gradients a data-parallel split returns, by the flat sum and by the general path, on the same inputs."""
+    import lightning_paradyse.groups.exchange as exchange
+    from lightning_paradyse.runtime.parallel import dispatchers
+
+    group = dist.group.WORLD
+    torch.manual_seed(7)
+    model = build_model("llama-tiny").to(dtype)
+    parallelize(model, group)
+    sizes = (1,) * world
+    gen = torch.Generator().manual_seed(rank)
+    results = []
+    summed = exchange._sum_whole
+    calls = []
+    exchange._sum_whole = lambda *args: calls.append(1) or summed(*args)  # type: ignore[assignment]
+    for flat in (True, False):
+        exchange._read_whole, real = (exchange._read_whole if flat else lambda routes: False), exchange._read_whole
+        try:
+            model.zero_grad(set_to_none=True)
+            enter_group(model, group, sizes)
+            for _, op in dispatchers(model):  # every rank's own gradients of the whole weights it read
+                for w in op.group_shards.values():
+                    w.grad = torch.randn(w.shape, generator=gen).to(dtype)
+            gen = torch.Generator().manual_seed(rank)  # the same draws for the second path
+            numbers = torch.tensor([rank + 0.25, -1.0 / 3.0], dtype=torch.float64)
+            every = exit_group(model, group, sizes, replicated=False, extra=numbers)
+            results.append(({n: p.grad for n, p in model.named_parameters() if p.grad is not None}, every))
+        finally:
+            exchange._read_whole = real
+    exchange._sum_whole = summed  # type: ignore[assignment]
+    (flat_grads, flat_every), (general_grads, general_every) = results
+    wrong = [] if calls == [1] else [f"the flat sum ran {len(calls)} times, not once"]
+    wrong += [] if flat_grads.keys() == general_grads.keys() and flat_grads else ["gradient names"]
+    wrong += [n for n in flat_grads if n in general_grads and not torch.equal(flat_grads[n], general_grads[n])]
+    if flat_every is None or general_every is None or not torch.equal(flat_every, general_every):
+        wrong.append("numbers")
+    return wrong
+
+
+@pytest.mark.parametrize(("world", "dtype"), [(2, torch.float32), (2, torch.bfloat16), (3, torch.float32)])
+def test_a_data_parallel_return_sums_on_one_buffer_as_the_general_path_does(world: int, dtype: torch.dtype) -> None:
+    """The flat sum of a data-parallel split's gradient return gives, bit for bit, the general path's gradients
+    (every rank's part added in rank order, bf16 summed in float32) and the numbers riding on it (3 ranks: shards
+    of uneven rows)."""
+    for wrong in run_distributed(_return_worker, world, dtype, timeout=180):
+        assert not wrong, wrong
