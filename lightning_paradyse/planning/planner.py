@@ -391,16 +391,18 @@ def make_planner(
 
 
 def single_rank_modes(modes: Sequence[str]) -> tuple[str, ...]:
-    """The modes worth planning for a group of one rank (data parallelism): ``tp_sp`` alone when it is allowed.
+    """The modes worth planning for a group of one rank (data parallelism): ``tp_sp`` and ``metp`` of ``modes``.
 
     On one rank every mode computes the same local attention and MLP and no collective moves anything, so they
-    differ only in their code's overhead, which the cost model's constants (fitted on the world, where the modes
-    communicate) do not price for one rank: ``tp_sp``'s path is the plain one (gathers and reduce-scatters of a
-    group of one are no-ops). Measured on one rank (``benchmarks/single_rank_modes.py``) its attention was the
-    fastest or tied, its MLP within the noise of ``ulysses``' and ``ring``'s, and ``metp`` the slowest in both (it
-    recomputes in the backward). For memory, ``tp_sp`` with recomputation saves as little as any mode does on one
-    rank. ``modes`` unchanged when ``tp_sp`` is not among them."""
-    return ("tp_sp",) if "tp_sp" in modes else tuple(modes)
+    differ only in their code's overhead and in what they keep for the backward, and the cost model's per-mode
+    constants (fitted where the modes communicate) price that case poorly: a quick profile once made ``ring``
+    look faster than ``tp_sp`` there, and it ran slower. ``tp_sp``'s path is the plain one (its gathers and
+    reduce-scatters are no-ops); ``ulysses`` keeps as much and runs the same work, ``ring`` keeps as much and adds
+    its tiles' overhead: both are dominated. ``metp`` keeps only its input and recomputes its projections in the
+    backward: slower than ``tp_sp`` (``benchmarks/single_rank_modes.py``) but a memory lever between ``tp_sp`` and
+    recomputing the whole op. ``modes`` unchanged when neither is among them."""
+    kept = tuple(m for m in modes if m in ("tp_sp", "metp"))
+    return kept or tuple(modes)
 
 
 def largest_true(pred: Callable[[int], bool], low: int, limit: int) -> int:

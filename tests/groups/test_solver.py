@@ -194,7 +194,7 @@ def test_at_eight_ranks_many_short_rows_go_data_parallel_on_the_strategys_own_co
     world = 8
     top = make_planner(CONFIGS["llama-tiny"], world, 70 * 2**30, cluster)
     machine = machine_for_groups(top.model.machine, world)
-    planners = {  # as the strategy's runner makes them: a group of one plans tp_sp alone
+    planners = {  # as the strategy's runner makes them: a group of one plans tp_sp and metp
         g: make_planner(
             CONFIGS["llama-tiny"], g, 70 * 2**30, machine, single_rank_modes(top.modes) if g == 1 else top.modes
         )
