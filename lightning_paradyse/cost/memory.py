@@ -285,7 +285,7 @@ def _ring_attention(c: _Shape) -> _Core:
 
 
 def _metp_attention(c: _Shape) -> _Core:
-    """Derived from ``modes/metp.py`` and checked against the tracker at ``p = 2, 4`` (``tests/cost/test_memory.py``).
+    """Derived from ``modes/metp.py`` and checked against the tracker at ``p = 2, 4`` (``tests/cost/test_model.py``).
 
     Forward, at the last head shard: the output accumulator, the earlier shards' outputs and log-sum-exps, the
     two packed shards (this rank's, the one received), and either the shard's projections while its queries are
@@ -351,7 +351,7 @@ def _zero3_mlp(c: _Shape) -> _Core:
 
 
 def _metp_mlp(c: _Shape) -> _Core:
-    """Derived from ``modes/metp.py`` and checked against the tracker at ``p = 2, 4`` (``tests/cost/test_memory.py``).
+    """Derived from ``modes/metp.py`` and checked against the tracker at ``p = 2, 4`` (``tests/cost/test_model.py``).
 
     Backward, while one ring step's shard is differentiated: the shards alive (the weights in hand and, before the
     last step, the next one arriving; from ``p = 4`` the gradient accumulators too: this rank's own, the one

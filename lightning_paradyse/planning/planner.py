@@ -390,18 +390,23 @@ def make_planner(
     return CostPlanner(cost, budget_bytes, modes, allowed=allowed, **planner_kwargs)  # type: ignore[arg-type]
 
 
+DOMINATED_ON_ONE_RANK = ("ulysses", "ring")
+"""Modes a group of one rank does not plan (:func:`single_rank_modes`)."""
+
+
 def single_rank_modes(modes: Sequence[str]) -> tuple[str, ...]:
-    """The modes worth planning for a group of one rank (data parallelism): ``tp_sp`` and ``metp`` of ``modes``.
+    """The modes worth planning for a group of one rank (data parallelism): ``modes`` without
+    :data:`DOMINATED_ON_ONE_RANK` (unchanged when nothing else is left).
 
     On one rank every mode computes the same local attention and MLP and no collective moves anything, so they
     differ only in their code's overhead and in what they keep for the backward, and the cost model's per-mode
     constants (fitted where the modes communicate) price that case poorly: a quick profile once made ``ring``
     look faster than ``tp_sp`` there, and it ran slower. ``tp_sp``'s path is the plain one (its gathers and
-    reduce-scatters are no-ops); ``ulysses`` keeps as much and runs the same work, ``ring`` keeps as much and adds
-    its tiles' overhead: both are dominated. ``metp`` keeps only its input and recomputes its projections in the
-    backward: slower than ``tp_sp`` (``benchmarks/single_rank_modes.py``) but a memory lever between ``tp_sp`` and
-    recomputing the whole op. ``modes`` unchanged when neither is among them."""
-    kept = tuple(m for m in modes if m in ("tp_sp", "metp"))
+    reduce-scatters are no-ops); ``ulysses`` keeps at least as much for the same work and ``ring`` as much with its
+    tiles' overhead besides: both are dominated. ``metp`` keeps only its input and recomputes its projections in
+    the backward: slower than ``tp_sp`` (``benchmarks/single_rank_modes.py``) but a memory lever between ``tp_sp``
+    and recomputing the whole op."""
+    kept = tuple(m for m in modes if m not in DOMINATED_ON_ONE_RANK)
     return kept or tuple(modes)
 
 
