@@ -207,11 +207,16 @@ def test_timings_are_medians_over_repetitions_and_rounds(monkeypatch: pytest.Mon
     assert merged["overlap"] == pytest.approx(0.3)
 
 
-def _tp_sp_segment_memory(rank: int, world: int, lengths: tuple[int, ...]) -> dict[tuple[str, bool, int], Any]:
+def _segment_memory(
+    rank: int, world: int, args: tuple[str, tuple[int, ...], tuple[bool, ...], int]
+) -> dict[tuple[str, bool, int], list[int]]:
+    """``(saved, fwd, bwd)`` bytes of layer 0's segments of llama-tiny in ``mode`` per (op, recompute, length): the
+    least of ``reps`` runs (gloo's late releases of a collective's buffers only add)."""
     from lightning_paradyse.calibration.measure import memory_of, segment_fn
     from lightning_paradyse.distributed.layout import SeqLayout
     from lightning_paradyse.modes.specs import SeqContext
 
+    mode, lengths, rcs, reps = args
     torch.manual_seed(0)
     model = build_model(CONFIGS["llama-tiny"])
     parallelize(model, torch.distributed.group.WORLD)
@@ -219,10 +224,10 @@ def _tp_sp_segment_memory(rank: int, world: int, lengths: tuple[int, ...]) -> di
     for s in lengths:
         ctx = SeqContext(SeqLayout.for_sequence(s, world, True), torch.distributed.group.WORLD)
         for op in OPS:
-            for rc in (False, True):
+            for rc in rcs:
                 x0 = torch.randn(1, ctx.layout.local_len(rank), CONFIGS["llama-tiny"].hidden)
-                runs = [memory_of(model, segment_fn(model, op, "tp_sp", rc, ctx), x0) for _ in range(4)]
-                out[(op, rc, s)] = [min(r[i] for r in runs) for i in range(3)]  # gloo's late releases only add
+                runs = [memory_of(model, segment_fn(model, op, mode, rc, ctx), x0) for _ in range(reps)]
+                out[(op, rc, s)] = [min(r[i] for r in runs) for i in range(3)]
     return out
 
 
@@ -234,7 +239,7 @@ def test_uneven_sequence_split_transient_is_modelled() -> None:
     collective's buffers after the call returns (at a random moment), which only adds."""
     from tests.support.dist import run_distributed
 
-    per_rank = run_distributed(_tp_sp_segment_memory, 2, (256, 257), timeout=120)
+    per_rank = run_distributed(_segment_memory, 2, ("tp_sp", (256, 257), (False, True), 4), timeout=120)
     dims = dims_from_config(CONFIGS["llama-tiny"], 4)
     pad = 2 * 129 * dims.hidden * 4
     for op in OPS:
@@ -245,24 +250,6 @@ def test_uneven_sequence_split_transient_is_modelled() -> None:
                 modelled = getattr(odd, name).total - getattr(even, name).total
                 assert grown <= modelled + 0.01 * pad, (op, rc, name, grown, modelled)
                 assert grown <= 1.5 * pad + 0.01 * pad, (op, rc, name, grown)
-
-
-def _metp_segment_memory(rank: int, world: int, lengths: tuple[int, ...]) -> dict[tuple[str, int], list[int]]:
-    from lightning_paradyse.calibration.measure import memory_of, segment_fn
-    from lightning_paradyse.distributed.layout import SeqLayout
-    from lightning_paradyse.modes.specs import SeqContext
-
-    torch.manual_seed(0)
-    model = build_model(CONFIGS["llama-tiny"])
-    parallelize(model, torch.distributed.group.WORLD)
-    out = {}
-    for s in lengths:
-        ctx = SeqContext(SeqLayout.for_sequence(s, world, True), torch.distributed.group.WORLD)
-        for op in OPS:
-            x0 = torch.randn(1, ctx.layout.local_len(rank), CONFIGS["llama-tiny"].hidden)
-            runs = [memory_of(model, segment_fn(model, op, "metp", False, ctx), x0) for _ in range(2)]
-            out[(op, s)] = [min(r[i] for r in runs) for i in range(3)]  # gloo's late releases only add
-    return out
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -276,11 +263,11 @@ def test_metp_memory_is_what_the_tracker_measures(world: int) -> None:
     from tests.support.dist import run_distributed
 
     lengths = (256, 1024)
-    per_rank = run_distributed(_metp_segment_memory, world, lengths, timeout=180)
+    per_rank = run_distributed(_segment_memory, world, ("metp", lengths, (False,), 2), timeout=180)
     dims = dims_from_config(CONFIGS["llama-tiny"], 4)
     for op in OPS:
         for s in lengths:
-            measured = [max(r[(op, s)][i] for r in per_rank) for i in range(3)]  # the fullest rank
+            measured = [max(r[(op, False, s)][i] for r in per_rank) for i in range(3)]  # the fullest rank
             formula = segment_memory("metp", op, False, s, 1, world, dims, True)
             for got, (name, mem) in zip(
                 measured, (("saved", formula.saved), ("fwd", formula.fwd), ("bwd", formula.bwd))
