@@ -34,7 +34,7 @@ from lightning_paradyse.groups.cost import group_cost, group_shape_cost
 from lightning_paradyse.groups.runner import WARM_BUCKETS, group_sizes
 from lightning_paradyse.models import ModelConfig
 from lightning_paradyse.modes import MODES
-from lightning_paradyse.planning.planner import CostPlanner, make_planner, single_rank_modes
+from lightning_paradyse.planning.planner import CostPlanner, group_planning, make_planner
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,8 +46,8 @@ def planners(config: ModelConfig, cluster: str, budget: int) -> Callable[[int], 
 
     def planner_for(g: int) -> CostPlanner:
         if g not in made:
-            modes = single_rank_modes(MODES) if g == 1 else tuple(MODES)  # as the runner's planner of a group of one
-            made[g] = make_planner(config, g, budget, cluster, modes, bucket_tokens=512)
+            modes, prefer = group_planning(g, MODES)  # as the runner plans a group of g
+            made[g] = make_planner(config, g, budget, cluster, modes, bucket_tokens=512, prefer_tp_sp=prefer)
         return made[g]
 
     return planner_for

@@ -274,9 +274,14 @@ def gather_whole(module: nn.Module, world: Group, header: torch.Tensor) -> tuple
         shards = [w.detach().reshape(-1) for route in bucket for _, w, _ in route.pieces]  # model order
         sizes = [t + sum(route.received(i) for route in bucket) for i in range(p)]  # rank i's header and shards
         got = all_gather_rows(torch.cat([packed, *shards]), sizes, world)  # [t + numel/P] -> [P t + numel]
-        chunks = torch.split(got, sizes)
-        headers = torch.stack([c[:t] for c in chunks]).contiguous().view(torch.uint8).view(torch.int64)  # [P, k]
-        whole = _assembled(bucket, [c[t:] for c in chunks])  # [rows, ...] per op and piece
+        if len(set(sizes)) == 1:  # every rank's shards alike (rows divisible by P): one copy per piece
+            rows = got.view(p, sizes[0])  # [P t + numel] -> [P, t + numel/P]
+            headers = rows[:, :t].contiguous().view(torch.uint8).view(torch.int64)  # [P, k]
+            whole = _assembled_even(bucket, rows[:, t:])
+        else:
+            chunks = torch.split(got, sizes)
+            headers = torch.stack([c[:t] for c in chunks]).contiguous().view(torch.uint8).view(torch.int64)  # [P, k]
+            whole = _assembled(bucket, [c[t:] for c in chunks])  # [rows, ...] per op and piece
     return headers.cpu(), whole
 
 
@@ -335,6 +340,19 @@ def _assembled(routes: list[_Route], chunks: Sequence[torch.Tensor]) -> WholeWei
         }
         for k, route in enumerate(routes)
     }
+
+
+def _assembled_even(routes: list[_Route], rows: torch.Tensor) -> WholeWeights:
+    """:func:`_assembled` where every rank sent as many elements of every piece: ``rows`` is ``[P, n]``, rank ``i``'s
+    pieces in row ``i``; a piece's columns, read down the ranks, are its rows in order (one copy per piece)."""
+    out: WholeWeights = {}
+    at = 0
+    for route in routes:
+        parts = out.setdefault(id(route.op), {})
+        for (name, w, _), k in zip(route.pieces, route.ex.received(0)):
+            parts[name] = rows[:, at : at + k].reshape(-1, *w.shape[1:])  # [P, k] -> [rows, ...]
+            at += k
+    return out
 
 
 FOLD_BYTES = 1 << 20
@@ -453,17 +471,16 @@ def _return_grads(
     rank after them. Returns every rank's tail, ``[P, t]`` (``None`` without one)."""
     t = 0 if tail is None else tail.numel()
     with torch.no_grad():
-        grads = []  # per route, per piece: the gradient rows that came from each owner
-        for route in routes:
-            held = shards[id(route.op)]
-            per_piece = []
-            for (name, _, _), recvs in zip(route.pieces, route.ex.recvs):
-                grad = held[name].grad
-                per_piece.append(torch.split(grad if grad is not None else torch.zeros_like(held[name]), list(recvs)))
-            grads.append(per_piece)
+        if _read_whole(routes) and _even(routes, p):  # a data-parallel split of even shards: one copy out
+            return _return_even(routes, shards, p, world, tail)
+        grads = [  # per piece (model order): the gradient rows of each owner
+            torch.split(_grad_or_zeros(shards[id(route.op)][name]), list(recvs))
+            for route in routes
+            for (name, _, _), recvs in zip(route.pieces, route.ex.recvs)
+        ]
         send = []  # owner rank, then model order, then the op's pieces; then the tail
         for i in range(p):
-            send += [piece[i].reshape(-1) for per_piece in grads for piece in per_piece]
+            send += [piece[i].reshape(-1) for piece in grads]
             if tail is not None:
                 send.append(tail)
         in_sizes = [sum(r.received(i) for r in routes) + t for i in range(p)]
@@ -490,6 +507,33 @@ def _return_grads(
     return None if tail is None else torch.stack(tails)  # [P, t]
 
 
+def _return_even(
+    routes: list[_Route],
+    shards: dict[int, dict[str, torch.Tensor]],
+    p: int,
+    world: Group,
+    tail: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """:func:`_return_grads` where every rank read every row and owns as many rows of every piece: every piece's
+    gradient cut in ``P`` equal row blocks, one per owner, in one copy (the general path's message, element for
+    element), then the flat sum."""
+    t = 0 if tail is None else tail.numel()
+    parts = [  # per piece: [rows, ...] -> [P, k], row i the gradient of the rows rank i owns
+        _grad_or_zeros(shards[id(route.op)][name]).reshape(p, -1) for route in routes for name, _, _ in route.pieces
+    ]
+    if tail is not None:
+        parts.append(tail.reshape(1, -1).expand(p, t))  # [t] -> [P, t]: the tail to every rank
+    send = torch.cat(parts, dim=1)  # [P, numel/P + t]: owner rank, then model order, then the tail
+    width = send.shape[1]
+    recv = all_to_all_rows(send.view(-1), [width] * p, [width] * p, world)  # [P width] -> [P width]
+    return _sum_whole(routes, recv.view(p, width), t)  # [P width] -> [P, width]
+
+
+def _grad_or_zeros(shard: torch.Tensor) -> torch.Tensor:
+    """A ``1/g`` shard's gradient, zeros where it got none (a rank whose tokens did not use it)."""
+    return shard.grad if shard.grad is not None else torch.zeros_like(shard)
+
+
 def _read_whole(routes: list[_Route]) -> bool:
     """Whether the flat sum (:func:`_sum_whole`) applies: every rank read the same rows of this rank's ``1/P`` shard
     of every piece, hence all of them (every row is read by some group; a data-parallel split), so each rank
@@ -499,6 +543,13 @@ def _read_whole(routes: list[_Route]) -> bool:
     if len({id(w) for w in pieces}) != len(pieces) or any(w.grad is not None for w in pieces):
         return False
     return all(len(set(spans)) == 1 for route in routes for spans in route.ex.sends)
+
+
+def _even(routes: list[_Route], p: int) -> bool:
+    """Whether every rank owns as many rows of every piece (the rows of each divisible by ``P``)."""
+    return all(len(set(recvs)) == 1 for route in routes for recvs in route.ex.recvs) and all(
+        len(recvs) == p for route in routes for recvs in route.ex.recvs
+    )
 
 
 def _sum_whole(routes: list[_Route], got: torch.Tensor, t: int) -> torch.Tensor | None:

@@ -65,7 +65,7 @@ from lightning_paradyse.groups.units import Units
 from lightning_paradyse.modes.plan import Plan
 from lightning_paradyse.modes.specs import SeqContext
 from lightning_paradyse.planning.fixed import Planner
-from lightning_paradyse.planning.planner import CostPlanner, PlanInfeasible, make_planner, single_rank_modes
+from lightning_paradyse.planning.planner import CostPlanner, PlanInfeasible, group_planning, make_planner
 from lightning_paradyse.runtime import parallel
 from lightning_paradyse.runtime.slicing import BatchInfo, describe_batch, find_tokens, on_device
 
@@ -265,15 +265,16 @@ class GroupRunner:
                 if g == group_size(self._world):
                     self._planners[g] = planner
                 else:
+                    modes, prefer = group_planning(g, planner.modes, planner.prefer_tp_sp)
                     self._planners[g] = make_planner(
                         self._module,
                         g,
                         planner.budget,
                         machine_for_groups(planner.model.machine, group_size(self._world)),
-                        single_rank_modes(planner.modes) if g == 1 else planner.modes,
+                        modes,
                         bucket_tokens=self.plan_bucket,
                         recompute=planner.recompute,
-                        prefer_tp_sp=planner.prefer_tp_sp,
+                        prefer_tp_sp=prefer,
                     )
             else:  # a fixed plan (or thresholds): the same planner on every group
                 assert planner is not None
@@ -338,8 +339,9 @@ class GroupRunner:
         members, g = found.groups[index], found.sizes[index]
         sub = units.cut(batch, members, idle_tokens=g)  # no members: the idle group's placeholder, a token a rank
         device = find_tokens(batch).device
-        mine = describe_batch(  # read on the host batch's cut
-            units.cut(host, members, idle_tokens=g), g, local_rank, causal, mean_loss=mean_loss, require_targets=False
+        on_host = sub if device.type == "cpu" else units.cut(host, members, idle_tokens=g)
+        mine = describe_batch(  # read on the host batch's cut; the step digests the whole batch's checksum
+            on_host, g, local_rank, causal, mean_loss=mean_loss, require_targets=False, digest=False
         )
         mine = replace(mine, n_global=info.n_global, checksum=info.checksum, idle=not members)
         mine = on_device(mine, device)

@@ -554,11 +554,17 @@ _REPLICATED: weakref.WeakKeyDictionary[nn.Module, tuple[nn.Parameter, ...]] = we
 """Modules -> their replicated parameters (:func:`replicated_parameters`), found by one walk like :data:`_OPS`."""
 
 
+_FITTING: weakref.WeakKeyDictionary[nn.Module, set[tuple[Plan, int]]] = weakref.WeakKeyDictionary()
+"""Modules -> the ``(plan, group size)`` pairs :func:`check_plan` found to fit (forgotten with the walks)."""
+
+
 def forget_walks() -> None:
-    """Forget what the walks found (:func:`dispatchers`, :func:`replicated_parameters`): after a rewrite, and when a
-    fit sets a model up (its parameters may have been replaced since the last fit)."""
+    """Forget what the walks found (:func:`dispatchers`, :func:`replicated_parameters`, the plans
+    :func:`check_plan` passed): after a rewrite, and when a fit sets a model up (its parameters may have been
+    replaced since the last fit)."""
     _OPS.clear()
     _REPLICATED.clear()
+    _FITTING.clear()
 
 
 def dispatchers(module: nn.Module) -> list[tuple[str, OpDispatch]]:
@@ -587,7 +593,14 @@ def is_causal(module: nn.Module) -> bool:
 
 
 def check_plan(module: nn.Module, plan: Plan, p: int) -> None:
-    """Raise a ``ValueError`` (before any collective) if ``plan`` does not fit the model or the group."""
+    """Raise a ``ValueError`` (before any collective) if ``plan`` does not fit the model or the group.
+
+    A plan that fits is remembered per module and group size (:data:`_FITTING`): the answer depends on the
+    rewritten model's structure alone, so the checks of a step (its groups' plans, then :func:`configure`) walk
+    the dispatch modules once per new plan, not every step."""
+    known = _FITTING.get(module)
+    if known is not None and (plan, p) in known:
+        return
     layers = n_layers(module)
     if len(plan) != layers:
         raise ValueError(f"the plan has {len(plan)} layers but the model has {layers} blocks")
@@ -597,6 +610,7 @@ def check_plan(module: nn.Module, plan: Plan, p: int) -> None:
         reason = op.infeasible(mode, p)
         if reason:
             raise ValueError(f"layer {op.layer}: {reason}; choose another mode for this layer")
+    _FITTING.setdefault(module, set()).add((plan, p))
 
 
 def configure(module: nn.Module, ctx: SeqContext, plan: Plan) -> None:

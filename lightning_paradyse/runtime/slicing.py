@@ -239,10 +239,12 @@ def describe_batch(
     max_seq_len: int | None = None,
     mean_loss: bool = True,
     require_targets: bool = True,
+    digest: bool = True,
 ) -> BatchInfo:
     """Validate a global batch for ``p`` ranks and describe it (no collective: raises alike on every rank).
 
     ``require_targets=False`` accepts a batch without a real target (a group's share of a batch that has some).
+    ``digest=False`` leaves :attr:`BatchInfo.checksum` 0 (a group's share, whose step digests the whole batch's).
 
     Raises:
         ValueError: For a batch longer than ``max_seq_len``, shorter than ``p``, without real targets, or with
@@ -268,7 +270,15 @@ def describe_batch(
     doc_ids = find_doc_ids(batch, b, s)
     fill = mean_loss and counts[rank] == 0
     return BatchInfo(
-        b, s, layout, counts[rank], sum(counts), checksum(batch), doc_ids, padding=padding, fill_target=fill
+        b,
+        s,
+        layout,
+        counts[rank],
+        sum(counts),
+        checksum(batch) if digest else 0,
+        doc_ids,
+        padding=padding,
+        fill_target=fill,
     )
 
 

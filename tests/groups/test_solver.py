@@ -19,7 +19,7 @@ from lightning_paradyse.groups.solver import (
     sequential_cost,
 )
 from lightning_paradyse.models import CONFIGS
-from lightning_paradyse.planning.planner import PlanInfeasible, make_planner, single_rank_modes
+from lightning_paradyse.planning.planner import PlanInfeasible, group_planning, make_planner
 
 CLUSTER = Path(__file__).resolve().parents[2] / "configs" / "clusters" / "a100-80gb-nvlink-8.yaml"
 
@@ -194,11 +194,10 @@ def test_at_eight_ranks_many_short_rows_go_data_parallel_on_the_strategys_own_co
     world = 8
     top = make_planner(CONFIGS["llama-tiny"], world, 70 * 2**30, cluster)
     machine = machine_for_groups(top.model.machine, world)
-    planners = {  # as the strategy's runner makes them: a group of one plans tp_sp and metp
-        g: make_planner(
-            CONFIGS["llama-tiny"], g, 70 * 2**30, machine, single_rank_modes(top.modes) if g == 1 else top.modes
-        )
+    planners = {  # as the strategy's runner makes them (a group of one: tp_sp, metp where tp_sp does not fit)
+        g: make_planner(CONFIGS["llama-tiny"], g, 70 * 2**30, machine, modes, prefer_tp_sp=prefer)
         for g in (1, 2, 4)
+        for modes, prefer in [group_planning(g, top.modes)]
     } | {world: top}
     dims = dims_from_config(CONFIGS["llama-tiny"], top.model.dims.dtype_bytes)
     shape = group_shape_cost(dims, world, planners.__getitem__)

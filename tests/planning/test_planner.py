@@ -27,8 +27,15 @@ from lightning_paradyse.cost.model import CostModel
 from lightning_paradyse.cost.search import Choice, PlanProblem, all_plans, evaluate, exhaustive, min_peak, solve
 from lightning_paradyse.models import CONFIGS, build_model
 from lightning_paradyse.modes import MODES
-from lightning_paradyse.modes.plan import Plan
-from lightning_paradyse.planning.planner import CostPlanner, PlanInfeasible, PlanSkipped, make_planner, to_plan
+from lightning_paradyse.modes.plan import Plan, uniform_plan
+from lightning_paradyse.planning.planner import (
+    CostPlanner,
+    PlanInfeasible,
+    PlanSkipped,
+    group_planning,
+    make_planner,
+    to_plan,
+)
 from lightning_paradyse.runtime.parallel import parallelize
 
 CLUSTERS = sorted((Path(__file__).resolve().parents[2] / "configs" / "clusters").glob("*.yaml"))
@@ -276,3 +283,31 @@ def test_a_model_mixing_sliding_and_full_layers_is_planned_per_layer() -> None:
     assert differs > 0
     mirrored = CostModel(dataclasses.replace(dims, windows=(4096, None)), 8, cluster.machine()).problem(s, 1)
     assert mirrored.ops == (0, 1, 2, 1) and np.array_equal(mirrored.time[[2, 1, 0]], problem.time)
+
+
+def test_a_group_of_one_takes_tp_sp_whenever_it_fits() -> None:
+    """The planner of a group of one rank (:func:`group_planning`, on the shipped CPU profile's machine as the runner
+    makes it) plans ``tp_sp`` everywhere whenever that fits the budget: on one rank the modes compute the same thing
+    and ``tp_sp``'s path is the plain one. Left to its predictions it would give one 512-token row ``metp`` attention,
+    which runs slower (``benchmarks/single_rank_modes.py``). Within a budget ``tp_sp`` does not fit it takes a plan
+    that does."""
+    from lightning_paradyse.groups.cost import machine_for_groups
+
+    profile = Path(__file__).resolve().parents[2] / "configs" / "profiles" / "cpu-2proc-llama-tiny.json"
+    world = make_planner(CONFIGS["llama-tiny"], 2, 2**30, str(profile))
+    machine = machine_for_groups(world.model.machine, 2)
+    modes, prefer = group_planning(1, world.modes)
+    assert set(modes) == {"tp_sp", "metp"}
+    simple = uniform_plan("tp_sp", CONFIGS["llama-tiny"].n_layers)
+    unpreferred = make_planner(CONFIGS["llama-tiny"], 1, 2**30, machine, modes)
+    assert unpreferred.plan(512, 1) != simple  # what the predictions alone choose
+    roomy = make_planner(CONFIGS["llama-tiny"], 1, 2**30, machine, modes, prefer_tp_sp=prefer)
+    for s, b in [(16, 47), (69, 4), (512, 1), (2048, 2)]:
+        assert roomy.plan(s, b) == simple, (s, b)
+    need = roomy.model.plan_cost(simple, 2048, 2)[1]
+    least = roomy.minimum(2048, 2)
+    assert least is not None and least.peak < need
+    budget = (least.peak + need) // 2
+    tight = make_planner(CONFIGS["llama-tiny"], 1, budget, machine, modes, prefer_tp_sp=prefer)
+    step = tight.step(2048, 2)
+    assert step.plan != simple and step.peak_bytes <= budget
