@@ -16,6 +16,12 @@ Rows (each passes or fails on its own; ``--only NAME,...`` runs some):
   GPU, the planner held to one mode: peak CUDA memory of setup and of saving a checkpoint against the steady
   training peak (each <= 1.25x), and the planner's predicted peak against the measured one (within 5%).
 * ``profile``: ``cli.py profile --device cuda --quick`` on 2 ranks sharing the GPU.
+* ``host-syncs``: a data-parallel step synchronises the host at most three times (``tests/lightning/test_cycle.py``,
+  a GPU test).
+* ``quick-p8-cpu``: the quick preset at 8 processes on the machine's CPU cores (``CUDA_VISIBLE_DEVICES=""
+  benchmarks/run.py --quick --devices 8 --repeats 1``): its adaptive/DDP ratio, which issue 24 asks at 8
+  processes on at least 8 cores (only the GPU machine has them; a few minutes: it runs only when ``--only`` names
+  it).
 
 ``--device cpu`` runs the same rows on the host (a dry run of this script: memory rows report no CUDA peak).
 """
@@ -243,6 +249,28 @@ def _profile(device: str, timeout: float) -> Row:
     return Row("profile", ok, measured, "runs", time.perf_counter() - start)
 
 
+def _quick_cpu(devices: int, timeout: float) -> Row:
+    """The quick preset at ``devices`` processes on the host's cores (the GPU hidden), one timed pass: the adaptive
+    run's ratio to DDP (a row that fails only when the run does; the ratio is what it measures)."""
+    start = time.perf_counter()
+    if (os.cpu_count() or 1) < devices:
+        return Row(f"quick-p{devices}-cpu", False, f"{os.cpu_count()} cores", f">= {devices} cores", 0.0)
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--devices", str(devices)]
+        cmd += ["--repeats", "1", "--no-plots", "--out", str(Path(tmp) / "quick.json")]
+        try:
+            env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+            out, ok = proc.stdout + proc.stderr, proc.returncode == 0
+        except subprocess.TimeoutExpired:
+            out, ok = f"timed out after {timeout:.0f} s", False
+    ratio = re.findall(r"adaptive/DDP ([0-9.]+x)", out)
+    if not ok:
+        print(f"--- quick-p{devices}-cpu ---\n{out[-6000:]}", flush=True)
+    measured = f"adaptive/DDP {ratio[-1]}" if ratio else "no ratio"
+    return Row(f"quick-p{devices}-cpu", ok, measured, "runs (>= 1.0x asked)", time.perf_counter() - start)
+
+
 EXACT = "tests/exact/test_exact.py::"
 FAMILIES = "tests/graph/test_families.py::"
 PYTEST_ROWS: dict[str, tuple[list[str], float]] = {
@@ -252,9 +280,12 @@ PYTEST_ROWS: dict[str, tuple[list[str], float]] = {
     "families-p2": ([FAMILIES + "test_hugging_face_families_match_single_process_in_float64"], 400),
     "moe-defaults": (["tests/graph/test_families.py", "-k", "default_grouped_gemm"], 200),
     "bf16": (["tests/lightning/test_bf16.py"], 400),
+    "host-syncs": (["tests/lightning/test_cycle.py", "-k", "synchronises_the_host"], 200),
 }
 """Rows that run tests of the suite on the device: targets and the time limit (seconds)."""
 CLI_ROWS = {"main-job": "configs/cpu_2proc.yaml", "hf-yaml": "configs/hf_llama_cpu.yaml"}
+OPT_IN = {"quick-p8-cpu"}
+"""Rows that run only when ``--only`` names them (a CPU benchmark of a few minutes, not a check of the GPU path)."""
 MEMORY_MODES = ("tp_sp", "ulysses", "ring", "metp")
 
 
@@ -262,10 +293,10 @@ def rows(device: str, only: set[str] | None) -> list[Row]:
     """Every row (or those ``only`` names), run in order."""
     accelerator = "gpu" if device == "cuda" else "cpu"
     env = {"PARADYSE_TEST_ACCELERATOR": accelerator, "PARADYSE_TEST_DEVICE": device}
-    names = [*PYTEST_ROWS, *CLI_ROWS, *(f"memory-{m}" for m in MEMORY_MODES), "profile"]
+    names = [*PYTEST_ROWS, *CLI_ROWS, *(f"memory-{m}" for m in MEMORY_MODES), "profile", "quick-p8-cpu"]
     out = []
     for name in names:
-        if only is not None and name not in only:
+        if (only is None and name in OPT_IN) or (only is not None and name not in only):
             continue
         print(f"[gpu_check] {name} ...", flush=True)
         if name in PYTEST_ROWS:
@@ -274,6 +305,8 @@ def rows(device: str, only: set[str] | None) -> list[Row]:
             out.append(_cli(name, CLI_ROWS[name], accelerator, [], 300))
         elif name.startswith("memory-"):
             out.append(_memory(name.removeprefix("memory-"), accelerator))
+        elif name == "quick-p8-cpu":
+            out.append(_quick_cpu(8, 560))
         else:
             out.append(_profile(device, 400))
     return out

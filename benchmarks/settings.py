@@ -179,8 +179,8 @@ class BenchSettings:
 
     @classmethod
     def quick(cls) -> BenchSettings:
-        """A smoke run: a tiny model, one short trace in global batches of 512 tokens, five runs, one timed pass,
-        a short search."""
+        """A smoke run: a tiny model, one short trace in global batches of 512 tokens, five runs, three timed
+        passes (its steps take 10-30 ms: one pass's times swing by a third between invocations), a short search."""
         return cls(
             # 8 heads: every head-sharded mode runs on up to 8 ranks
             model=ModelSettings(layers=2, hidden=64, heads=8, kv_heads=2, ffn=128, max_seq_len=4096),
@@ -188,7 +188,7 @@ class BenchSettings:
             batch_tokens=512,
             runs=QUICK_RUNS,
             budget=8 * MiB,
-            repeats=1,
+            repeats=3,
             search=SearchSettings(start=256, cap=1024, resolution=0.25, min_step=128),
             preset="quick",
         )

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
     out = tmp_path_factory.mktemp("bench") / "quick.json"
     proc = subprocess.run(
-        [sys.executable, "benchmarks/run.py", "--quick", "--out", str(out)],
+        [sys.executable, "benchmarks/run.py", "--quick", "--repeats", "1", "--out", str(out)],  # one pass: a smoke test
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -471,7 +471,7 @@ def _return_grads(
     rank after them. Returns every rank's tail, ``[P, t]`` (``None`` without one)."""
     t = 0 if tail is None else tail.numel()
     with torch.no_grad():
-        if _read_whole(routes) and _even(routes, p):  # a data-parallel split of even shards: one copy out
+        if _read_whole(routes) and _even(routes):  # a data-parallel split of even shards: one copy out
             return _return_even(routes, shards, p, world, tail)
         grads = [  # per piece (model order): the gradient rows of each owner
             torch.split(_grad_or_zeros(shards[id(route.op)][name]), list(recvs))
@@ -545,11 +545,9 @@ def _read_whole(routes: list[_Route]) -> bool:
     return all(len(set(spans)) == 1 for route in routes for spans in route.ex.sends)
 
 
-def _even(routes: list[_Route], p: int) -> bool:
+def _even(routes: list[_Route]) -> bool:
     """Whether every rank owns as many rows of every piece (the rows of each divisible by ``P``)."""
-    return all(len(set(recvs)) == 1 for route in routes for recvs in route.ex.recvs) and all(
-        len(recvs) == p for route in routes for recvs in route.ex.recvs
-    )
+    return all(len(set(recvs)) == 1 for route in routes for recvs in route.ex.recvs)
 
 
 def _sum_whole(routes: list[_Route], got: torch.Tensor, t: int) -> torch.Tensor | None:

@@ -287,18 +287,27 @@ class CostPlanner:
         return self.step(seq_len, batch).plan
 
     def _solve(self, seq_len: int, batch: int) -> PlannedStep | None:
+        simple = self._simple(seq_len, batch) if self.prefer_tp_sp == math.inf else None
+        if simple is not None:  # taken whenever it fits: nothing to search
+            return simple
         problem = self.problem(seq_len, batch)
         found = solve(problem, self.budget)
         if found is None:
             return None
         best = PlannedStep(to_plan(problem, found.seq), found.time, found.peak, seq_len, batch)
-        if self.prefer_tp_sp > 0 and all("tp_sp" in ops for ops in self.allowed) and False in self.recompute:
-            simple = uniform_plan("tp_sp", self.model.dims.n_layers)
-            time_s, peak = self.model.plan_cost(simple, seq_len, batch)
-            within = self.prefer_tp_sp == math.inf or time_s <= found.time * (1 + self.prefer_tp_sp)
-            if peak <= self.budget and within:
-                return PlannedStep(simple, time_s, peak, seq_len, batch)
+        if 0 < self.prefer_tp_sp < math.inf:
+            simple = self._simple(seq_len, batch)
+            if simple is not None and simple.time_s <= found.time * (1 + self.prefer_tp_sp):
+                return simple
         return best
+
+    def _simple(self, seq_len: int, batch: int) -> PlannedStep | None:
+        """``tp_sp`` everywhere without recomputation when the planner may use it and it fits the budget."""
+        if not (all("tp_sp" in ops for ops in self.allowed) and False in self.recompute):
+            return None
+        simple = uniform_plan("tp_sp", self.model.dims.n_layers)
+        time_s, peak = self.model.plan_cost(simple, seq_len, batch)
+        return PlannedStep(simple, time_s, peak, seq_len, batch) if peak <= self.budget else None
 
     def minimum(self, seq_len: int, batch: int, modes: Sequence[str] | None = None) -> Solution | None:
         """The plan needing the least memory (its peak is the smallest any plan needs)."""
