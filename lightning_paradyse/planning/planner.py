@@ -41,7 +41,7 @@ from lightning_paradyse.calibration.profile import Profile, load_profile
 from lightning_paradyse.cost.cluster import Cluster, load_cluster
 from lightning_paradyse.cost.dims import ModelDims, dims_from_config, dims_from_module
 from lightning_paradyse.cost.model import CostModel
-from lightning_paradyse.cost.search import PlanProblem, Solution, min_peak, solve
+from lightning_paradyse.cost.search import PlanProblem, Solution, evaluate, min_peak, solve
 from lightning_paradyse.cost.time import Machine
 from lightning_paradyse.models import ModelConfig
 from lightning_paradyse.modes import MODES
@@ -287,27 +287,27 @@ class CostPlanner:
         return self.step(seq_len, batch).plan
 
     def _solve(self, seq_len: int, batch: int) -> PlannedStep | None:
-        simple = self._simple(seq_len, batch) if self.prefer_tp_sp == math.inf else None
-        if simple is not None:  # taken whenever it fits: nothing to search
-            return simple
         problem = self.problem(seq_len, batch)
+        simple = self._simple(problem, seq_len, batch) if self.prefer_tp_sp > 0 else None
+        if simple is not None and self.prefer_tp_sp == math.inf:  # taken whenever it fits: nothing to search
+            return simple
         found = solve(problem, self.budget)
         if found is None:
             return None
-        best = PlannedStep(to_plan(problem, found.seq), found.time, found.peak, seq_len, batch)
-        if 0 < self.prefer_tp_sp < math.inf:
-            simple = self._simple(seq_len, batch)
-            if simple is not None and simple.time_s <= found.time * (1 + self.prefer_tp_sp):
-                return simple
-        return best
+        if simple is not None and simple.time_s <= found.time * (1 + self.prefer_tp_sp):
+            return simple
+        return PlannedStep(to_plan(problem, found.seq), found.time, found.peak, seq_len, batch)
 
-    def _simple(self, seq_len: int, batch: int) -> PlannedStep | None:
-        """``tp_sp`` everywhere without recomputation when the planner may use it and it fits the budget."""
-        if not (all("tp_sp" in ops for ops in self.allowed) and False in self.recompute):
+    def _simple(self, problem: PlanProblem, seq_len: int, batch: int) -> PlannedStep | None:
+        """``tp_sp`` everywhere without recomputation, priced on ``problem`` (the shape's cost tables), when the
+        planner may use it and it fits the budget."""
+        choice = next((c for c, ch in enumerate(problem.choices) if (ch.mode, ch.recompute) == ("tp_sp", False)), None)
+        if choice is None or any(choice not in allowed for allowed in problem.allowed):
             return None
-        simple = uniform_plan("tp_sp", self.model.dims.n_layers)
-        time_s, peak = self.model.plan_cost(simple, seq_len, batch)
-        return PlannedStep(simple, time_s, peak, seq_len, batch) if peak <= self.budget else None
+        time_s, peak = evaluate(problem, [choice] * len(problem.ops))
+        if peak > self.budget:
+            return None
+        return PlannedStep(uniform_plan("tp_sp", self.model.dims.n_layers), time_s, peak, seq_len, batch)
 
     def minimum(self, seq_len: int, batch: int, modes: Sequence[str] | None = None) -> Solution | None:
         """The plan needing the least memory (its peak is the smallest any plan needs)."""
