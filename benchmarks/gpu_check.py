@@ -65,15 +65,21 @@ class Row:
     seconds: float
 
 
+def _run(cmd: list[str], cwd: str | Path, timeout: float, env: dict[str, str] | None = None) -> tuple[str, bool]:
+    """``cmd``'s stdout and stderr, and whether it exited 0 (``env``: added to this process's environment)."""
+    try:
+        proc = subprocess.run(
+            cmd, cwd=cwd, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        return f"timed out after {timeout:.0f} s", False
+    return proc.stdout + proc.stderr, proc.returncode == 0
+
+
 def _pytest(name: str, targets: list[str], env: dict[str, str], timeout: float) -> Row:
     start = time.perf_counter()
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *targets]
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=timeout)
-        out = proc.stdout + proc.stderr
-        ok = proc.returncode == 0
-    except subprocess.TimeoutExpired:
-        out, ok = f"timed out after {timeout:.0f} s", False
+    out, ok = _run(cmd, ROOT, timeout, env)
     counts = re.findall(r"(\d+) (passed|failed|errors?|skipped)", out)
     lines = out.strip().splitlines()
     summary = ", ".join(f"{n} {what}" for n, what in counts) or (lines[-1][:80] if lines else "no output")
@@ -89,11 +95,7 @@ def _cli(name: str, config: str, accelerator: str, extra: list[str], timeout: fl
         cmd += [f"--trainer.accelerator={accelerator}", "--trainer.devices=1", f"--trainer.default_root_dir={tmp}"]
         cmd += ["--trainer.strategy.init_args.profile=null", "--trainer.max_steps=20"]  # a CPU profile: refused
         cmd += ["--trainer.strategy.init_args.ranks_per_device=2", *extra]  # the configs' 2 ranks, on the one device
-        try:
-            proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=timeout)
-            out, ok = proc.stdout + proc.stderr, proc.returncode == 0
-        except subprocess.TimeoutExpired:
-            out, ok = f"timed out after {timeout:.0f} s", False
+        out, ok = _run(cmd, tmp, timeout)
     loss = re.findall(r"final loss ([0-9.]+)", out)
     if not ok:
         print(f"--- {name} ---\n{out[-6000:]}", flush=True)
@@ -236,12 +238,8 @@ def _profile(device: str, timeout: float) -> Row:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "profile.json")
         cmd = [sys.executable, str(ROOT / "cli.py"), "profile", "--quick", "-p", "2", "--device", device, "--out", out]
-        try:
-            proc = subprocess.run([*cmd, "--no-progress"], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-            ok, text = proc.returncode == 0, proc.stdout + proc.stderr
-            meta = json.loads(Path(out).read_text())["meta"] if ok else {}
-        except subprocess.TimeoutExpired:
-            ok, text, meta = False, f"timed out after {timeout:.0f} s", {}
+        text, ok = _run([*cmd, "--no-progress"], ROOT, timeout)
+        meta = json.loads(Path(out).read_text())["meta"] if ok else {}
     if not ok:
         print(f"--- profile ---\n{text[-6000:]}", flush=True)
     machine = next((line for line in text.splitlines() if line.startswith("machine:")), "no machine line")
@@ -258,12 +256,7 @@ def _quick_cpu(devices: int, timeout: float) -> Row:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--devices", str(devices)]
         cmd += ["--repeats", "1", "--no-plots", "--out", str(Path(tmp) / "quick.json")]
-        try:
-            env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-            out, ok = proc.stdout + proc.stderr, proc.returncode == 0
-        except subprocess.TimeoutExpired:
-            out, ok = f"timed out after {timeout:.0f} s", False
+        out, ok = _run(cmd, ROOT, timeout, {"CUDA_VISIBLE_DEVICES": ""})
     ratio = re.findall(r"adaptive/DDP ([0-9.]+x)", out)
     if not ok:
         print(f"--- quick-p{devices}-cpu ---\n{out[-6000:]}", flush=True)
