@@ -6,6 +6,10 @@ and returns the list of per-rank results. A failing assertion on any rank fails 
 rank's traceback; a rank that hangs (a mismatched collective) makes the call fail after ``timeout``
 seconds instead of hanging the suite.
 
+A job whose process group fails to form (gloo's ``connectFullMesh`` drops a connection now and then on a loaded
+machine, before ``fn`` runs on any rank) is started again on a fresh store, up to :data:`INIT_TRIES` times in all;
+a failure inside ``fn`` is never retried.
+
 ``fn`` must be a module-level function (it is pickled by reference). Each worker is a fresh interpreter
 (``spawn``) unless :func:`use_forkserver` was called: then workers are forked from one server process that
 imported the given modules once (the test suite does this: a job starts in ~0.2 s instead of 3-6 s of imports).
@@ -28,6 +32,12 @@ import torch.distributed as dist
 
 _START: dict[str, Any] = {"method": "spawn"}
 """How :func:`run_distributed` starts its workers (see :func:`use_forkserver`)."""
+
+INIT_TRIES = 3
+"""How many times :func:`run_distributed` starts a job whose process group failed to form."""
+
+_OK, _FAILED, _INIT_FAILED = "ok", "failed", "init failed"
+"""What a worker reports with its rank: its result, the traceback of ``fn``, or the traceback of the group's set-up."""
 
 
 def use_forkserver(preload: Sequence[str]) -> None:
@@ -56,6 +66,7 @@ def _worker(
     os.environ.update(environ)
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+    stage = _INIT_FAILED
     try:
         if backend == "nccl":  # each rank on its own GPU, current before the first collective
             torch.cuda.set_device(rank)
@@ -66,38 +77,57 @@ def _worker(
             world_size=world,
             timeout=timedelta(seconds=60),
         )
+        stage = _FAILED
         result = fn(rank, world, *args)
-        out.put((rank, True, result))
+        out.put((rank, _OK, result))
     except BaseException:  # report every failure, including assertion errors, to the parent
-        out.put((rank, False, traceback.format_exc()))
+        out.put((rank, stage, traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _collect(procs: list[Any], out: Any, results: dict[int, Any], errors: list[str], timeout: float) -> None:
-    """Gather one report per rank; stop at the first failure, a dead child or the timeout."""
+def _collect(procs: list[Any], out: Any, results: dict[int, Any], errors: list[str], timeout: float) -> bool:
+    """Gather one report per rank; stop at the first failure, a dead child or the timeout.
+
+    Returns whether every failure seen was a process group that did not form (the job may be started again). After
+    the first failure it waits a moment for the other ranks' reports: the first one is often only the echo of
+    another rank's crash ("connection closed by peer")."""
     deadline = time.monotonic() + timeout
     while len(results) < len(procs):
         try:
-            rank, ok, value = out.get(timeout=0.5)
+            rank, status, value = out.get(timeout=0.5)
         except queue.Empty:
             dead = [r for r, proc in enumerate(procs) if proc.exitcode not in (None, 0) and r not in results]
             if dead:
                 errors.append(f"rank(s) {dead} exited with code {[procs[r].exitcode for r in dead]} before reporting")
-                return
+                return False
             if time.monotonic() > deadline:
                 missing = sorted(set(range(len(procs))) - set(results))
                 errors.append(
                     f"timed out after {timeout:.0f} s: ranks {missing} did not finish "
                     f"(a mismatched or hanging collective?)"
                 )
-                return
+                return False
             continue
-        if not ok:
-            errors.append(f"rank {rank} failed:\n{value}")
-            return  # the other ranks are probably blocked in a collective
-        results[rank] = value
+        if status == _OK:
+            results[rank] = value
+            continue
+        statuses = [status]
+        errors.append(f"rank {rank} {status}:\n{value}")
+        settle = time.monotonic() + 2.0  # the other ranks are probably blocked in a collective: do not wait long
+        while time.monotonic() < settle and len(statuses) + len(results) < len(procs):
+            try:
+                rank, status, value = out.get(timeout=max(settle - time.monotonic(), 0.01))
+            except queue.Empty:
+                break
+            if status == _OK:
+                results[rank] = value
+            else:
+                statuses.append(status)
+                errors.append(f"rank {rank} {status}:\n{value}")
+        return all(s == _INIT_FAILED for s in statuses)
+    return False
 
 
 def run_distributed(
@@ -105,6 +135,21 @@ def run_distributed(
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks (gloo; ``backend="nccl"``: rank ``r`` on GPU
     ``r``); return the per-rank results."""
+    for attempt in range(1, INIT_TRIES + 1):
+        results, errors, again = _run_once(fn, world_size, args, timeout, backend)
+        if not errors:
+            return [results[r] for r in range(world_size)]
+        if not again or attempt == INIT_TRIES:
+            break
+        print(f"run_distributed: the process group did not form (try {attempt} of {INIT_TRIES}); starting again")
+    tries = f" (the process group did not form in {INIT_TRIES} tries)" if again else ""
+    raise AssertionError("\n".join(errors) + tries)
+
+
+def _run_once(
+    fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], timeout: float, backend: str
+) -> tuple[dict[int, Any], list[str], bool]:
+    """One start of the job on a fresh store: (results by rank, errors, whether only the set-up failed)."""
     ctx = mp.get_context(_START["method"])
     out = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -119,14 +164,13 @@ def run_distributed(
             proc.start()
         results: dict[int, Any] = {}
         errors: list[str] = []
+        again = False
         try:
-            _collect(procs, out, results, errors, timeout)
+            again = _collect(procs, out, results, errors, timeout)
         finally:
             for proc in procs:
                 proc.join(timeout=5 if not errors else 0.5)
                 if proc.is_alive():
                     proc.kill()
                     proc.join()
-    if errors:
-        raise AssertionError("\n".join(errors))
-    return [results[r] for r in range(world_size)]
+    return results, errors, again
