@@ -39,6 +39,12 @@ class ProfilePlan:
     the quick preset, a smoke run whose numbers are not read."""
 
 
+QUICK_SETTINGS = {"rounds": 1, "kernel_seconds": 0.0, "segment_seconds": 0.05, "step_seconds": 0.0}
+"""The quick preset's calibration: one round, the fewest runs of kernels and steps; each segment repeated for 50 ms
+(a few seconds in all: the tiny model's segments take about a millisecond, and with the fewest runs their fitted
+constants, a group of one's most, swung by several times between invocations)."""
+
+
 def profile_plan(settings: BenchSettings) -> ProfilePlan:
     """Lengths spanning the traces: the quick preset profiles short ones, the full one up to 1K (held out 2K)."""
     if settings.preset == "quick":
@@ -78,7 +84,7 @@ def make_profile(settings: BenchSettings, path: Path) -> dict[str, Any]:
         reps=plan.reps,
         step_lengths=(max(plan.lengths),),
         step_memory_reps=1,
-        **({} if plan.thorough else {"rounds": 1, "kernel_seconds": 0.0, "segment_seconds": 0.0, "step_seconds": 0.0}),
+        **({} if plan.thorough else QUICK_SETTINGS),
     )
     start = time.perf_counter()
     per_rank = run_distributed(_worker, settings.devices, profile_settings, settings.model, timeout=settings.timeout)

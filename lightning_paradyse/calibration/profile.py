@@ -62,7 +62,13 @@ from lightning_paradyse.modes import MODES
 from lightning_paradyse.modes.attention import fused_tiles
 from lightning_paradyse.modes.plan import OPS, uniform_plan
 from lightning_paradyse.modes.specs import SeqContext
-from lightning_paradyse.runtime.parallel import is_causal, parallelize
+from lightning_paradyse.runtime.parallel import (
+    dispatchers,
+    gather_param_like,
+    is_causal,
+    parallelize,
+    shard_sources,
+)
 
 PROFILE_VERSION = 1
 
@@ -171,9 +177,14 @@ class Profile:
     """Held-out steps: mode, recompute, length, measured and predicted time and peak."""
     meta: dict[str, Any] = field(default_factory=dict)
     """Host, torch version, date, duration."""
+    calibration_one: dict[str, OpCalibration] = field(default_factory=dict)
+    """Fitted constants of a group of one rank (:func:`_segments_one`), keyed like :attr:`calibration`; empty in a
+    profile of one rank or one written before they were measured."""
 
     def cost_model(self, dims: ModelDims | None = None, **kwargs: Any) -> CostModel:
-        """A :class:`CostModel` with this profile's machine and constants (for ``dims``, default the profiled model)."""
+        """A :class:`CostModel` with this profile's machine and constants (for ``dims``, default the profiled model),
+        carrying the constants of a group of one (:attr:`CostModel.one_rank`)."""
+        kwargs.setdefault("one_rank", dict(self.calibration_one))
         return CostModel(dims or self.dims, self.p, self.machine, dict(self.calibration), **kwargs)
 
     def to_json(self) -> dict[str, Any]:
@@ -184,6 +195,7 @@ class Profile:
             "dims": dataclasses.asdict(self.dims),
             "machine": self.machine.to_dict(),
             "calibration": {k: c.to_dict() for k, c in self.calibration.items()},
+            "calibration_one": {k: c.to_dict() for k, c in self.calibration_one.items()},
             "settings": self.settings,
             "measurements": self.measurements,
             "validation": self.validation,
@@ -204,6 +216,7 @@ class Profile:
                 measurements=data.get("measurements", {}),
                 validation=data.get("validation", []),
                 meta=data.get("meta", {}),
+                calibration_one={k: OpCalibration.from_dict(v) for k, v in data.get("calibration_one", {}).items()},
             )
         )
 
@@ -220,20 +233,30 @@ def refit_memory(profile: Profile) -> Profile:
     if not segments:
         return profile
     batch = int(profile.settings.get("batch", 1))
-    seg_dims = dataclasses.replace(profile.dims, n_layers=1)
-    calibration = dict(profile.calibration)
-    for mode, op, rc in sorted({(r["mode"], r["op"], bool(r["rc"])) for r in segments}):
-        rows = [r for r in segments if (r["mode"], r["op"], bool(r["rc"])) == (mode, op, rc)]
-        key = "head" if mode == "head" else calibration_key(mode, op, rc)
-        factors = memory_factors(mode, op, rc, rows, seg_dims, profile.p, profile.machine.flash_tiles, batch)
-        calibration[key] = dataclasses.replace(calibration.get(key, OpCalibration()), **factors)
-    refitted = dataclasses.replace(profile, calibration=calibration)
+    calibration = _refit(profile, segments, dict(profile.calibration), profile.p, batch)
+    one = profile.measurements.get("segments_one")
+    calibration_one = _refit(profile, one, dict(profile.calibration_one), 1, batch) if one else profile.calibration_one
+    refitted = dataclasses.replace(profile, calibration=calibration, calibration_one=calibration_one)
     model = CostModel(profile.dims, profile.p, profile.machine, calibration, include_static=False, grads_resident=False)
     validation = []
     for row in profile.validation:
         plan = uniform_plan(row["mode"], profile.dims.n_layers, row["rc"])
         validation.append({**row, "pred_peak": model.plan_cost(plan, row["seq_len"], batch)[1]})
     return dataclasses.replace(refitted, validation=validation)
+
+
+def _refit(
+    profile: Profile, segments: list[dict[str, Any]], calibration: dict[str, OpCalibration], p: int, batch: int
+) -> dict[str, OpCalibration]:
+    """``calibration`` with the memory factors of every (mode, op, recompute) in ``segments`` (measured on ``p``
+    ranks) fitted again."""
+    seg_dims = dataclasses.replace(profile.dims, n_layers=1)
+    for mode, op, rc in sorted({(r["mode"], r["op"], bool(r["rc"])) for r in segments}):
+        rows = [r for r in segments if (r["mode"], r["op"], bool(r["rc"])) == (mode, op, rc)]
+        key = "head" if mode == "head" else calibration_key(mode, op, rc)
+        factors = memory_factors(mode, op, rc, rows, seg_dims, p, profile.machine.flash_tiles, batch)
+        calibration[key] = dataclasses.replace(calibration.get(key, OpCalibration()), **factors)
+    return calibration
 
 
 def load_profile(path: str | Path) -> Profile:
@@ -314,6 +337,61 @@ def _segments(model: torch.nn.Module, settings: ProfileSettings, p: int, bar: _P
     return out
 
 
+def _segments_one(
+    model: torch.nn.Module, settings: ProfileSettings, world: int, bar: _Progress
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The segments and whole steps of a group of one rank (data parallelism), on every rank alone: the modes such
+    a group plans (:data:`ONE_RANK_MODES`) with and without recomputation, and the head, at every length; the steps
+    under their uniform plans at the step lengths (they fit the group's whole-step factor, as the world's steps fit
+    the world's). On the whole weights, gathered from the shards and read by the dispatch modules as a step on groups
+    of one reads them. None on one rank: the world is such a group."""
+    if world == 1:
+        return [], []
+    group = dist.group.WORLD
+    refs = shard_sources(model)
+    ops = dispatchers(model)
+    for path, op in ops:  # [rows/P, ...] -> [rows, ...] per piece: what a group of one holds
+        op.group_shards = {
+            name: gather_param_like(w.detach(), refs[f"{path}.{name}"], group).requires_grad_(w.requires_grad)
+            for name, w in ((name, op.get_parameter(name)) for name in op.sources)
+        }
+    segments, steps = [], []
+    n_layers = resolve_config(settings.model).n_layers
+    try:
+        for s in settings.lengths:
+            ctx = SeqContext(SeqLayout.for_sequence(s, 1, is_causal(model)), None)
+            for mode in _one_rank_modes(settings):
+                for op_name in OPS:
+                    for rc in (False, True):
+                        row = measure_segment(
+                            model, op_name, mode, rc, ctx, settings.batch, settings.reps, settings.segment_seconds
+                        )
+                        segments.append({"mode": mode, "op": op_name, "rc": rc, "seq_len": s, **row})
+                        bar.step(f"one rank {calibration_key(mode, op_name, rc)} s={s}")
+            head = measure_head(model, ctx, settings)
+            segments.append({"mode": "head", "op": "head", "rc": False, "seq_len": s, **head})
+            bar.step(f"one rank head s={s}")
+        for s in settings.step_lengths or settings.lengths:
+            for mode in _one_rank_modes(settings):
+                for rc in (False, True):
+                    row = measure_step(model, uniform_plan(mode, n_layers, rc), s, settings, 1)
+                    steps.append({"mode": mode, "rc": rc, "seq_len": s, **row})
+                    bar.step(f"one rank step {mode}{'+rc' if rc else ''} s={s}")
+    finally:
+        for _, op in ops:
+            op.group_shards = None
+        model.zero_grad(set_to_none=True)
+    return segments, steps
+
+
+ONE_RANK_MODES = ("tp_sp", "metp")
+"""The modes a group of one plans (``single_rank_modes`` of every mode), which :func:`_segments_one` measures."""
+
+
+def _one_rank_modes(settings: ProfileSettings) -> list[str]:
+    return [m for m in ONE_RANK_MODES if m in settings.modes]
+
+
 def _steps(
     model: torch.nn.Module, settings: ProfileSettings, lengths: Sequence[int], p: int, bar: _Progress
 ) -> list[dict[str, Any]]:
@@ -341,6 +419,7 @@ def _measure_once(
     raw["overlap"] = bench_overlap(dims, world, device)
     bar.step("overlap")
     raw["segments"] = _segments(model, settings, world, bar)
+    raw["segments_one"], raw["steps_one"] = _segments_one(model, settings, world, bar)
     raw["fit_steps"] = _steps(model, settings, step_lengths, world, bar)
     raw["steps"] = _steps(model, settings, settings.heldout, world, bar)
     return raw
@@ -369,7 +448,7 @@ def merge_rounds(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
     merged["kernels"] = combine_curves([r["kernels"] for r in rounds], statistics.median)
     merged["collectives"] = combine_curves([r["collectives"] for r in rounds], statistics.median)
     merged["overlap"] = statistics.median(r["overlap"] for r in rounds)
-    for key in ("segments", "fit_steps", "steps"):
+    for key in ("segments", "segments_one", "steps_one", "fit_steps", "steps"):
         merged[key] = _median_rows([r[key] for r in rounds])
     return merged
 
@@ -382,6 +461,9 @@ def profile_worker(rank: int, world: int, settings: ProfileSettings) -> dict[str
     step_lengths = settings.step_lengths or settings.lengths
     n_steps = (len(step_lengths) + len(settings.heldout)) * len(settings.modes) * 2
     n_meas = len(settings.lengths) * (len(settings.modes) * 4 + 1) + n_steps
+    if world > 1:  # a group of one's segments and steps (_segments_one)
+        n_meas += len(settings.lengths) * (len(_one_rank_modes(settings)) * 4 + 1)
+        n_meas += len(step_lengths) * len(_one_rank_modes(settings)) * 2
     bar = _Progress((n_meas + 3) * settings.rounds, settings.progress and rank == 0)
     dims = dims_from_config(config, dtype_size(settings.dtype))
     rounds = [_measure_once(model, settings, dims, world, bar) for _ in range(settings.rounds)]
@@ -412,6 +494,8 @@ def merge_ranks(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
     merged: dict[str, Any] = {k: first[k] for k in ("collectives", "overlap", "flash_tiles") if k in first}
     merged["kernels"] = combine_curves([r["kernels"] for r in per_rank], min)  # the slowest rank's rate
     merged["segments"] = _merge_rows([r["segments"] for r in per_rank])
+    merged["segments_one"] = _merge_rows([r.get("segments_one", []) for r in per_rank])
+    merged["steps_one"] = _merge_rows([r.get("steps_one", []) for r in per_rank])
     merged["steps"] = _merge_rows([r["steps"] for r in per_rank])
     merged["fit_steps"] = _merge_rows([r["fit_steps"] for r in per_rank])
     return merged
@@ -438,14 +522,29 @@ def fit_profile(raw: dict[str, Any], settings: ProfileSettings, p: int) -> Profi
         rows = [r for r in raw["segments"] if (r["mode"], r["op"], r["rc"]) == (mode, op, rc)]
         key = "head" if mode == "head" else calibration_key(mode, op, rc)
         calibration[key] = fit_op(mode, op, rc, rows, seg_dims, p, machine, settings.batch)
+    calibration_one: dict[str, OpCalibration] = {}
+    one = raw.get("segments_one") or []
+    for mode, op, rc in sorted({(r["mode"], r["op"], r["rc"]) for r in one}):
+        rows = [r for r in one if (r["mode"], r["op"], r["rc"]) == (mode, op, rc)]
+        key = "head" if mode == "head" else calibration_key(mode, op, rc)
+        calibration_one[key] = fit_op(mode, op, rc, rows, seg_dims, 1, machine, settings.batch)
+    steps_one: list[dict[str, Any]] = []
+    if calibration_one:  # the whole-step factor of a group of one, fitted as the world's is
+        model_one = CostModel(dims, 1, machine, calibration_one, include_static=False, grads_resident=False)
+        steps_one = _validate(model_one, raw.get("steps_one") or [], config.n_layers, settings.batch)
+        calibration_one["step"] = OpCalibration(time_scale=fit_step_scale(steps_one))
     model = CostModel(dims, p, machine, calibration, include_static=False, grads_resident=False)
     fitted = _validate(model, raw["fit_steps"], config.n_layers, settings.batch)
     calibration["step"] = OpCalibration(time_scale=fit_step_scale(fitted))
     model = CostModel(dims, p, machine, calibration, include_static=False, grads_resident=False)
     validation = _validate(model, raw["steps"], config.n_layers, settings.batch)
     measurements = {"segments": raw["segments"], "steps": fitted}
+    if one:
+        measurements["segments_one"], measurements["steps_one"] = one, steps_one
     measurements["benchmarks"] = {k: raw[k] for k in ("kernels", "overlap")}
-    return Profile(dims, p, machine, calibration, dataclasses.asdict(settings), measurements, validation)
+    return Profile(
+        dims, p, machine, calibration, dataclasses.asdict(settings), measurements, validation, {}, calibration_one
+    )
 
 
 def run_profile(settings: ProfileSettings, world_size: int, timeout: float = 900.0) -> Profile:

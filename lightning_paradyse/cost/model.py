@@ -129,6 +129,9 @@ class CostModel:
     """Seconds paid when consecutive ops run in different modes (zero in this design)."""
     buffers: Mapping[str, int] = field(default_factory=dict)
     """Persistent buffer bytes per mode, paid once by a plan that uses the mode (none in this design)."""
+    one_rank: Mapping[str, OpCalibration] = field(default_factory=dict)
+    """The calibration of a group of one rank cut from this model's ranks (a profile's single-rank segments, keyed
+    like :attr:`calibration`); empty: such a group is priced on the machine's rates alone."""
 
     def _cal(self, key: str) -> OpCalibration:
         if key in self.calibration:

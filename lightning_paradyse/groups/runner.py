@@ -65,7 +65,13 @@ from lightning_paradyse.groups.units import Units
 from lightning_paradyse.modes.plan import Plan
 from lightning_paradyse.modes.specs import SeqContext
 from lightning_paradyse.planning.fixed import Planner
-from lightning_paradyse.planning.planner import CostPlanner, PlanInfeasible, group_planning, make_planner
+from lightning_paradyse.planning.planner import (
+    CostPlanner,
+    PlanInfeasible,
+    group_calibration,
+    group_planning,
+    make_planner,
+)
 from lightning_paradyse.runtime import parallel
 from lightning_paradyse.runtime.slicing import BatchInfo, describe_batch, find_tokens, on_device
 
@@ -257,7 +263,8 @@ class GroupRunner:
         self._world, self._module, self._planner = None, None, None
 
     def planner_for(self, g: int) -> Planner:
-        """The planner of a group of ``g`` ranks (the cost model's machine, collectives for every size)."""
+        """The planner of a group of ``g`` ranks (the cost model's machine, collectives for every size; a group of
+        one with the profile's constants of one rank where it has them, :attr:`~.cost.model.CostModel.one_rank`)."""
         if g not in self._planners:
             planner = self._planner
             if isinstance(planner, CostPlanner):
@@ -275,6 +282,7 @@ class GroupRunner:
                         bucket_tokens=self.plan_bucket,
                         recompute=planner.recompute,
                         prefer_tp_sp=prefer,
+                        calibration=group_calibration(g, planner.model),
                     )
             else:  # a fixed plan (or thresholds): the same planner on every group
                 assert planner is not None

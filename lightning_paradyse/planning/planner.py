@@ -40,7 +40,7 @@ import torch.nn as nn
 from lightning_paradyse.calibration.profile import Profile, load_profile
 from lightning_paradyse.cost.cluster import Cluster, load_cluster
 from lightning_paradyse.cost.dims import ModelDims, dims_from_config, dims_from_module
-from lightning_paradyse.cost.model import CostModel
+from lightning_paradyse.cost.model import CostModel, OpCalibration
 from lightning_paradyse.cost.search import PlanProblem, Solution, evaluate, min_peak, solve
 from lightning_paradyse.cost.time import Machine
 from lightning_paradyse.models import ModelConfig
@@ -436,6 +436,14 @@ def group_planning(g: int, modes: Sequence[str], prefer_tp_sp: float = 0.0) -> t
     if g == 1:
         return single_rank_modes(modes), ONE_RANK_PREFER_TP_SP
     return tuple(modes), prefer_tp_sp
+
+
+def group_calibration(g: int, world: CostModel) -> dict[str, OpCalibration]:
+    """The per-op constants of the planner of a group of ``g`` ranks cut from the world that ``world`` prices: a
+    group of one has its own where the profile measured them (:attr:`~lightning_paradyse.cost.model.CostModel.one_rank`,
+    the whole weights on one rank); other sizes, and a group of one of a profile written before they were measured,
+    are priced on the machine's rates alone."""
+    return dict(world.one_rank) if g == 1 else {}
 
 
 def largest_true(pred: Callable[[int], bool], low: int, limit: int) -> int:

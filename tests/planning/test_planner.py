@@ -21,9 +21,10 @@ import numpy as np
 import pytest
 import torch
 
+from lightning_paradyse.calibration.profile import load_profile
 from lightning_paradyse.cost.cluster import load_cluster
 from lightning_paradyse.cost.dims import dims_from_config, dims_from_module
-from lightning_paradyse.cost.model import CostModel
+from lightning_paradyse.cost.model import CostModel, OpCalibration
 from lightning_paradyse.cost.search import Choice, PlanProblem, all_plans, evaluate, exhaustive, min_peak, solve
 from lightning_paradyse.models import CONFIGS, build_model
 from lightning_paradyse.modes import MODES
@@ -32,6 +33,7 @@ from lightning_paradyse.planning.planner import (
     CostPlanner,
     PlanInfeasible,
     PlanSkipped,
+    group_calibration,
     group_planning,
     make_planner,
     to_plan,
@@ -311,3 +313,35 @@ def test_a_group_of_one_takes_tp_sp_whenever_it_fits() -> None:
     tight = make_planner(CONFIGS["llama-tiny"], 1, budget, machine, modes, prefer_tp_sp=prefer)
     step = tight.step(2048, 2)
     assert step.plan != simple and step.peak_bytes <= budget
+
+
+def test_a_group_of_one_is_priced_on_its_profiled_constants() -> None:
+    """A profile that measured a group of one (``calibration_one``) gives that group's planner its constants
+    (:func:`group_calibration`, as the runner makes the planner); larger groups and older profiles price on the
+    machine's rates."""
+    from lightning_paradyse.groups.cost import machine_for_groups
+
+    shipped = load_profile(Path(__file__).resolve().parents[2] / "configs" / "profiles" / "cpu-2proc-llama-tiny.json")
+    assert not shipped.calibration_one  # written before a group of one was measured
+    fixed = 0.01  # seconds per segment, far above what the machine's rates give a tiny model
+    one = {k: OpCalibration(time_fixed=fixed) for k in ("tp_sp/attention", "tp_sp/mlp", "head")}
+    profile = dataclasses.replace(shipped, calibration_one=one)
+    world = make_planner(CONFIGS["llama-tiny"], 2, 2**30, profile)
+    assert group_calibration(1, world.model) == one and group_calibration(2, world.model) == {}
+    assert group_calibration(1, make_planner(CONFIGS["llama-tiny"], 2, 2**30, shipped).model) == {}
+    machine = machine_for_groups(world.model.machine, 2)
+    modes, prefer = group_planning(1, world.modes)
+    priced = make_planner(
+        CONFIGS["llama-tiny"],
+        1,
+        2**30,
+        machine,
+        modes,
+        prefer_tp_sp=prefer,
+        calibration=group_calibration(1, world.model),
+    )
+    raw = make_planner(CONFIGS["llama-tiny"], 1, 2**30, machine, modes, prefer_tp_sp=prefer)
+    layers = CONFIGS["llama-tiny"].n_layers
+    for s, b in [(16, 47), (512, 1)]:
+        extra = (2 * layers + 1) * (fixed - machine.op_overhead_s)  # every segment's fixed seconds, and the head's
+        assert priced.step(s, b).time_s == pytest.approx(raw.step(s, b).time_s + extra, rel=1e-9), (s, b)

@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 
-from lightning_paradyse.calibration.profile import load_profile, mape_per_mode
+from lightning_paradyse.calibration.calibrate import fit_step_scale
+from lightning_paradyse.calibration.profile import ONE_RANK_MODES, Profile, load_profile, mape_per_mode
 from lightning_paradyse.cost.dims import dims_from_config
 from lightning_paradyse.cost.memory import segment_memory
 from lightning_paradyse.models import CONFIGS
@@ -64,6 +65,9 @@ def test_profile_writes_a_loadable_profile_and_the_accuracy_table(quick_profile:
         )
     keys = {f"{m}/{o}{r}" for m in MODES for o in ("attention", "mlp") for r in ("", "/rc")}
     assert set(profile.calibration) == keys | {"head", "step"}
+    one = {f"{m}/{o}{r}" for m in ONE_RANK_MODES for o in ("attention", "mlp") for r in ("", "/rc")}
+    assert set(profile.calibration_one) == one | {"head", "step"}  # a group of one's own constants
+    assert load_profile(path) == profile and Profile.from_json(profile.to_json()) == profile  # round trip
 
 
 @pytest.mark.dist
@@ -78,6 +82,28 @@ def test_saved_bytes_formulas_are_exact_on_the_profiled_segments(quick_profile: 
         ratios.append(row["saved"] / want)
     assert len(ratios) == 16 * len(profile.settings["lengths"])
     assert statistics.median(abs(r - 1) for r in ratios) < 0.01  # gloo may keep a buffer late: only ever more
+
+
+@pytest.mark.dist
+def test_a_group_of_one_is_measured_on_the_whole_weights(quick_profile: tuple[Path, str]) -> None:
+    """The segments of a group of one (every rank alone, the weights gathered from the shards) keep what the
+    formulas of one rank say, its whole steps fit its whole-step factor; the profile's cost model carries the
+    constants."""
+    profile = load_profile(quick_profile[0])
+    rows = [r for r in profile.measurements["segments_one"] if r["mode"] != "head"]
+    assert len(rows) == 2 * 4 * len(profile.settings["lengths"])
+    ratios = [
+        r["saved"] / segment_memory(r["mode"], r["op"], r["rc"], r["seq_len"], 1, 1, profile.dims).saved.total
+        for r in rows
+    ]
+    assert statistics.median(abs(r - 1) for r in ratios) < 0.01
+    assert profile.cost_model().one_rank == profile.calibration_one
+    steps = profile.measurements["steps_one"]  # whole steps on one rank fit its whole-step factor
+    step_lengths = profile.settings["step_lengths"] or profile.settings["lengths"]
+    assert {(r["mode"], r["rc"], r["seq_len"]) for r in steps} == {
+        (m, rc, s) for m in ONE_RANK_MODES for rc in (False, True) for s in step_lengths
+    }
+    assert profile.calibration_one["step"].time_scale == fit_step_scale(steps)
 
 
 @pytest.mark.dist
