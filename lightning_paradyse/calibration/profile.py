@@ -448,8 +448,10 @@ def merge_rounds(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
     merged["kernels"] = combine_curves([r["kernels"] for r in rounds], statistics.median)
     merged["collectives"] = combine_curves([r["collectives"] for r in rounds], statistics.median)
     merged["overlap"] = statistics.median(r["overlap"] for r in rounds)
-    for key in ("segments", "segments_one", "steps_one", "fit_steps", "steps"):
+    for key in ("segments", "fit_steps", "steps"):
         merged[key] = _median_rows([r[key] for r in rounds])
+    for key in ("segments_one", "steps_one"):  # a group of one's: none on one rank
+        merged[key] = _median_rows([r.get(key, []) for r in rounds])
     return merged
 
 
