@@ -279,7 +279,9 @@ class CostModel:
     def plan_cost(self, plan: Plan, seq_len: int, batch: int) -> tuple[float, int]:
         """``(seconds, peak bytes)`` of one step under ``plan`` (the same accounting the planner optimises)."""
         used = sorted({op.mode for layer in plan.layers for op in (layer.attention, layer.mlp)})
-        problem = self.problem(seq_len, batch, used, allowed=(used, used))
+        attention = tuple(sorted({layer.attention.mode for layer in plan.layers}))
+        mlp = tuple(sorted({layer.mlp.mode for layer in plan.layers}))
+        problem = self.problem(seq_len, batch, used, allowed=(attention, mlp))  # a mode only where the plan runs it
         index = {(ch.mode, ch.recompute): c for c, ch in enumerate(problem.choices)}
         seq = [index[(layer.op(op).mode, layer.op(op).recompute)] for layer in plan.layers for op in OPS]
         return evaluate(problem, seq)

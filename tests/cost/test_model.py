@@ -32,7 +32,7 @@ from lightning_paradyse.cost.time import op_time, ring_pairs
 from lightning_paradyse.cost.traffic import PHASES, op_collectives, phase_bytes
 from lightning_paradyse.models import CONFIGS, build_model
 from lightning_paradyse.modes import MODES, get_mode
-from lightning_paradyse.modes.plan import OPS, random_plan
+from lightning_paradyse.modes.plan import OPS, LayerPlan, OpPlan, Plan, random_plan
 from lightning_paradyse.modes.volume import op_traffic
 from lightning_paradyse.runtime.parallel import parallelize
 
@@ -138,6 +138,19 @@ def test_plan_cost_is_the_planner_accounting() -> None:
     time, peak = model.plan_cost(plan, 3000, 2)
     assert peak > model.static_bytes() > 0 and time > 0
     assert torch.tensor(problem.saved).min() > 0
+
+
+def test_plan_cost_prices_a_mode_only_on_the_op_that_runs_it() -> None:
+    """A plan whose mode runs one op and cannot run the other on ``p`` ranks (12 heads, 2 kv heads on 8: ``metp``
+    runs the MLP, not the attention) is priced, as the planner's search priced it."""
+    dims = dims_from_config(dataclasses.replace(CONFIGS["llama-tiny"], n_layers=2, n_heads=12, n_kv_heads=2), 4)
+    model = CostModel(dims, 8, CLUSTER.machine())
+    assert "metp" not in model.allowed_modes()[0] and "metp" in model.allowed_modes()[1]
+    plan = Plan((LayerPlan(OpPlan("ring"), OpPlan("metp")), LayerPlan(OpPlan("ring", True), OpPlan("metp"))))
+    problem = model.problem(1024, 2)
+    index = {(c.mode, c.recompute): i for i, c in enumerate(problem.choices)}
+    seq = [index[(layer.op(op).mode, layer.op(op).recompute)] for layer in plan.layers for op in OPS]
+    assert model.plan_cost(plan, 1024, 2) == pytest.approx(evaluate(problem, seq), rel=1e-12)
 
 
 def test_quick_machine_measures_every_kernel_the_model_needs() -> None:
