@@ -11,10 +11,10 @@ the things dealt to groups:
   packed together cost their tokens, not the square of their total).
 
 With a cost model, a group's time is the planner's predicted step time for the group's shape (planned once per
-length bucket) rescaled from the bucket to the real lengths by the FLOP count (:func:`flop_weights`) above its fixed
-part, times the correction ``scales[g]`` of its group size when given, plus the weight exchange
-(:func:`exchange_seconds`); without one (a fixed plan or thresholds) it is the FLOPs per rank. Every cost is
-monotone: adding a unit never makes a group faster, as the solver's bound needs.
+length bucket) rescaled from the bucket to the real lengths by the FLOP count (:func:`flop_weights`), times the
+correction ``scales[g]`` of its group size when given, plus the weight exchange (:func:`exchange_seconds`);
+without one (a fixed plan or thresholds) it is the FLOPs per rank. Every cost is monotone: adding a unit never
+makes a group faster, as the solver's bound needs.
 """
 
 from __future__ import annotations
@@ -125,9 +125,7 @@ def planner_step_time(
 ) -> StepTime:
     """:data:`StepTime` from the cost planner of each group size: the step planned at the shape's buckets
     (:meth:`~lightning_paradyse.planning.planner.CostPlanner.step`), its time rescaled from the bucket's length to
-    the real one by the FLOP count above the plan's time at the shortest length the group runs (its fixed part:
-    per-op overheads and latencies do not shrink with the rows, and a short model's step is mostly them) and, for a
-    coarse bucket, interpolated linearly in the batch between its ends
+    the real one by the FLOP count and, for a coarse bucket, interpolated linearly in the batch between its ends
     (``b`` rows between ``B/2`` and ``B``: the steps planned for both; near the budget, where a fine bucket's
     step is taken, its time as it is: at most one fine step more rows), times ``scales[g]``. Both are monotone,
     so the cost is; results are cached per shape (:data:`SHAPE_CACHE` of them)."""
@@ -135,22 +133,9 @@ def planner_step_time(
     a, c = flop_weights(dims)
     scales = scales or {}
 
-    def work(s: int) -> float:
-        return a * s + c * s * s
-
-    @functools.lru_cache(maxsize=SHAPE_CACHE)
-    def floor(g: int, plan: Any, batch: int) -> float:
-        """The plan's step at the shortest length a group of ``g`` runs (a token a rank): what does not shrink with
-        the length (the ops' fixed seconds, the collectives' latency, the head's fixed part)."""
-        return float(planner_for(g).model.plan_cost(plan, g, batch)[0])
-
-    def at_length(planned: Any, s: int, g: int) -> float:
-        top, time_s = max(planned.seq_len, s), float(planned.time_s)
-        low = min(g, top)
-        if work(top) <= work(low):
-            return time_s
-        base = min(floor(g, planned.plan, planned.batch), time_s)
-        return base + (time_s - base) * max(work(s) - work(low), 0.0) / (work(top) - work(low))
+    def at_length(planned: Any, s: int) -> float:
+        top = max(planned.seq_len, s)
+        return float(planned.time_s) * (a * s + c * s * s) / (a * top + c * top * top)
 
     @functools.lru_cache(maxsize=SHAPE_CACHE)
     def step_time(s: int, b: int, g: int) -> float | None:
@@ -158,10 +143,10 @@ def planner_step_time(
         high = planner.try_step(s, b)  # a shape that does not fit is no batch to skip or explain
         if high is None:
             return None
-        time_s = at_length(high, s, g)
+        time_s = at_length(high, s)
         if (high.seq_len, high.batch) == planner.coarse(s, b) and high.batch > b:  # interpolate from B/2 rows
             low = planner.step(s, high.batch // 2)  # fits: fewer rows of a length that fits
-            below = at_length(low, s, g)
+            below = at_length(low, s)
             time_s = below + (time_s - below) * (b - low.batch) / (high.batch - low.batch)
         return time_s * scales.get(g, 1.0)
 

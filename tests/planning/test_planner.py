@@ -153,26 +153,6 @@ def test_batches_are_planned_per_power_of_two_bucket() -> None:
     assert times[2] == pytest.approx((planner.step(1024, 2).time_s + planner.step(1024, 4).time_s) / 2)
 
 
-def test_a_shorter_length_keeps_the_steps_fixed_part() -> None:
-    """The group cost prices a length below its bucket's top by the FLOPs above the plan's time at the shortest
-    length the group runs: at that length it is the plan's price there, at the top the bucket's step, and between
-    them monotone; the fixed part (per-op overheads, latencies) is never scaled away."""
-    from lightning_paradyse.groups.cost import flop_weights, planner_step_time
-
-    planner = _tiny_planner(2**30)
-    step_time = planner_step_time(planner.model.dims, lambda g: planner)
-    step = planner.step(600, 1)
-    assert step.seq_len == 1024
-    floor = planner.model.plan_cost(step.plan, 2, 1)[0]
-    assert step_time(1024, 1, 2) == step.time_s and step_time(2, 1, 2) == pytest.approx(floor, rel=1e-12)
-    times = [step_time(s, 1, 2) for s in range(513, 1025, 37)]
-    assert times == sorted(times)
-    a, c = flop_weights(planner.model.dims)
-    share = (a * 600 + c * 600**2 - a * 2 - c * 4) / (a * 1024 + c * 1024**2 - a * 2 - c * 4)
-    assert step_time(600, 1, 2) == pytest.approx(floor + (step.time_s - floor) * share, rel=1e-12)
-    assert step_time(600, 1, 2) > step.time_s * (a * 600 + c * 600**2) / (a * 1024 + c * 1024**2)  # scaled whole
-
-
 def test_warming_plans_ahead_what_steps_would_plan_and_stops_at_the_budget() -> None:
     """``warm`` plans the bucket tops short batches fall in, the same plans :meth:`step` makes on first sight; rows
     stop doubling where the budget or the token cap is reached."""
