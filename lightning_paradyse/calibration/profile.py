@@ -337,6 +337,15 @@ def _segments(model: torch.nn.Module, settings: ProfileSettings, p: int, bar: _P
     return out
 
 
+ONE_RANK_MODES = ("tp_sp", "metp")
+"""The modes a group of one plans (:func:`~lightning_paradyse.planning.planner.single_rank_modes` of
+every mode; a test keeps them alike), which :func:`_segments_one` measures."""
+
+
+def _one_rank_modes(settings: ProfileSettings) -> list[str]:
+    return [m for m in ONE_RANK_MODES if m in settings.modes]
+
+
 def _segments_one(
     model: torch.nn.Module, settings: ProfileSettings, world: int, bar: _Progress
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -382,14 +391,6 @@ def _segments_one(
             op.group_shards = None
         model.zero_grad(set_to_none=True)
     return segments, steps
-
-
-ONE_RANK_MODES = ("tp_sp", "metp")
-"""The modes a group of one plans (``single_rank_modes`` of every mode), which :func:`_segments_one` measures."""
-
-
-def _one_rank_modes(settings: ProfileSettings) -> list[str]:
-    return [m for m in ONE_RANK_MODES if m in settings.modes]
 
 
 def _steps(
@@ -544,8 +545,9 @@ def fit_profile(raw: dict[str, Any], settings: ProfileSettings, p: int) -> Profi
     if one:
         measurements["segments_one"], measurements["steps_one"] = one, steps_one
     measurements["benchmarks"] = {k: raw[k] for k in ("kernels", "overlap")}
+    settings_dict = dataclasses.asdict(settings)
     return Profile(
-        dims, p, machine, calibration, dataclasses.asdict(settings), measurements, validation, {}, calibration_one
+        dims, p, machine, calibration, settings_dict, measurements, validation, calibration_one=calibration_one
     )
 
 

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_paradyse.calibration.profile import load_profile
+from lightning_paradyse.calibration.profile import ONE_RANK_MODES, load_profile
 from lightning_paradyse.cost.cluster import load_cluster
 from lightning_paradyse.cost.dims import dims_from_config, dims_from_module
 from lightning_paradyse.cost.model import CostModel, OpCalibration
@@ -299,7 +299,7 @@ def test_a_group_of_one_takes_tp_sp_whenever_it_fits() -> None:
     world = make_planner(CONFIGS["llama-tiny"], 2, 2**30, str(profile))
     machine = machine_for_groups(world.model.machine, 2)
     modes, prefer = group_planning(1, world.modes)
-    assert set(modes) == {"tp_sp", "metp"}
+    assert set(modes) == {"tp_sp", "metp"} == set(ONE_RANK_MODES)  # what a profile measures a group of one in
     simple = uniform_plan("tp_sp", CONFIGS["llama-tiny"].n_layers)
     unpreferred = make_planner(CONFIGS["llama-tiny"], 1, 2**30, machine, modes)
     assert unpreferred.plan(512, 1) != simple  # what the predictions alone choose
