@@ -116,11 +116,26 @@ def _mape(pairs: list[tuple[float | None, float]]) -> float | None:
     return statistics.fmean(errors) if errors else None
 
 
-def _prediction_fields(table: dict[str, Any], times: list[float]) -> dict[str, Any]:
-    """The cost model's accuracy on this run's steps (adaptive run with a profile), and the plans."""
+def _timed_predictions(fits: Sequence[dict[str, Any]], n_steps: int) -> list[float | None]:
+    """Every step's predicted seconds as the timed passes made them (the median over them; ``None`` where one has
+    none). A step on groups adds the fixed part the strategy measured on the fit's earlier steps: in the
+    instrumented pass those ran under its Python dispatch modes (several times slower for small ops), so only the
+    timed passes' predictions are compared with the timed passes' steps."""
+    out: list[float | None] = []
+    for i in range(n_steps):
+        got = [f["steps"][0][i].get("pred_time_s") for f in _timed(fits)]
+        known = [float(t) for t in got if t is not None]
+        out.append(statistics.median(known) if known and len(known) == len(got) else None)
+    return out
+
+
+def _prediction_fields(table: dict[str, Any], times: list[float], timed: list[float | None]) -> dict[str, Any]:
+    """The cost model's accuracy on this run's steps (adaptive run with a profile), and the plans: the predicted
+    times of the timed passes (:func:`_timed_predictions`; the instrumented pass's where they have none), the
+    predicted peaks of the instrumented pass (which measures the peaks)."""
     if not any(plan is not None for plan in table["plans"]):
         return {"plans": None}
-    pred = table["predicted"]
+    pred = [(t if t is not None else t0, m) for t, (t0, m) in zip(timed, table["predicted"])]
     return {
         "plans": table["plans"],
         "skipped_steps": sum(table["skipped"]),
@@ -201,7 +216,7 @@ def summarise(name: str, trace: Trace, fits: list[dict[str, Any]], ctx: dict[str
         "model_flops_per_s_per_rank": flops_per_rank,
         "mfu": flops_per_rank / ctx["matmul"],
         **(_group_fields(fits) if spec.uses_paradyse else {}),
-        **(_prediction_fields(table, times) if spec.family == "paradyse" else {}),
+        **(_prediction_fields(table, times, _timed_predictions(fits, len(times))) if spec.family == "paradyse" else {}),
         **ctx["search"].get(name, {}),
     }
 

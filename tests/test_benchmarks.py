@@ -71,6 +71,23 @@ def test_quick_run_adaptive_and_static_complete_the_trace(quick: tuple[dict[str,
     assert adaptive["planner_ms_per_batch"] is not None and adaptive["planner_ms_per_batch"] >= 0
 
 
+def test_predicted_step_times_are_the_timed_passes() -> None:
+    """The cost model's accuracy compares the timed passes' steps with the timed passes' predictions (their median;
+    the instrumented pass's only where a timed pass has none)."""
+    from benchmarks.report import _prediction_fields, _timed_predictions
+
+    def fit(pass_index: int, preds: list[float | None]) -> dict[str, Any]:
+        return {"pass": pass_index, "steps": [[{"pred_time_s": t} for t in preds]]}
+
+    fits = [fit(0, [9.0, 9.0, 9.0]), fit(1, [1.0, 2.0, None]), fit(2, [3.0, 2.0, 5.0]), fit(3, [2.0, 2.0, 5.0])]
+    timed = _timed_predictions(fits, 3)
+    assert timed == [2.0, 2.0, None]
+    table = {"plans": [["p"]] * 3, "skipped": [False] * 3, "predicted": [(9.0, 10)] * 3, "peaks": [10] * 3}
+    fields = _prediction_fields(table, [2.0, 4.0, 9.0], timed)
+    assert fields["predicted_step_time_s"] == [2.0, 2.0, 9.0] and fields["predicted_peak_bytes"] == [10, 10, 10]
+    assert fields["cost_model_time_mape"] == pytest.approx((0 + 50 + 0) / 3)
+
+
 @pytest.mark.dist
 def test_quick_run_plots(quick: tuple[dict[str, Any], Path]) -> None:
     _, out = quick
