@@ -319,21 +319,30 @@ def _rank_device(settings: ProfileSettings) -> torch.device:
     return device
 
 
-def _segments(model: torch.nn.Module, settings: ProfileSettings, p: int, bar: _Progress) -> list[dict[str, Any]]:
+def _segments(
+    model: torch.nn.Module,
+    settings: ProfileSettings,
+    p: int,
+    bar: _Progress,
+    modes: Sequence[str] | None = None,
+    label: str = "",
+) -> list[dict[str, Any]]:
+    """Every segment of ``modes`` (default the settings') with and without recomputation, and the head, at every
+    length, on ``p`` ranks (one: no group); ``label`` prefixes the progress bar's steps."""
     group = dist.group.WORLD if p > 1 else None
     out = []
     for s in settings.lengths:
         ctx = SeqContext(SeqLayout.for_sequence(s, p, is_causal(model)), group)
-        for mode in settings.modes:
+        for mode in settings.modes if modes is None else modes:
             for op in OPS:
                 for rc in (False, True):
                     row = measure_segment(
                         model, op, mode, rc, ctx, settings.batch, settings.reps, settings.segment_seconds
                     )
                     out.append({"mode": mode, "op": op, "rc": rc, "seq_len": s, **row})
-                    bar.step(f"{calibration_key(mode, op, rc)} s={s}")
+                    bar.step(f"{label}{calibration_key(mode, op, rc)} s={s}")
         out.append({"mode": "head", "op": "head", "rc": False, "seq_len": s, **measure_head(model, ctx, settings)})
-        bar.step(f"head s={s}")
+        bar.step(f"{label}head s={s}")
     return out
 
 
@@ -364,28 +373,10 @@ def _segments_one(
             name: gather_param_like(w.detach(), refs[f"{path}.{name}"], group).requires_grad_(w.requires_grad)
             for name, w in ((name, op.get_parameter(name)) for name in op.sources)
         }
-    segments, steps = [], []
-    n_layers = resolve_config(settings.model).n_layers
     try:
-        for s in settings.lengths:
-            ctx = SeqContext(SeqLayout.for_sequence(s, 1, is_causal(model)), None)
-            for mode in _one_rank_modes(settings):
-                for op_name in OPS:
-                    for rc in (False, True):
-                        row = measure_segment(
-                            model, op_name, mode, rc, ctx, settings.batch, settings.reps, settings.segment_seconds
-                        )
-                        segments.append({"mode": mode, "op": op_name, "rc": rc, "seq_len": s, **row})
-                        bar.step(f"one rank {calibration_key(mode, op_name, rc)} s={s}")
-            head = measure_head(model, ctx, settings)
-            segments.append({"mode": "head", "op": "head", "rc": False, "seq_len": s, **head})
-            bar.step(f"one rank head s={s}")
-        for s in settings.step_lengths or settings.lengths:
-            for mode in _one_rank_modes(settings):
-                for rc in (False, True):
-                    row = measure_step(model, uniform_plan(mode, n_layers, rc), s, settings, 1)
-                    steps.append({"mode": mode, "rc": rc, "seq_len": s, **row})
-                    bar.step(f"one rank step {mode}{'+rc' if rc else ''} s={s}")
+        modes = _one_rank_modes(settings)
+        segments = _segments(model, settings, 1, bar, modes, "one rank ")
+        steps = _steps(model, settings, settings.step_lengths or settings.lengths, 1, bar, modes, "one rank ")
     finally:
         for _, op in ops:
             op.group_shards = None
@@ -394,17 +385,24 @@ def _segments_one(
 
 
 def _steps(
-    model: torch.nn.Module, settings: ProfileSettings, lengths: Sequence[int], p: int, bar: _Progress
+    model: torch.nn.Module,
+    settings: ProfileSettings,
+    lengths: Sequence[int],
+    p: int,
+    bar: _Progress,
+    modes: Sequence[str] | None = None,
+    label: str = "",
 ) -> list[dict[str, Any]]:
-    """Whole steps under every uniform plan (each mode, with and without recomputation) at ``lengths``."""
+    """Whole steps under every uniform plan (each of ``modes``, default the settings', with and without
+    recomputation) at ``lengths`` on ``p`` ranks; ``label`` prefixes the progress bar's steps."""
     n_layers = resolve_config(settings.model).n_layers
     out = []
     for s in lengths:
-        for mode in settings.modes:
+        for mode in settings.modes if modes is None else modes:
             for rc in (False, True):
                 row = measure_step(model, uniform_plan(mode, n_layers, rc), s, settings, p)
                 out.append({"mode": mode, "rc": rc, "seq_len": s, **row})
-                bar.step(f"step {mode}{'+rc' if rc else ''} s={s}")
+                bar.step(f"{label}step {mode}{'+rc' if rc else ''} s={s}")
     return out
 
 
