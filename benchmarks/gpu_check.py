@@ -65,21 +65,33 @@ class Row:
     seconds: float
 
 
+LOG_DIR: Path | None = None
+"""Where each row's whole output is written (``--log-dir``), as ``<row>.log``."""
+
+
+def _log(name: str, text: str) -> None:
+    if LOG_DIR is not None:
+        LOG_DIR.mkdir(parents=True, exist_ok=True)
+        (LOG_DIR / f"{name}.log").write_text(text)
+
+
 def _run(cmd: list[str], cwd: str | Path, timeout: float, env: dict[str, str] | None = None) -> tuple[str, bool]:
     """``cmd``'s stdout and stderr, and whether it exited 0 (``env``: added to this process's environment)."""
     try:
         proc = subprocess.run(
             cmd, cwd=cwd, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=timeout
         )
-    except subprocess.TimeoutExpired:
-        return f"timed out after {timeout:.0f} s", False
+    except subprocess.TimeoutExpired as err:
+        partial = [x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (err.stdout, err.stderr)]
+        return "".join(partial) + f"\ntimed out after {timeout:.0f} s", False
     return proc.stdout + proc.stderr, proc.returncode == 0
 
 
 def _pytest(name: str, targets: list[str], env: dict[str, str], timeout: float) -> Row:
     start = time.perf_counter()
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *targets]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--maxfail=3", "-rfE", *targets]
     out, ok = _run(cmd, ROOT, timeout, env)
+    _log(name, out)
     counts = re.findall(r"(\d+) (passed|failed|errors?|skipped)", out)
     lines = out.strip().splitlines()
     summary = ", ".join(f"{n} {what}" for n, what in counts) or (lines[-1][:80] if lines else "no output")
@@ -96,6 +108,7 @@ def _cli(name: str, config: str, accelerator: str, extra: list[str], timeout: fl
         cmd += ["--trainer.strategy.init_args.profile=null", "--trainer.max_steps=20"]  # a CPU profile: refused
         cmd += ["--trainer.strategy.init_args.ranks_per_device=2", *extra]  # the configs' 2 ranks, on the one device
         out, ok = _run(cmd, tmp, timeout)
+    _log(name, out)
     loss = re.findall(r"final loss ([0-9.]+)", out)
     if not ok:
         print(f"--- {name} ---\n{out[-6000:]}", flush=True)
@@ -239,6 +252,7 @@ def _profile(device: str, timeout: float) -> Row:
         out = os.path.join(tmp, "profile.json")
         cmd = [sys.executable, str(ROOT / "cli.py"), "profile", "--quick", "-p", "2", "--device", device, "--out", out]
         text, ok = _run([*cmd, "--no-progress"], ROOT, timeout)
+        _log("profile", text)
         meta = json.loads(Path(out).read_text())["meta"] if ok else {}
     if not ok:
         print(f"--- profile ---\n{text[-6000:]}", flush=True)
@@ -257,6 +271,7 @@ def _quick_cpu(devices: int, timeout: float) -> Row:
         cmd = [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--devices", str(devices)]
         cmd += ["--repeats", "1", "--no-plots", "--out", str(Path(tmp) / "quick.json")]
         out, ok = _run(cmd, ROOT, timeout, {"CUDA_VISIBLE_DEVICES": ""})
+    _log(f"quick-p{devices}-cpu", out)
     ratio = re.findall(r"adaptive/DDP ([0-9.]+x)", out)
     if not ok:
         print(f"--- quick-p{devices}-cpu ---\n{out[-6000:]}", flush=True)
@@ -302,6 +317,8 @@ def rows(device: str, only: set[str] | None) -> list[Row]:
             out.append(_quick_cpu(8, 560))
         else:
             out.append(_profile(device, 400))
+        r = out[-1]
+        print(f"[gpu_check] {r.name}: {'pass' if r.ok else 'FAIL'}, {r.measured} ({r.seconds:.0f} s)", flush=True)
     return out
 
 
@@ -318,7 +335,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--only", default=None, help="comma-separated rows (default: every row)")
+    parser.add_argument("--log-dir", type=Path, default=None, help="write each row's whole output to <row>.log here")
     args = parser.parse_args(argv)
+    global LOG_DIR
+    LOG_DIR = args.log_dir
     results = rows(args.device, None if args.only is None else set(args.only.split(",")))
     print(table(results, args.device))
     return 0 if all(r.ok for r in results) else 1

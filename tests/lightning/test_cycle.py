@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import os
+import traceback
 import warnings
 from collections import Counter
 from typing import Any
@@ -50,20 +51,29 @@ class Count(pl.Callback):
     def __init__(self) -> None:
         self.collectives: Counter[str] = Counter()
         self.syncs = 0
+        self.sync_sites: list[str] = []
+        """Where each synchronisation was asked for: the package's frames that led to it."""
         self.validated: list[int] = []
         """The optimizer steps done when each validation batch ended."""
         self._mode: Collectives | None = None
         self._warnings: Any = None
-        self._caught: list[Any] = []
+
+    def _seen(self, message: Any, *args: Any, **kwargs: Any) -> None:
+        """A warning during the counted step: a synchronisation's is recorded with the package's frames that led
+        to it (innermost first)."""
+        if "synchroniz" in str(message):
+            frames = [f for f in traceback.extract_stack()[:-1] if "lightning_paradyse" in f.filename]
+            self.sync_sites.append(" <- ".join(f"{os.path.basename(f.filename)}:{f.lineno}" for f in frames[::-1][:4]))
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int) -> None:
         if i == COUNTED_STEP:
             if trainer.strategy.root_device.type == "cuda":
                 torch.cuda.synchronize()
-                self._warnings = warnings.catch_warnings(record=True)
-                self._caught = self._warnings.__enter__()
+                self._warnings = warnings.catch_warnings()
+                self._warnings.__enter__()
                 warnings.simplefilter("always")
+                warnings.showwarning = self._seen
                 torch.cuda.set_sync_debug_mode("warn")
             self._mode = Collectives()
             self._mode.__enter__()
@@ -80,7 +90,7 @@ class Count(pl.Callback):
         if self._warnings is not None:
             torch.cuda.set_sync_debug_mode("default")
             self._warnings.__exit__(None, None, None)
-            self.syncs = sum("synchroniz" in str(w.message) for w in self._caught)
+            self.syncs = len(self.sync_sites)
             self._warnings = None
 
 
@@ -122,7 +132,8 @@ def worker(rank: int, world: int, ports: tuple[int, ...]) -> bytes:
     assert trainer.strategy.step_record.split == (1,) * world  # type: ignore[attr-defined]
     assert count.validated[0] == COUNTED_STEP, count.validated  # before the counted step
     buffer = io.BytesIO()
-    torch.save({"collectives": dict(count.collectives), "syncs": count.syncs}, buffer)
+    record = {"collectives": dict(count.collectives), "syncs": count.syncs, "sync_sites": count.sync_sites}
+    torch.save(record, buffer)
     return buffer.getvalue()
 
 
@@ -147,7 +158,8 @@ def test_a_data_parallel_step_makes_the_two_halves_of_ddps_all_reduce_and_nothin
 def test_a_data_parallel_step_synchronises_the_host_at_most_three_times() -> None:
     # the group time (the step's kernels before the clock is read), the digest's agreement, and the returned
     # gradients' presence flags with every rank's times
-    assert counted_step()["syncs"] <= 3
+    counted = counted_step()
+    assert counted["syncs"] <= 3, counted["sync_sites"]
 
 
 def test_the_batch_is_described_from_the_loaders_copy_only_while_no_hook_changed_it() -> None:
