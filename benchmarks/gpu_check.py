@@ -234,14 +234,17 @@ def _memory(mode: str, accelerator: str) -> Row:
         return Row(f"memory-{mode}", False, f"{len(ranks)} rank record(s)", "2 ranks", time.perf_counter() - start)
     if ranks[0]["setup"] is None:
         return Row(f"memory-{mode}", True, "no CUDA peak (host)", "n/a", time.perf_counter() - start)
-    worst_ratio, worst_err = 0.0, 0.0
+    worst_ratio, worst_err, worst_pair = 0.0, 0.0, (0.0, 0.0)
     for r in ranks:
         steady = max(x for x in r["steps"][1:] if x is not None)
         worst_ratio = max(worst_ratio, r["setup"] / steady, r["checkpoint"] / steady)
         pairs = [(p, m) for p, m in zip(r["predicted"][1:], r["steps"][1:]) if p is not None and m is not None]
-        worst_err = max([worst_err, *(abs(p - m) / m for p, m in pairs)])
+        for p, m in pairs:
+            if abs(p - m) / m >= worst_err:
+                worst_err, worst_pair = abs(p - m) / m, (p, m)
     ok = worst_ratio <= SETUP_LIMIT and worst_err <= MEMORY_ERROR
-    measured = f"setup/ckpt {worst_ratio:.2f}x steady, predicted {worst_err * 100:.1f}% off ({ranks[0]['plans'][-1]})"
+    predicted = f"predicted {worst_pair[0]:.0f} MiB against {worst_pair[1]:.0f} ({worst_err * 100:.1f}% off)"
+    measured = f"setup/ckpt {worst_ratio:.2f}x steady, {predicted}, {ranks[0]['plans'][-1].split(' | ')[0]}"
     limit = f"<= {SETUP_LIMIT}x, <= {MEMORY_ERROR * 100:.0f}%"
     return Row(f"memory-{mode}", ok, measured, limit, time.perf_counter() - start)
 

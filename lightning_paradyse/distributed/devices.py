@@ -9,6 +9,8 @@
 * :func:`broadcast_module`: rank 0's parameters and buffers on every rank, bucket by bucket through the collective's
   device (a model built on the host never reaches a GPU whole).
 * :func:`check_profile_device`: a cost profile measured on one device type is refused for a run on another.
+* :func:`to_device` / :func:`index_on`: a small host tensor (an index, a header, a few numbers) onto a GPU without
+  a host synchronisation.
 """
 
 from __future__ import annotations
@@ -118,6 +120,21 @@ def broadcast_module(module: nn.Module, group: Group, bucket_bytes: int = BROADC
                     t.copy_(piece.view_as(t))
 
 
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``t``, a host tensor this code made (an index, a header, a few numbers), on ``device`` without waiting.
+
+    A blocking copy onto a GPU synchronises the host with every kernel queued before it (CUDA's synchronisation
+    debug mode counts it); this one is queued. From pageable host memory the queued copy has read its source when it
+    returns, so the source may be dropped or changed at once. A tensor already on ``device`` is returned as is."""
+    return t.to(device, non_blocking=True)
+
+
+def index_on(values: Sequence[int], device: torch.device | str) -> torch.Tensor:
+    """``values`` as an int64 index on ``device``, without a host synchronisation (:func:`to_device`);
+    ``torch.tensor(values, device=...)`` would copy it blocking."""
+    return to_device(torch.tensor(list(values), dtype=torch.long), device)
+
+
 def check_profile_device(measured_on: str, run_on: torch.device, path: str) -> None:
     """Refuse a cost profile measured on another device type than the run's (a CPU profile for a GPU run)."""
     if measured_on != run_on.type:
@@ -136,5 +153,7 @@ __all__ = [
     "expand_devices",
     "gpu_budget",
     "gpu_free_bytes",
+    "index_on",
     "resolve_backend",
+    "to_device",
 ]

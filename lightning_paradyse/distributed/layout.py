@@ -106,12 +106,28 @@ class SeqLayout:
         return tuple(out)
 
     def gathered_positions(self, device: torch.device | str | None = None) -> torch.Tensor:
-        """``[s]`` positions after an all-gather; index a natural-order tensor with it to reorder."""
-        return torch.tensor(self.gathered_positions_list, dtype=torch.long, device=device)
+        """``[s]`` positions after an all-gather; index a natural-order tensor with it to reorder (made once per
+        device and kept: read it, never write to it)."""
+        return self._index("gathered", device)
 
     def natural_index(self, device: torch.device | str | None = None) -> torch.Tensor:
-        """``[s]`` index that turns a gathered-order tensor into natural (position) order."""
-        return torch.argsort(self.gathered_positions(device))
+        """``[s]`` index that turns a gathered-order tensor into natural (position) order (kept like
+        :meth:`gathered_positions`)."""
+        return self._index("natural", device)
+
+    @cached_property
+    def _indices(self) -> dict[tuple[str, torch.device], torch.Tensor]:
+        return {}
+
+    def _index(self, kind: str, device: torch.device | str | None) -> torch.Tensor:
+        """The ``kind`` index on ``device``: made on the host once, its copy onto a GPU queued without blocking (a
+        blocking one would synchronise the host in every layer that reorders tokens)."""
+        where = torch.device("cpu" if device is None else device)
+        key = (kind, where)
+        if key not in self._indices:
+            host = torch.tensor(self.gathered_positions_list, dtype=torch.long)  # [s]
+            self._indices[key] = (host if kind == "gathered" else torch.argsort(host)).to(where, non_blocking=True)
+        return self._indices[key]
 
     @property
     def is_natural(self) -> bool:

@@ -31,6 +31,7 @@ from lightning_paradyse.distributed.comm import (
     no_counting,
     scatter_seq,
 )
+from lightning_paradyse.distributed.devices import to_device
 from lightning_paradyse.distributed.layout import SeqLayout
 from lightning_paradyse.graph.program import Program
 from lightning_paradyse.graph.roles import (
@@ -81,7 +82,7 @@ def cut_piece(plain: torch.Tensor, source: ShardSource) -> torch.Tensor:
     view = plain.t() if source.transposed else plain
     if source.index is None:
         return view.narrow(0, source.offset, source.rows)
-    return view.index_select(0, source.row_index().to(view.device))  # [rows_total, k] -> [rows, k]
+    return view.index_select(0, to_device(source.row_index(), view.device))  # [rows_total, k] -> [rows, k]
 
 
 def join_pieces(parts: list[tuple[ShardSource, torch.Tensor]]) -> torch.Tensor:
@@ -92,7 +93,7 @@ def join_pieces(parts: list[tuple[ShardSource, torch.Tensor]]) -> torch.Tensor:
     seen = torch.zeros(total, dtype=torch.bool)
     for src, piece in parts:
         index = src.row_index()
-        view.index_copy_(0, index.to(view.device), piece)  # [rows, k] into [rows_total, k]
+        view.index_copy_(0, to_device(index, view.device), piece)  # [rows, k] into [rows_total, k]
         seen[index] = True
     if not bool(seen.all()) or len({src.transposed for src, _ in parts}) != 1:
         raise ValueError(f"the pieces of {parts[0][0].name} do not make the whole parameter")

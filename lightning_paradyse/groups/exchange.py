@@ -50,7 +50,7 @@ from lightning_paradyse.distributed.comm import (
     reduce_dtype,
     synchronize,
 )
-from lightning_paradyse.distributed.devices import gpu_free_bytes
+from lightning_paradyse.distributed.devices import gpu_free_bytes, to_device
 from lightning_paradyse.distributed.layout import split_offsets
 from lightning_paradyse.graph.dispatch import OpDispatch
 from lightning_paradyse.runtime.parallel import (
@@ -268,7 +268,8 @@ def gather_whole(module: nn.Module, world: Group, header: torch.Tensor) -> tuple
         raise ValueError("gather_whole needs the shard parameters in one dtype (see whole_dtype)")
     ((dtype, bucket),) = routes.items()
     device = bucket[0].pieces[0][1].device
-    packed = header.reshape(-1).to(device, torch.int64).view(torch.uint8).view(dtype)  # [k] -> [8 k / itemsize]
+    packed = to_device(header.reshape(-1).to(torch.int64), device)  # [k] int64 on the shards' device
+    packed = packed.view(torch.uint8).view(dtype)  # [k] -> [8 k / itemsize]
     t = packed.numel()
     with torch.no_grad():
         shards = [w.detach().reshape(-1) for route in bucket for _, w, _ in route.pieces]  # model order
@@ -395,8 +396,8 @@ def exit_group(
         folded = _foldable(module, world, next(iter(routes)), p) if replicated and routes else None
         for n, (dtype, bucket) in enumerate(routes.items()):
             device = bucket[0].pieces[0][1].device
-            packed = None if n or extra is None else pack_float64(extra.to(device), dtype)  # [k * 8 / itemsize]
-            message = None if n or folded is None else folded.message.to(device, dtype)  # [m]
+            packed = None if n or extra is None else pack_float64(to_device(extra, device), dtype)  # [k * 8 / itemsize]
+            message = None if n or folded is None else to_device(folded.message, device).to(dtype)  # [m]
             tails = [t for t in (message, packed) if t is not None]
             tail = torch.cat([t.reshape(-1) for t in tails]) if tails else None  # [m + k']
             got = _return_grads(bucket, shards, p, world, tail)  # [P, m + k'] from every rank

@@ -47,6 +47,7 @@ from torch import Tensor
 
 from lightning_paradyse.cost.dims import dims_from_module
 from lightning_paradyse.distributed.comm import Group, all_gather_rows, collective_device, group_size, synchronize
+from lightning_paradyse.distributed.devices import to_device
 from lightning_paradyse.groups import solver
 from lightning_paradyse.groups.cost import exchange_seconds, group_cost, group_shape_cost, machine_for_groups
 from lightning_paradyse.groups.exchange import (
@@ -358,7 +359,7 @@ class GroupRunner:
             (bare(tuple(units.lengths[i] for i in m), g) or 0.0) if m else 0.0
             for g, m in zip(found.sizes, found.groups)
         )
-        shifts = {k: (t.to(device), n) for k, (t, n) in units.shifted_sources(host, members, g).items()}
+        shifts = {k: (to_device(t, device), n) for k, (t, n) in units.shifted_sources(host, members, g).items()}
         reuse = self.kept == found.sizes and not self._stale()
         solve_s = time.perf_counter() - started
         return GroupStep(
@@ -441,7 +442,7 @@ class GroupRunner:
             self._gather_next = False
             every, self._whole = gather_whole(self._module, self._world, torch.tensor([digest], dtype=torch.int64))
             return every[:, 0].tolist()  # type: ignore[no-any-return]
-        mine = torch.tensor([digest], dtype=torch.int64, device=collective_device(self._world))
+        mine = to_device(torch.tensor([digest], dtype=torch.int64), collective_device(self._world))
         return all_gather_rows(mine, [1] * p, self._world).tolist()  # type: ignore[no-any-return]  # [1] -> [p]
 
     def enter(self, step: GroupStep) -> None:
@@ -488,7 +489,7 @@ class GroupRunner:
         kept, self.kept, self._versions = self.kept, None, []
         numbers = torch.tensor([mine], dtype=torch.float64)
         if share is not None:  # [2]: seconds, loss share (float64 holds a float32 or bf16 share exactly)
-            numbers = torch.cat([numbers.to(share.device), share.detach().reshape(1).to(torch.float64)])
+            numbers = torch.cat([to_device(numbers, share.device), share.detach().reshape(1).to(torch.float64)])
         every = exit_group(module, self._world, kept, replicated=True, extra=numbers)  # [P, k] or None: one group
         self._gather_next = kept == (1,) * len(kept) and self._gathers_whole()
         if every is None:

@@ -23,6 +23,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
+from lightning_paradyse.distributed.devices import to_device
 from lightning_paradyse.modes.specs import document_bounds
 from lightning_paradyse.runtime.slicing import IGNORE_INDEX, TOKEN_1D_KEYS, BatchInfo, shifted_labels
 
@@ -81,7 +82,7 @@ class Units:
             return _cut(batch, self.b, self.s, lambda t, dim: t.narrow(dim, 0, idle_tokens), rows)
         if self.packed:
             index = torch.cat([torch.arange(*self.spans[d]) for d in members])  # [s_group] token indices
-            return _cut(batch, self.b, self.s, lambda t, dim: t.index_select(dim, index.to(t.device)), None)
+            return _cut(batch, self.b, self.s, lambda t, dim: t.index_select(dim, to_device(index, t.device)), None)
         rows = torch.tensor(list(members), dtype=torch.long)
         n = self.length(members)
         return _cut(batch, self.b, self.s, lambda t, dim: t.narrow(dim, 0, n), rows)
@@ -111,7 +112,7 @@ def _cut(batch: Any, b: int, s: int, tokens: Any, rows: Tensor | None) -> Any:
 
     def cut(t: Tensor) -> Tensor:
         if rows is not None and t.dim() >= 1 and t.shape[0] == b:
-            t = t.index_select(0, rows.to(t.device))  # [b, ...] -> [b_g, ...]
+            t = t.index_select(0, to_device(rows, t.device))  # [b, ...] -> [b_g, ...]
             if t.dim() >= 2 and t.shape[1] == s:
                 t = tokens(t, 1)  # [b_g, s, ...] -> [b_g, s_g, ...]
             return t.contiguous()

@@ -54,6 +54,7 @@ from lightning_paradyse.distributed.comm import (
     reduce_to,
     ring_pass_start,
 )
+from lightning_paradyse.distributed.devices import index_on
 from lightning_paradyse.modes.base import (
     Autocast,
     Mode,
@@ -141,7 +142,7 @@ def _kv_of_group(kv_full: torch.Tensor, widths: list[int], names: list[str], j: 
     """The k/v weights of the kv heads group ``j``'s query heads read (differentiable)."""
     index = gqa_kv_index(spec.n_heads, spec.n_kv_heads, p)
     m = len(index) // p
-    heads = torch.tensor(index[j * m : (j + 1) * m], device=kv_full.device)
+    heads = index_on(index[j * m : (j + 1) * m], kv_full.device)
     rows = kv_full.view(spec.n_kv_heads, spec.head_dim, -1).index_select(0, heads)  # -> [m, d, cols]
     cols = rows.flatten(0, 1).split(widths, dim=1)  # [m*d, cols] -> pieces [m*d, width]
     return {n: c.squeeze(1) if n.startswith("b") else c for n, c in zip(names, cols)}

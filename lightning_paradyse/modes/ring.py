@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from lightning_paradyse.distributed.comm import ring_pass_start
+from lightning_paradyse.distributed.devices import to_device
 from lightning_paradyse.distributed.layout import SeqLayout
 from lightning_paradyse.modes.attention import Scores, block_backward, block_forward, in_window, merge
 from lightning_paradyse.modes.base import Mode, add_bias, autocast_off, merge_heads, prepare_heads
@@ -87,7 +88,7 @@ def doc_tiles(
         if allowed is None or bool(allowed.all()):
             out.append((q_sl, k_sl, diag, None))
         elif bool(allowed.any()):
-            out.append((q_sl, k_sl, diag, allowed.to(device or pos_q.device)))  # host -> scores' device
+            out.append((q_sl, k_sl, diag, to_device(allowed, device or pos_q.device)))  # host -> scores' device
     return out
 
 

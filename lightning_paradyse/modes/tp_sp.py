@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_paradyse.distributed.comm import gather_seq, gather_weight, gqa_kv_index, scatter_seq
+from lightning_paradyse.distributed.devices import index_on
 from lightning_paradyse.modes.attention import full_attention
 from lightning_paradyse.modes.base import (
     Autocast,
@@ -44,7 +45,7 @@ def _kv_local(
     full_b = None if bias is None else gather_weight(bias, sizes, ctx.group)
     index = gqa_kv_index(spec.n_heads, spec.n_kv_heads, p)
     m = len(index) // p
-    heads = torch.tensor(index[ctx.rank * m : (ctx.rank + 1) * m], device=xg.device)
+    heads = index_on(index[ctx.rank * m : (ctx.rank + 1) * m], xg.device)
     w = full_w.view(spec.n_kv_heads, spec.head_dim, -1).index_select(0, heads).flatten(0, 1)  # [m*d, h]
     b = None if full_b is None else full_b.view(spec.n_kv_heads, -1).index_select(0, heads).flatten()
     return F.linear(xg, w, b)

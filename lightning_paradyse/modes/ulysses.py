@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from lightning_paradyse.distributed.comm import gqa_kv_index, heads_to_seq, seq_to_heads
+from lightning_paradyse.distributed.devices import index_on
 from lightning_paradyse.modes.attention import full_attention
 from lightning_paradyse.modes.base import Mode, add_bias, heads_infeasible, prepare_heads
 from lightning_paradyse.modes.specs import AttnSpec, AttnWeights, MlpSpec, MlpWeights, SeqContext
@@ -51,7 +52,7 @@ class Ulysses(Mode):
         )
         index = gqa_kv_index(spec.n_heads, spec.n_kv_heads, p)
         if index != list(range(spec.n_kv_heads)):  # kv heads replicated to the ranks that read them
-            heads = torch.tensor(index, device=x.device)
+            heads = index_on(index, x.device)
             k, v = k.index_select(2, heads), v.index_select(2, heads)  # [b, s_r, p*m, d]
         nq, m = spec.n_heads // p, k.shape[2] // p
         packed = torch.cat(

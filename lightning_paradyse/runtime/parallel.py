@@ -37,6 +37,7 @@ from lightning_paradyse.distributed.comm import (
     group_size,
     no_counting,
 )
+from lightning_paradyse.distributed.devices import to_device
 from lightning_paradyse.graph.dispatch import (
     AttentionDispatch,
     OpaqueDispatch,
@@ -423,7 +424,7 @@ def _agree(ok: bool, ctx: SeqContext, device: torch.device) -> bool:
     """Whether ``ok`` holds on every rank of the group (one 4-byte all-reduce, not counted as mode traffic)."""
     if ctx.p == 1:
         return ok
-    flag = torch.tensor([0.0 if ok else 1.0], device=device)
+    flag = to_device(torch.tensor([0.0 if ok else 1.0]), device)
     with no_counting():
         return float(all_reduce_sum(flag, ctx.group)) == 0.0  # [1] summed over the group
 
@@ -512,9 +513,9 @@ def _labels_hook(
     if state.padding is not None:
         check_padding_targets(state.padding, whole, name)
     items = agreed.items(whole) if shift is None else int((whole != IGNORE_INDEX).sum())
-    local = ctx.layout.shard(whole, ctx.rank).to(given.device)  # [b, s] -> [b, s_r]
+    local = to_device(ctx.layout.shard(whole, ctx.rank), given.device)  # [b, s] -> [b, s_r]
     call.set("shift_labels", local)
-    call.set("num_items_in_batch", torch.tensor(max(items, 1), device=local.device))
+    call.set("num_items_in_batch", to_device(torch.tensor(max(items, 1)), local.device))
     state.labels_consumed = True
     return call.result()
 
@@ -525,7 +526,7 @@ def _agreed_source(
     """The candidate every rank traced its labels to (one small all-reduce), or ``None``."""
     if not candidates:
         return None
-    votes = torch.tensor(found, device=device)
+    votes = to_device(torch.tensor(found), device)
     if ctx.p > 1:
         with no_counting():
             votes = all_reduce_sum(votes, ctx.group)  # [n] ranks that matched each candidate
@@ -701,7 +702,7 @@ class ReplicatedGrads:
             return ReplicatedGrads((), torch.zeros(0))
         dtype = functools.reduce(torch.promote_types, [w.dtype for w in params], torch.float32)  # bf16 sums in fp32
         with torch.no_grad():
-            present = torch.tensor([w.grad is not None for w in params], dtype=dtype, device=params[0].device)
+            present = to_device(torch.tensor([w.grad is not None for w in params], dtype=dtype), params[0].device)
             grads = [
                 w.grad.reshape(-1).to(dtype) if w.grad is not None else w.new_zeros(w.numel(), dtype=dtype)
                 for w in params
@@ -733,7 +734,7 @@ def settle_opaque_grads(module: nn.Module, group: Group) -> None:
     if group_size(group) > 1:
         device = next(p for op in ops for p in op.parameters()).device
         with no_counting():  # control flags, not mode traffic
-            used = all_reduce_sum(used.to(device), group)  # [sum of n_params], summed over the group
+            used = all_reduce_sum(to_device(used, device), group)  # [sum of n_params], summed over the group
     counts = used.tolist()
     start = 0
     for op, own in zip(ops, flags):

@@ -174,9 +174,16 @@ def test_hugging_face_families_match_single_process_in_float64(p: int) -> None:
         modes = {label.split("/")[1] for label, _ in results if label.startswith(kind + "/")}
         assert kind not in labels or (not modes & {"tp_sp", "metp"} and {"ring", "ulysses"} <= modes)
     bad = []
+    first: dict[str, dict[str, float]] = {}
     for label, (loss_err, errors) in results:
         kind = label.split("/")[0]
         grad_tol = FLOAT32_INSIDE.get(kind, TOLERANCES[torch.float64][1])
+        if DEVICE.type == "cuda" and kind in FLOAT32_NORMS:
+            grad_tol = FLOAT32_NORMS_ON_GPU
+            alike = first.setdefault(kind, errors)  # the norms' rounding: the same in every mode
+            moved = max(abs(errors[k] - alike[k]) for k in errors)
+            if moved > TOLERANCES[torch.float64][1]:
+                bad.append(f"{label}: its errors differ from the family's first mode's by {moved:.2e}")
         worst = max(errors, key=lambda k: errors[k])
         if loss_err > HF_LOSS_TOL or errors[worst] > grad_tol:
             bad.append(f"{label}: loss {loss_err:.2e}, {worst} {errors[worst]:.2e}")
@@ -197,6 +204,15 @@ def test_mixture_of_experts_with_the_default_grouped_gemm_kernels_matches_single
 HF_LOSS_TOL = 1e-6
 """Hugging Face computes its causal-LM loss on ``logits.float()``: in float32 whatever the model's dtype, so the
 loss of two ranks' shares differs from one process's by float32 rounding (~1e-7); the gradients stay float64."""
+FLOAT32_NORMS = ("qwen3", "olmo2", "mistral", "qwen2", "phi3", "mixtral", "qwen3moe")
+"""Families whose RMSNorm computes in float32 whatever the model's dtype (Llama's norm: upcast, normalise, cast
+back). On a GPU the mean of a row is summed in an order that depends on how many rows the kernel reduces, so one
+process (the whole sequence) and the ranks (their shards) round it differently: about 1.3e-7 to 2.4e-7 in the
+gradients at p = 2 and 3 (H100, torch 2.11), the same in every mode, since every mode normalises the same shards
+(checked: the errors of all of a family's modes agree within float64's tolerance). On the host the order does not
+depend on the rows, and these families are held to float64's tolerance."""
+FLOAT32_NORMS_ON_GPU = 1e-6
+"""The gradient tolerance of :data:`FLOAT32_NORMS` on a GPU."""
 FLOAT32_INSIDE = {"gemma": 1e-5, "gemma3": 1e-5, "gemma2": 1e-5}
 """Families whose norms compute in float32 whatever the model's dtype (Gemma's RMSNorm upcasts and casts back), or
 whose own attention computes its softmax in float32 (Gemma 2's eager attention; the modes compute it in the model's

@@ -10,9 +10,9 @@ hold apart, so that count needs the GPU.
 
 from __future__ import annotations
 
+import functools
 import io
 import os
-import traceback
 import warnings
 from collections import Counter
 from typing import Any
@@ -28,6 +28,7 @@ from lightning_paradyse import ParaDySeStrategy
 from lightning_paradyse.distributed.spawn import run_distributed
 from lightning_paradyse.groups.solver import Assignment
 from lightning_paradyse.lightning.language_model import LanguageModel
+from tests.support.copies import BlockingCopies, call_sites
 from tests.support.dist import free_ports
 from tests.support.lightning import ACCELERATOR, quiet_trainer, strategy_environment
 
@@ -50,6 +51,9 @@ class Collectives(TorchDispatchMode):
 class Count(pl.Callback):
     def __init__(self) -> None:
         self.collectives: Counter[str] = Counter()
+        self.copies: list[str] = []
+        """Where each blocking copy onto a device was asked for (:class:`~tests.support.copies.BlockingCopies`)."""
+        self._copies: BlockingCopies | None = None
         self.syncs = 0
         self.sync_sites: list[str] = []
         """Where each synchronisation was asked for: the package's frames that led to it."""
@@ -59,11 +63,9 @@ class Count(pl.Callback):
         self._warnings: Any = None
 
     def _seen(self, message: Any, *args: Any, **kwargs: Any) -> None:
-        """A warning during the counted step: a synchronisation's is recorded with the package's frames that led
-        to it (innermost first)."""
+        """A warning during the counted step: a synchronisation's is recorded with the frames that led to it."""
         if "synchroniz" in str(message):
-            frames = [f for f in traceback.extract_stack()[:-1] if "lightning_paradyse" in f.filename]
-            self.sync_sites.append(" <- ".join(f"{os.path.basename(f.filename)}:{f.lineno}" for f in frames[::-1][:4]))
+            self.sync_sites.append(call_sites())
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int) -> None:
@@ -77,6 +79,7 @@ class Count(pl.Callback):
                 torch.cuda.set_sync_debug_mode("warn")
             self._mode = Collectives()
             self._mode.__enter__()
+            self._copies = BlockingCopies().__enter__()
 
     @override
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -87,6 +90,9 @@ class Count(pl.Callback):
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
             self.collectives, self._mode = self._mode.calls, None
+        if self._copies is not None:
+            self._copies.__exit__(None, None, None)
+            self.copies, self._copies = self._copies.sites, None
         if self._warnings is not None:
             torch.cuda.set_sync_debug_mode("default")
             self._warnings.__exit__(None, None, None)
@@ -132,12 +138,19 @@ def worker(rank: int, world: int, ports: tuple[int, ...]) -> bytes:
     assert trainer.strategy.step_record.split == (1,) * world  # type: ignore[attr-defined]
     assert count.validated[0] == COUNTED_STEP, count.validated  # before the counted step
     buffer = io.BytesIO()
-    record = {"collectives": dict(count.collectives), "syncs": count.syncs, "sync_sites": count.sync_sites}
+    record = {
+        "collectives": dict(count.collectives),
+        "syncs": count.syncs,
+        "sync_sites": count.sync_sites,
+        "copies": count.copies,
+    }
     torch.save(record, buffer)
     return buffer.getvalue()
 
 
+@functools.cache
 def counted_step() -> dict[str, Any]:
+    """One run of :func:`worker` (the tests that read it share it)."""
     raw = run_distributed(worker, 2, free_ports(1), timeout=240)
     counted = [torch.load(io.BytesIO(r), weights_only=False) for r in raw]
     assert all(run == counted[0] for run in counted), counted
@@ -159,7 +172,14 @@ def test_a_data_parallel_step_synchronises_the_host_at_most_three_times() -> Non
     # the group time (the step's kernels before the clock is read), the digest's agreement, and the returned
     # gradients' presence flags with every rank's times
     counted = counted_step()
+    print("host synchronisations of the step:", *counted["sync_sites"], sep="\n  ")  # shown whole if it fails
     assert counted["syncs"] <= 3, counted["sync_sites"]
+
+
+def test_a_data_parallel_step_copies_nothing_onto_the_device_blocking() -> None:
+    # on a GPU each would be a host synchronisation (it waits for every kernel queued before it); counted on any
+    # machine from the calls themselves
+    assert counted_step()["copies"] == []
 
 
 def test_the_batch_is_described_from_the_loaders_copy_only_while_no_hook_changed_it() -> None:
