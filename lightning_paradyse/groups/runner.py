@@ -322,8 +322,18 @@ class GroupRunner:
                 return rows(max(lengths), len(lengths), g)
             return packed(lengths, g) if self._runs_on(g, sum(lengths), 1) else None
 
+        def idle(g: int) -> float:  # an idle group's placeholder step (a token a rank of the shortest row) is a step
+            return rows(min(g, min(units.lengths)), 1, g) or 0.0
+
         # rows may leave a group idle (a placeholder step of weight 0); packed documents keep every group busy
-        found = solver.assign(units.lengths, p, cost, all_busy=units.packed, shape=None if units.packed else rows)
+        found = solver.assign(
+            units.lengths,
+            p,
+            cost,
+            all_busy=units.packed,
+            shape=None if units.packed else rows,
+            idle=None if units.packed else idle,
+        )
         if found is None and self.on_infeasible == "skip":
             return None
         if found is None:

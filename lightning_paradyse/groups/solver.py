@@ -8,8 +8,10 @@ slowest group. This module chooses the split and the assignment; :mod:`lightning
 The problem: ``n`` sequences, ``P`` ranks, and a cost ``cost(lengths, g)``: the seconds a group of ``g``
 ranks needs for the sequences ``lengths`` (``None`` when they do not fit its memory). Find group sizes
 ``g_1 + ... + g_m = P`` (powers of two) and a partition of the sequences into the groups minimising
-``max_j cost(S_j, g_j)``; an empty group idles (cost 0). The cost must be monotone: adding a sequence to a
-group never makes it faster or free up memory, which holds for any real step.
+``max_j cost(S_j, g_j)``; an empty group idles, at no cost or at ``idle(g)`` (the placeholder step it runs: with
+it, of two layouts that leave other groups idle the one whose idle groups are cheaper wins, where for free the first
+in :func:`layouts` order, largest groups first, would). The cost must be monotone: adding a sequence to a group never
+makes it faster or free up memory, which holds for any real step; an idle group costs no more than one sequence.
 
 * :func:`layouts` enumerates the splits of ``P`` into powers of two (10 for ``P = 8``, 1,828 for ``P = 64``).
 * :func:`assign_exact`: branch and bound, per layout, over the sequences longest first: a sequence goes to
@@ -47,6 +49,9 @@ GroupCost = Callable[[tuple[int, ...], int], "float | None"]
 ShapeCost = Callable[[int, int, int], "float | None"]
 """``cost(s, b, g)``: seconds for a group of ``g`` ranks to train ``b`` rows padded to ``s`` tokens (rows of an
 ordinary batch, cut to the group's longest); ``None`` if they do not fit. Monotone in ``s`` and in ``b``."""
+
+IdleCost = Callable[[int], float]
+"""``idle(g)``: seconds of an idle group of ``g`` ranks (its placeholder step); without one an idle group is free."""
 
 EXACT_UP_TO = 10
 """Sequences per step up to which :func:`assign` solves exactly."""
@@ -89,9 +94,15 @@ def layouts(world: int) -> tuple[tuple[int, ...], ...]:
     return tuple(out)
 
 
-def _group_time(cost: GroupCost, lengths: Sequence[int], members: Sequence[int], g: int) -> float | None:
+def _idle(idle: IdleCost | None, g: int) -> float:
+    return 0.0 if idle is None else idle(g)
+
+
+def _group_time(
+    cost: GroupCost, lengths: Sequence[int], members: Sequence[int], g: int, idle: IdleCost | None = None
+) -> float | None:
     if not members:
-        return 0.0
+        return _idle(idle, g)
     return cost(tuple(lengths[i] for i in members), g)
 
 
@@ -100,10 +111,14 @@ def _finish(sizes: tuple[int, ...], members: list[list[int]], times: list[float]
 
 
 def _evaluated(
-    lengths: Sequence[int], sizes: tuple[int, ...], members: list[list[int]], cost: GroupCost
+    lengths: Sequence[int],
+    sizes: tuple[int, ...],
+    members: list[list[int]],
+    cost: GroupCost,
+    idle: IdleCost | None = None,
 ) -> Assignment | None:
     """The assignment ``members`` with every group's time, ``None`` if some group does not fit."""
-    times = [_group_time(cost, lengths, m, g) for m, g in zip(members, sizes)]
+    times = [_group_time(cost, lengths, m, g, idle) for m, g in zip(members, sizes)]
     if any(t is None for t in times):
         return None
     return _finish(sizes, members, times)  # type: ignore[arg-type]
@@ -116,7 +131,9 @@ def _faster(best: Assignment | None, found: Assignment | None) -> Assignment | N
     return best
 
 
-def brute_force(lengths: Sequence[int], world: int, cost: GroupCost, all_busy: bool = False) -> Assignment | None:
+def brute_force(
+    lengths: Sequence[int], world: int, cost: GroupCost, all_busy: bool = False, idle: IdleCost | None = None
+) -> Assignment | None:
     """The optimum by enumerating every layout and every map of sequences to its groups (small instances)."""
     best: Assignment | None = None
     for sizes in layouts(world):
@@ -126,19 +143,24 @@ def brute_force(lengths: Sequence[int], world: int, cost: GroupCost, all_busy: b
                 members[j].append(i)
             if all_busy and not all(members):
                 continue
-            best = _faster(best, _evaluated(lengths, sizes, members, cost))
+            best = _faster(best, _evaluated(lengths, sizes, members, cost, idle))
     return best
 
 
 def _exact_layout(
-    lengths: Sequence[int], sizes: tuple[int, ...], cost: GroupCost, bound: float, all_busy: bool = False
+    lengths: Sequence[int],
+    sizes: tuple[int, ...],
+    cost: GroupCost,
+    bound: float,
+    all_busy: bool = False,
+    idle: IdleCost | None = None,
 ) -> Assignment | None:
     """The best assignment to the groups ``sizes`` faster than ``bound`` (branch and bound), or ``None``."""
     if all_busy and len(sizes) > len(lengths):
         return None
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     members: list[list[int]] = [[] for _ in sizes]
-    times = [0.0] * len(sizes)
+    times = [_idle(idle, g) for g in sizes]  # a group idles until it gets a sequence
     best: list[Assignment | None] = [None]
     limit = [bound]
 
@@ -169,24 +191,33 @@ def _exact_layout(
     return best[0]
 
 
-def assign_exact(lengths: Sequence[int], world: int, cost: GroupCost, all_busy: bool = False) -> Assignment | None:
+def assign_exact(
+    lengths: Sequence[int], world: int, cost: GroupCost, all_busy: bool = False, idle: IdleCost | None = None
+) -> Assignment | None:
     """The optimal layout and assignment for the cost (``None`` if no assignment fits); see the module docstring.
 
-    ``all_busy``: only assignments that give every group at least one sequence (no idle ranks).
+    ``all_busy``: only assignments that give every group at least one sequence (no idle ranks). ``idle``: the
+    seconds of an idle group (free without it).
     """
     best: Assignment | None = None
     for sizes in layouts(world):
-        found = _exact_layout(lengths, sizes, cost, math.inf if best is None else best.time, all_busy)
+        found = _exact_layout(lengths, sizes, cost, math.inf if best is None else best.time, all_busy, idle)
         if found is not None:
             best = found
     return best
 
 
-def _improve(lengths: Sequence[int], sizes: tuple[int, ...], members: list[list[int]], cost: GroupCost) -> None:
+def _improve(
+    lengths: Sequence[int],
+    sizes: tuple[int, ...],
+    members: list[list[int]],
+    cost: GroupCost,
+    idle: IdleCost | None = None,
+) -> None:
     """Moves and swaps of single sequences out of the slowest group while it gets faster (in place)."""
 
     def time_of(j: int, m: list[int]) -> float:
-        t = _group_time(cost, lengths, m, sizes[j])
+        t = _group_time(cost, lengths, m, sizes[j], idle)
         return math.inf if t is None else t
 
     times = [time_of(j, m) for j, m in enumerate(members)]
@@ -214,10 +245,13 @@ def _improve(lengths: Sequence[int], sizes: tuple[int, ...], members: list[list[
                 break
 
 
-def assign_greedy(lengths: Sequence[int], world: int, cost: GroupCost, all_busy: bool = False) -> Assignment | None:
+def assign_greedy(
+    lengths: Sequence[int], world: int, cost: GroupCost, all_busy: bool = False, idle: IdleCost | None = None
+) -> Assignment | None:
     """LPT per layout, then single moves and swaps; the best layout (an approximation, not always optimal).
 
-    ``all_busy``: layouts whose result leaves a group without a sequence are dropped.
+    ``all_busy``: layouts whose result leaves a group without a sequence are dropped; ``idle`` as in
+    :func:`assign_exact`.
     """
     best: Assignment | None = None
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
@@ -241,10 +275,10 @@ def assign_greedy(lengths: Sequence[int], world: int, cost: GroupCost, all_busy:
             times[j] = t
         if not feasible:
             continue
-        _improve(lengths, sizes, members, cost)
+        _improve(lengths, sizes, members, cost, idle)
         if all_busy and not all(members):
             continue
-        best = _faster(best, _evaluated(lengths, sizes, members, cost))
+        best = _faster(best, _evaluated(lengths, sizes, members, cost, idle))
     return best
 
 
@@ -255,15 +289,16 @@ def assign(
     exact_up_to: int = EXACT_UP_TO,
     all_busy: bool = False,
     shape: ShapeCost | None = None,
+    idle: IdleCost | None = None,
 ) -> Assignment | None:
     """The split and assignment of a step: with ``shape`` (rows of an ordinary batch, ``cost(lengths, g) ==
     shape(max(lengths), len(lengths), g)``) :func:`assign_rows`, exact for any number of rows; else
     :func:`assign_exact` for up to ``exact_up_to`` units and :func:`assign_greedy` beyond."""
     if shape is not None:
-        return assign_rows(lengths, world, shape, all_busy)
+        return assign_rows(lengths, world, shape, all_busy, idle)
     if len(lengths) <= exact_up_to:
-        return assign_exact(lengths, world, cost, all_busy)
-    return assign_greedy(lengths, world, cost, all_busy)
+        return assign_exact(lengths, world, cost, all_busy, idle)
+    return assign_greedy(lengths, world, cost, all_busy, idle)
 
 
 def _orders(sizes: tuple[int, ...]) -> list[tuple[int, ...]]:
@@ -317,6 +352,7 @@ def _runs(
     all_busy: bool,
     tables: Tables | None = None,
     memo: dict[tuple[int, int, int], float] | None = None,
+    idle: IdleCost | None = None,
 ) -> tuple[float, list[int]] | None:
     """The fastest split of the rows ``ordered`` (lengths, longest first) into consecutive runs, run ``j`` to a
     group of ``sizes[j]`` ranks: ``(time, run starts)``, or ``None`` if no split fits. ``tables`` and ``memo`` carry
@@ -328,7 +364,7 @@ def _runs(
 
     def run(i: int, end: int, g: int) -> float:  # rows [i, end) on g ranks (an empty run idles)
         if end == i:
-            return inf if all_busy else 0.0
+            return inf if all_busy else _idle(idle, g)
         key = (ordered[i], end - i, g)
         t = memo.get(key)
         if t is None:
@@ -358,9 +394,12 @@ def _runs(
     return best[0][0], starts
 
 
-def assign_rows(lengths: Sequence[int], world: int, cost: ShapeCost, all_busy: bool = False) -> Assignment | None:
+def assign_rows(
+    lengths: Sequence[int], world: int, cost: ShapeCost, all_busy: bool = False, idle: IdleCost | None = None
+) -> Assignment | None:
     """The optimal layout and assignment of the rows ``lengths`` for a cost of a group's longest row and number
-    of rows (see the module docstring); ``None`` if no assignment fits. ``all_busy`` as in :func:`assign_exact`."""
+    of rows (see the module docstring); ``None`` if no assignment fits. ``all_busy`` and ``idle`` as in
+    :func:`assign_exact` (an idle group must cost no more than the same group with one row)."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     ordered = [lengths[i] for i in order]
     best: Assignment | None = None
@@ -370,12 +409,12 @@ def assign_rows(lengths: Sequence[int], world: int, cost: ShapeCost, all_busy: b
         if all_busy and len(sizes) > len(lengths):
             continue
         for sequence in _orders(sizes):
-            found = _runs(ordered, sequence, cost, all_busy, tables, memo)
+            found = _runs(ordered, sequence, cost, all_busy, tables, memo, idle)
             if found is None or (best is not None and found[0] >= best.time):
                 continue
             starts = [*found[1], len(ordered)]
             members: list[list[int]] = [[] for _ in sizes]
-            times = [0.0] * len(sizes)
+            times = [_idle(idle, g) for g in sizes]
             free = list(range(len(sizes)))  # the layout's groups not yet given a run, largest first
             for j, g in enumerate(sequence):
                 slot = next(x for x in free if sizes[x] == g)
@@ -416,6 +455,7 @@ __all__ = [
     "EXACT_UP_TO",
     "Assignment",
     "GroupCost",
+    "IdleCost",
     "ShapeCost",
     "assign",
     "assign_exact",

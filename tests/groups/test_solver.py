@@ -83,6 +83,11 @@ def test_exact_solver_matches_brute_force_on_random_instances() -> None:
             assert t == (cost(tuple(lengths[i] for i in members), g) if members else 0.0)
         assert greedy.time >= exact.time * (1 - 1e-12)
         gaps.append(greedy.time / exact.time - 1)
+        idle = {g: 0.5 * rng.random() * (g > 1) * (cost((min(lengths),), g) or 0.0) for g in (1, 2, 4, 8)}  # <= one
+        idle_reference = brute_force(lengths, world, cost, idle=idle.__getitem__)
+        idle_exact = assign_exact(lengths, world, cost, idle=idle.__getitem__)
+        if idle_reference is not None and idle_exact is not None:
+            assert idle_exact.time == pytest.approx(idle_reference.time, rel=1e-12), f"trial {trial}"
         busy_reference = brute_force(lengths, world, cost, all_busy=True)  # no idle group (the strategy's setting)
         busy, busy_greedy = assign_exact(lengths, world, cost, all_busy=True), assign_greedy(lengths, world, cost, True)
         if busy_reference is None:
@@ -118,8 +123,16 @@ def test_rows_solver_matches_brute_force_on_random_instances() -> None:
         def cost(lengths: tuple[int, ...], g: int, shape: Callable[..., float | None] = shape) -> float | None:
             return shape(max(lengths), len(lengths), g)
 
-        for busy in (False, True):
-            found, reference = assign_rows(lengths, world, shape, busy), brute_force(lengths, world, cost, busy)
+        fixed = rng.random() * 3
+
+        def idle(g: int, fixed: float = fixed, world: int = world) -> float:  # at most one row's cost
+            return fixed * (g < world) * rng.random() + 0.3 * g / world
+
+        for busy, idle_cost in ((False, None), (True, None), (False, idle)):
+            idles = {g: idle_cost(g) for g in range(1, world + 1)} if idle_cost else {}
+            priced = idles.__getitem__ if idle_cost else None
+            found = assign_rows(lengths, world, shape, busy, priced)
+            reference = brute_force(lengths, world, cost, busy, priced)
             assert (found is None) == (reference is None), f"trial {trial}: {found} vs {reference}"
             if found is None or reference is None:
                 continue
@@ -127,8 +140,30 @@ def test_rows_solver_matches_brute_force_on_random_instances() -> None:
             assert found.time == pytest.approx(reference.time, rel=1e-12), f"trial {trial}: {found} vs {reference}"
             assert not busy or all(found.groups), found
             for members, g, t in zip(found.groups, found.sizes, found.times):
-                assert t == (cost(tuple(lengths[i] for i in members), g) if members else 0.0)
-            assert assign(lengths, world, cost, all_busy=busy, shape=shape) == found
+                assert t == (cost(tuple(lengths[i] for i in members), g) if members else idles.get(g, 0.0))
+            assert assign(lengths, world, cost, all_busy=busy, shape=shape, idle=priced) == found
+
+
+def test_an_idle_group_is_priced_at_its_placeholder_step() -> None:
+    """One row on 4 ranks, cheapest on one rank: for free, the layout ``2+1+1`` (first in :func:`layouts` order)
+    ties with ``1+1+1+1`` and wins, leaving a group of 2 to run its placeholder step with its collectives; priced at
+    that step (dearer the larger the group), ``1+1+1+1`` wins."""
+
+    def shape(s: int, b: int, g: int) -> float:
+        return 1.0 + 0.5 * (g - 1)  # the fixed part of a step, collectives for g > 1
+
+    def cost(lengths: tuple[int, ...], g: int) -> float:
+        return shape(max(lengths), len(lengths), g)
+
+    def idle(g: int) -> float:
+        return shape(g, 1, g)
+
+    assert assign_rows([100], 4, shape).sizes == (2, 1, 1)
+    found = assign_rows([100], 4, shape, idle=idle)
+    assert found is not None and found.sizes == (1, 1, 1, 1) and found.time == 1.0
+    assert brute_force([100], 4, cost, idle=idle).time == 1.0  # type: ignore[union-attr]
+    assert assign_exact([100], 4, cost, idle=idle).sizes == (1, 1, 1, 1)  # type: ignore[union-attr]
+    assert assign_greedy([100], 4, cost, idle=idle).sizes == (1, 1, 1, 1)  # type: ignore[union-attr]
 
 
 def test_rows_solver_needs_few_cost_evaluations_on_many_rows() -> None:
