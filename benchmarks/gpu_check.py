@@ -300,15 +300,16 @@ OPT_IN = {"quick-p8-cpu"}
 MEMORY_MODES = ("tp_sp", "ulysses", "ring", "metp")
 
 
-def rows(device: str, only: set[str] | None) -> list[Row]:
-    """Every row (or those ``only`` names), run in order."""
+def rows(device: str, only: list[str] | None) -> list[Row]:
+    """Every row (or those ``only`` names, in its order)."""
     accelerator = "gpu" if device == "cuda" else "cpu"
     env = {"PARADYSE_TEST_ACCELERATOR": accelerator, "PARADYSE_TEST_DEVICE": device}
     names = [*PYTEST_ROWS, *CLI_ROWS, *(f"memory-{m}" for m in MEMORY_MODES), "profile", "quick-p8-cpu"]
+    unknown = sorted(set(only or ()) - set(names))
+    if unknown:
+        raise SystemExit(f"unknown row(s) {unknown}; the rows are {names}")
     out = []
-    for name in names:
-        if (only is None and name in OPT_IN) or (only is not None and name not in only):
-            continue
+    for name in only if only is not None else [n for n in names if n not in OPT_IN]:
         print(f"[gpu_check] {name} ...", flush=True)
         if name in PYTEST_ROWS:
             out.append(_pytest(name, PYTEST_ROWS[name][0], env, PYTEST_ROWS[name][1]))
@@ -337,12 +338,12 @@ def table(results: list[Row], device: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--only", default=None, help="comma-separated rows (default: every row)")
+    parser.add_argument("--only", default=None, help="comma-separated rows, run in that order (default: every row)")
     parser.add_argument("--log-dir", type=Path, default=None, help="write each row's whole output to <row>.log here")
     args = parser.parse_args(argv)
     global LOG_DIR
     LOG_DIR = args.log_dir
-    results = rows(args.device, None if args.only is None else set(args.only.split(",")))
+    results = rows(args.device, None if args.only is None else args.only.split(","))
     print(table(results, args.device))
     return 0 if all(r.ok for r in results) else 1
 
