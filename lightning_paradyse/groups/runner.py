@@ -322,8 +322,13 @@ class GroupRunner:
                 return rows(max(lengths), len(lengths), g)
             return packed(lengths, g) if self._runs_on(g, sum(lengths), 1) else None
 
+        shortest = min(units.lengths)
+        idles: dict[int, float] = {}
+
         def idle(g: int) -> float:  # an idle group's placeholder step (a token a rank of the shortest row) is a step
-            return rows(min(g, min(units.lengths)), 1, g) or 0.0
+            if g not in idles:
+                idles[g] = rows(min(g, shortest), 1, g) or 0.0
+            return idles[g]
 
         # rows may leave a group idle (a placeholder step of weight 0); packed documents keep every group busy
         found = solver.assign(

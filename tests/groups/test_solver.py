@@ -86,6 +86,7 @@ def test_exact_solver_matches_brute_force_on_random_instances() -> None:
         idle = {g: 0.5 * rng.random() * (g > 1) * (cost((min(lengths),), g) or 0.0) for g in (1, 2, 4, 8)}  # <= one
         idle_reference = brute_force(lengths, world, cost, idle=idle.__getitem__)
         idle_exact = assign_exact(lengths, world, cost, idle=idle.__getitem__)
+        assert (idle_exact is None) == (idle_reference is None), f"trial {trial}"
         if idle_reference is not None and idle_exact is not None:
             assert idle_exact.time == pytest.approx(idle_reference.time, rel=1e-12), f"trial {trial}"
         busy_reference = brute_force(lengths, world, cost, all_busy=True)  # no idle group (the strategy's setting)
