@@ -30,7 +30,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 from benchmarks.settings import BenchSettings, ModelSettings
 from benchmarks.workload import Trace, build_trace
 from lightning_paradyse.groups import solver
-from lightning_paradyse.groups.cost import group_cost, group_shape_cost
+from lightning_paradyse.groups.cost import group_cost, group_shape_cost, placeholder_cost
 from lightning_paradyse.groups.runner import WARM_BUCKETS, group_sizes
 from lightning_paradyse.models import ModelConfig
 from lightning_paradyse.modes import MODES
@@ -71,7 +71,8 @@ def decider(world: int, planner_for: Callable[[int], CostPlanner]) -> Callable[[
 
     def decide(lengths: list[int]) -> float:
         start = time.perf_counter()
-        found = solver.assign(lengths, world, cost, shape=shape)  # rows: a group may idle
+        idle = placeholder_cost(shape, lengths)  # rows: a group may idle, priced as the runner prices it
+        found = solver.assign(lengths, world, cost, shape=shape, idle=idle)
         for g, members in zip(found.sizes, found.groups) if found else ():
             if members:  # an idle group runs a placeholder of g tokens
                 planner_for(g).plan(max(lengths[i] for i in members), len(members))

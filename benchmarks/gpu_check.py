@@ -244,6 +244,8 @@ def _memory(mode: str, accelerator: str) -> Row:
                 worst_err, worst_pair = abs(p - m) / m, (p, m)
     ok = worst_ratio <= SETUP_LIMIT and worst_err <= MEMORY_ERROR
     predicted = f"predicted {worst_pair[0]:.0f} MiB against {worst_pair[1]:.0f} ({worst_err * 100:.1f}% off)"
+    if worst_pair == (0.0, 0.0):
+        predicted, ok = "no predicted and measured peaks", False
     measured = f"setup/ckpt {worst_ratio:.2f}x steady, {predicted}, {ranks[0]['plans'][-1].split(' | ')[0]}"
     limit = f"<= {SETUP_LIMIT}x, <= {MEMORY_ERROR * 100:.0f}%"
     return Row(f"memory-{mode}", ok, measured, limit, time.perf_counter() - start)

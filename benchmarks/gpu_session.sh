@@ -14,21 +14,33 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$out/device.txt" 2>&1
 python3 -c "import torch, lightning; print('torch', torch.__version__, 'lightning', lightning.__version__)" >>"$out/device.txt"
 deadline=$((SECONDS + limit))  # every chain ends by then, whatever its rows
-check() {  # check CORES ARGS...: gpu_check.py on those cores until the deadline
+check() {  # check CORES ARGS...: gpu_check.py on those cores until the deadline (killed 15 s after it)
   local left=$((deadline - SECONDS))
   ((left > 0)) || return 124
-  timeout "$left" taskset -c "$1" python3 benchmarks/gpu_check.py "${@:2}" --log-dir "$logs"
+  timeout -k 15 "$left" taskset -c "$1" python3 benchmarks/gpu_check.py "${@:2}" --log-dir "$logs"
 }
-# the CPU benchmark first on its 8 cores (about 3 minutes), then two short GPU rows there
-(check 8-15 --device cpu --only quick-p8-cpu; check 8-15 --only main-job,profile) \
-  >"$logs/chain-cpu.txt" 2>&1 &
-check 0-3 --only host-syncs,exact-p2,exact-p4,exact-shared >"$logs/chain-a.txt" 2>&1 &
-check 4-7 --only bf16,families-p2,memory-tp_sp,memory-ulysses,memory-ring,memory-metp,moe-defaults,hf-yaml \
-  >"$logs/chain-b.txt" 2>&1 &
-wait
+chain() {  # chain NAME CORES ARGS...: one check, its output and its exit status kept under the chain's name
+  check "${@:2}" >>"$logs/chain-$1.txt" 2>&1
+  echo "exit $? (${*:3})" >>"$logs/chain-$1.status"
+}
+# the CPU benchmark first on its 8 cores (about 3 minutes), then two short GPU rows there (the profile's GPU timings
+# then share the GPU with the other chains: the row checks that it runs, not its numbers)
+pids=()
+(chain cpu 8-15 --device cpu --only quick-p8-cpu; chain cpu 8-15 --only main-job,profile) &
+pids+=($!)
+chain a 0-3 --only host-syncs,exact-p2,exact-p4,exact-shared &
+pids+=($!)
+chain b 4-7 --only bf16,families-p2,memory-tp_sp,memory-ulysses,memory-ring,memory-metp,moe-defaults,hf-yaml &
+pids+=($!)
+(while sleep 30; do tar czf "$out/logs.tgz" -C "$logs" . 2>/dev/null; done) &  # what is done comes back even if cut
+packer=$!
+wait "${pids[@]}"
+kill "$packer" 2>/dev/null
 tar czf "$out/logs.tgz" -C "$logs" .
 cat "$out/device.txt"
-for chain in a b cpu; do
-  echo "== chain $chain"
-  grep -E '^\[gpu_check\] .*: (pass|FAIL)|^\| |^gpu_check on' "$logs/chain-$chain.txt"
+for name in a b cpu; do
+  echo "== chain $name: $(tr '\n' ';' <"$logs/chain-$name.status" 2>/dev/null)"
+  grep -E '^\[gpu_check\] |^\| |^gpu_check on' "$logs/chain-$name.txt" | grep -v ' \.\.\.$'
+  last=$(grep -E '^\[gpu_check\] .* \.\.\.$' "$logs/chain-$name.txt" | tail -1)
+  [ -z "$last" ] || grep -qF "${last% ...}:" "$logs/chain-$name.txt" || echo "${last% ...}: cut by the deadline"
 done

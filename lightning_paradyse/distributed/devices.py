@@ -124,8 +124,9 @@ def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """``t``, a host tensor this code made (an index, a header, a few numbers), on ``device`` without waiting.
 
     A blocking copy onto a GPU synchronises the host with every kernel queued before it (CUDA's synchronisation
-    debug mode counts it); this one is queued. From pageable host memory the queued copy has read its source when it
-    returns, so the source may be dropped or changed at once. A tensor already on ``device`` is returned as is."""
+    debug mode counts it); this one is queued. From pageable host memory (every tensor this is used for) the queued
+    copy has read its source when it returns, so the source may be dropped or changed at once; a pinned source must
+    stay unchanged until the copy has run. A tensor already on ``device`` is returned as is."""
     return t.to(device, non_blocking=True)
 
 

@@ -125,8 +125,10 @@ class SeqLayout:
         where = torch.device("cpu" if device is None else device)
         key = (kind, where)
         if key not in self._indices:
-            host = torch.tensor(self.gathered_positions_list, dtype=torch.long)  # [s]
-            self._indices[key] = (host if kind == "gathered" else torch.argsort(host)).to(where, non_blocking=True)
+            with torch.inference_mode(False):  # kept for training steps too: never an inference tensor
+                host = torch.tensor(self.gathered_positions_list, dtype=torch.long)  # [s]
+                index = host if kind == "gathered" else torch.argsort(host)
+                self._indices[key] = index.to(where, non_blocking=True)
         return self._indices[key]
 
     @property

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from lightning_paradyse.cost.dims import ModelDims
@@ -226,6 +226,21 @@ def exchange_seconds(dims: ModelDims, machine: Machine, world: int, g: int) -> f
     return 2 * machine.collective("all_to_all", world).time(1, volume)
 
 
+def placeholder_cost(shape: Callable[[int, int, int], float | None], lengths: Sequence[int]) -> Callable[[int], float]:
+    """The price of an idle group of ``g`` ranks (the solver's ``idle``): its step on the placeholder the runner gives
+    it, a token a rank of the shortest row (``shape(min(g, shortest), 1, g)``; 0 where that does not fit), once per
+    group size."""
+    shortest = min(lengths)
+    held: dict[int, float] = {}
+
+    def idle(g: int) -> float:
+        if g not in held:
+            held[g] = shape(min(g, shortest), 1, g) or 0.0
+        return held[g]
+
+    return idle
+
+
 def machine_for_groups(machine: Machine, world: int) -> Machine:
     """``machine`` with a collective model for every power-of-two group size up to ``world``, and for ``world``.
 
@@ -253,6 +268,7 @@ __all__ = [
     "group_shape_cost",
     "machine_for_groups",
     "packed_cost",
+    "placeholder_cost",
     "planner_step_time",
     "rows_cost",
     "rows_shape_cost",

@@ -49,7 +49,13 @@ from lightning_paradyse.cost.dims import dims_from_module
 from lightning_paradyse.distributed.comm import Group, all_gather_rows, collective_device, group_size, synchronize
 from lightning_paradyse.distributed.devices import to_device
 from lightning_paradyse.groups import solver
-from lightning_paradyse.groups.cost import exchange_seconds, group_cost, group_shape_cost, machine_for_groups
+from lightning_paradyse.groups.cost import (
+    exchange_seconds,
+    group_cost,
+    group_shape_cost,
+    machine_for_groups,
+    placeholder_cost,
+)
 from lightning_paradyse.groups.exchange import (
     GroupSet,
     WholeWeights,
@@ -322,22 +328,15 @@ class GroupRunner:
                 return rows(max(lengths), len(lengths), g)
             return packed(lengths, g) if self._runs_on(g, sum(lengths), 1) else None
 
-        shortest = min(units.lengths)
-        idles: dict[int, float] = {}
-
-        def idle(g: int) -> float:  # an idle group's placeholder step (a token a rank of the shortest row) is a step
-            if g not in idles:
-                idles[g] = rows(min(g, shortest), 1, g) or 0.0
-            return idles[g]
-
-        # rows may leave a group idle (a placeholder step of weight 0); packed documents keep every group busy
+        # rows may leave a group idle (a placeholder step of weight 0, priced as a step); packed documents keep every
+        # group busy
         found = solver.assign(
             units.lengths,
             p,
             cost,
             all_busy=units.packed,
             shape=None if units.packed else rows,
-            idle=None if units.packed else idle,
+            idle=None if units.packed else placeholder_cost(rows, units.lengths),
         )
         if found is None and self.on_infeasible == "skip":
             return None

@@ -8,10 +8,11 @@ slowest group. This module chooses the split and the assignment; :mod:`lightning
 The problem: ``n`` sequences, ``P`` ranks, and a cost ``cost(lengths, g)``: the seconds a group of ``g``
 ranks needs for the sequences ``lengths`` (``None`` when they do not fit its memory). Find group sizes
 ``g_1 + ... + g_m = P`` (powers of two) and a partition of the sequences into the groups minimising
-``max_j cost(S_j, g_j)``; an empty group idles, at no cost or at ``idle(g)`` (the placeholder step it runs: with
-it, of two layouts that leave other groups idle the one whose idle groups are cheaper wins, where for free the first
-in :func:`layouts` order, largest groups first, would). The cost must be monotone: adding a sequence to a group never
-makes it faster or free up memory, which holds for any real step; an idle group costs no more than one sequence.
+``max_j cost(S_j, g_j)``; an empty group idles, at no cost or at ``idle(g)`` (the placeholder step it runs; for
+free, a layout whose large group idles can tie with one of smaller groups and win by coming first in
+:func:`layouts` order). The cost must be monotone: adding a sequence to a group never makes it faster or free up
+memory, which holds for any real step; an idle group costs no more than one sequence (:func:`assign_rows` holds
+``idle(g)`` to the cost of the shortest row alone on ``g`` ranks).
 
 * :func:`layouts` enumerates the splits of ``P`` into powers of two (10 for ``P = 8``, 1,828 for ``P = 64``).
 * :func:`assign_exact`: branch and bound, per layout, over the sequences longest first: a sequence goes to
@@ -66,7 +67,7 @@ class Assignment:
     groups: tuple[tuple[int, ...], ...]
     """Sequence indices per group (ascending); every sequence in exactly one group."""
     times: tuple[float, ...]
-    """Predicted seconds per group (0 for an idle group)."""
+    """Predicted seconds per group (an idle group's: 0, or its ``idle`` cost)."""
 
     @property
     def time(self) -> float:
@@ -394,6 +395,20 @@ def _runs(
     return best[0][0], starts
 
 
+def _capped(idle: IdleCost, cost: ShapeCost, shortest: int) -> IdleCost:
+    """``idle`` held to the cost of the ``shortest`` row alone on ``g`` ranks (the sweep of :func:`_row` is exact only
+    when an idle group is no dearer than a one-row run), once per group size."""
+    held: dict[int, float] = {}
+
+    def capped(g: int) -> float:
+        if g not in held:
+            alone = cost(shortest, 1, g)
+            held[g] = idle(g) if alone is None else min(idle(g), alone)
+        return held[g]
+
+    return capped
+
+
 def assign_rows(
     lengths: Sequence[int], world: int, cost: ShapeCost, all_busy: bool = False, idle: IdleCost | None = None
 ) -> Assignment | None:
@@ -405,6 +420,8 @@ def assign_rows(
     best: Assignment | None = None
     tables: Tables = {}
     memo: dict[tuple[int, int, int], float] = {}
+    if idle is not None and ordered:
+        idle = _capped(idle, cost, ordered[-1])
     for sizes in layouts(world):
         if all_busy and len(sizes) > len(lengths):
             continue

@@ -291,7 +291,7 @@ class StepCycle:
             "groups/own_size": float(step.size),
             "groups/largest_size": float(found.sizes[0]),
             "groups/predicted_time_s": float(found.time) + fixed,
-            "groups/predicted_imbalance": imbalance(found.times),
+            "groups/predicted_imbalance": imbalance([t for t, m in zip(found.times, found.groups) if m]),
             "groups/solve_s": step.solve_s,
             "groups/idle": float(sum(not members for members in found.groups)),
         }

@@ -128,7 +128,7 @@ def resolve_positions(positions: Tensor | None, seq_len: int, max_seq_len: int, 
     """Return the global position ids of ``seq_len`` tokens, validating them against ``max_seq_len``.
 
     ``None`` means ``torch.arange(seq_len)``. Positions need not start at 0 nor be contiguous. On the host a
-    position out of range raises a ``ValueError`` naming it; on a GPU the range is asserted on the device (reading
+    position out of range raises a ``ValueError`` naming it; on a CUDA GPU the range is asserted on the device (reading
     the positions on the host would synchronise it in every forward), and a bad position stops the run with a
     device-side assertion.
     """
@@ -143,10 +143,10 @@ def resolve_positions(positions: Tensor | None, seq_len: int, max_seq_len: int, 
         )
     if positions.dtype.is_floating_point or positions.dtype.is_complex or positions.dtype == torch.bool:
         raise ValueError(f"positions must be an integer tensor, got dtype {positions.dtype}")
-    if seq_len > 0 and positions.device.type not in ("cpu", "meta"):  # checked on the device: no host read
+    if seq_len > 0 and positions.device.type == "cuda":  # checked on the device: no host read
         in_range = ((positions >= 0) & (positions < max_seq_len)).all()
         torch._assert_async(in_range, f"positions must be in [0, max_seq_len={max_seq_len})")
-    elif seq_len > 0 and positions.device.type == "cpu":
+    elif seq_len > 0 and positions.device.type != "meta":
         lo, hi = int(positions.min()), int(positions.max())
         if hi >= max_seq_len:
             raise ValueError(f"position {hi} is out of range: positions must be < max_seq_len={max_seq_len}")

@@ -126,8 +126,16 @@ def test_rows_solver_matches_brute_force_on_random_instances() -> None:
 
         fixed = rng.random() * 3
 
-        def idle(g: int, fixed: float = fixed, world: int = world) -> float:  # at most one row's cost
-            return fixed * (g < world) * rng.random() + 0.3 * g / world
+        def idle(
+            g: int,
+            fixed: float = fixed,
+            world: int = world,
+            shape: Callable[..., float | None] = shape,
+            s0: int = min(lengths),
+        ) -> float:
+            alone = shape(s0, 1, g)  # no dearer than the shortest row alone (the rule assign_rows holds it to)
+            raw = fixed * (g < world) * rng.random() + 0.3 * g / world
+            return raw if alone is None else min(raw, alone)
 
         for busy, idle_cost in ((False, None), (True, None), (False, idle)):
             idles = {g: idle_cost(g) for g in range(1, world + 1)} if idle_cost else {}

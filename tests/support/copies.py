@@ -3,9 +3,10 @@
 A copy onto a GPU that blocks (``t.to(device)``, ``torch.tensor(values, device=device)``) waits for every kernel
 queued before it: a host synchronisation. On the host the same calls cost nothing and name a CPU device, so
 :class:`BlockingCopies` counts the calls themselves: a blocking ``Tensor.to`` whose target is a ``torch.device``
-object (the device of a tensor, of a group: where a GPU run puts a GPU) and every ``torch.tensor(..., device=...)``
-with a device that is not the string ``"cpu"`` (a copy meant for the host, as the optimizers make). Each is recorded
-with the frames that led to it (:func:`call_sites`)."""
+object (the device of a tensor, of a group: where a GPU run puts a GPU) or a CUDA device by name, and every
+``torch.tensor(..., device=...)`` with a device that is not the string ``"cpu"`` (a copy meant for the host, as the
+optimizers make). ``Tensor.cuda()`` and ``copy_`` are not counted. Each is recorded with the frames that led to it
+(:func:`call_sites`)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ import torch
 import lightning_paradyse
 
 PACKAGE = os.path.dirname(lightning_paradyse.__file__) + os.sep
+DEVICE_NAMES = ("cuda", *(f"cuda:{i}" for i in range(8)))
+"""Accelerator devices named by a string (``"cpu"`` is the host: a copy meant for it is not counted here)."""
 
 
 def call_sites(depth: int = 4) -> str:
@@ -45,7 +48,8 @@ class BlockingCopies:
 
         def counted_to(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             targets = [*args, kwargs.get("device")]
-            if not kwargs.get("non_blocking", False) and any(isinstance(a, torch.device) for a in targets):
+            named = any(isinstance(a, torch.device) or (isinstance(a, str) and a in DEVICE_NAMES) for a in targets)
+            if not kwargs.get("non_blocking", False) and named:
                 self.sites.append(call_sites())
             return to(t, *args, **kwargs)
 
