@@ -321,7 +321,11 @@ class StepRecorder(pl.Callback):
             return {"split": [world], "decide_s": step["plan_s"]}
         out: dict[str, Any] = {"split": list(record.split), "decide_s": record.metrics.get("groups/solve_s")}
         if getattr(self._planner, "model", None) is not None:  # the cost model's seconds (else a FLOP count)
-            out["pred_time_s"] = record.metrics.get("groups/predicted_time_s")
+            predicted = record.metrics.get("groups/predicted_time_s")
+            out["pred_time_s"] = predicted
+            fixed, scale = record.metrics.get("plan/predicted_fixed_s"), record.metrics.get("plan/predicted_scale")
+            if predicted is not None and fixed is not None and scale:  # the cost model's priced part uncorrected
+                out["pred_unscaled_s"] = (predicted - fixed) / scale + fixed
         times = getattr(trainer.strategy, "group_times", ())
         if times:
             from lightning_paradyse.groups.runner import imbalance

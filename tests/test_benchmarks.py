@@ -83,9 +83,11 @@ def test_predicted_step_times_are_the_timed_passes() -> None:
     timed = _timed_predictions(fits, 3)
     assert timed == [2.0, 2.0, None]
     table = {"plans": [["p"]] * 3, "skipped": [False] * 3, "predicted": [(9.0, 10)] * 3, "peaks": [10] * 3}
-    fields = _prediction_fields(table, [2.0, 4.0, 9.0], timed)
+    fields = _prediction_fields(table, [2.0, 4.0, 9.0], timed, [1.0, None, None])
     assert fields["predicted_step_time_s"] == [2.0, 2.0, 9.0] and fields["predicted_peak_bytes"] == [10, 10, 10]
     assert fields["cost_model_time_mape"] == pytest.approx((0 + 50 + 0) / 3)
+    # the priced part unscaled where the records give it, else the prediction as it is
+    assert fields["cost_model_time_mape_unscaled"] == pytest.approx((50 + 50 + 0) / 3)
 
 
 @pytest.mark.dist

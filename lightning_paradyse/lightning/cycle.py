@@ -20,9 +20,9 @@ The strategy runs Lightning's lifecycle and hands each batch to its :class:`Step
 Every batch takes this one path: a single packed document, validation, test and ``groups=False`` are a step on one
 group of every rank. A batch no plan fits (``on_infeasible="skip"``) is marked skipped on every rank alike.
 
-A training step's record predicts its whole time: the cost model's part, its decision's seconds and the fixed part
-the cycle measures on the run's steps (:mod:`~lightning_paradyse.lightning.fixed_cost`; :meth:`StepCycle.stepped`
-marks the end of a step).
+A training step's record predicts its whole time: the cost model's part (scaled by how far such steps' priced part
+ran from it), its decision's seconds and the fixed part the cycle measures on the run's steps
+(:mod:`~lightning_paradyse.lightning.fixed_cost`; :meth:`StepCycle.stepped` marks the end of a step).
 """
 
 from __future__ import annotations
@@ -270,13 +270,20 @@ class StepCycle:
 
     def _record(self, stage: str, info: BatchInfo, step: GroupStep, decided: float) -> StepRecord:
         """What the callback logs of a step: the plan's numbers, the groups', and a line when they change. A
-        training step's predicted time adds its unpriced part: the measured estimate and its own ``decided``
-        seconds."""
+        training step's predicted time is its priced part times the measured scale of such steps, plus its unpriced
+        part: the measured estimate and its own ``decided`` seconds (:mod:`~.lightning.fixed_cost`)."""
         modes = self.options.modes
-        fixed = self.fixed.seconds + decided if stage == "train" else 0.0
-        metrics = plan_metrics(step.plan, modes, stage) | _plus_fixed(step.model_metrics, fixed)
-        if stage == "train":
+        training = stage == "train"
+        kind = step.assignment.sizes
+        fixed = self.fixed.seconds + decided if training else 0.0
+        scale = self.fixed.scale(kind) if training else 1.0
+        metrics = plan_metrics(step.plan, modes, stage) | _priced(step.model_metrics, scale, fixed)
+        if training:
             metrics["plan/predicted_fixed_s"] = fixed
+            metrics["plan/predicted_scale"] = scale
+            priced = step.assignment.time if not step.whole else step.model_metrics.get("plan/predicted_time_s")
+            if priced is not None:
+                self.fixed.predicted(kind, float(priced))
         if step.whole:
             line = None
             if step.plan != self._last_plan:
@@ -290,7 +297,7 @@ class StepCycle:
             "groups/count": float(len(found.sizes)),
             "groups/own_size": float(step.size),
             "groups/largest_size": float(found.sizes[0]),
-            "groups/predicted_time_s": float(found.time) + fixed,
+            "groups/predicted_time_s": float(found.time) * scale + fixed,
             "groups/predicted_imbalance": imbalance([t for t, m in zip(found.times, found.groups) if m]),
             "groups/solve_s": step.solve_s,
             "groups/idle": float(sum(not members for members in found.groups)),
@@ -411,11 +418,12 @@ class StepCycle:
         self.runner.teardown()
 
 
-def _plus_fixed(model_metrics: dict[str, float], fixed: float) -> dict[str, float]:
-    """The cost model's numbers of a whole step with the step's measured fixed part added to its time."""
+def _priced(model_metrics: dict[str, float], scale: float, fixed: float) -> dict[str, float]:
+    """The cost model's numbers of a whole step with its time corrected by the measured ``scale`` of its priced
+    part and the step's measured fixed part added."""
     if "plan/predicted_time_s" not in model_metrics:
         return model_metrics
-    return {**model_metrics, "plan/predicted_time_s": model_metrics["plan/predicted_time_s"] + fixed}
+    return {**model_metrics, "plan/predicted_time_s": model_metrics["plan/predicted_time_s"] * scale + fixed}
 
 
 def _tensor_versions(batch: Any) -> list[tuple[int, int]]:

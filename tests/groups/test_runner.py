@@ -195,11 +195,14 @@ def test_groups_of_different_sizes_train_like_one_process(reference: dict[str, d
         "step",
         "plan/measured_time_s",
         "plan/predicted_fixed_s",
+        "plan/predicted_scale",
         "groups/count",
         "groups/measured_imbalance",
     } <= set(header), header
     fixed = [float(row.split(",")[header.index("plan/predicted_fixed_s")] or 0) for row in lines[1:]]
     assert fixed and fixed[-1] > 0, fixed  # the step's unpriced part, measured on the steps before
+    scales = [float(row.split(",")[header.index("plan/predicted_scale")] or 0) for row in lines[1:]]
+    assert all(s > 0 for s in scales), scales  # measured over predicted priced part of such steps (1 at first)
     steps = grouped_steps(lines)
     assert steps == [2, 4, 6], steps
     assert len(runs[0]["dealt-accumulate"]["imbalance"]) == 3  # the micro-batches that step (their times return)

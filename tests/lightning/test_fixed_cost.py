@@ -43,7 +43,9 @@ def test_the_fixed_part_is_the_wall_time_less_the_priced_part(clock: Clock) -> N
     step(cost, clock, before=0.5, priced=(3.0,), after=0.25)
     assert cost.seconds == pytest.approx(0.75)
     step(cost, clock, before=0.5, priced=(2.0, 2.0), after=0.5)  # two priced pieces, 1 s between them
-    assert cost.seconds == pytest.approx((0.75 + 2.0) / 2)  # median of two
+    assert cost.seconds == pytest.approx(2.0)  # the fit's first step (cold) counts only until another is measured
+    step(cost, clock, before=0.5, priced=(1.0,), after=0.5)
+    assert cost.seconds == pytest.approx((2.0 + 1.0) / 2)  # median of the steps after the first
 
 
 def test_the_decision_is_left_out_of_the_estimate(clock: Clock) -> None:
@@ -102,3 +104,53 @@ def test_the_priced_part_starts_at_its_first_mark(clock: Clock) -> None:
     cost.leave()
     cost.stepped()
     assert cost.seconds == pytest.approx(0.5)
+
+
+def priced_step(cost: FixedCost, clock: Clock, kind: tuple[int, ...], predicted: float, measured: float) -> None:
+    """A training step of ``kind`` whose priced part the cost model put at ``predicted`` seconds and took
+    ``measured``."""
+    cost.begin()
+    cost.predicted(kind, predicted)
+    cost.enter()
+    clock.now += measured
+    cost.leave()
+    cost.stepped()
+
+
+def test_the_scale_is_the_median_measured_over_predicted_priced_part_per_kind_of_step(clock: Clock) -> None:
+    cost = FixedCost()
+    assert cost.scale((1, 1)) == 1.0  # nothing measured yet
+    priced_step(cost, clock, (1, 1), predicted=2.0, measured=3.0)
+    assert cost.scale((1, 1)) == pytest.approx(1.5)
+    assert cost.scale((2,)) == 1.0  # another kind of step keeps its own
+    priced_step(cost, clock, (2,), predicted=4.0, measured=2.0)
+    assert cost.scale((2,)) == pytest.approx(0.5)
+    priced_step(cost, clock, (1, 1), predicted=2.0, measured=5.0)
+    assert cost.scale((1, 1)) == pytest.approx(2.5)  # a kind's first step (cold) counts until another is measured
+    priced_step(cost, clock, (1, 1), predicted=1.0, measured=1.0)
+    priced_step(cost, clock, (1, 1), predicted=1.0, measured=1.5)
+    assert cost.scale((1, 1)) == pytest.approx(1.5)  # median of 2.5, 1.0 and 1.5
+    for _ in range(WINDOW):
+        priced_step(cost, clock, (1, 1), predicted=1.0, measured=1.25)  # the window moved on
+    assert cost.scale((1, 1)) == pytest.approx(1.25)
+    cost.reset()
+    assert cost.scale((1, 1)) == cost.scale((2,)) == 1.0
+
+
+def test_a_prediction_counts_only_for_the_step_it_was_made_in(clock: Clock) -> None:
+    cost = FixedCost()
+    cost.predicted((1, 1), 1.0)  # outside a training batch: ignored
+    step(cost, clock, before=0.0, priced=(2.0,), after=0.0)
+    assert cost.scale((1, 1)) == 1.0
+    cost.begin()  # a micro-batch that does not step: its prediction is dropped with it
+    cost.predicted((1, 1), 1.0)
+    cost.begin()
+    cost.enter()
+    clock.now += 2.0
+    cost.leave()
+    cost.stepped()
+    assert cost.scale((1, 1)) == 1.0
+    cost.begin()  # a step that never entered its priced part (a skipped batch) measures nothing
+    cost.predicted((1, 1), 1.0)
+    cost.stepped()
+    assert cost.scale((1, 1)) == 1.0
