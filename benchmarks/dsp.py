@@ -4,13 +4,14 @@ Usage::
 
     python benchmarks/dsp.py              # p = 2 and 4 gloo processes, about a minute on 2 CPU cores
 
-One training step (forward and backward) of :class:`~lightning_paradyse.models.st.SpatialTemporalTransformer`
-(``MODEL``: 8 blocks alternating spatial and temporal attention) on a ``[1, frames, patches]`` grid split along
-the frames, under four plans: ``dsp`` on every block (the shard moves between the axes), ``ulysses`` and
-``ring`` on the blocks that attend along the frames (the spatial blocks are local in every plan), and the grid
-planner's choice (``auto``). Reported per plan: the bytes each rank sends, split into activations
-(all-to-alls and ring passes) and weights (ZeRO-3 gathers, the same in every plan), the median step time
-over ``--reps`` steps, and the activation bytes relative to ``ulysses``. Writes ``benchmarks/results/dsp.{json,md}``.
+One training step (forward and backward) of
+:class:`~lightning_paradyse.models.spatial_temporal.SpatialTemporalTransformer` (``MODEL``: 8 blocks alternating spatial
+and temporal attention) on a ``[1, frames, patches]`` grid split along the frames, under four plans: ``dsp`` on every
+block (the shard moves between the axes), ``ulysses`` and ``ring`` on the blocks that attend along the frames (the
+spatial blocks are local in every plan), and the grid planner's choice (``auto``). Reported per plan: the bytes each
+rank sends, split into activations (all-to-alls and ring passes) and weights (ZeRO-3 gathers, the same in every plan),
+the median step time over ``--reps`` steps, and the activation bytes relative to ``ulysses``. Writes
+``benchmarks/results/dsp.{json,md}``.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from lightning_paradyse.distributed.comm import CommCounter
 from lightning_paradyse.distributed.layout import SeqLayout
 from lightning_paradyse.distributed.spawn import run_distributed
 from lightning_paradyse.graph.dispatch import AttentionDispatch
-from lightning_paradyse.models.st import SpatialTemporalTransformer, STConfig
+from lightning_paradyse.models.spatial_temporal import SpatialTemporalTransformer, STConfig
 from lightning_paradyse.modes.plan import LayerPlan, OpPlan, Plan
 from lightning_paradyse.modes.specs import SeqContext
 from lightning_paradyse.planning.grid import GridPlanner

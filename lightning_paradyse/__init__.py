@@ -69,12 +69,15 @@ _MOVED = {
         for folder, names in {
             "distributed": ("layout", "comm", "devices", "spawn"),
             "modes": ("attention", "plan", "volume"),
-            "runtime": ("parallel", "slicing", "checkpoint", "hf_checkpointing", "guards"),
+            "runtime": ("parallel", "slicing", "checkpoint", "hf_checkpointing"),
             "lightning": ("strategy", "callbacks", "summary", "plot"),
             "data": ("corpus", "batching"),
         }.items()
         for name in names
     },
+    "guards": "runtime.exactness",
+    "models.st": "models.spatial_temporal",
+    "runtime.guards": "runtime.exactness",
     "spec": "modes.specs",
     "policy": "planning.fixed",
     "step": "lightning.records",

@@ -56,7 +56,7 @@ from lightning_paradyse.lightning.records import (
 from lightning_paradyse.modes.plan import Plan
 from lightning_paradyse.planning.fixed import Planner
 from lightning_paradyse.planning.planner import PlanSkipped
-from lightning_paradyse.runtime import guards, hf_checkpointing, parallel
+from lightning_paradyse.runtime import exactness, hf_checkpointing, parallel
 from lightning_paradyse.runtime.slicing import BatchInfo, describe_batch, find_tokens, on_device, shard_batch, to_host
 
 
@@ -177,7 +177,7 @@ class StepCycle:
             max_seq_len=self.options.max_seq_len,
             mean_loss=self.options.mean_loss,
         )
-        guards.check_window(info.seq_len, self.window)
+        exactness.check_window(info.seq_len, self.window)
         return info
 
     def begin(self, batch: Any, stage: str, check_pending: bool = False) -> StepRecord:
@@ -407,7 +407,7 @@ class StepCycle:
     def after_step(self, output: Any, accumulating: bool) -> None:
         """A grouped step whose module returned no loss (no backward hands its shards back) ends here."""
         step = self.runner.step
-        if step is not None and not step.whole and guards.step_loss(output) is None:
+        if step is not None and not step.whole and step_loss(output) is None:
             self.runner.finish(accumulating)
 
     def teardown(self) -> None:
@@ -426,6 +426,14 @@ def _priced(model_metrics: dict[str, float], scale: float, fixed: float) -> dict
     return {**model_metrics, "plan/predicted_time_s": model_metrics["plan/predicted_time_s"] * scale + fixed}
 
 
+def step_loss(output: Any) -> torch.Tensor | None:
+    """The loss of a step's output (a tensor, or a mapping with ``loss``)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    loss = output.get("loss") if isinstance(output, dict) else None
+    return loss if isinstance(loss, torch.Tensor) else None
+
+
 def _tensor_versions(batch: Any) -> list[tuple[int, int]]:
     """Every tensor of a batch as ``(id, version counter)``: a tensor replaced or changed in place differs."""
     out: list[tuple[int, int]] = []
@@ -433,4 +441,4 @@ def _tensor_versions(batch: Any) -> list[tuple[int, int]]:
     return out
 
 
-__all__ = ["GlobalLoss", "StepCycle", "reporting_result"]
+__all__ = ["GlobalLoss", "StepCycle", "reporting_result", "step_loss"]

@@ -10,7 +10,9 @@
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +24,29 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_paradyse.runtime import hf_checkpointing
+
+
+def stop_workers(procs: list[Any], grace: float = 5.0) -> list[int]:
+    """Kill the worker processes this (launching) process started that are still running ``grace`` seconds on.
+
+    For the script launcher's rank 0 when its fit fails: the other ranks then either fail too (a refused feature,
+    a collective that lost its peer) and exit on their own, or are stalled outside any collective (stuck user code
+    or data loading) and would outlive the run. Their own child processes (data loader workers) are not followed.
+    ``procs`` is emptied in place once every worker has ended: Lightning's process observer watches the same list
+    and would otherwise kill this process too on seeing a worker's non-zero exit, before its error is reported.
+    Returns the ids of the processes killed.
+    """
+    deadline = time.monotonic() + grace
+    while any(proc.poll() is None for proc in procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    killed = []
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            killed.append(int(proc.pid))
+    procs.clear()
+    return killed
 
 
 class SpawnLauncher(_MultiProcessingLauncher):
@@ -61,4 +86,4 @@ def make_launcher(strategy: Any, start_method: str) -> _Launcher | None:
     return SpawnLauncher(strategy, start_method=start_method)  # type: ignore[arg-type]
 
 
-__all__ = ["SpawnLauncher", "make_launcher"]
+__all__ = ["SpawnLauncher", "make_launcher", "stop_workers"]

@@ -2,33 +2,115 @@
 
 On the first training batch whose first tokens have a real target (``ParaDySeStrategy(check_step=True)``), the
 module's step runs twice on the batch's first ``8p`` tokens, with no gradient and no trace left
-(:func:`~lightning_paradyse.runtime.guards.side_effects_undone`): sharded over the ranks as every step runs, and whole
+(:func:`side_effects_undone`): sharded over the ranks as every step runs, and whole
 on every rank (a group of one holding every weight). The two losses must agree to the precision's tolerance;
 otherwise the step computes across its slice (e.g. shifts the targets itself) and the run stops on every rank
-with the fix (:func:`~lightning_paradyse.runtime.guards.check_step_losses`).
+with the fix (:func:`check_step_losses`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import copy
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.nn as nn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_paradyse.distributed.comm import Group, all_reduce_sum, collective_device, group_size
 from lightning_paradyse.distributed.devices import gpu_free_bytes
 from lightning_paradyse.groups.exchange import drop_group, enter_group
-from lightning_paradyse.lightning.cycle import StepCycle
+from lightning_paradyse.lightning.cycle import StepCycle, step_loss
 from lightning_paradyse.lightning.summary import whole_sizes
 from lightning_paradyse.modes.plan import uniform_plan
 from lightning_paradyse.modes.specs import SeqContext
-from lightning_paradyse.runtime import guards, parallel
+from lightning_paradyse.runtime import parallel
 from lightning_paradyse.runtime.slicing import describe_batch, shard_batch
 
 ATTEMPTS = 8
 """Batches on which the check may still run (it waits for a batch whose first tokens have a real target)."""
+
+
+STEP_CHECK_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
+"""Relative difference allowed between the sharded step's loss and the whole step's on the probe (other dtypes:
+:data:`LOW_PRECISION_TOLERANCE`)."""
+TF32_TOLERANCE = 1e-3
+"""float32 with TF32 matmuls (``torch.set_float32_matmul_precision("high")``) rounds to ~1e-3."""
+LOW_PRECISION_TOLERANCE = 3e-2
+"""bf16/fp16 round to ~1e-2: the check catches only large differences there (run it in float32 to be sure)."""
+
+
+def prefix_batch(batch: Any, b: int, s: int, m: int) -> Any:
+    """The first ``m`` tokens of every ``[b, s, ...]`` tensor (and ``[s]`` per-token entry) of ``batch``."""
+
+    def cut(t: Any) -> Any:
+        if isinstance(t, torch.Tensor):
+            if t.dim() >= 2 and tuple(t.shape[:2]) == (b, s):
+                return t[:, :m]  # [b, s, ...] -> [b, m, ...]
+            if t.dim() == 1 and t.shape[0] == s:
+                return t[:m]  # [s] -> [m]
+        return t
+
+    if isinstance(batch, dict):
+        return {k: cut(v) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(cut(v) for v in batch)
+    return cut(batch)
+
+
+def step_check_tolerance(dtype: torch.dtype, precision: str | None) -> float:
+    """The check's relative tolerance: from the loss's dtype, loosened for bf16/fp16 compute (the loss of a
+    ``bf16-mixed`` step is float32, its matmuls were not) and for TF32 matmuls."""
+    text = str(precision or "")
+    if "16" in text:
+        return LOW_PRECISION_TOLERANCE
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
+        return TF32_TOLERANCE
+    return STEP_CHECK_TOLERANCE.get(dtype, LOW_PRECISION_TOLERANCE)
+
+
+@contextlib.contextmanager
+def side_effects_undone(trainer: Any, module: nn.Module, device: torch.device | None = None) -> Iterator[None]:
+    """Run extra calls of the user's step without trace: in eval mode (no dropout: both calls must compute the
+    same function), logging off (Lightning's barebones switch), the random streams (CPU and ``device``) and every
+    torchmetrics state restored afterwards. Attributes the step changes by hand are not restored."""
+    metrics: list[Any] = [m for m in module.modules() if hasattr(m, "_defaults") and hasattr(m, "_update_count")]
+    saved = [
+        ({name: copy.deepcopy(getattr(m, name)) for name in m._defaults}, m._update_count, m._computed) for m in metrics
+    ]
+    barebones = trainer.barebones
+    trainer.barebones = True  # self.log() warns and returns
+    modes = {m: m.training for m in module.modules()}
+    module.eval()
+    devices = [device.index or 0] if device is not None and device.type == "cuda" else []
+    try:
+        with warnings.catch_warnings(), torch.random.fork_rng(devices=devices):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        trainer.barebones = barebones
+        for m, training in modes.items():
+            m.training = training
+        for m, (states, count, computed) in zip(metrics, saved):
+            for name, value in states.items():
+                setattr(m, name, value)
+            m._update_count, m._computed = count, computed
+
+
+def check_step_losses(sharded: float, whole: float, tol: float) -> None:
+    """Raise when the sharded step's loss on the probe differs from the whole step's (the same on every rank)."""
+    if abs(sharded - whole) > tol * max(abs(whole), 1e-12):
+        raise ValueError(
+            f"the training step computes something across the tokens of its slice: on the first batch's first "
+            f"tokens its loss is {sharded:.10g} when each rank runs its slice, but {whole:.10g} when one process "
+            f"runs them all. Common causes: shifting targets in the step (logits[:, :-1] against ids[:, 1:]; shift "
+            f"them in the data, or pass labels= to a Hugging Face model), or a loss reduced per sequence. "
+            f"ParaDySeStrategy(check_step=False) turns this check off"
+        )
 
 
 class StepCheck:
@@ -63,7 +145,7 @@ class StepCheck:
         self.left -= 1
         batch = args[0] if args else kwargs.get("batch")
         p = group_size(group)
-        prefix = guards.prefix_batch(batch, info.batch, info.seq_len, min(info.seq_len, 8 * p))
+        prefix = prefix_batch(batch, info.batch, info.seq_len, min(info.seq_len, 8 * p))
         rest = (args[1:], {k: v for k, v in kwargs.items() if k != "batch"})
         try:
             sharded_info = cycle.inspect(prefix)
@@ -76,24 +158,24 @@ class StepCheck:
         if not _whole_weights_fit(module, group, device, trainer.world_size):
             self.left = 0
             return
-        with torch.no_grad(), guards.side_effects_undone(trainer, module, device):
+        with torch.no_grad(), side_effects_undone(trainer, module, device):
             cycle.runner.enter(cycle.runner.whole(sharded_info, plan, rank))
             a, k = cycle.shard(sharded_info, (prefix, *rest[0]), rest[1])
-            local = guards.step_loss(step_fn(*a, **k))
+            local = step_loss(step_fn(*a, **k))
             sharded = None if local is None else float(cycle.global_loss(local, sharded_info))
             enter_group(module, group, [1] * p)  # every weight on every rank: the whole step, p times
             try:
                 parallel.configure(module, SeqContext(whole_info.layout, None), uniform_plan("tp_sp", len(plan)))
                 piece, sources = shard_batch(prefix, whole_info, 0)  # the whole prefix, as one process holds it
                 parallel.set_step_sources(module, sources, whole_info.padding)
-                whole = guards.step_loss(step_fn(piece, *rest[0], **rest[1]))
+                whole = step_loss(step_fn(piece, *rest[0], **rest[1]))
             finally:
                 drop_group(module)
         cycle.runner.enter(step)  # the batch's own step again
         cycle.pending = info
         self.left = 0
         if sharded is not None and whole is not None:
-            guards.check_step_losses(sharded, float(whole), guards.step_check_tolerance(whole.dtype, trainer.precision))
+            check_step_losses(sharded, float(whole), step_check_tolerance(whole.dtype, trainer.precision))
 
 
 def _whole_weights_fit(module: torch.nn.Module, group: Group, device: torch.device, world: int) -> bool:
@@ -110,4 +192,14 @@ def _whole_weights_fit(module: torch.nn.Module, group: Group, device: torch.devi
     return fits
 
 
-__all__ = ["ATTEMPTS", "StepCheck"]
+__all__ = [
+    "ATTEMPTS",
+    "LOW_PRECISION_TOLERANCE",
+    "STEP_CHECK_TOLERANCE",
+    "TF32_TOLERANCE",
+    "StepCheck",
+    "check_step_losses",
+    "prefix_batch",
+    "side_effects_undone",
+    "step_check_tolerance",
+]

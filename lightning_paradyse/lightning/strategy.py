@@ -82,7 +82,7 @@ from lightning_paradyse.distributed.devices import (
 from lightning_paradyse.groups.exchange import measure_regroup
 from lightning_paradyse.lightning.callbacks import ParaDySeSwitcher
 from lightning_paradyse.lightning.cycle import StepCycle, reporting_result
-from lightning_paradyse.lightning.launch import SpawnLauncher, make_launcher
+from lightning_paradyse.lightning.launch import SpawnLauncher, make_launcher, stop_workers
 from lightning_paradyse.lightning.options import StrategyOptions
 from lightning_paradyse.lightning.records import StepRecord
 from lightning_paradyse.lightning.step_check import StepCheck
@@ -90,14 +90,14 @@ from lightning_paradyse.lightning.summary import summarize_whole_model
 from lightning_paradyse.modes.plan import Plan
 from lightning_paradyse.planning.choose import choose_planner, fixed_plan
 from lightning_paradyse.planning.fixed import Planner, PlanSpec
-from lightning_paradyse.runtime import guards, hf_checkpointing, parallel
+from lightning_paradyse.runtime import exactness, hf_checkpointing, parallel
 from lightning_paradyse.runtime.checkpoint import (
     PlainModel,
     consolidate_optimizer_state,
     load_optimizer_state,
     recorded,
 )
-from lightning_paradyse.runtime.guards import ClipInterception, check_optimizers, rank_rng
+from lightning_paradyse.runtime.exactness import ClipInterception, check_optimizers, rank_rng
 from lightning_paradyse.runtime.slicing import BatchInfo
 
 _PLAIN_MODELS: weakref.WeakKeyDictionary[torch.nn.Module, PlainModel] = weakref.WeakKeyDictionary()
@@ -148,10 +148,10 @@ class ParaDySeStrategy(ParallelStrategy):
             0).
         elementwise_optimizers: Class names of optimizers the user vouches update every entry from that entry's
             gradient and state alone (as AdamW does), beyond PyTorch's own element-wise ones; others are refused
-            (:func:`~lightning_paradyse.runtime.guards.check_optimizers`).
+            (:func:`~lightning_paradyse.runtime.exactness.check_optimizers`).
         check_replicas_every: Compare the replicated parameters across ranks after the first three optimizer steps,
             then every this many steps and at every checkpoint (0: never); a difference raises, naming the likely
-            cause (:func:`~lightning_paradyse.runtime.guards.check_replicas`).
+            cause (:func:`~lightning_paradyse.runtime.exactness.check_replicas`).
         check_step: On the first training batch, compare the module's step on the first ``8p`` tokens sharded over
             the ranks with the same step on the whole prefix, and stop if they differ: the step computes across the
             tokens of its slice (e.g. shifts targets itself). Costs two forward passes on the prefix, once, with every
@@ -166,8 +166,8 @@ class ParaDySeStrategy(ParallelStrategy):
             mixed plans and groups run on CUDA at p = 2, 4 on one GPU, for tests and checks (not for speed).
         axes: Sequence axes of the hidden states between blocks: 1 for language models (``[b, s, h]``), 2 for
             models over a grid of frames x patches (``[b, T, S, h]``, blocks attending along one axis each, such
-            as :class:`~lightning_paradyse.models.st.SpatialTemporalTransformer`). With 2, batches ``[b, T, S]``
-            are split along the frames, the ``dsp`` mode (dimension switching) is added to ``modes``, and
+            as :class:`~lightning_paradyse.models.spatial_temporal.SpatialTemporalTransformer`). With 2, batches
+            ``[b, T, S]`` are split along the frames, the ``dsp`` mode (dimension switching) is added to ``modes``, and
             ``plan="auto"`` picks per block between switching and the sequence modes
             (:class:`~lightning_paradyse.planning.grid.GridPlanner`).
 
@@ -489,7 +489,7 @@ class ParaDySeStrategy(ParallelStrategy):
         found = names if names is not None else [n for n, _ in parallel.find_blocks(module, self.options.blocks)]
         self.cycle.checkpointed = hf_checkpointing.checkpointed_layers(module, found)  # refusals before any collective
         if names is None:
-            guards.check_rotary(module)  # before any collective: the same model on every rank
+            exactness.check_rotary(module)  # before any collective: the same model on every rank
             if self.plan_spec != "auto":  # a plan of the wrong length fails before any collective
                 fixed_plan(self.options, len(found))
             broadcast_module(module, self._group)
@@ -499,7 +499,7 @@ class ParaDySeStrategy(ParallelStrategy):
                 compile_blocks(module, names)
         # what the modes do not apply stays refused: chunked attention, and windows no rewritten layer carries
         windows = parallel.attention_windows(module)
-        self.cycle.window = guards.attention_window(module, windows_applied=any(w is not None for w in windows))
+        self.cycle.window = exactness.attention_window(module, windows_applied=any(w is not None for w in windows))
         self._plain_model = _PLAIN_MODELS.get(module)  # a module fitted before (e.g. then tested by a new Trainer)
         self._block_names = list(names)
         if self.plan_spec != "auto":
@@ -574,7 +574,7 @@ class ParaDySeStrategy(ParallelStrategy):
         launcher = self._launcher
         procs = launcher.procs if isinstance(launcher, _SubprocessScriptLauncher) else None
         if procs:  # the script launcher's rank 0: no worker it started may outlive the failed run
-            killed = guards.stop_workers(procs)
+            killed = stop_workers(procs)
             if killed:
                 rank_zero_warn(
                     f"rank 0 failed ({type(exception).__name__}); stopped {len(killed)} other rank(s) still running "
@@ -653,8 +653,8 @@ class ParaDySeStrategy(ParallelStrategy):
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         self.cycle.stepped()
         self._optimizer_steps += 1
-        if guards.replica_check_due(self._optimizer_steps, self.options.check_replicas_every):
-            guards.check_replicas(self._module, self._group, f"after optimizer step {self._optimizer_steps}")
+        if exactness.replica_check_due(self._optimizer_steps, self.options.check_replicas_every):
+            exactness.check_replicas(self._module, self._group, f"after optimizer step {self._optimizer_steps}")
         return output
 
     def _sharded(self) -> set[int]:
@@ -754,7 +754,7 @@ class ParaDySeStrategy(ParallelStrategy):
             return module.state_dict()
         self._require_group("save a checkpoint")
         if self.options.check_replicas_every:
-            guards.check_replicas(module, self._group, "at a checkpoint")
+            exactness.check_replicas(module, self._group, "at a checkpoint")
         state = parallel.consolidated(module, self._group, host=True)  # gathered through host memory, piece by piece
         plain: PlainModel | None = self._plain_model
         return state if plain is None else plain.state_dict(state)

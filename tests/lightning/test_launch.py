@@ -4,16 +4,20 @@
 its worker threads until the interpreter finalizes, and a worker still holding the last collective's work then
 aborts the process (``terminate called without an active exception``) after a finished fit. The strategy's teardown
 drops every reference of its own first; ``benchmarks/exit_check.py`` checks in each worker that the group is gone
-(exit status 2 if not, 1 for an abnormal exit).
+(exit status 2 if not, 1 for an abnormal exit). And the script launcher's rank 0 stops the workers of a failed fit
+that outlive it (:func:`~lightning_paradyse.lightning.launch.stop_workers`).
 """
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from lightning_paradyse.lightning.launch import stop_workers
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,3 +54,12 @@ def test_a_stalled_rank_does_not_outlive_the_run(start_method: str, timeout: int
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "processes of the run left 20 s after the fit: 0" in proc.stdout, proc.stdout
+
+
+def test_stop_workers_kills_only_the_ones_still_running() -> None:
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    quick = subprocess.Popen([sys.executable, "-c", "pass"])
+    procs = [sleeper, quick]
+    killed = stop_workers(procs, grace=2.0)
+    assert killed == [sleeper.pid] and procs == []  # emptied: Lightning's process observer watches this list
+    assert sleeper.wait(timeout=10) == -signal.SIGKILL and quick.wait(timeout=10) == 0

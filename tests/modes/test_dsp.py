@@ -1,7 +1,7 @@
 """Dimension switching (DSP) on the spatial-temporal reference model equals one process, and moves less.
 
-The model (``lightning_paradyse.models.st``) alternates spatial and temporal attention blocks over a grid of
-frames x patches; it is parallelized unmodified with ``axes=2``. The batch is split along the frames. Plans:
+The model (``lightning_paradyse.models.spatial_temporal``) alternates spatial and temporal attention blocks over a
+grid of frames x patches; it is parallelized unmodified with ``axes=2``. The batch is split along the frames. Plans:
 every block ``dsp`` (the shard moves between the axes with one all-to-all), the sequence modes on the blocks
 that attend along the sharded axis (``ulysses``, ``ring``, ``tp_sp``: spatial blocks run locally), and mixed
 plans with recomputation. Loss and every gradient must match a single process at p = 2, 3 (uneven chunks)
@@ -27,7 +27,7 @@ from typing_extensions import override
 from lightning_paradyse import ParaDySeStrategy
 from lightning_paradyse.distributed.comm import CommCounter, all_reduce_sum, move_shard
 from lightning_paradyse.distributed.layout import SeqLayout, split_sizes
-from lightning_paradyse.models.st import SpatialTemporalTransformer, STConfig
+from lightning_paradyse.models.spatial_temporal import SpatialTemporalTransformer, STConfig
 from lightning_paradyse.modes.plan import LayerPlan, OpPlan, Plan
 from lightning_paradyse.modes.specs import SeqContext
 from lightning_paradyse.runtime.parallel import (

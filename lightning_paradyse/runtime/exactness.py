@@ -16,6 +16,9 @@ Whatever reads *whole* tensors across that boundary must be made exact or refuse
   parameters and the likely cause.
 * **Random numbers** (:func:`rank_rng`): dropout and other random ops in the step draw from a per-rank stream,
   so ranks do not drop the same positions of their chunks; the global stream (data order) is untouched.
+* **Positions and windows** (:func:`check_rotary`, :func:`attention_window`, :func:`check_window`): rotary
+  embeddings whose frequencies follow each call's largest position are refused, and a batch longer than a sliding
+  or chunked attention window the modes do not apply is refused before any collective.
 
 Every check that can fail raises on every rank alike (its inputs are identical on every rank, or it is a
 collective whose result every rank sees).
@@ -24,10 +27,6 @@ collective whose result every rank sees).
 from __future__ import annotations
 
 import contextlib
-import copy
-import signal
-import time
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -208,119 +207,6 @@ def rank_rng(seed: int, rank: int, step: int, device: torch.device) -> Iterator[
         for index in devices:  # device type, a tenth of a millisecond per call)
             torch.cuda.default_generators[index].manual_seed(derived)
         yield
-
-
-# --------------------------------------------------------------------------------------------------
-# The one-time check that the step is token-local
-# --------------------------------------------------------------------------------------------------
-
-STEP_CHECK_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
-"""Relative difference allowed between the sharded step's loss and the whole step's on the probe (other dtypes:
-:data:`LOW_PRECISION_TOLERANCE`)."""
-TF32_TOLERANCE = 1e-3
-"""float32 with TF32 matmuls (``torch.set_float32_matmul_precision("high")``) rounds to ~1e-3."""
-LOW_PRECISION_TOLERANCE = 3e-2
-"""bf16/fp16 round to ~1e-2: the check catches only large differences there (run it in float32 to be sure)."""
-
-
-def prefix_batch(batch: Any, b: int, s: int, m: int) -> Any:
-    """The first ``m`` tokens of every ``[b, s, ...]`` tensor (and ``[s]`` per-token entry) of ``batch``."""
-
-    def cut(t: Any) -> Any:
-        if isinstance(t, torch.Tensor):
-            if t.dim() >= 2 and tuple(t.shape[:2]) == (b, s):
-                return t[:, :m]  # [b, s, ...] -> [b, m, ...]
-            if t.dim() == 1 and t.shape[0] == s:
-                return t[:m]  # [s] -> [m]
-        return t
-
-    if isinstance(batch, dict):
-        return {k: cut(v) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(cut(v) for v in batch)
-    return cut(batch)
-
-
-def step_check_tolerance(dtype: torch.dtype, precision: str | None) -> float:
-    """The check's relative tolerance: from the loss's dtype, loosened for bf16/fp16 compute (the loss of a
-    ``bf16-mixed`` step is float32, its matmuls were not) and for TF32 matmuls."""
-    text = str(precision or "")
-    if "16" in text:
-        return LOW_PRECISION_TOLERANCE
-    if dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
-        return TF32_TOLERANCE
-    return STEP_CHECK_TOLERANCE.get(dtype, LOW_PRECISION_TOLERANCE)
-
-
-@contextlib.contextmanager
-def side_effects_undone(trainer: Any, module: nn.Module, device: torch.device | None = None) -> Iterator[None]:
-    """Run extra calls of the user's step without trace: in eval mode (no dropout: both calls must compute the
-    same function), logging off (Lightning's barebones switch), the random streams (CPU and ``device``) and every
-    torchmetrics state restored afterwards. Attributes the step changes by hand are not restored."""
-    metrics: list[Any] = [m for m in module.modules() if hasattr(m, "_defaults") and hasattr(m, "_update_count")]
-    saved = [
-        ({name: copy.deepcopy(getattr(m, name)) for name in m._defaults}, m._update_count, m._computed) for m in metrics
-    ]
-    barebones = trainer.barebones
-    trainer.barebones = True  # self.log() warns and returns
-    modes = {m: m.training for m in module.modules()}
-    module.eval()
-    devices = [device.index or 0] if device is not None and device.type == "cuda" else []
-    try:
-        with warnings.catch_warnings(), torch.random.fork_rng(devices=devices):
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        trainer.barebones = barebones
-        for m, training in modes.items():
-            m.training = training
-        for m, (states, count, computed) in zip(metrics, saved):
-            for name, value in states.items():
-                setattr(m, name, value)
-            m._update_count, m._computed = count, computed
-
-
-def step_loss(output: Any) -> torch.Tensor | None:
-    """The loss of a step's output (a tensor, or a mapping with ``loss``)."""
-    if isinstance(output, torch.Tensor):
-        return output
-    loss = output.get("loss") if isinstance(output, dict) else None
-    return loss if isinstance(loss, torch.Tensor) else None
-
-
-def check_step_losses(sharded: float, whole: float, tol: float) -> None:
-    """Raise when the sharded step's loss on the probe differs from the whole step's (the same on every rank)."""
-    if abs(sharded - whole) > tol * max(abs(whole), 1e-12):
-        raise ValueError(
-            f"the training step computes something across the tokens of its slice: on the first batch's first "
-            f"tokens its loss is {sharded:.10g} when each rank runs its slice, but {whole:.10g} when one process "
-            f"runs them all. Common causes: shifting targets in the step (logits[:, :-1] against ids[:, 1:]; shift "
-            f"them in the data, or pass labels= to a Hugging Face model), or a loss reduced per sequence. "
-            f"ParaDySeStrategy(check_step=False) turns this check off"
-        )
-
-
-def stop_workers(procs: list[Any], grace: float = 5.0) -> list[int]:
-    """Kill the worker processes this (launching) process started that are still running ``grace`` seconds on.
-
-    For the script launcher's rank 0 when its fit fails: the other ranks then either fail too (a refused feature,
-    a collective that lost its peer) and exit on their own, or are stalled outside any collective (stuck user code
-    or data loading) and would outlive the run. Their own child processes (data loader workers) are not followed.
-    ``procs`` is emptied in place once every worker has ended: Lightning's process observer watches the same list
-    and would otherwise kill this process too on seeing a worker's non-zero exit, before its error is reported.
-    Returns the ids of the processes killed.
-    """
-    deadline = time.monotonic() + grace
-    while any(proc.poll() is None for proc in procs) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    killed = []
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
-            killed.append(int(proc.pid))
-    procs.clear()
-    return killed
 
 
 def _call_dependent(rope_type: str) -> bool:

@@ -1,4 +1,5 @@
-"""The exactness guards on one process: optimizer refusal, clip interception, replica schedule, rank streams.
+"""What keeps training exact, on one process: optimizer refusal, clip interception, replica schedule, rank streams,
+rotary and window refusals.
 
 The distributed behaviour (the global norm over shards, replicas compared across ranks, refusals on every rank)
 is proven against plain Lightning in ``tests/exact``.
@@ -6,9 +7,6 @@ is proven against plain Lightning in ``tests/exact``.
 
 from __future__ import annotations
 
-import signal
-import subprocess
-import sys
 from types import SimpleNamespace
 from typing import Any
 
@@ -16,7 +14,7 @@ import pytest
 import torch
 
 from lightning_paradyse.runtime import parallel
-from lightning_paradyse.runtime.guards import (
+from lightning_paradyse.runtime.exactness import (
     ClipInterception,
     attention_window,
     check_optimizers,
@@ -24,7 +22,6 @@ from lightning_paradyse.runtime.guards import (
     check_window,
     rank_rng,
     replica_check_due,
-    stop_workers,
 )
 from tests.exact.cases import Lamb
 
@@ -112,15 +109,6 @@ def test_rank_streams_differ_per_rank_and_leave_the_global_stream_alone() -> Non
     assert torch.equal(torch.get_rng_state(), state)
     with rank_rng(7, 0, step=3, device=torch.device("cpu")):
         assert torch.equal(torch.rand(8), draws[0])  # reproducible (a resumed run draws the same)
-
-
-def test_stop_workers_kills_only_the_ones_still_running() -> None:
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-    quick = subprocess.Popen([sys.executable, "-c", "pass"])
-    procs = [sleeper, quick]
-    killed = stop_workers(procs, grace=2.0)
-    assert killed == [sleeper.pid] and procs == []  # emptied: Lightning's process observer watches this list
-    assert sleeper.wait(timeout=10) == -signal.SIGKILL and quick.wait(timeout=10) == 0
 
 
 def test_call_dependent_rotary_and_sliding_windows_are_found_in_hugging_face_models() -> None:
