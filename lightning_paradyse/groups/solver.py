@@ -38,6 +38,7 @@ found), so every rank reaches the same answer.
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import math
@@ -302,40 +303,58 @@ def assign(
     return assign_greedy(lengths, world, cost, all_busy, idle)
 
 
-def _orders(sizes: tuple[int, ...]) -> list[tuple[int, ...]]:
-    """Every distinct order of the group sizes ``sizes`` (sorted, so the search is the same on every rank)."""
-    return sorted(set(itertools.permutations(sizes)), reverse=True)
+@functools.lru_cache(maxsize=256)
+def _orders(sizes: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """Every distinct order of the group sizes ``sizes``, largest first in each position (the same on every rank),
+    made once per layout: a multiset's distinct orders are built position by position (``(1,) * 8`` has one, not
+    the 40,320 permutations of its places)."""
+    counts = sorted(collections.Counter(sizes).items(), reverse=True)  # [(size, count)], largest size first
+    out: list[tuple[int, ...]] = []
+
+    def extend(prefix: tuple[int, ...]) -> None:
+        if len(prefix) == len(sizes):
+            out.append(prefix)
+            return
+        for k, (g, left) in enumerate(counts):
+            if left:
+                counts[k] = (g, left - 1)
+                extend((*prefix, g))
+                counts[k] = (g, left)
+
+    extend(())
+    return tuple(out)
 
 
 def _row(
-    run: Callable[[int, int, int], float],
+    run: Callable[[int, int], float],
     after: list[float],
-    g: int,
     n: int,
     starts: Sequence[int],
     later: int,
     all_busy: bool,
 ) -> tuple[list[float], list[int]]:
-    """One row of :func:`_runs`' programme: for every start ``i``, the fastest time of this group of ``g`` ranks (rows
-    ``[i, end)``) and the ``later`` groups after it (``after[end]``), and the best ``end``.
+    """One row of :func:`_runs`' programme: for every start ``i``, the fastest time of this group (rows ``[i, end)``
+    cost ``run(i, end)``) and the ``later`` groups after it (``after[end]``), and the best ``end``.
 
     The best end is next to the crossing: the first ``e`` where the group's run costs at least as much as the groups
     after it. With ``starts`` ascending the crossing never moves back (a later start runs shorter, fewer rows: by
     the cost's monotonicity it reaches ``after[e]`` no earlier), so one sweep finds every start's: what a bisection
     per start finds, in about ``3 n`` costs looked up instead of ``n log n``."""
     best, cut = [math.inf] * (n + 1), [n] * (n + 1)
+    first, last = (1, later) if all_busy else (0, 0)  # each later group needs a row
     e = 0
     for i in starts:
-        lo, hi = i + (1 if all_busy else 0), n - (later if all_busy else 0)  # each later group needs a row
-        if later == 0:
-            lo = n  # the last group takes every row left
+        lo, hi = (n if later == 0 else i + first), n - last  # the last group takes every row left
         if lo > hi:
             continue
-        e = max(e, lo)  # the previous start's crossing, or this one's first end
-        while e < hi and run(i, e, g) < after[e]:
+        if e < lo:
+            e = lo  # else the previous start's crossing
+        while e < hi and run(i, e) < after[e]:
             e += 1
         for end in (e - 1, e) if e > lo else (e,):
-            t = max(run(i, end, g), after[end])
+            t, a = run(i, end), after[end]
+            if a > t:
+                t = a
             if t < best[i]:
                 best[i], cut[i] = t, end
     return best, cut
@@ -352,7 +371,7 @@ def _runs(
     cost: ShapeCost,
     all_busy: bool,
     tables: Tables | None = None,
-    memo: dict[tuple[int, int, int], float] | None = None,
+    memo: dict[int, dict[int, float]] | None = None,
     idle: IdleCost | None = None,
 ) -> tuple[float, list[int]] | None:
     """The fastest split of the rows ``ordered`` (lengths, longest first) into consecutive runs, run ``j`` to a
@@ -362,16 +381,24 @@ def _runs(
     inf = math.inf
     tables = {} if tables is None else tables
     memo = {} if memo is None else memo
+    stride = n + 1
 
-    def run(i: int, end: int, g: int) -> float:  # rows [i, end) on g ranks (an empty run idles)
-        if end == i:
-            return inf if all_busy else _idle(idle, g)
-        key = (ordered[i], end - i, g)
-        t = memo.get(key)
-        if t is None:
-            found = cost(ordered[i], end - i, g)
-            t = memo[key] = inf if found is None else found
-        return t
+    def runner(g: int) -> Callable[[int, int], float]:
+        """Rows ``[i, end)`` on ``g`` ranks (an empty run idles), their costs kept per group size."""
+        held = memo.setdefault(g, {})
+        empty = inf if all_busy else _idle(idle, g)
+
+        def run(i: int, end: int) -> float:
+            if end == i:
+                return empty
+            key = ordered[i] * stride + end - i  # (longest row, rows): the shape the cost reads
+            t = held.get(key)
+            if t is None:
+                found = cost(ordered[i], end - i, g)
+                t = held[key] = inf if found is None else found
+            return t
+
+        return run
 
     # best[j][i]: the fastest time of groups j.. on rows i..; cut[j][i]: where group j's run ends
     best: list[list[float]] = [[inf] * (n + 1) for _ in range(k + 1)]
@@ -383,7 +410,7 @@ def _runs(
             best[j], cut[j] = tables[suffix]
             continue
         starts = [0] if j == 0 else range(n + 1)
-        best[j], cut[j] = _row(run, best[j + 1], sizes[j], n, starts, k - j - 1, all_busy)
+        best[j], cut[j] = _row(runner(sizes[j]), best[j + 1], n, starts, k - j - 1, all_busy)
         if j > 0:
             tables[suffix] = (best[j], cut[j])
     if best[0][0] == inf:
@@ -419,7 +446,7 @@ def assign_rows(
     ordered = [lengths[i] for i in order]
     best: Assignment | None = None
     tables: Tables = {}
-    memo: dict[tuple[int, int, int], float] = {}
+    memo: dict[int, dict[int, float]] = {}
     if idle is not None and ordered:
         idle = _capped(idle, cost, ordered[-1])
     for sizes in layouts(world):
