@@ -312,7 +312,8 @@ class StepRecorder(pl.Callback):
     def _groups_of_step(self, trainer: pl.Trainer, step: dict[str, Any]) -> dict[str, Any]:
         """ParaDySe runs: the group split of the step (``[p]``: one group of every rank), the decision's seconds
         (on groups: ``groups/solve_s``; else the planner's), the predicted time of a step on groups when the cost
-        model predicts it, and the measured imbalance of the groups."""
+        model predicts it (as logged, and with its priced part unscaled: ``pred_unscaled_s``), and the measured
+        imbalance of the groups."""
         if self.switcher is None or step["skipped"]:
             return {}
         record = getattr(trainer.strategy, "step_record", None)

@@ -118,7 +118,9 @@ def _mape(pairs: list[tuple[float | None, float]]) -> float | None:
 
 def _timed_predictions(fits: Sequence[dict[str, Any]], n_steps: int, key: str = "pred_time_s") -> list[float | None]:
     """Every step's predicted seconds as the timed passes made them (the median over them; ``None`` where one has
-    none). A step on groups adds the fixed part the strategy measured on the fit's earlier steps: in the
+    none), read under ``key``: ``pred_time_s`` as the strategy logged it, ``pred_unscaled_s`` with its priced part
+    unscaled (:mod:`~lightning_paradyse.lightning.fixed_cost`). A step on groups adds the fixed part the strategy
+    measured on the fit's earlier steps: in the
     instrumented pass those ran under its Python dispatch modes (several times slower for small ops), so only the
     timed passes' predictions are compared with the timed passes' steps."""
     out: list[float | None] = []

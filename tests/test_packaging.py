@@ -200,3 +200,19 @@ def test_the_package_imports_only_downwards_and_at_module_level() -> None:
         elif a in LAYERS and b in LAYERS and LAYERS.index(b) > LAYERS.index(a):
             upward.append(f"{module}:{line} ({a}) imports {name} ({b}, above it)")
     assert not upward and not local, "\n".join(upward + local)
+
+
+def test_module_paths_of_earlier_versions_import_the_modules_at_their_place() -> None:
+    import importlib
+
+    import lightning_paradyse.models.spatial_temporal as spatial_temporal
+    import lightning_paradyse.runtime.exactness as exactness
+    import lightning_paradyse.runtime.parallel as parallel
+
+    for old, new in (
+        ("lightning_paradyse.guards", exactness),
+        ("lightning_paradyse.runtime.guards", exactness),
+        ("lightning_paradyse.models.st", spatial_temporal),
+        ("lightning_paradyse.parallel", parallel),
+    ):
+        assert importlib.import_module(old) is new, old

@@ -307,7 +307,8 @@ def assign(
 def _orders(sizes: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
     """Every distinct order of the group sizes ``sizes``, largest first in each position (the same on every rank),
     made once per layout: a multiset's distinct orders are built position by position (``(1,) * 8`` has one, not
-    the 40,320 permutations of its places)."""
+    the 40,320 permutations of its places). Their number grows fast past 16 ranks (millions for one layout of 32):
+    the rows solver is meant for the group sizes of a node or two."""
     counts = sorted(collections.Counter(sizes).items(), reverse=True)  # [(size, count)], largest size first
     out: list[tuple[int, ...]] = []
 
@@ -376,7 +377,8 @@ def _runs(
 ) -> tuple[float, list[int]] | None:
     """The fastest split of the rows ``ordered`` (lengths, longest first) into consecutive runs, run ``j`` to a
     group of ``sizes[j]`` ranks: ``(time, run starts)``, or ``None`` if no split fits. ``tables`` and ``memo`` carry
-    the programme's rows per suffix of ``sizes`` and the costs of runs from one call to the next (same rows)."""
+    the programme's rows per suffix of ``sizes`` and the costs of runs from one call to the next: the same rows only
+    (a run's cost is kept per group size under ``longest row * (n + 1) + rows``, one to one for ``n`` rows)."""
     n, k = len(ordered), len(sizes)
     inf = math.inf
     tables = {} if tables is None else tables

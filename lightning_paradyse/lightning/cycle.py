@@ -55,7 +55,7 @@ from lightning_paradyse.lightning.records import (
 )
 from lightning_paradyse.modes.plan import Plan
 from lightning_paradyse.planning.fixed import Planner
-from lightning_paradyse.planning.planner import PlanSkipped
+from lightning_paradyse.planning.planner import CostPlanner, PlanSkipped
 from lightning_paradyse.runtime import exactness, hf_checkpointing, parallel
 from lightning_paradyse.runtime.slicing import BatchInfo, describe_batch, find_tokens, on_device, shard_batch, to_host
 
@@ -119,7 +119,8 @@ class StepCycle:
         """Layers the model's Hugging Face gradient checkpointing marks (read before every batch)."""
         self.window: tuple[int, str] | None = None
         self.fixed = FixedCost()
-        """The fixed part of the training steps (measured; added to the step record's predictions)."""
+        """The fixed part of the training steps and the scale of their priced part (measured; the step record's
+        predictions add the one and are scaled by the other)."""
         self.reports_loss = False
         """Lightning hands this cycle the loss it keeps (:func:`reporting_result` is installed): a training step on
         groups may then settle the global loss on the gradient return."""
@@ -274,14 +275,19 @@ class StepCycle:
         part: the measured estimate and its own ``decided`` seconds (:mod:`~.lightning.fixed_cost`)."""
         modes = self.options.modes
         training = stage == "train"
-        kind = step.assignment.sizes
+        # seconds of the priced part (none without a cost model: a fixed plan's groups are priced in FLOPs), and the
+        # kind of step its measured scale is kept for: the split, how it was priced (the planner's bucket for one
+        # group of every rank, the real lengths on groups) and whether it reuses kept shards (no exchange in)
+        priced = step.model_metrics.get("plan/predicted_time_s") if step.whole else None
+        if not step.whole and isinstance(self._planner, CostPlanner):
+            priced = step.assignment.time
+        kind = (step.assignment.sizes, step.whole, step.reuse)
         fixed = self.fixed.seconds + decided if training else 0.0
-        scale = self.fixed.scale(kind) if training else 1.0
+        scale = self.fixed.scale(kind) if training and priced is not None else 1.0
         metrics = plan_metrics(step.plan, modes, stage) | _priced(step.model_metrics, scale, fixed)
         if training:
             metrics["plan/predicted_fixed_s"] = fixed
             metrics["plan/predicted_scale"] = scale
-            priced = step.assignment.time if not step.whole else step.model_metrics.get("plan/predicted_time_s")
             if priced is not None:
                 self.fixed.predicted(kind, float(priced))
         if step.whole:

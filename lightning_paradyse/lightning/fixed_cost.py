@@ -11,17 +11,19 @@ start of the strategy's per-batch cycle to the end of the optimizer step) less t
 (from the weights moving into the groups, with the agreement when they ride on it, to the end of the gradient
 return) and less the step's decision (the split and the plans:
 known before the step runs, cold when a length bucket is planned for the first time, warm after), and keeps the
-median of the last :data:`WINDOW` steps (the fit's first step, which runs cold and carries the one-time step check,
-only until another is measured). The step record adds that estimate and the step's own decision time to
-its predictions (``plan/predicted_fixed_s``).
+median of the last :data:`WINDOW` steps (the fit's first step, which runs cold: the optimizer's first step makes its
+state, Lightning's loop and the hooks run for the first time, counts only until another is measured). A step that
+ran the one-time step check (its extra forward passes) is not measured at all (:meth:`FixedCost.exclude`). The step
+record adds that estimate and the step's own decision time to its predictions (``plan/predicted_fixed_s``).
 
 The priced part itself runs slower or faster than the cost model says on a loaded machine: ranks that reach a
 collective apart, processes that share cores, a GPU that other ranks share. :class:`FixedCost` keeps, per kind of
-step (its group sizes: ``(1, 1)`` for a data-parallel step of two ranks, ``(2,)`` for one group of both), the
-median of the measured priced part over the predicted one on the last :data:`WINDOW` such steps (the first, cold,
-again only until another): :meth:`FixedCost.scale`. The step record multiplies its priced prediction by it
-(``plan/predicted_scale``). Only the reported prediction is corrected. The decisions price the cost model alone:
-a rerun on the same machine decides alike, and no rank's own measurement can make it decide apart from the others.
+step (the cycle's key: the group sizes, ``(1, 1)`` for a data-parallel step of two ranks, ``(2,)`` for one group of
+both, and how the step was priced and entered), the median of the measured priced part over the predicted one on the
+last :data:`WINDOW` such steps (the first, cold, again only until another): :meth:`FixedCost.scale`. The step record
+multiplies its priced prediction by it (``plan/predicted_scale``). Only the reported prediction is corrected. The
+decisions price the cost model alone: a rerun on the same machine decides alike, and no rank's own measurement can
+make it decide apart from the others.
 
 On a GPU the priced part ends where the gradient return's results are read on the host (a synchronisation the return
 makes anyway); nothing here synchronises the device.
@@ -32,6 +34,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
+from collections.abc import Hashable
 
 WINDOW = 16
 """Training steps the estimate is the median of."""
@@ -42,41 +45,47 @@ class FixedCost:
 
     Per training batch: :meth:`begin` when the cycle starts, :meth:`decided` with the decision's seconds,
     :meth:`enter` and :meth:`leave` around the priced part (several pairs add up), :meth:`predicted` with the
-    cost model's seconds of that part, :meth:`stepped` after the optimizer step. :attr:`seconds` is the estimate
+    cost model's seconds of that part, :meth:`exclude` when the step check runs in it, :meth:`stepped` after the
+    optimizer step. :attr:`seconds` is the estimate
     without the decision (0 before the first measured step); :meth:`scale` the measured over the predicted priced
     part of a kind of step (1 before the first).
     """
 
     def __init__(self) -> None:
         self._samples = _Window()
-        self._ratios: dict[tuple[int, ...], _Window] = {}
+        self._ratios: dict[Hashable, _Window] = {}
         self._began: float | None = None
         self._entered: float | None = None
         self._priced = 0.0
         self._decided = 0.0
-        self._predicted: tuple[tuple[int, ...], float] | None = None
+        self._predicted: tuple[Hashable, float] | None = None
+        self._excluded = False
 
     @property
     def seconds(self) -> float:
-        """The median fixed part, decision excluded, of the last :data:`WINDOW` measured steps (0.0 before the
-        first)."""
+        """The median fixed part, decision excluded, of the last :data:`WINDOW` measured steps (the fit's first only
+        until another is measured; 0.0 before the first)."""
         return self._samples.median(0.0)
 
-    def scale(self, kind: tuple[int, ...]) -> float:
+    def scale(self, kind: Hashable) -> float:
         """The median of measured over predicted priced seconds of the last :data:`WINDOW` steps of this ``kind``
-        (their group sizes), 1.0 before the first."""
+        (the kind's first only until another is measured; 1.0 before the first)."""
         ratios = self._ratios.get(kind)
         return 1.0 if ratios is None else ratios.median(1.0)
 
     def begin(self) -> None:
         """A training batch's cycle starts (a micro-batch that does not step starts the next one over)."""
         self._began, self._entered, self._priced, self._decided = time.perf_counter(), None, 0.0, 0.0
-        self._predicted = None
+        self._predicted, self._excluded = None, False
 
-    def predicted(self, kind: tuple[int, ...], seconds: float) -> None:
-        """The cost model's seconds of this step's priced part, a step of ``kind`` (its group sizes)."""
+    def predicted(self, kind: Hashable, seconds: float) -> None:
+        """The cost model's seconds of this step's priced part, a step of ``kind``."""
         if self._began is not None:
             self._predicted = (kind, seconds)
+
+    def exclude(self) -> None:
+        """This step measures nothing (the one-time step check runs in it: extra forward passes)."""
+        self._excluded = True
 
     def decided(self, seconds: float) -> None:
         """The batch's decision took ``seconds`` (the record adds them itself: they are known before the step)."""
@@ -99,7 +108,7 @@ class FixedCost:
         e.g. a skipped one, is not)."""
         began, self._began = self._began, None
         predicted, self._predicted = self._predicted, None
-        if began is None or self._priced <= 0.0:
+        if began is None or self._priced <= 0.0 or self._excluded:
             return
         self._samples.append(max(0.0, time.perf_counter() - began - self._priced - self._decided))
         if predicted is not None and predicted[1] > 0.0:
@@ -111,7 +120,7 @@ class FixedCost:
         self._samples = _Window()
         self._ratios.clear()
         self._began, self._entered, self._priced, self._decided = None, None, 0.0, 0.0
-        self._predicted = None
+        self._predicted, self._excluded = None, False
 
 
 class _Window:

@@ -5,6 +5,8 @@
   local shards would not load into the launching process's model);
 * ``popen``: Lightning's script launcher (each process re-runs the command, as ``torchrun`` does);
 * nothing when an external launcher (``torchrun``, SLURM) created the processes, or for one process.
+
+When a fit fails, the script launcher's rank 0 stops the workers it started that outlive it (:func:`stop_workers`).
 """
 
 from __future__ import annotations

@@ -143,6 +143,7 @@ class StepCheck:
         assert info is not None and step is not None
         plan, rank = step.plan, step.rank
         self.left -= 1
+        cycle.fixed.exclude()  # the check's forward passes are no part of this step's costs
         batch = args[0] if args else kwargs.get("batch")
         p = group_size(group)
         prefix = prefix_batch(batch, info.batch, info.seq_len, min(info.seq_len, 8 * p))

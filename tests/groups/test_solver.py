@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import math
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -10,6 +12,7 @@ import pytest
 
 from lightning_paradyse.groups.solver import (
     Assignment,
+    _orders,
     assign,
     assign_exact,
     assign_greedy,
@@ -151,6 +154,37 @@ def test_rows_solver_matches_brute_force_on_random_instances() -> None:
             for members, g, t in zip(found.groups, found.sizes, found.times):
                 assert t == (cost(tuple(lengths[i] for i in members), g) if members else idles.get(g, 0.0))
             assert assign(lengths, world, cost, all_busy=busy, shape=shape, idle=priced) == found
+
+
+def test_the_orders_of_a_layout_are_its_distinct_permutations_largest_first() -> None:
+    """The rows solver tries every distinct order of a layout's group sizes, in one order on every rank; they are
+    built without enumerating every permutation (eight groups of one have one order, not 40,320)."""
+    for world in (2, 4, 8):
+        for sizes in layouts(world):
+            assert _orders(sizes) == tuple(sorted(set(itertools.permutations(sizes)), reverse=True)), sizes
+    assert _orders((1,) * 8) == ((1,) * 8,)
+    assert len(_orders((2, 2, 1, 1, 1, 1))) == 15
+
+
+def test_rows_solver_matches_brute_force_at_eight_ranks() -> None:
+    """At 8 ranks (ten layouts, up to 15 orders each) on a few rows, with idle groups priced."""
+    rng = random.Random(11)
+    for trial in range(40):
+        lengths = [rng.randint(1, 40) for _ in range(rng.randint(1, 4))]
+        shape = rows_shape(rng.random(), rng.random() * 0.05, rng.random() * 3, rng.choice([None, 60.0]), 8)
+
+        def cost(lengths: tuple[int, ...], g: int, shape: Callable[..., float | None] = shape) -> float | None:
+            return shape(max(lengths), len(lengths), g)
+
+        alone = {g: shape(min(lengths), 1, g) for g in (1, 2, 4, 8)}
+        idles = {g: min(0.3 * g / 8, alone[g] if alone[g] is not None else math.inf) for g in (1, 2, 4, 8)}
+        for priced in (None, idles.__getitem__):
+            found = assign_rows(lengths, 8, shape, idle=priced)
+            reference = brute_force(lengths, 8, cost, idle=priced)
+            assert (found is None) == (reference is None), f"trial {trial}: {found} vs {reference}"
+            if found is not None and reference is not None:
+                check(found, lengths, 8)
+                assert found.time == pytest.approx(reference.time, rel=1e-12), f"trial {trial}"
 
 
 def test_an_idle_group_is_priced_at_its_placeholder_step() -> None:

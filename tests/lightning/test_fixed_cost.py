@@ -154,3 +154,19 @@ def test_a_prediction_counts_only_for_the_step_it_was_made_in(clock: Clock) -> N
     cost.predicted((1, 1), 1.0)
     cost.stepped()
     assert cost.scale((1, 1)) == 1.0
+
+
+def test_a_step_that_ran_the_step_check_measures_nothing(clock: Clock) -> None:
+    cost = FixedCost()
+    priced_step(cost, clock, (1, 1), predicted=1.0, measured=1.0)
+    cost.begin()
+    cost.predicted((1, 1), 1.0)
+    cost.exclude()  # the one-time step check ran in this step: its forward passes are no cost of the step's
+    cost.enter()
+    clock.now += 9.0
+    cost.leave()
+    clock.now += 9.0
+    cost.stepped()
+    assert cost.scale((1, 1)) == pytest.approx(1.0) and cost.seconds == 0.0
+    priced_step(cost, clock, (1, 1), predicted=1.0, measured=2.0)  # the next step is measured again
+    assert cost.scale((1, 1)) == pytest.approx(2.0)
