@@ -46,9 +46,8 @@ class FixedCost:
     Per training batch: :meth:`begin` when the cycle starts, :meth:`decided` with the decision's seconds,
     :meth:`enter` and :meth:`leave` around the priced part (several pairs add up), :meth:`predicted` with the
     cost model's seconds of that part, :meth:`exclude` when the step check runs in it, :meth:`stepped` after the
-    optimizer step. :attr:`seconds` is the estimate
-    without the decision (0 before the first measured step); :meth:`scale` the measured over the predicted priced
-    part of a kind of step (1 before the first).
+    optimizer step. :attr:`seconds` is the estimate without the decision (0 before the first measured step);
+    :meth:`scale` the measured over the predicted priced part of a kind of step (1 before the first).
     """
 
     def __init__(self) -> None:
@@ -125,8 +124,8 @@ class FixedCost:
 
 class _Window:
     """The last :data:`WINDOW` samples of a fit, less its first once there is another: the first step of a fit (the
-    one-time step check runs on it) and the first of a kind of step (a group's first collectives, first buffers) run
-    cold."""
+    optimizer makes its state, the loop runs for the first time) and the first of a kind of step (a group's first
+    collectives, first buffers) run cold."""
 
     def __init__(self) -> None:
         self._first: float | None = None
