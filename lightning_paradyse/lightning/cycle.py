@@ -284,7 +284,7 @@ class StepCycle:
         kind = (step.assignment.sizes, step.whole, step.reuse)
         fixed = self.fixed.seconds + decided if training else 0.0
         scale = self.fixed.scale(kind) if training and priced is not None else 1.0
-        metrics = plan_metrics(step.plan, modes, stage) | _priced(step.model_metrics, scale, fixed)
+        metrics = plan_metrics(step.plan, modes, stage) | _scaled_plus_fixed(step.model_metrics, scale, fixed)
         if training:
             metrics["plan/predicted_fixed_s"] = fixed
             metrics["plan/predicted_scale"] = scale
@@ -424,7 +424,7 @@ class StepCycle:
         self.runner.teardown()
 
 
-def _priced(model_metrics: dict[str, float], scale: float, fixed: float) -> dict[str, float]:
+def _scaled_plus_fixed(model_metrics: dict[str, float], scale: float, fixed: float) -> dict[str, float]:
     """The cost model's numbers of a whole step with its time corrected by the measured ``scale`` of its priced
     part and the step's measured fixed part added."""
     if "plan/predicted_time_s" not in model_metrics:
