@@ -435,29 +435,31 @@ class GroupRunner:
         data parallel)."""
         return self._gather_next and group_size(self._world) > 1
 
-    def agree(self, digest: int, training: bool = True) -> list[int]:
-        """Every rank's ``digest`` (of the step's plans and batch), in rank order: one all-gather over every rank,
-        before any other collective of the step (the caller compares them).
+    def agree(self, header: Sequence[int], training: bool = True) -> list[list[int]]:
+        """Every rank's ``header`` (integers: the digest of the step's plans and batch first), in rank order: one
+        all-gather over every rank, before any other collective of the step (the caller compares them). Every rank
+        must send as many integers.
 
         After a data-parallel step (groups of one, its gradients returned) the next training batch's all-gather also
         brings every rank the whole weights (:func:`~lightning_paradyse.groups.exchange.gather_whole`: the sizes it
         moves do not depend on the step decided, so ranks that disagree, or skip the batch, still meet in it), which
         :meth:`enter` cuts the step's shards out of: a data-parallel step after another makes one collective besides
         the gradient return, as DDP. Whether it does is known alike on every rank (it follows the last training
-        step, which they agreed on; an evaluation batch in between, ``training=False``, agrees on its digest alone
+        step, which they agreed on; an evaluation batch in between, ``training=False``, agrees on its header alone
         and leaves it). A step on other groups after a data-parallel one has moved more weights than it needed (the
         whole model, not its ``1/g`` rows): the cost of that guess."""
         self._whole = None
         p = group_size(self._world)
         if p == 1:
-            return [digest]
+            return [list(header)]
+        mine = torch.tensor(list(header), dtype=torch.int64)  # [k]
         if training and self._gather_next:
             assert self._module is not None
             self._gather_next = False
-            every, self._whole = gather_whole(self._module, self._world, torch.tensor([digest], dtype=torch.int64))
-            return every[:, 0].tolist()  # type: ignore[no-any-return]
-        mine = to_device(torch.tensor([digest], dtype=torch.int64), collective_device(self._world))
-        return all_gather_rows(mine, [1] * p, self._world).tolist()  # type: ignore[no-any-return]  # [1] -> [p]
+            every, self._whole = gather_whole(self._module, self._world, mine)  # [k] -> [p, k]
+            return every.tolist()  # type: ignore[no-any-return]
+        mine = to_device(mine.view(1, -1), collective_device(self._world))  # [k] -> [1, k]
+        return all_gather_rows(mine, [1] * p, self._world).tolist()  # type: ignore[no-any-return]  # [1, k] -> [p, k]
 
     def enter(self, step: GroupStep) -> None:
         """This rank's ``1/g`` shards (a collective over every rank; none when ``step.reuse``, or when the

@@ -53,6 +53,7 @@ from lightning_paradyse.lightning.records import (
     describe,
     plan_metrics,
 )
+from lightning_paradyse.lightning.sigterm import SigtermFlag
 from lightning_paradyse.modes.plan import Plan
 from lightning_paradyse.planning.fixed import Planner
 from lightning_paradyse.planning.planner import CostPlanner, PlanSkipped
@@ -121,6 +122,9 @@ class StepCycle:
         self.fixed = FixedCost()
         """The fixed part of the training steps and the scale of their priced part (measured; the step record's
         predictions add the one and are scaled by the other)."""
+        self.sigterm = SigtermFlag()
+        """Rank 0's SIGTERM flag rides the training batches' agreement in place of Lightning's broadcast (installed
+        by the strategy for a fit on several ranks)."""
         self.reports_loss = False
         """Lightning hands this cycle the loss it keeps (:func:`reporting_result` is installed): a training step on
         groups may then settle the global loss on the gradient return."""
@@ -248,11 +252,17 @@ class StepCycle:
     def agree(self, digest: int, training: bool = True) -> None:
         """Raise on every rank unless every rank holds the same ``digest`` (of plan and batch): one all-gather
         (:meth:`~lightning_paradyse.groups.runner.GroupRunner.agree`: for a training batch after a data-parallel
-        step it brings the whole weights too)."""
-        every = self.runner.agree(digest, training)
-        if len(set(every)) != 1:
+        step it brings the whole weights too). A training batch's carries rank 0's SIGTERM flag as well
+        (:mod:`~lightning_paradyse.lightning.sigterm`): every rank raises Lightning's ``SIGTERMException`` when it
+        is set."""
+        carried = training and self.sigterm.carried
+        every = self.runner.agree([digest, self.sigterm.flag()] if carried else [digest], training)
+        if carried:
+            self.sigterm.check(every[0][1])
+        digests = [header[0] for header in every]
+        if len(set(digests)) != 1:
             raise RuntimeError(
-                f"the ranks disagree on the plan or the batch (digest per rank: {every}); every rank must see the "
+                f"the ranks disagree on the plan or the batch (digest per rank: {digests}); every rank must see the "
                 f"same batches (same data and seed, no per-rank sampler) and the planner must be deterministic"
             )
 
@@ -421,6 +431,7 @@ class StepCycle:
         self.pending, self._host_batch, self._group = None, None, None
         self._share, self._reported = None, None
         self.fixed.reset()
+        self.sigterm.restore()
         self.runner.teardown()
 
 

@@ -464,6 +464,8 @@ class ParaDySeStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             check_optimizers(self.optimizers, self.options.elementwise_optimizers)
+            if group_size(self._group) > 1:  # rank 0's SIGTERM flag rides each training batch's agreement
+                self.cycle.sigterm.install(trainer)
         self._sharded_ids = parallel.sharded_parameter_ids(self._module)
         self._clip = self._clip or ClipInterception(self._sharded, self._process_group, self._sharded_grads)
         self._clip.start()  # clip_grad_norm_ on shards: the whole model's norm (Lightning's clipping and the user's)

@@ -2,10 +2,11 @@
 
 Two processes train the command line's LightningModule on batches of many short rows; the groups' solver is made
 to split every step into groups of one (data parallelism, as the planner does for such batches). During one
-training step, from the first callback hook to the last, a dispatch mode counts every collective (the package's
-and Lightning's). On a GPU (ranks sharing it, marked ``gpu``) CUDA's synchronisation debug mode also counts the
-step's host synchronisations; on the host a read of a tensor value is free and nothing tells the tensors a GPU would
-hold apart, so that count needs the GPU.
+training step, from the end of the validation before it to its last callback hook, a dispatch mode counts every
+collective (the package's and Lightning's, its check for SIGTERM included). On a GPU (ranks sharing it, marked
+``gpu``) CUDA's synchronisation debug mode also counts the step's host synchronisations (from its first callback
+hook); on the host a read of a tensor value is free and nothing tells the tensors a GPU would hold apart, so that
+count needs the GPU.
 """
 
 from __future__ import annotations
@@ -77,13 +78,17 @@ class Count(pl.Callback):
                 warnings.simplefilter("always")
                 warnings.showwarning = self._seen
                 torch.cuda.set_sync_debug_mode("warn")
-            self._mode = Collectives()
-            self._mode.__enter__()
             self._copies = BlockingCopies().__enter__()
 
     @override
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         self.validated.append(trainer.global_step)
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_step == COUNTED_STEP and self._mode is None:  # Lightning's collectives before the step too
+            self._mode = Collectives()
+            self._mode.__enter__()
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -161,8 +166,9 @@ def test_a_data_parallel_step_makes_the_two_halves_of_ddps_all_reduce_and_nothin
     collectives = counted_step()["collectives"]
     # after a data-parallel step (and a validation batch, which agrees on its digest alone and leaves the weights
     # to the next training batch): the weights in, riding with the batch digest (plan and batch agreed in the same
-    # all-gather, before any other collective of the step), and the gradients out (the shards', the replicated
-    # ones', the group times and every rank's share of the loss riding along): DDP's all-reduce in two halves
+    # all-gather, before any other collective of the step, rank 0's SIGTERM flag with them in place of Lightning's
+    # broadcast), and the gradients out (the shards', the replicated ones', the group times and every rank's share
+    # of the loss riding along): DDP's all-reduce in two halves
     assert collectives == {"_allgather_base_": 1, "alltoall_base_": 1}, collectives
 
 
