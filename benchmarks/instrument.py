@@ -218,6 +218,11 @@ class StepRecorder(pl.Callback):
     """Records every training step of a fit: rows and length of this rank's batch, seconds, the decision's
     seconds, the group split and, when ``instrumented``, the absolute peak bytes and the bytes sent.
 
+    A step's seconds run from the end of the previous step (after the device synchronised) to its own end, so that
+    Lightning's loop between two steps counts (its fetch of the batch, its per-step check for SIGTERM, the hooks
+    after this callback's), as a user's throughput does; the fit's first step and every step of an instrumented pass
+    (whose tracking starts in the batch-start hook) from its batch-start hook.
+
     Args:
         instrumented: Track memory and communication (slower steps: use for the measurement pass only).
         on_step: Called after every recorded step (progress bars).
@@ -236,6 +241,7 @@ class StepRecorder(pl.Callback):
         self._planner: TimedPlanner | None = None
         self._modes: list[Any] = []
         self._start = 0.0
+        self._last_end: float | None = None
         self._resident = 0
         self._ooms = 0
         self._plans = 0
@@ -243,6 +249,7 @@ class StepRecorder(pl.Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_end = None
         planner = getattr(trainer.strategy, "planner", None)
         if planner is not None:
             self._planner = TimedPlanner(planner)
@@ -264,13 +271,16 @@ class StepRecorder(pl.Callback):
                 mode.__enter__()
         _sync(device)
         self._start = time.perf_counter()
+        if not self.instrumented and self._last_end is not None:  # the loop since the last step counts too
+            self._start = self._last_end
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, idx: int
     ) -> None:
         _sync(trainer.strategy.root_device)
-        seconds = time.perf_counter() - self._start
+        self._last_end = time.perf_counter()
+        seconds = self._last_end - self._start
         if idx < self.warmup:
             return
         rows, length = (int(n) for n in batch["input_ids"].shape[:2])

@@ -1,6 +1,6 @@
 """What a data-parallel step costs against DDP's: wall and CPU time per step of many identical short batches.
 
-    python benchmarks/step_overhead.py [--devices 2] [--steps 60] [--repeats 3] [--profile DIR]
+    python benchmarks/step_overhead.py [--devices 2] [--steps 60] [--repeats 3] [--vary] [--profile DIR]
 
 Every spawned process trains the quick preset's model (:meth:`benchmarks.settings.BenchSettings.quick`) for
 ``--steps`` steps on global batches of ``--rows`` rows of ``--length`` tokens, alternately with
@@ -10,6 +10,9 @@ Lightning's ``DDPStrategy`` (each rank its ``rows / devices`` rows), ``--repeats
 group per fit (a file store: no ports). After ``--warmup`` steps it takes the median step of each fit, between
 consecutive ``on_train_batch_start`` hooks: wall clock, and this process's CPU time (what the process computed,
 its waits excluded). Prints one line per run: the fits' medians on every rank, then DDP's over ours.
+
+``--vary`` gives every step its own length, drawn between half and one and a half ``--length`` (the same draws in
+every fit), as real data does: each batch is then a first sight for whatever the step keeps per shape.
 
 ``--profile DIR`` first runs one more fit of each, left out of the timings, and writes rank 0's ``cProfile`` of its
 steps after the warm-up (``DIR/<run>.prof``; read with ``python -m pstats``): where the difference goes. The
@@ -34,6 +37,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import lightning.pytorch as pl
+import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
@@ -75,6 +79,17 @@ class StepClock(pl.Callback):
         )
 
 
+class Varied(Tokens):
+    """:class:`~benchmarks.gpu_check.Tokens` whose step ``i`` has its own length, between half and one and a half
+    ``length`` (drawn from ``i``: the same in every fit and on every rank)."""
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        gen = torch.Generator().manual_seed(10_000 + i)
+        length = int(torch.randint(max(1, self.length // 2), self.length * 3 // 2 + 1, (), generator=gen))
+        window = torch.randint(0, self.vocab, (self.rows, length + 1), generator=gen)
+        return {"input_ids": window[:, :-1], "targets": window[:, 1:]}
+
+
 def _fit(run: str, args: argparse.Namespace, rank: int, world: int, store: str, profile: Path | None) -> Any:
     from lightning.pytorch.strategies import DDPStrategy
 
@@ -104,7 +119,7 @@ def _fit(run: str, args: argparse.Namespace, rank: int, world: int, store: str, 
         enable_checkpointing=False,
         callbacks=[clock],
     )
-    data = Tokens(args.length, args.steps, quick.model.config().vocab_size, rows)  # the same batches on every rank
+    data = (Varied if args.vary else Tokens)(args.length, args.steps, quick.model.config().vocab_size, rows)  # the same batches on every rank
     trainer.fit(module, DataLoader(data, batch_size=None))
     split = getattr(getattr(trainer.strategy, "step_record", None), "split", None)
     if profiler is not None and profile is not None:
@@ -139,6 +154,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--length", type=int, default=48)
+    parser.add_argument("--vary", action="store_true", help="every step its own length (see the docstring)")
     parser.add_argument("--profile", default=None, help="a folder for rank 0's cProfile of one more fit of each run")
     args = parser.parse_args()
     if args.rows % args.devices:
@@ -151,7 +167,7 @@ def main() -> None:
         per_rank = run_distributed(_worker, args.devices, args, store_dir, timeout=60.0 + 30.0 * args.repeats)
     print(
         f"{args.devices} processes, {args.steps} steps of {args.rows} x {args.length} tokens, median step after "
-        f"{args.warmup}, {args.repeats} fits each (wall / CPU ms, per fit; rank 0 first):"
+        f"{args.warmup}{', lengths varied' if args.vary else ''}, {args.repeats} fits each (wall / CPU ms, per fit; rank 0 first):"
     )
     medians = {}
     for run in RUNS:

@@ -194,6 +194,8 @@ class StepCycle:
         training = stage == "train"
         if training:
             self.fixed.begin()
+        else:
+            self.fixed.interrupt()  # the next training step counts from its own start, not this batch's
         self.checkpointed = hf_checkpointing.checkpointed_layers(self.module, self._blocks)
         host = self.on_host(batch)
         info = self.inspect(host)  # described on the host (its tensors there)

@@ -6,8 +6,10 @@ and decided, the digest that agrees on it, Lightning's loop and hooks, the optim
 That part is about the same for every step of a run and every candidate plan, so it changes no decision; on short
 steps (a small model, a few hundred tokens) it is most of the step, and a prediction without it is far too low.
 
-:class:`FixedCost` measures it on every training step that steps the optimizer, as the step's wall time (from the
-start of the strategy's per-batch cycle to the end of the optimizer step) less the time spent in the priced part
+:class:`FixedCost` measures it on every training step that steps the optimizer, as the step's wall time (from the end
+of the previous training step's optimizer step, so that Lightning's loop between two steps counts, its fetch of the
+batch and its hooks; from the start of the strategy's per-batch cycle when an evaluation batch, a micro-batch that
+did not step or nothing came before; to the end of the optimizer step) less the time spent in the priced part
 (from the weights moving into the groups, with the agreement when they ride on it, to the end of the gradient
 return) and less the step's decision (the split and the plans:
 known before the step runs, cold when a length bucket is planned for the first time, warm after), and keeps the
@@ -59,6 +61,7 @@ class FixedCost:
         self._decided = 0.0
         self._predicted: tuple[Hashable, float] | None = None
         self._excluded = False
+        self._last: float | None = None
 
     @property
     def seconds(self) -> float:
@@ -73,9 +76,16 @@ class FixedCost:
         return 1.0 if ratios is None else ratios.median(1.0)
 
     def begin(self) -> None:
-        """A training batch's cycle starts (a micro-batch that does not step starts the next one over)."""
-        self._began, self._entered, self._priced, self._decided = time.perf_counter(), None, 0.0, 0.0
+        """A training batch's cycle starts (a micro-batch that does not step starts the next one over). Its step
+        counts from the end of the previous one when that stepped and nothing came between (:meth:`interrupt`)."""
+        began, self._last = self._last, None
+        self._began = time.perf_counter() if began is None else began
+        self._entered, self._priced, self._decided = None, 0.0, 0.0
         self._predicted, self._excluded = None, False
+
+    def interrupt(self) -> None:
+        """Something else ran since the last step (an evaluation batch): the next step counts from its own start."""
+        self._last = None
 
     def predicted(self, kind: Hashable, seconds: float) -> None:
         """The cost model's seconds of this step's priced part, a step of ``kind``."""
@@ -107,9 +117,11 @@ class FixedCost:
         e.g. a skipped one, is not)."""
         began, self._began = self._began, None
         predicted, self._predicted = self._predicted, None
+        now = time.perf_counter()
+        self._last = now  # the next training step counts from here
         if began is None or self._priced <= 0.0 or self._excluded:
             return
-        self._samples.append(max(0.0, time.perf_counter() - began - self._priced - self._decided))
+        self._samples.append(max(0.0, now - began - self._priced - self._decided))
         if predicted is not None and predicted[1] > 0.0:
             kind, seconds = predicted
             self._ratios.setdefault(kind, _Window()).append(self._priced / seconds)
@@ -119,7 +131,7 @@ class FixedCost:
         self._samples = _Window()
         self._ratios.clear()
         self._began, self._entered, self._priced, self._decided = None, None, 0.0, 0.0
-        self._predicted, self._excluded = None, False
+        self._predicted, self._excluded, self._last = None, False, None
 
 
 class _Window:

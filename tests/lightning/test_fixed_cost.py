@@ -170,3 +170,19 @@ def test_a_step_that_ran_the_step_check_measures_nothing(clock: Clock) -> None:
     assert cost.scale((1, 1)) == pytest.approx(1.0) and cost.seconds == 0.0
     priced_step(cost, clock, (1, 1), predicted=1.0, measured=2.0)  # the next step is measured again
     assert cost.scale((1, 1)) == pytest.approx(2.0)
+
+
+def test_lightnings_loop_between_two_steps_counts_unless_an_evaluation_came_between(clock: Clock) -> None:
+    cost = FixedCost()
+    step(cost, clock, before=0.5, priced=(1.0,), after=0.5)  # the fit's first: counted until another
+    clock.now += 0.25  # the loop: the next batch fetched, the hooks before the strategy's
+    step(cost, clock, before=0.5, priced=(1.0,), after=0.5)
+    assert cost.seconds == pytest.approx(1.25)
+    cost.interrupt()  # an evaluation batch ran
+    clock.now += 7.0
+    step(cost, clock, before=0.5, priced=(1.0,), after=0.5)
+    assert cost.seconds == pytest.approx((1.25 + 1.0) / 2)  # counted from its own start
+    cost.reset()
+    clock.now += 5.0  # a new fit: nothing before its first step counts
+    step(cost, clock, before=0.5, priced=(1.0,), after=0.5)
+    assert cost.seconds == pytest.approx(1.0)
