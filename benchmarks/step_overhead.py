@@ -119,7 +119,8 @@ def _fit(run: str, args: argparse.Namespace, rank: int, world: int, store: str, 
         enable_checkpointing=False,
         callbacks=[clock],
     )
-    data = (Varied if args.vary else Tokens)(args.length, args.steps, quick.model.config().vocab_size, rows)  # the same batches on every rank
+    made = Varied if args.vary else Tokens
+    data = made(args.length, args.steps, quick.model.config().vocab_size, rows)  # the same batches on every rank
     trainer.fit(module, DataLoader(data, batch_size=None))
     split = getattr(getattr(trainer.strategy, "step_record", None), "split", None)
     if profiler is not None and profile is not None:
@@ -167,7 +168,8 @@ def main() -> None:
         per_rank = run_distributed(_worker, args.devices, args, store_dir, timeout=60.0 + 30.0 * args.repeats)
     print(
         f"{args.devices} processes, {args.steps} steps of {args.rows} x {args.length} tokens, median step after "
-        f"{args.warmup}{', lengths varied' if args.vary else ''}, {args.repeats} fits each (wall / CPU ms, per fit; rank 0 first):"
+        f"{args.warmup}{', lengths varied' if args.vary else ''}, {args.repeats} fits each (wall / CPU ms, per fit; "
+        "rank 0 first):"
     )
     medians = {}
     for run in RUNS:
