@@ -220,8 +220,8 @@ class StepRecorder(pl.Callback):
 
     A step's seconds run from the end of the previous step (after the device synchronised) to its own end, so that
     Lightning's loop between two steps counts (its fetch of the batch, its per-step check for SIGTERM, the hooks
-    after this callback's), as a user's throughput does; the fit's first step and every step of an instrumented pass
-    (whose tracking starts in the batch-start hook) from its batch-start hook.
+    after this callback's), as a user's throughput does; the fit's first step, a step after a validation and every
+    step of an instrumented pass (whose tracking starts in the batch-start hook) from its batch-start hook.
 
     Args:
         instrumented: Track memory and communication (slower steps: use for the measurement pass only).
@@ -269,10 +269,15 @@ class StepRecorder(pl.Callback):
             self._modes = [tracker, CollectiveCounter(), _comm_counter()]
             for mode in self._modes:
                 mode.__enter__()
-        _sync(device)
-        self._start = time.perf_counter()
         if not self.instrumented and self._last_end is not None:  # the loop since the last step counts too
-            self._start = self._last_end
+            self._start = self._last_end  # (synchronised there: nothing to wait for here that a user would not)
+        else:
+            _sync(device)
+            self._start = time.perf_counter()
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_end = None  # the next training step counts from its own start
 
     @override
     def on_train_batch_end(

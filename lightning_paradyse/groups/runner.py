@@ -10,8 +10,8 @@ different sizes.
    group's batch cut out and its plan checked, on every rank alike and before any collective; or
    :meth:`GroupRunner.whole`: one group of every rank on the whole batch (a single packed document, evaluation,
    ``groups=False``);
-2. :meth:`GroupRunner.agree`: every rank's digest of the step (one all-gather; after a data-parallel step it brings
-   the whole weights too), then :meth:`GroupRunner.enter`: this rank's ``1/g`` shards
+2. :meth:`GroupRunner.agree`: every rank's header, the digest of the step first (one all-gather; after a
+   data-parallel step it brings the whole weights too), then :meth:`GroupRunner.enter`: this rank's ``1/g`` shards
    (:func:`~lightning_paradyse.groups.exchange.enter_group`, one all-to-all; none for one group, nor when the
    agreement brought the weights), then the group's layout and plan;
 3. the module's step on this rank's tokens of its group's batch (the cycle's ``shard``);

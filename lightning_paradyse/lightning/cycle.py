@@ -7,7 +7,8 @@ The strategy runs Lightning's lifecycle and hands each batch to its :class:`Step
    on the host and validated, the ranks split into groups and every group's plan chosen
    (:meth:`~lightning_paradyse.groups.runner.GroupRunner.decide`, or one group of every rank:
    :meth:`~lightning_paradyse.groups.runner.GroupRunner.whole`), every rank's plan and batch agreed (one
-   all-gather of a digest, which for a training batch after a data-parallel step brings the whole weights too), the
+   all-gather of a digest, with rank 0's SIGTERM flag for a training batch (:mod:`~.lightning.sigterm`), which after
+   a data-parallel step brings the whole weights too), the
    step entered (:meth:`~lightning_paradyse.groups.runner.GroupRunner.enter`); the
    :class:`~lightning_paradyse.lightning.records.StepRecord` the callback logs;
 2. :meth:`StepCycle.shard`: the module's step gets this rank's tokens of its group's batch;
@@ -190,7 +191,8 @@ class StepCycle:
         callback logs. ``check_pending``: the one-time step check (:mod:`~lightning_paradyse.lightning.step_check`)
         may run on this batch; a plain batch then runs on one group of every rank, as the check needs. Raises,
         identically on every rank and before any collective of the step, for a bad batch, a plan that cannot run, or
-        ranks that disagree."""
+        ranks that disagree (the agreement's all-gather only); Lightning's ``SIGTERMException`` after that
+        all-gather when rank 0 received SIGTERM."""
         training = stage == "train"
         if training:
             self.fixed.begin()

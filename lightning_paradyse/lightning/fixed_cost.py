@@ -8,8 +8,9 @@ steps (a small model, a few hundred tokens) it is most of the step, and a predic
 
 :class:`FixedCost` measures it on every training step that steps the optimizer, as the step's wall time (from the end
 of the previous training step's optimizer step, so that Lightning's loop between two steps counts, its fetch of the
-batch and its hooks; from the start of the strategy's per-batch cycle when an evaluation batch, a micro-batch that
-did not step or nothing came before; to the end of the optimizer step) less the time spent in the priced part
+batch and its hooks; from the start of the strategy's per-batch cycle when an evaluation batch, a replica check, a
+checkpoint's consolidation (:meth:`FixedCost.interrupt`), a micro-batch that did not step, a skipped batch or nothing
+came before; to the end of the optimizer step) less the time spent in the priced part
 (from the weights moving into the groups, with the agreement when they ride on it, to the end of the gradient
 return) and less the step's decision (the split and the plans:
 known before the step runs, cold when a length bucket is planned for the first time, warm after), and keeps the
@@ -48,7 +49,8 @@ class FixedCost:
     Per training batch: :meth:`begin` when the cycle starts, :meth:`decided` with the decision's seconds,
     :meth:`enter` and :meth:`leave` around the priced part (several pairs add up), :meth:`predicted` with the
     cost model's seconds of that part, :meth:`exclude` when the step check runs in it, :meth:`stepped` after the
-    optimizer step. :attr:`seconds` is the estimate without the decision (0 before the first measured step);
+    optimizer step; :meth:`interrupt` when something else ran between two steps (an evaluation batch, a replica
+    check, a checkpoint). :attr:`seconds` is the estimate without the decision (0 before the first measured step);
     :meth:`scale` the measured over the predicted priced part of a kind of step (1 before the first).
     """
 
@@ -84,7 +86,8 @@ class FixedCost:
         self._predicted, self._excluded = None, False
 
     def interrupt(self) -> None:
-        """Something else ran since the last step (an evaluation batch): the next step counts from its own start."""
+        """Something else ran since the last step (an evaluation batch, a replica check, a checkpoint): the next step
+        counts from its own start."""
         self._last = None
 
     def predicted(self, kind: Hashable, seconds: float) -> None:

@@ -657,6 +657,7 @@ class ParaDySeStrategy(ParallelStrategy):
         self._optimizer_steps += 1
         if exactness.replica_check_due(self._optimizer_steps, self.options.check_replicas_every):
             exactness.check_replicas(self._module, self._group, f"after optimizer step {self._optimizer_steps}")
+            self.cycle.fixed.interrupt()  # the check is no part of the next step's fixed cost
         return output
 
     def _sharded(self) -> set[int]:
@@ -755,6 +756,7 @@ class ParaDySeStrategy(ParallelStrategy):
         if _parallelized_blocks(module) is None:  # e.g. the spawn launcher's parent process: a plain module
             return module.state_dict()
         self._require_group("save a checkpoint")
+        self.cycle.fixed.interrupt()  # the consolidation is no part of the next step's fixed cost
         if self.options.check_replicas_every:
             exactness.check_replicas(module, self._group, "at a checkpoint")
         state = parallel.consolidated(module, self._group, host=True)  # gathered through host memory, piece by piece
@@ -774,6 +776,7 @@ class ParaDySeStrategy(ParallelStrategy):
         if _parallelized_blocks(self._module) is None:
             return optimizer.state_dict()
         self._require_group("save a checkpoint")
+        self.cycle.fixed.interrupt()  # the consolidation is no part of the next step's fixed cost
         plain = recorded(self._plain_model)
         return consolidate_optimizer_state(optimizer, self._module, plain, self._group, host=True)
 
@@ -799,6 +802,7 @@ class ParaDySeStrategy(ParallelStrategy):
         """Keep the final weights for the spawn launcher, then destroy the process group."""
         if self._clip is not None:
             self._clip.stop()  # first: torch's own clip_grad_norm_ back whatever happens next
+        self.cycle.sigterm.restore()  # Lightning's SIGTERM broadcasts back whatever happens next
         self._keep_final_state()
         if self._trainer is not None and self._result_cls is not None:
             _loop_of(self._trainer).output_result_cls = self._result_cls  # the fit loop's own result class again

@@ -1,10 +1,11 @@
-"""Lightning's SIGTERM check carried by the step's agreement: a fit stops as under DDP, and a signal rank 0 alone
-gets after Lightning's check stops every rank before the next step."""
+"""Lightning's SIGTERM check carried by the step's agreement: a fit stops as under DDP, and a real SIGTERM to rank
+0 alone in the middle of a step stops every rank before the next step."""
 
 from __future__ import annotations
 
 import functools
 import os
+import signal
 from datetime import timedelta
 from typing import Any
 
@@ -27,9 +28,10 @@ SIGNALLED = 2
 
 
 class Signal(pl.Callback):
-    """SIGTERM as Lightning's signal handler marks it: on every rank at the end of batch :data:`SIGNALLED` - 1
-    (``every``: a preempted job), or on rank 0 alone in its hook at the start of batch :data:`SIGNALLED` (after
-    Lightning's per-step check). Records the batches started."""
+    """SIGTERM on every rank at the end of batch :data:`SIGNALLED` - 1, as Lightning's handler marks it
+    (``every``: a preempted job; Lightning's own check at the end of the batch stops each rank), or a real SIGTERM to
+    rank 0 alone in the middle of that batch (before its backward: where Lightning's handler broadcasts while the
+    other ranks' next collective is another). Records the batches started."""
 
     def __init__(self, every: bool) -> None:
         self.every = every
@@ -38,8 +40,11 @@ class Signal(pl.Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int) -> None:
         self.started.append(i)
-        if not self.every and i == SIGNALLED and trainer.global_rank == 0:
-            trainer._signal_connector.received_sigterm = True
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
+        if not self.every and trainer.global_step == SIGNALLED - 1 and trainer.global_rank == 0:
+            os.kill(os.getpid(), signal.SIGTERM)  # Lightning's handler, as the strategy installed it, runs now
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -57,19 +62,20 @@ def worker(rank: int, world: int, ports: tuple[int, ...]) -> dict[str, Any]:
         strategy: Any = (
             ParaDySeStrategy(timeout=60) if name == "paradyse" else DDPStrategy(timeout=timedelta(seconds=60))
         )
-        signal = Signal(every)
-        trainer = quiet_trainer(world, strategy, [signal], max_steps=SIGNALLED + 2)
+        signalled = Signal(every)
+        trainer = quiet_trainer(world, strategy, [signalled], max_steps=SIGNALLED + 2)
         try:
             trainer.fit(LanguageModel("llama-tiny"), DataLoader(rows(SIGNALLED + 2), batch_size=None))
             raised = None
         except SIGTERMException as stopped:
             raised = type(stopped).__name__
-        loop = trainer.fit_loop.epoch_loop
+        loop, connector = trainer.fit_loop.epoch_loop, trainer._signal_connector
         out[f"{name}-{'every' if every else 'rank0'}"] = {
             "raised": raised,
             "steps": trainer.global_step,
-            "started": signal.started,
-            "restored": "_broadcast_sigterm_tensor" not in vars(loop),
+            "started": signalled.started,
+            "restored": "_broadcast_sigterm_tensor" not in vars(loop) and "_sigterm_notifier_fn" not in vars(connector),
+            "received": trainer.received_sigterm,
         }
     return out
 
@@ -81,14 +87,15 @@ def test_a_preempted_job_stops_where_it_stops_under_ddp() -> None:
         assert run["paradyse-every"]["raised"] == "SIGTERMException" and run["paradyse-every"]["steps"] == SIGNALLED
 
 
-def test_a_signal_to_rank_zero_alone_stops_every_rank_before_the_next_step() -> None:
-    # after Lightning's check: it rides the batch's agreement, every rank raises before the step runs and meets no
-    # other collective (under DDP rank 0 would leave alone at the end of that batch, the others waiting for it)
-    for run in counted():
+def test_a_sigterm_to_rank_zero_alone_in_a_step_stops_every_rank_before_the_next_step() -> None:
+    # the handler keeps it for the next batch's agreement (no collective of its own, no stop of rank 0 alone at the
+    # end of the batch): every rank raises there before the step runs
+    for rank, run in enumerate(counted()):
         alone = run["paradyse-rank0"]
         assert alone["raised"] == "SIGTERMException" and alone["steps"] == SIGNALLED, run
         assert alone["started"] == list(range(SIGNALLED + 1)), run
-        assert alone["restored"], run  # the loop's own broadcast back after the fit
+        assert alone["received"] == (rank == 0), run  # Lightning's flag where the signal arrived
+        assert alone["restored"], run  # Lightning's own broadcasts back after the fit
 
 
 @functools.cache
