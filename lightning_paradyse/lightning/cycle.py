@@ -313,11 +313,15 @@ class StepCycle:
                 )
             return StepRecord(stage, step.info.seq_len, step.info.batch, step.plan, metrics, line)
         found = step.assignment
-        metrics |= {
+        predicted = (  # the slowest group's seconds; without a cost model its FLOPs per rank (no seconds to add to)
+            {"groups/predicted_time_s": float(found.time) * scale + fixed}
+            if priced is not None
+            else {"groups/predicted_flops": float(found.time)}
+        )
+        metrics |= predicted | {
             "groups/count": float(len(found.sizes)),
             "groups/own_size": float(step.size),
             "groups/largest_size": float(found.sizes[0]),
-            "groups/predicted_time_s": float(found.time) * scale + fixed,
             "groups/predicted_imbalance": imbalance([t for t, m in zip(found.times, found.groups) if m]),
             "groups/solve_s": step.solve_s,
             "groups/idle": float(sum(not members for members in found.groups)),

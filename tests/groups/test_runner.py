@@ -198,6 +198,7 @@ def test_groups_of_different_sizes_train_like_one_process(reference: dict[str, d
         "plan/predicted_scale",
         "groups/count",
         "groups/measured_imbalance",
+        "groups/predicted_time_s",  # seconds: the planners have a cost model (else groups/predicted_flops)
     } <= set(header), header
     fixed = [float(row.split(",")[header.index("plan/predicted_fixed_s")] or 0) for row in lines[1:]]
     assert fixed and fixed[-1] > 0, fixed  # the step's unpriced part, measured on the steps before

@@ -207,3 +207,24 @@ def test_the_batch_is_described_from_the_loaders_copy_only_while_no_hook_changed
     assert cycle.on_host(moved)["targets"].tolist() == [[0, 0, 0, 0]]
     cycle.keep_host_batch(moved, None)  # a transfer hook of the module's own: never the loader's copy
     assert cycle.on_host(moved) is not loader
+
+
+def test_a_grouped_steps_record_without_a_cost_model_logs_flops_not_seconds() -> None:
+    """A fixed plan's groups are priced in FLOPs per rank: the record logs that count under its own name, never as
+    seconds beside the measured ones (nor plus the fixed part's seconds)."""
+    from lightning_paradyse.groups.runner import GroupStep
+    from lightning_paradyse.lightning.cycle import StepCycle
+    from lightning_paradyse.lightning.options import StrategyOptions
+    from lightning_paradyse.modes.plan import uniform_plan
+    from lightning_paradyse.runtime.slicing import describe_batch
+
+    cycle = StepCycle(StrategyOptions.of(), lambda plan: None)
+    cycle._planner = object()  # type: ignore[assignment]  # any planner without a cost model
+    batch = rows(1)[0]
+    info = describe_batch(batch, 2, 0, True)
+    plan = uniform_plan("tp_sp", 2)
+    found = Assignment((1, 1), ((0, 2, 4), (1, 3, 5)), (3.0e9, 2.5e9))
+    step = GroupStep(found, None, 0, None, 0, batch, info, (plan, plan), {})
+    metrics = cycle._record("train", info, step, 0.0).metrics
+    assert metrics["groups/predicted_flops"] == found.time
+    assert "groups/predicted_time_s" not in metrics and "plan/predicted_time_s" not in metrics
