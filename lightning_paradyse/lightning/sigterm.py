@@ -61,7 +61,6 @@ class SigtermFlag:
     def __init__(self) -> None:
         self._loop: Any = None
         self._connector: Any = None
-        self._trainer: Any = None
         self._pending = False
 
     @property
@@ -81,7 +80,7 @@ class SigtermFlag:
             return False
         setattr(loop, _BROADCAST, _carried)  # instance attributes: this trainer's only
         setattr(connector, _NOTIFIER, self._notifier(connector, trainer))
-        self._loop, self._connector, self._trainer, self._pending = loop, connector, trainer, False
+        self._loop, self._connector, self._pending = loop, connector, False
         return True
 
     def _notifier(self, connector: Any, trainer: Any) -> Any:
@@ -103,7 +102,7 @@ class SigtermFlag:
     def flag(self) -> int:
         """This rank's flag (1: a SIGTERM is pending, or the trainer says it received one), sent with the
         agreement."""
-        return int(self._pending or bool(getattr(self._trainer, "received_sigterm", False)))
+        return int(self._pending or bool(getattr(self._connector, "received_sigterm", False)))
 
     def check(self, rank_zero_flag: int) -> None:
         """Raise :class:`~lightning.pytorch.utilities.exceptions.SIGTERMException` when rank 0's flag is set (called on
@@ -122,7 +121,7 @@ class SigtermFlag:
             vars(connector).pop(_NOTIFIER, None)
             if self._pending:
                 connector.received_sigterm = True
-        self._loop, self._connector, self._trainer, self._pending = None, None, None, False
+        self._loop, self._connector, self._pending = None, None, False
 
 
 __all__ = ["SigtermFlag"]
