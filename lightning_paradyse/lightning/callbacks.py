@@ -7,7 +7,8 @@ The strategy decides per batch (validate, plan, verify that every rank holds the
 * the record's numbers (layers per op and mode, the cost model's predicted step time and peak memory, the
   group split) through the Trainer's loggers (every ``log_every_n_steps`` steps, on rank 0, straight to
   ``logger.log_metrics`` as Lightning's ``LearningRateMonitor`` does: ``LightningModule.log`` costs about half
-  a millisecond a value, a fifth of a short step for twenty numbers), with the measured step time and, on CUDA
+  a millisecond a value, a fifth of a short step for twenty numbers), with the measured step time (on a GPU read
+  without a synchronisation once the step's kernels ran, usually a step later: :mod:`.step_timer`) and, on CUDA
   (or on CPU with ``track_memory``), the measured peak memory; the last batch's numbers in :attr:`metrics`;
 * each plan change on a console line of its own (through the progress bar when one is shown);
 * the plans executed, in :attr:`history`;
@@ -20,7 +21,8 @@ nothing of the strategy; both share :mod:`lightning_paradyse.lightning.records`)
 
 from __future__ import annotations
 
-import time
+from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +32,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_paradyse.calibration.tracker import MemoryTracker, state_tensors
-from lightning_paradyse.distributed.comm import synchronize
 from lightning_paradyse.groups.runner import imbalance
 from lightning_paradyse.lightning.plot import StepPoint, steps_svg
 from lightning_paradyse.lightning.records import PlanRecord, StepRecord, plan_digest
+from lightning_paradyse.lightning.step_timer import Span, mark
 
 
 def announce(trainer: pl.Trainer, line: str) -> None:
@@ -46,6 +48,16 @@ def announce(trainer: pl.Trainer, line: str) -> None:
         bar.print(line)
     else:
         rank_zero_info(line)
+
+
+@dataclass(frozen=True)
+class _Timed:
+    """A training step whose numbers wait for its time (:mod:`~lightning_paradyse.lightning.step_timer`)."""
+
+    step: int
+    record: StepRecord
+    metrics: dict[str, float]
+    span: Span
 
 
 class ParaDySeSwitcher(pl.Callback):
@@ -81,7 +93,10 @@ class ParaDySeSwitcher(pl.Callback):
         and for a training batch what was measured), on every rank."""
         self._tracker: Any = None
         self._strategy: Any = None
-        self._started: float | None = None
+        self._started: float | torch.cuda.Event | None = None
+        self._reported: StepRecord | None = None
+        self._timed: deque[_Timed] = deque()
+        """Training steps logged once their time can be read (:meth:`_settle`)."""
         self._logged_step: int | None = None
 
     @property
@@ -117,13 +132,14 @@ class ParaDySeSwitcher(pl.Callback):
         elif self.track_memory:
             self._tracker = MemoryTracker(resident=state_tensors(pl_module, trainer.optimizers))
             self._tracker.__enter__()
-        self._started = time.perf_counter()
+        self._started = mark(trainer.strategy.root_device)
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        """Log the batch's record with the measured step time and peak memory next to the predictions."""
+        """Log the batch's record with the measured step time and peak memory next to the predictions (on a GPU
+        once the step's time can be read without waiting: usually at the next step's end, :mod:`.step_timer`)."""
         tracker, self._tracker = self._tracker, None
         if tracker is not None:
             tracker.__exit__(None, None, None)
@@ -131,14 +147,8 @@ class ParaDySeSwitcher(pl.Callback):
         record = self._report(trainer, pl_module)
         if started is None or record is None:
             return
-        synchronize(trainer.strategy.root_device)  # on a GPU: the step's kernels, not only their launches
-        elapsed = time.perf_counter() - started
-        predicted = record.metrics.get("groups/predicted_time_s", record.metrics.get("plan/predicted_time_s"))
-        self.points.append(StepPoint(trainer.global_step, record.plan, record.split, predicted, elapsed))
-        measured = {
-            "plan/measured_time_s": elapsed,
-            "plan/skipped_batches": float(getattr(trainer.strategy, "skipped_batches", 0)),
-        }
+        span = Span(started, mark(trainer.strategy.root_device))
+        measured = {"plan/skipped_batches": float(getattr(trainer.strategy, "skipped_batches", 0))}
         times = getattr(trainer.strategy, "group_times", ())
         if times:
             measured["groups/measured_imbalance"] = imbalance(times)
@@ -148,22 +158,46 @@ class ParaDySeSwitcher(pl.Callback):
         elif tracker is not None:
             measured["plan/measured_peak_mib"] = tracker.peak / 2**20
         self.metrics.update(measured)
-        self._log(trainer, self.metrics)
+        self._timed.append(_Timed(trainer.global_step, record, dict(self.metrics), span))
+        self._settle(trainer, wait=False)
 
-    def _log(self, trainer: pl.Trainer, metrics: dict[str, float]) -> None:
-        """``metrics`` to every logger of the Trainer, at its global step, every ``log_every_n_steps`` steps."""
+    def _settle(self, trainer: pl.Trainer, wait: bool) -> None:
+        """The training steps whose time can be read (every one with ``wait``), in order: their time into their
+        numbers (and into :attr:`metrics` for the last batch), their point of the picture, their numbers logged."""
+        while self._timed and (wait or self._timed[0].span.done()):
+            timed = self._timed.popleft()
+            elapsed = timed.span.seconds()
+            record = timed.record
+            predicted = record.metrics.get("groups/predicted_time_s", record.metrics.get("plan/predicted_time_s"))
+            self.points.append(StepPoint(timed.step, record.plan, record.split, predicted, elapsed))
+            timed.metrics["plan/measured_time_s"] = elapsed
+            if record is self._reported:  # :attr:`metrics` still holds this batch's numbers
+                self.metrics["plan/measured_time_s"] = elapsed
+            self._log(trainer, timed.metrics, timed.step)
+
+    def _log(self, trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
+        """``metrics`` to every logger of the Trainer, at global step ``step``, every ``log_every_n_steps`` steps."""
         if not self.log_plan or trainer.global_rank != 0 or not trainer.loggers:
             return
         every = int(getattr(trainer, "log_every_n_steps", 1))  # set by the Trainer's logger connector; 0: never
-        if every <= 0 or trainer.global_step % every != 0 or trainer.global_step == self._logged_step:
+        if every <= 0 or step % every != 0 or step == self._logged_step:
             return  # once per optimizer step (micro-batches of gradient accumulation share one global step)
-        self._logged_step = trainer.global_step
+        self._logged_step = step
         for logger in trainer.loggers:
-            logger.log_metrics(dict(metrics), step=trainer.global_step)
+            logger.log_metrics(dict(metrics), step=step)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.points, self._logged_step = [], None
+        self._timed.clear()
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._settle(trainer, wait=True)  # the training steps' numbers before the validation's, at their step
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._settle(trainer, wait=True)  # the last steps' times (one wait, after the last step)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -206,8 +240,9 @@ class ParaDySeSwitcher(pl.Callback):
         if record is None:
             return None
         self.metrics = {k: float(v) for k, v in record.metrics.items()}
+        self._reported = record
         if record.stage != "train":  # a training batch's numbers go out with its measurements
-            self._log(trainer, self.metrics)
+            self._log(trainer, self.metrics, trainer.global_step)
         if record.line is not None:
             announce(trainer, record.line)
         return record
