@@ -2,11 +2,11 @@
 
 Two processes train the command line's LightningModule on batches of many short rows; the groups' solver is made
 to split every step into groups of one (data parallelism, as the planner does for such batches). During one
-training step, from the end of the validation before it to its last callback hook, a dispatch mode counts every
-collective (the package's and Lightning's, its check for SIGTERM included). On a GPU (ranks sharing it, marked
-``gpu``) CUDA's synchronisation debug mode also counts the step's host synchronisations (from its first callback
-hook); on the host a read of a tensor value is free and nothing tells the tensors a GPU would hold apart, so that
-count needs the GPU.
+training step, from the end of the validation before it to its last callback hook (the switcher's before it), a
+dispatch mode counts every collective (the package's and Lightning's, its check for SIGTERM included). On a GPU
+(ranks sharing it, marked ``gpu``) CUDA's synchronisation debug mode also counts the step's host synchronisations
+(from its first callback hook); on the host a read of a tensor value is free and nothing tells the tensors a GPU
+would hold apart, so that count needs the GPU.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_paradyse import ParaDySeStrategy
+from lightning_paradyse import ParaDySeStrategy, ParaDySeSwitcher
 from lightning_paradyse.distributed.spawn import run_distributed
 from lightning_paradyse.groups.solver import Assignment
 from lightning_paradyse.lightning.language_model import LanguageModel
@@ -132,7 +132,7 @@ def worker(rank: int, world: int, ports: tuple[int, ...]) -> bytes:
     trainer = quiet_trainer(
         world,
         ParaDySeStrategy(timeout=60),
-        [count],
+        [ParaDySeSwitcher(), count],  # the switcher's batch-end hook inside the counted window (it runs first)
         max_steps=COUNTED_STEP + 1,
         val_check_interval=COUNTED_STEP,  # a validation batch between step 2 and the counted step
         limit_val_batches=1,
