@@ -179,8 +179,9 @@ class BenchSettings:
 
     @classmethod
     def quick(cls) -> BenchSettings:
-        """A smoke run: a tiny model, one short trace in global batches of 512 tokens, five runs, three timed
-        passes (its steps take 10-30 ms: one pass's times swing by a third between invocations), a short search."""
+        """A smoke run: a tiny model, one short trace in global batches of 512 tokens, five runs, five timed
+        passes (its steps take 10-30 ms: one pass's times swing by a third between invocations, and three passes'
+        medians still moved the adaptive/DDP ratio by 0.75-1.21x), a short search."""
         return cls(
             # 8 heads: every head-sharded mode runs on up to 8 ranks
             model=ModelSettings(layers=2, hidden=64, heads=8, kv_heads=2, ffn=128, max_seq_len=4096),
@@ -188,7 +189,7 @@ class BenchSettings:
             batch_tokens=512,
             runs=QUICK_RUNS,
             budget=8 * MiB,
-            repeats=3,
+            repeats=5,
             search=SearchSettings(start=256, cap=1024, resolution=0.25, min_step=128),
             preset="quick",
         )
