@@ -1,6 +1,6 @@
 """What a data-parallel step costs against DDP's: wall and CPU time per step of many identical short batches.
 
-    python benchmarks/step_overhead.py [--devices 2] [--steps 60] [--repeats 3] [--vary] [--profile DIR]
+    python benchmarks/step_overhead.py [--devices 2] [--steps 60] [--repeats 3] [--layers N] [--vary] [--profile DIR]
 
 Every spawned process trains the quick preset's model (:meth:`benchmarks.settings.BenchSettings.quick`) for
 ``--steps`` steps on global batches of ``--rows`` rows of ``--length`` tokens, alternately with
@@ -10,6 +10,9 @@ Lightning's ``DDPStrategy`` (each rank its ``rows / devices`` rows), ``--repeats
 group per fit (a file store: no ports). After ``--warmup`` steps it takes the median step of each fit, between
 consecutive ``on_train_batch_start`` hooks: wall clock, and this process's CPU time (what the process computed,
 its waits excluded). Prints one line per run: the fits' medians on every rank, then DDP's over ours.
+
+``--layers`` deepens the model (the quick preset's has 2 blocks): what of the difference grows with the number of
+weights the exchange handles one by one.
 
 ``--vary`` gives every step its own length, drawn between half and one and a half ``--length`` (the same draws in
 every fit), as real data does: each batch is then a first sight for whatever the step keeps per shape.
@@ -29,6 +32,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -99,9 +103,10 @@ def _fit(run: str, args: argparse.Namespace, rank: int, world: int, store: str, 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     pl.seed_everything(0, verbose=False)
     quick = BenchSettings.quick()
-    module = LanguageModel(model=quick.model.config(), lr=1e-3)
+    config = replace(quick.model, layers=args.layers or quick.model.layers).config()
+    module = LanguageModel(model=config, lr=1e-3)
     if run == "paradyse":
-        strategy: Any = ParaDySeStrategy(plan="auto", memory_budget=quick.budget, timeout=120)
+        strategy: Any = ParaDySeStrategy(plan="auto", memory_budget=quick.budget * max(1, config.n_layers // quick.model.layers), timeout=120)
         rows = args.rows  # the global batch: the strategy splits it
     else:
         strategy = DDPStrategy(gradient_as_bucket_view=True, timeout=timedelta(seconds=120))
@@ -120,7 +125,7 @@ def _fit(run: str, args: argparse.Namespace, rank: int, world: int, store: str, 
         callbacks=[clock],
     )
     made = Varied if args.vary else Tokens
-    data = made(args.length, args.steps, quick.model.config().vocab_size, rows)  # the same batches on every rank
+    data = made(args.length, args.steps, config.vocab_size, rows)  # the same batches on every rank
     trainer.fit(module, DataLoader(data, batch_size=None))
     split = getattr(getattr(trainer.strategy, "step_record", None), "split", None)
     if profiler is not None and profile is not None:
@@ -155,6 +160,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--length", type=int, default=48)
+    parser.add_argument("--layers", type=int, default=None, help="blocks of the model (default: the quick preset's)")
     parser.add_argument("--vary", action="store_true", help="every step its own length (see the docstring)")
     parser.add_argument("--profile", default=None, help="a folder for rank 0's cProfile of one more fit of each run")
     args = parser.parse_args()
@@ -167,7 +173,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as store_dir:
         per_rank = run_distributed(_worker, args.devices, args, store_dir, timeout=60.0 + 30.0 * args.repeats)
     print(
-        f"{args.devices} processes, {args.steps} steps of {args.rows} x {args.length} tokens, median step after "
+        f"{args.devices} processes, {args.layers or 2} blocks, {args.steps} steps of {args.rows} x {args.length} "
+        "tokens, median step after "
         f"{args.warmup}{', lengths varied' if args.vary else ''}, {args.repeats} fits each (wall / CPU ms, per fit; "
         "rank 0 first):"
     )
