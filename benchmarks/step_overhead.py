@@ -106,7 +106,8 @@ def _fit(run: str, args: argparse.Namespace, rank: int, world: int, store: str, 
     config = replace(quick.model, layers=args.layers or quick.model.layers).config()
     module = LanguageModel(model=config, lr=1e-3)
     if run == "paradyse":
-        strategy: Any = ParaDySeStrategy(plan="auto", memory_budget=quick.budget * max(1, config.n_layers // quick.model.layers), timeout=120)
+        budget = quick.budget * max(1, config.n_layers // quick.model.layers)  # the quick preset's per block
+        strategy: Any = ParaDySeStrategy(plan="auto", memory_budget=budget, timeout=120)
         rows = args.rows  # the global batch: the strategy splits it
     else:
         strategy = DDPStrategy(gradient_as_bucket_view=True, timeout=timedelta(seconds=120))

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import time
 import weakref
 from collections.abc import Sequence
@@ -199,35 +200,82 @@ class _Route:
         return sum(self.ex.received(i))
 
 
-_ROUTES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], tuple[tuple[Any, ...], Any]]] = (
+@dataclass(frozen=True)
+class _Bucket:
+    """One dtype's routes for a split, with what every step reads of them, listed once when they are made (piece by
+    piece in model order: a step then walks no route, and hands torch whole lists)."""
+
+    routes: list[_Route]
+    params: tuple[torch.Tensor, ...]
+    """Every piece's ``1/P`` shard parameter."""
+    keys: tuple[tuple[int, str], ...]
+    """Every piece's ``(id of its dispatch module, name)``."""
+    wanted: tuple[tuple[int, int], ...]
+    """Every piece's rows this rank reads in the split: ``[start, stop)``."""
+    received: tuple[int, ...]
+    """Per rank ``i``: elements of this rank's ``1/g`` shards that come from ``i``."""
+    sent: tuple[int, ...]
+    """Per rank ``j``: elements of this rank's ``1/P`` shards that ``j`` reads."""
+    per_rank: tuple[int, ...]
+    """Every piece's elements from rank 0 (from every rank alike where :attr:`even`)."""
+    row_shapes: tuple[tuple[int, ...], ...]
+    """Every piece's shape with its rows left free: ``(-1, *shape[1:])``."""
+    even: bool
+    """Every rank owns as many rows of every piece (the rows of each divisible by ``P``)."""
+    reads_whole: bool
+    """Every rank reads the same rows of this rank's ``1/P`` shard of every piece, hence all of them (a
+    data-parallel split), and no parameter backs two pieces."""
+
+    @classmethod
+    def of(cls, routes: list[_Route], p: int, sizes: Sequence[int], rank: int) -> _Bucket:
+        pieces = [(route, name, w, rows) for route in routes for name, w, rows in route.pieces]
+        params = tuple(w for _, _, w, _ in pieces)
+        spans = [spans for route in routes for spans in route.ex.sends]
+        return cls(
+            routes,
+            params,
+            tuple((id(route.op), name) for route, name, _, _ in pieces),
+            tuple(_wanted(rows, sizes, rank) for _, _, _, rows in pieces),
+            tuple(sum(route.received(i) for route in routes) for i in range(p)),
+            tuple(sum(route.sent(j) for route in routes) for j in range(p)),
+            tuple(k for route in routes for k in route.ex.received(0)),
+            tuple((-1, *w.shape[1:]) for w in params),
+            all(len(set(recvs)) == 1 for route in routes for recvs in route.ex.recvs),
+            len({id(w) for w in params}) == len(params) and all(len(set(s)) == 1 for s in spans),
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.params[0].device
+
+
+_ROUTES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], tuple[list[Any], list[Any], Any]]] = (
     weakref.WeakKeyDictionary()
 )
-"""Per module and split, the routes last made and the shard parameters (with dtype and shape) they were made of."""
+"""Per module and split, the shard parameters and their dtypes the routes last made were made of, and the routes."""
 
 
-def _routes(module: nn.Module, p: int, sizes: Sequence[int], rank: int) -> dict[torch.dtype, list[_Route]]:
+def _routes(module: nn.Module, p: int, sizes: Sequence[int], rank: int) -> dict[torch.dtype, _Bucket]:
     """Every op's route for the split ``sizes``, in model order, bucketed by the pieces' dtype (one exchange per
-    dtype; a model has one). Made again whenever a shard parameter was replaced or changed dtype or shape since the
-    last call for this split (a data-parallel step reads them three times)."""
-    params = tuple(
-        (w, None if w is None else (w.dtype, w.shape))
-        for _, op in dispatchers(module)
-        for w in map(op._parameters.get, op.sources)
-    )
+    dtype; a model has one). Made again whenever a shard parameter was replaced or changed dtype since the last call
+    for this split (a data-parallel step reads them three times; a parameter's shape is its layout's, which only a
+    new parameter changes)."""
+    params = [w for _, op in dispatchers(module) for w in map(op._parameters.get, op.sources)]
     key = (p, tuple(sizes), rank)
     cached = _ROUTES.setdefault(module, {}).get(key)
     if (
         cached is not None
         and len(cached[0]) == len(params)
-        and all(a is b and sa == sb for (a, sa), (b, sb) in zip(cached[0], params))
+        and all(map(operator.is_, cached[0], params))
+        and [None if w is None else w.dtype for w in params] == cached[1]
     ):
-        return cached[1]  # type: ignore[no-any-return]
+        return cached[2]  # type: ignore[no-any-return]
     routes = _made_routes(module, p, sizes, rank)
-    _ROUTES[module][key] = (params, routes)
+    _ROUTES[module][key] = (params, [None if w is None else w.dtype for w in params], routes)
     return routes
 
 
-def _made_routes(module: nn.Module, p: int, sizes: Sequence[int], rank: int) -> dict[torch.dtype, list[_Route]]:
+def _made_routes(module: nn.Module, p: int, sizes: Sequence[int], rank: int) -> dict[torch.dtype, _Bucket]:
     out: dict[torch.dtype, list[_Route]] = {}
     for _, op in dispatchers(module):
         pieces = _op_pieces(op)
@@ -237,7 +285,7 @@ def _made_routes(module: nn.Module, p: int, sizes: Sequence[int], rank: int) -> 
         if len(dtypes) != 1:
             raise TypeError(f"the shard parameters of one op have several dtypes {sorted(map(str, dtypes))}")
         out.setdefault(pieces[0][1].dtype, []).append(_Route(op, pieces, _Exchange.of(pieces, p, sizes, rank)))
-    return out
+    return {dtype: _Bucket.of(routes, p, sizes, rank) for dtype, routes in out.items()}
 
 
 WholeWeights = dict[int, dict[str, torch.Tensor]]
@@ -267,14 +315,13 @@ def gather_whole(module: nn.Module, world: Group, header: torch.Tensor) -> tuple
     if len(routes) != 1:
         raise ValueError("gather_whole needs the shard parameters in one dtype (see whole_dtype)")
     ((dtype, bucket),) = routes.items()
-    device = bucket[0].pieces[0][1].device
-    packed = to_device(header.reshape(-1).to(torch.int64), device)  # [k] int64 on the shards' device
+    packed = to_device(header.reshape(-1).to(torch.int64), bucket.device)  # [k] int64 on the shards' device
     packed = packed.view(torch.uint8).view(dtype)  # [k] -> [8 k / itemsize]
     t = packed.numel()
     with torch.no_grad():
-        shards = [w.detach().reshape(-1) for route in bucket for _, w, _ in route.pieces]  # model order
-        sizes = [t + sum(route.received(i) for route in bucket) for i in range(p)]  # rank i's header and shards
-        got = all_gather_rows(torch.cat([packed, *shards]), sizes, world)  # [t + numel/P] -> [P t + numel]
+        message = torch._utils._flatten_dense_tensors([packed, *bucket.params])  # [t + numel/P]: model order
+        sizes = [t + n for n in bucket.received]  # rank i's header and shards
+        got = all_gather_rows(message, sizes, world)  # [t + numel/P] -> [P t + numel]
         if len(set(sizes)) == 1:  # every rank's shards alike (rows divisible by P): one copy per piece
             rows = got.view(p, sizes[0])  # [P t + numel] -> [P, t + numel/P]
             headers = rows[:, :t].contiguous().view(torch.uint8).view(torch.int64)  # [P, k]
@@ -282,7 +329,7 @@ def gather_whole(module: nn.Module, world: Group, header: torch.Tensor) -> tuple
         else:
             chunks = torch.split(got, sizes)
             headers = torch.stack([c[:t] for c in chunks]).contiguous().view(torch.uint8).view(torch.int64)  # [P, k]
-            whole = _assembled(bucket, [c[t:] for c in chunks])  # [rows, ...] per op and piece
+            whole = _assembled(bucket.routes, [c[t:] for c in chunks])  # [rows, ...] per op and piece
     return headers.cpu(), whole
 
 
@@ -303,7 +350,8 @@ def enter_group(module: nn.Module, world: Group, sizes: Sequence[int], whole: Wh
         op.group_shards = {}
     if len(sizes) == 1:
         return
-    for routes in _routes(module, p, sizes, rank).values():
+    for bucket in _routes(module, p, sizes, rank).values():
+        routes = bucket.routes
         if whole is None:
             with torch.no_grad():
                 send = [
@@ -312,19 +360,15 @@ def enter_group(module: nn.Module, world: Group, sizes: Sequence[int], whole: Wh
                     for route in routes
                     for (_, w, _), spans in zip(route.pieces, route.ex.sends)
                 ]  # destination rank, then model order, then the op's pieces
-                in_sizes = [sum(r.sent(j) for r in routes) for j in range(p)]
-                out_sizes = [sum(r.received(i) for r in routes) for i in range(p)]
-                recv = all_to_all_rows(torch.cat(send), in_sizes, out_sizes, world)  # [numel] -> [numel']
-                moved = _assembled(routes, torch.split(recv, out_sizes))  # [rows/g, ...] per op and piece
-        for route in routes:
-            for name, w, rows in route.pieces:
-                if whole is None:
-                    shard = moved[id(route.op)][name]
-                else:
-                    lo, hi = _wanted(rows, sizes, rank)
-                    full = whole[id(route.op)][name]  # [rows, ...]
-                    shard = full if (lo, hi) == (0, rows) else full[lo:hi].clone()  # [rows/g, ...]: the rest freed
-                route.op.group_shards[name] = shard.requires_grad_(w.requires_grad)  # type: ignore[index]
+                recv = all_to_all_rows(torch.cat(send), bucket.sent, bucket.received, world)  # [numel] -> [numel']
+                moved = _assembled(routes, torch.split(recv, list(bucket.received)))  # [rows/g, ...] per op, piece
+        source = moved if whole is None else whole
+        ops = {id(route.op): route.op for route in routes}
+        for (key, name), w, (lo, hi) in zip(bucket.keys, bucket.params, bucket.wanted):
+            shard = source[key][name]  # moved: [rows/g, ...]; whole: [rows, ...]
+            if whole is not None and (lo, hi) != (0, shard.shape[0]):
+                shard = shard[lo:hi].clone()  # [rows, ...] -> [rows/g, ...]: the rest freed
+            ops[key].group_shards[name] = shard.requires_grad_(w.requires_grad)  # type: ignore[index]
 
 
 def _assembled(routes: list[_Route], chunks: Sequence[torch.Tensor]) -> WholeWeights:
@@ -343,16 +387,13 @@ def _assembled(routes: list[_Route], chunks: Sequence[torch.Tensor]) -> WholeWei
     }
 
 
-def _assembled_even(routes: list[_Route], rows: torch.Tensor) -> WholeWeights:
+def _assembled_even(bucket: _Bucket, rows: torch.Tensor) -> WholeWeights:
     """:func:`_assembled` where every rank sent as many elements of every piece: ``rows`` is ``[P, n]``, rank ``i``'s
     pieces in row ``i``; a piece's columns, read down the ranks, are its rows in order (one copy per piece)."""
-    out: WholeWeights = {}
-    at = 0
-    for route in routes:
-        parts = out.setdefault(id(route.op), {})
-        for (name, w, _), k in zip(route.pieces, route.ex.received(0)):
-            parts[name] = rows[:, at : at + k].reshape(-1, *w.shape[1:])  # [P, k] -> [rows, ...]
-            at += k
+    out: WholeWeights = {id(route.op): {} for route in bucket.routes}
+    columns = torch.split(rows, list(bucket.per_rank), dim=1)  # [P, n] -> [P, k] per piece
+    for (key, name), part, shape in zip(bucket.keys, columns, bucket.row_shapes):
+        out[key][name] = part.reshape(shape)  # [P, k] -> [rows, ...]
     return out
 
 
@@ -395,7 +436,7 @@ def exit_group(
         routes = _routes(module, p, sizes, rank)
         folded = _foldable(module, world, next(iter(routes)), p) if replicated and routes else None
         for n, (dtype, bucket) in enumerate(routes.items()):
-            device = bucket[0].pieces[0][1].device
+            device = bucket.device
             packed = None if n or extra is None else pack_float64(to_device(extra, device), dtype)  # [k * 8 / itemsize]
             message = None if n or folded is None else to_device(folded.message, device).to(dtype)  # [m]
             tails = [t for t in (message, packed) if t is not None]
@@ -462,7 +503,7 @@ def drop_group(module: nn.Module) -> None:
 
 
 def _return_grads(
-    routes: list[_Route],
+    bucket: _Bucket,
     shards: dict[int, dict[str, torch.Tensor]],
     p: int,
     world: Group,
@@ -471,9 +512,11 @@ def _return_grads(
     """The gradients of the rows this rank read back to their owners, summed there; ``tail`` (``[t]``) sent to every
     rank after them. Returns every rank's tail, ``[P, t]`` (``None`` without one)."""
     t = 0 if tail is None else tail.numel()
+    routes = bucket.routes
     with torch.no_grad():
-        if _read_whole(routes) and _even(routes):  # a data-parallel split of even shards: one copy out
-            return _return_even(routes, shards, p, world, tail)
+        read_whole = _read_whole(bucket)
+        if read_whole and bucket.even:  # a data-parallel split of even shards: one copy out
+            return _return_even(bucket, shards, p, world, tail)
         grads = [  # per piece (model order): the gradient rows of each owner
             torch.split(_grad_or_zeros(shards[id(route.op)][name]), list(recvs))
             for route in routes
@@ -484,11 +527,11 @@ def _return_grads(
             send += [piece[i].reshape(-1) for piece in grads]
             if tail is not None:
                 send.append(tail)
-        in_sizes = [sum(r.received(i) for r in routes) + t for i in range(p)]
-        out_sizes = [sum(r.sent(j) for r in routes) + t for j in range(p)]
+        in_sizes = [n + t for n in bucket.received]
+        out_sizes = [n + t for n in bucket.sent]
         recv = all_to_all_rows(torch.cat(send), in_sizes, out_sizes, world)  # [numel' + p t] -> [numel + p t]
-        if _read_whole(routes):
-            return _sum_whole(routes, recv.view(p, -1), t)  # [numel + p t] -> [p, numel/p + t]
+        if read_whole:
+            return _sum_whole(bucket, recv.view(p, -1), t)  # [numel + p t] -> [p, numel/p + t]
         sums: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # shard -> its gradient, summed in reduce_dtype
         tails = []
         for j, chunk in enumerate(torch.split(recv, out_sizes)):  # rank j's gradient of the rows it read here
@@ -509,7 +552,7 @@ def _return_grads(
 
 
 def _return_even(
-    routes: list[_Route],
+    bucket: _Bucket,
     shards: dict[int, dict[str, torch.Tensor]],
     p: int,
     world: Group,
@@ -520,14 +563,14 @@ def _return_even(
     element), then the flat sum."""
     t = 0 if tail is None else tail.numel()
     parts = [  # per piece: [rows, ...] -> [P, k], row i the gradient of the rows rank i owns
-        _grad_or_zeros(shards[id(route.op)][name]).reshape(p, -1) for route in routes for name, _, _ in route.pieces
+        _grad_or_zeros(shards[key][name]).reshape(p, -1) for key, name in bucket.keys
     ]
     if tail is not None:
         parts.append(tail.reshape(1, -1).expand(p, t))  # [t] -> [P, t]: the tail to every rank
     send = torch.cat(parts, dim=1)  # [P, numel/P + t]: owner rank, then model order, then the tail
     width = send.shape[1]
     recv = all_to_all_rows(send.view(-1), [width] * p, [width] * p, world)  # [P width] -> [P width]
-    return _sum_whole(routes, recv.view(p, width), t)  # [P width] -> [P, width]
+    return _sum_whole(bucket, recv.view(p, width), t)  # [P width] -> [P, width]
 
 
 def _grad_or_zeros(shard: torch.Tensor) -> torch.Tensor:
@@ -535,38 +578,27 @@ def _grad_or_zeros(shard: torch.Tensor) -> torch.Tensor:
     return shard.grad if shard.grad is not None else torch.zeros_like(shard)
 
 
-def _read_whole(routes: list[_Route]) -> bool:
+def _read_whole(bucket: _Bucket) -> bool:
     """Whether the flat sum (:func:`_sum_whole`) applies: every rank read the same rows of this rank's ``1/P`` shard
     of every piece, hence all of them (every row is read by some group; a data-parallel split), so each rank
-    receives from every rank the gradient of its whole shard in model order; no parameter backs two pieces; and no
-    shard holds a gradient yet (the general path adds into one in place)."""
-    pieces = [w for route in routes for _, w, _ in route.pieces]
-    if len({id(w) for w in pieces}) != len(pieces) or any(w.grad is not None for w in pieces):
-        return False
-    return all(len(set(spans)) == 1 for route in routes for spans in route.ex.sends)
+    receives from every rank the gradient of its whole shard in model order; no parameter backs two pieces
+    (:attr:`_Bucket.reads_whole`); and no shard holds a gradient yet (the general path adds into one in place)."""
+    return bucket.reads_whole and all(w.grad is None for w in bucket.params)
 
 
-def _even(routes: list[_Route]) -> bool:
-    """Whether every rank owns as many rows of every piece (the rows of each divisible by ``P``)."""
-    return all(len(set(recvs)) == 1 for route in routes for recvs in route.ex.recvs)
-
-
-def _sum_whole(routes: list[_Route], got: torch.Tensor, t: int) -> torch.Tensor | None:
+def _sum_whole(bucket: _Bucket, got: torch.Tensor, t: int) -> torch.Tensor | None:
     """:func:`_return_grads`' sums where :func:`_read_whole` holds: ``got`` is ``[P, n + t]``, rank ``j``'s gradient
     of this rank's ``n`` shard elements (model order) and its tail. Every shard's gradient is zero plus every
     rank's part in rank order, in the summing dtype, as the general path adds them; the shards' gradients are views
     of the one sum (or, for half precision, its rounding)."""
     n = got.shape[1] - t
-    params = [w for route in routes for _, w, _ in route.pieces]
     total = got.new_zeros(n, dtype=reduce_dtype(got.dtype))  # [n]
     for j in range(got.shape[0]):  # in rank order, on every rank alike
         total += got[j, :n]
-    at = 0
-    for w in params:
-        k = w.numel()
-        if k and w.requires_grad:
-            w.grad = total[at : at + k].view_as(w).to(w.dtype)
-        at += k
+    summed = total.to(got.dtype)  # half precision: rounded once (else the sum itself)
+    for w, grad in zip(bucket.params, torch._utils._unflatten_dense_tensors(summed, bucket.params)):
+        if w.requires_grad and w.numel():
+            w.grad = grad  # [n] -> the shard's shape: a view of the sum
     return None if t == 0 else got[:, n:]  # [P, t]
 
 
