@@ -117,6 +117,9 @@ class StepCycle:
         self.skipped_batches = 0
         self.pending: BatchInfo | None = None
         """The batch begun and not yet run: what the module's step is handed (``skip``: no plan fit it)."""
+        self.skipping = False
+        """The last batch begun is skipped (no plan fit it): its step, backward and optimizer step change nothing
+        (read by the optimizer step, which Lightning calls before the closure runs the module's step)."""
         self.checkpointed: tuple[int, ...] = ()
         """Layers the model's Hugging Face gradient checkpointing marks (read before every batch)."""
         self.window: tuple[int, str] | None = None
@@ -194,6 +197,7 @@ class StepCycle:
         ranks that disagree (the agreement's all-gather only); Lightning's ``SIGTERMException`` after that
         all-gather when rank 0 received SIGTERM."""
         training = stage == "train"
+        self.skipping = False
         if training:
             self.fixed.begin()
         else:
@@ -276,7 +280,7 @@ class StepCycle:
         rank_zero_warn(
             f"[paradyse] skipping a batch of length {info.seq_len} ({self.skipped_batches} so far): {reason}"
         )
-        self.pending = replace(info, skip=True)
+        self.pending, self.skipping = replace(info, skip=True), True
         return StepRecord(stage, info.seq_len, info.batch, None)
 
     def _keep(self, record: StepRecord) -> StepRecord:

@@ -646,8 +646,7 @@ class ParaDySeStrategy(ParallelStrategy):
         With gradient accumulation the micro-batches before a skipped one still count: their gradients are
         applied as usual.
         """
-        pending = self.cycle.pending
-        if pending is not None and pending.skip:
+        if self.cycle.skipping:
             loss = closure()  # the skipped training step (a zero loss) and its backward, as Lightning expects
             if all(p.grad is None for group in optimizer.param_groups for p in group["params"]):
                 return loss
