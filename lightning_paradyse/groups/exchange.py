@@ -208,6 +208,8 @@ class _Bucket:
     routes: list[_Route]
     params: tuple[torch.Tensor, ...]
     """Every piece's ``1/P`` shard parameter."""
+    ops: tuple[OpDispatch, ...]
+    """Every piece's dispatch module."""
     keys: tuple[tuple[int, str], ...]
     """Every piece's ``(id of its dispatch module, name)``."""
     wanted: tuple[tuple[int, int], ...]
@@ -234,6 +236,7 @@ class _Bucket:
         return cls(
             routes,
             params,
+            tuple(route.op for route, _, _, _ in pieces),
             tuple((id(route.op), name) for route, name, _, _ in pieces),
             tuple(_wanted(rows, sizes, rank) for _, _, _, rows in pieces),
             tuple(sum(route.received(i) for route in routes) for i in range(p)),
@@ -363,12 +366,11 @@ def enter_group(module: nn.Module, world: Group, sizes: Sequence[int], whole: Wh
                 recv = all_to_all_rows(torch.cat(send), bucket.sent, bucket.received, world)  # [numel] -> [numel']
                 moved = _assembled(routes, torch.split(recv, list(bucket.received)))  # [rows/g, ...] per op, piece
         source = moved if whole is None else whole
-        ops = {id(route.op): route.op for route in routes}
-        for (key, name), w, (lo, hi) in zip(bucket.keys, bucket.params, bucket.wanted):
+        for op, (key, name), w, (lo, hi) in zip(bucket.ops, bucket.keys, bucket.params, bucket.wanted):
             shard = source[key][name]  # moved: [rows/g, ...]; whole: [rows, ...]
             if whole is not None and (lo, hi) != (0, shard.shape[0]):
                 shard = shard[lo:hi].clone()  # [rows, ...] -> [rows/g, ...]: the rest freed
-            ops[key].group_shards[name] = shard.requires_grad_(w.requires_grad)  # type: ignore[index]
+            op.group_shards[name] = shard.requires_grad_(w.requires_grad)  # type: ignore[index]
 
 
 def _assembled(routes: list[_Route], chunks: Sequence[torch.Tensor]) -> WholeWeights:
