@@ -5,7 +5,7 @@
 Every spawned process trains the quick preset's model (:meth:`benchmarks.settings.BenchSettings.quick`) for
 ``--steps`` steps on global batches of ``--rows`` rows of ``--length`` tokens, alternately with
 ``ParaDySeStrategy(plan="auto")`` (whose planner sends such batches to groups of one, data parallelism, on an
-idle machine: it weighs measured times, so under other load it may not; each run's last split is printed) and with
+idle machine: it weighs measured times, so under other load it may not; the timed steps' splits are counted) and with
 Lightning's ``DDPStrategy`` (each rank its ``rows / devices`` rows), ``--repeats`` fits each, one fresh process
 group per fit (a file store: no ports). After ``--warmup`` steps it takes the median step of each fit, between
 consecutive ``on_train_batch_start`` hooks: wall clock, and this process's CPU time (what the process computed,
@@ -25,6 +25,7 @@ profiler slows Python-heavy code most.
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import itertools
 import os
@@ -59,6 +60,8 @@ class StepClock(pl.Callback):
         self.warmup, self.profiler = warmup, profiler
         self.wall: list[float] = []
         self.cpu: list[float] = []
+        self.splits: list[tuple[int, ...]] = []
+        """Every step's group sizes (``()``: one group of every rank, or not a ParaDySe run)."""
 
     def _tick(self) -> None:
         self.wall.append(time.perf_counter())
@@ -68,6 +71,10 @@ class StepClock(pl.Callback):
         self._tick()
         if self.profiler is not None and len(self.wall) == self.warmup + 1:
             self.profiler.enable()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        record = getattr(trainer.strategy, "step_record", None)
+        self.splits.append(getattr(record, "split", ()))
 
     def on_train_end(self, *args: Any) -> None:
         self._tick()
@@ -128,12 +135,11 @@ def _fit(run: str, args: argparse.Namespace, rank: int, world: int, store: str, 
     made = Varied if args.vary else Tokens
     data = made(args.length, args.steps, config.vocab_size, rows)  # the same batches on every rank
     trainer.fit(module, DataLoader(data, batch_size=None))
-    split = getattr(getattr(trainer.strategy, "step_record", None), "split", None)
     if profiler is not None and profile is not None:
         profiler.dump_stats(profile / f"{run}.prof")
     if dist.is_initialized():  # a strategy's teardown may have destroyed it
         dist.destroy_process_group()
-    return (*clock.medians(), split)
+    return (*clock.medians(), clock.splits[args.warmup :])
 
 
 def _worker(rank: int, world: int, args: argparse.Namespace, store_dir: str) -> dict[str, list[Any]]:
@@ -184,8 +190,9 @@ def main() -> None:
         fits = [fit for rank in per_rank for fit in rank[run]]
         medians[run] = statistics.median(wall for wall, _, _ in fits)
         cells = "  ".join(f"{1e3 * wall:5.1f} / {1e3 * cpu:5.1f}" for wall, cpu, _ in fits)
-        split = per_rank[0][run][0][2]
-        print(f"  {run:9s} {cells}" + (f"   (groups {'+'.join(map(str, split))})" if split else ""))
+        splits = collections.Counter("+".join(map(str, s)) or "all" for _, _, steps in per_rank[0][run] for s in steps)
+        shown = ", ".join(f"{split}: {n}" for split, n in splits.most_common()) if run == "paradyse" else ""
+        print(f"  {run:9s} {cells}" + (f"   (timed steps per split: {shown})" if shown else ""))
     print(f"  DDP / ours (median wall step): {medians['ddp'] / medians['paradyse']:.2f}x")
 
 

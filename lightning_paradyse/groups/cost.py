@@ -124,8 +124,8 @@ def planner_step_time(
     dims: ModelDims, planner_for: Callable[[int], Any], scales: Mapping[int, float] | None = None
 ) -> StepTime:
     """:data:`StepTime` from the cost planner of each group size: the step planned at the shape's buckets
-    (:meth:`~lightning_paradyse.planning.planner.CostPlanner.step`), its time rescaled from the bucket's length to
-    the real one by the FLOP count and, for a coarse bucket, interpolated linearly in the batch between its ends
+    (:meth:`~lightning_paradyse.planning.planner.CostPlanner.step`), its time moved from the bucket's length to the
+    real one (:func:`length_time`) and, for a coarse bucket, interpolated linearly in the batch between its ends
     (``b`` rows between ``B/2`` and ``B``: the steps planned for both; near the budget, where a fine bucket's
     step is taken, its time as it is: at most one fine step more rows), times ``scales[g]``. Both are monotone,
     so the cost is; results are cached per shape (:data:`SHAPE_CACHE` of them)."""
@@ -133,24 +133,44 @@ def planner_step_time(
     a, c = flop_weights(dims)
     scales = scales or {}
 
-    def at_length(planned: Any, s: int) -> float:
-        top = max(planned.seq_len, s)
-        return float(planned.time_s) * (a * s + c * s * s) / (a * top + c * top * top)
-
     @functools.lru_cache(maxsize=SHAPE_CACHE)
     def step_time(s: int, b: int, g: int) -> float | None:
         planner = planner_for(g)
         high = planner.try_step(s, b)  # a shape that does not fit is no batch to skip or explain
         if high is None:
             return None
-        time_s = at_length(high, s)
+        time_s = length_time(planner, high, s, (a, c))
         if (high.seq_len, high.batch) == planner.coarse(s, b) and high.batch > b:  # interpolate from B/2 rows
             low = planner.step(s, high.batch // 2)  # fits: fewer rows of a length that fits
-            below = at_length(low, s)
+            below = length_time(planner, low, s, (a, c))
             time_s = below + (time_s - below) * (b - low.batch) / (high.batch - low.batch)
         return time_s * scales.get(g, 1.0)
 
     return step_time
+
+
+def length_time(planner: Any, planned: Any, s: int, weights: tuple[float, float]) -> float:
+    """The time of ``planned`` (a step planned for ``planned.seq_len >= s`` tokens: the upper end of ``s``'s length
+    bucket) at ``s`` tokens: interpolated, in the FLOP count ``a s + c s^2`` (``weights``), between the step planned
+    for the bucket's lower end (:meth:`~lightning_paradyse.planning.planner.CostPlanner.bucket_start`, as many rows)
+    and ``planned``. Exact at both ends, monotone in ``s`` across buckets, and what does not grow with the tokens
+    (a collective's latency, a kernel's launch) is kept whole: a step of many collectives planned for 64 tokens is
+    not priced at 34 as if its latencies halved with the FLOPs. Where the lower end does not fit (or is shorter than
+    the group), the whole time is scaled by the FLOP count."""
+    top = planned.seq_len
+    if s >= top:
+        return float(planned.time_s)
+    a, c = weights
+
+    def flops(n: int) -> float:
+        return a * n + c * n * n
+
+    start = planner.bucket_start(s) if top == planner.bucket(s) else 0
+    below = planner.try_step(start, planned.batch) if start >= planner.model.p else None
+    if below is None or below.seq_len != start:
+        return float(planned.time_s) * flops(s) / flops(top)
+    low = min(float(below.time_s), float(planned.time_s))
+    return low + (float(planned.time_s) - low) * (flops(s) - flops(start)) / (flops(top) - flops(start))
 
 
 def group_cost(
@@ -266,6 +286,7 @@ __all__ = [
     "flop_weights",
     "group_cost",
     "group_shape_cost",
+    "length_time",
     "machine_for_groups",
     "packed_cost",
     "placeholder_cost",

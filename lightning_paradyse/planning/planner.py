@@ -166,6 +166,13 @@ class CostPlanner:
             return min(self.bucket_tokens, 1 << max(0, seq_len - 1).bit_length())
         return math.ceil(seq_len / self.bucket_tokens) * self.bucket_tokens
 
+    def bucket_start(self, seq_len: int) -> int:
+        """The lower end of ``seq_len``'s bucket, itself not in it: the bucket below's upper end (0 for the first)."""
+        top = self.bucket(seq_len)
+        if top > self.bucket_tokens:
+            return top - self.bucket_tokens
+        return 0 if top == 1 else 1 << ((top - 1).bit_length() - 1)
+
     @staticmethod
     def bucket_rows(batch: int) -> int:
         """The upper end of ``batch``'s bucket of sequences: the next power of two (a step of 37 rows is planned
