@@ -9,7 +9,8 @@ idle machine: it weighs measured times, so under other load it may not; the time
 Lightning's ``DDPStrategy`` (each rank its ``rows / devices`` rows), ``--repeats`` fits each, one fresh process
 group per fit (a file store: no ports). After ``--warmup`` steps it takes the median step of each fit, between
 consecutive ``on_train_batch_start`` hooks: wall clock, and this process's CPU time (what the process computed,
-its waits excluded). Prints one line per run: the fits' medians on every rank, then DDP's over ours.
+its waits excluded). Prints one line per run: the fits' medians on every rank, then DDP's over ours, then the
+median of each part of the step (:data:`PHASES`: where ours and DDP's differ).
 
 ``--layers`` deepens the model (the quick preset's has 2 blocks): what of the difference grows with the number of
 weights the exchange handles one by one.
@@ -52,14 +53,23 @@ from benchmarks.settings import BenchSettings
 RUNS = ("paradyse", "ddp")
 
 
+PHASES = ("to the loss", "backward", "to the optimizer", "optimizer", "between steps")
+"""A step's parts, between Lightning's hooks: batch start -> ``on_before_backward`` (the batch's agreement, decision
+and slicing, the forward) -> ``on_after_backward`` (DDP's all-reduce inside) -> ``on_before_optimizer_step`` (the
+gradient return) -> batch end -> the next batch's start (Lightning's loop)."""
+
+
 class StepClock(pl.Callback):
-    """Wall and process CPU time at every batch start and at the end of training; profiles the steps after
-    ``warmup`` when given a profiler."""
+    """Wall and process CPU time at every batch start and at the end of training, the wall clock at the hooks that
+    part a step (:data:`PHASES`); profiles the steps after ``warmup`` when given a profiler."""
 
     def __init__(self, warmup: int, profiler: cProfile.Profile | None) -> None:
         self.warmup, self.profiler = warmup, profiler
         self.wall: list[float] = []
         self.cpu: list[float] = []
+        self.marks: list[list[float]] = []
+        """Per step: the wall clock at its start, before and after the backward, before the optimizer step, at its
+        end."""
         self.splits: list[tuple[int, ...]] = []
         """Every step's group sizes (``()``: one group of every rank, or not a ParaDySe run)."""
 
@@ -67,12 +77,26 @@ class StepClock(pl.Callback):
         self.wall.append(time.perf_counter())
         self.cpu.append(time.process_time())
 
+    def _mark(self) -> None:
+        self.marks[-1].append(time.perf_counter())
+
     def on_train_batch_start(self, *args: Any) -> None:
         self._tick()
+        self.marks.append([self.wall[-1]])
         if self.profiler is not None and len(self.wall) == self.warmup + 1:
             self.profiler.enable()
 
+    def on_before_backward(self, *args: Any) -> None:
+        self._mark()
+
+    def on_after_backward(self, *args: Any) -> None:
+        self._mark()
+
+    def on_before_optimizer_step(self, *args: Any) -> None:
+        self._mark()
+
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._mark()
         record = getattr(trainer.strategy, "step_record", None)
         self.splits.append(getattr(record, "split", ()))
 
@@ -88,6 +112,11 @@ class StepClock(pl.Callback):
             statistics.median(b - a for a, b in itertools.pairwise(wall)),
             statistics.median(b - a for a, b in itertools.pairwise(cpu)),
         )
+
+    def phases(self) -> list[float]:
+        """Median seconds of each of :data:`PHASES` over the steps after the warm-up."""
+        steps = [(m, nxt) for m, nxt in zip(self.marks[self.warmup :], self.wall[self.warmup + 1 :]) if len(m) == 5]
+        return [statistics.median([*m, nxt][i + 1] - [*m, nxt][i] for m, nxt in steps) for i in range(len(PHASES))]
 
 
 class Varied(Tokens):
@@ -139,7 +168,7 @@ def _fit(run: str, args: argparse.Namespace, rank: int, world: int, store: str, 
         profiler.dump_stats(profile / f"{run}.prof")
     if dist.is_initialized():  # a strategy's teardown may have destroyed it
         dist.destroy_process_group()
-    return (*clock.medians(), clock.splits[args.warmup :])
+    return (*clock.medians(), clock.splits[args.warmup :], clock.phases())
 
 
 def _worker(rank: int, world: int, args: argparse.Namespace, store_dir: str) -> dict[str, list[Any]]:
@@ -188,12 +217,20 @@ def main() -> None:
     medians = {}
     for run in RUNS:
         fits = [fit for rank in per_rank for fit in rank[run]]
-        medians[run] = statistics.median(wall for wall, _, _ in fits)
-        cells = "  ".join(f"{1e3 * wall:5.1f} / {1e3 * cpu:5.1f}" for wall, cpu, _ in fits)
-        splits = collections.Counter("+".join(map(str, s)) or "all" for _, _, steps in per_rank[0][run] for s in steps)
+        medians[run] = statistics.median(wall for wall, *_ in fits)
+        cells = "  ".join(f"{1e3 * wall:5.1f} / {1e3 * cpu:5.1f}" for wall, cpu, *_ in fits)
+        splits = collections.Counter(
+            "+".join(map(str, s)) or "all" for _, _, steps, _ in per_rank[0][run] for s in steps
+        )
         shown = ", ".join(f"{split}: {n}" for split, n in splits.most_common()) if run == "paradyse" else ""
         print(f"  {run:9s} {cells}" + (f"   (timed steps per split: {shown})" if shown else ""))
     print(f"  DDP / ours (median wall step): {medians['ddp'] / medians['paradyse']:.2f}x")
+    print("  median ms per part of the step (the median over the fits and ranks):")
+    print("    " + " " * 9 + "".join(f"{phase:>18s}" for phase in PHASES))
+    for run in RUNS:
+        fits = [fit[3] for rank in per_rank for fit in rank[run]]
+        parts = [statistics.median(fit[i] for fit in fits) for i in range(len(PHASES))]
+        print(f"    {run:9s}" + "".join(f"{1e3 * part:18.2f}" for part in parts))
 
 
 if __name__ == "__main__":

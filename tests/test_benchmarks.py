@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ from benchmarks.plots import matplotlib_available
 from benchmarks.report import best, model_flops
 from benchmarks.runs import BenchLM, run_spec
 from benchmarks.settings import QUICK_RUNS, BenchSettings, ModelSettings
+from benchmarks.step_overhead import PHASES
 from benchmarks.worker import rotated
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,8 +200,8 @@ def test_decision_times_replay_a_trace_as_a_fit_decides_it() -> None:
 
 @pytest.mark.dist
 def test_step_overhead_times_both_runs_and_names_the_split() -> None:
-    """The split is the planner's, which weighs measured times (data parallel on an idle machine, maybe not on a
-    loaded one): printed, not asserted."""
+    """The splits are the planner's, which weighs measured times (data parallel on an idle machine, maybe not on a
+    loaded one): counted and printed, not asserted; then a time for every part of the step of both runs."""
     proc = subprocess.run(
         [sys.executable, "benchmarks/step_overhead.py", "--steps", "8", "--warmup", "2", "--repeats", "1"],
         cwd=ROOT,
@@ -209,8 +211,12 @@ def test_step_overhead_times_both_runs_and_names_the_split() -> None:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
-    assert lines[-3].split()[0] == "paradyse" and "(groups " in lines[-3], lines
-    assert lines[-2].split()[0] == "ddp" and lines[-1].startswith("  DDP / ours"), lines
+    assert lines[-7].split()[0] == "paradyse" and "(timed steps per split: " in lines[-7], lines
+    assert sum(int(n) for n in re.findall(r": (\d+)", lines[-7].split("split:")[1])) == 8 - 2, lines  # every step
+    assert lines[-6].split()[0] == "ddp" and lines[-5].startswith("  DDP / ours"), lines
+    assert lines[-3].split() == " ".join(PHASES).split(), lines
+    for line, run in zip(lines[-2:], ("paradyse", "ddp")):
+        assert line.split()[0] == run and len(line.split()) == 6 and all(float(x) >= 0 for x in line.split()[1:]), lines
 
 
 @pytest.mark.dist
