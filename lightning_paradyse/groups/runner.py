@@ -106,7 +106,8 @@ class GroupStep:
     """Every group's plan."""
     shifts: dict[str, tuple[Tensor, int]]
     """Per ``[b, s]`` entry of a dict batch: the whole batch's shifted labels cut to this group, and their real
-    count in the whole batch (labels handed to a Hugging Face model are shifted over the batch)."""
+    count in the whole batch (labels handed to a Hugging Face model are shifted over the batch; empty when no module
+    of the model shifts labels)."""
     predicted: tuple[float, ...] = ()
     """Every group's predicted forward and backward (without the exchange)."""
     solve_s: float = 0.0
@@ -373,7 +374,8 @@ class GroupRunner:
             (bare(tuple(units.lengths[i] for i in m), g) or 0.0) if m else 0.0
             for g, m in zip(found.sizes, found.groups)
         )
-        shifts = {k: (to_device(t, device), n) for k, (t, n) in units.shifted_sources(host, members, g).items()}
+        shifted = units.shifted_sources(host, members, g) if parallel.shifts_labels(self._module) else {}
+        shifts = {k: (to_device(t, device), n) for k, (t, n) in shifted.items()}
         reuse = self.kept == found.sizes and not self._stale()
         solve_s = time.perf_counter() - started
         return GroupStep(

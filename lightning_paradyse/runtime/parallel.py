@@ -65,6 +65,9 @@ class StepState:
     """Right padding of the batch, ``[b, s]`` (see :func:`lightning_paradyse.runtime.slicing.find_padding`)."""
     labels_consumed: bool = False
     """Whether a model consumed ``labels`` through the hook this step (its loss is then a global sum share)."""
+    shifts_labels: bool = False
+    """Whether a module of the model shifts the ``labels`` it is given (the labels hook is installed): only then does
+    a step need the batch's labels shifted over the whole batch."""
     blocks: list[str] = field(default_factory=list)
     grid: GridState | None = None
     """Grid models (``axes=2``): which grid dimension is sharded now (see :mod:`lightning_paradyse.modes.dsp`)."""
@@ -107,6 +110,12 @@ def step_state(module: nn.Module) -> StepState:
             "the module has not been parallelized (call lightning_paradyse.runtime.parallel.parallelize)"
         )
     return state
+
+
+def shifts_labels(module: nn.Module) -> bool:
+    """Whether a module of the parallelized ``module`` shifts the ``labels`` it is given (a Hugging Face causal LM),
+    known from setup: a step cut from a larger batch hands it labels shifted over that batch."""
+    return step_state(module).shifts_labels
 
 
 def is_parallelized(module: nn.Module) -> bool:
@@ -314,6 +323,7 @@ def _install_hooks(module: nn.Module, block_names: list[str], state: StepState) 
         owner = module.get_submodule(path) if path else module
         if _accepts(owner.forward, "labels") and _shifts_labels(owner):
             owner.register_forward_pre_hook(_StepHook(state, _labels_hook), with_kwargs=True)
+            state.shifts_labels = True
     for path in chain:
         owner = module.get_submodule(path) if path else module
         if "attention_mask" in _parameters(owner.forward):

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from lightning_paradyse.distributed.layout import SeqLayout
+from lightning_paradyse.models import build_model
 from lightning_paradyse.modes.plan import uniform_plan
 from lightning_paradyse.modes.specs import SeqContext
-from lightning_paradyse.runtime.parallel import configure, parallelize, set_step_sources
+from lightning_paradyse.runtime.parallel import configure, parallelize, set_step_sources, shifts_labels
 from lightning_paradyse.runtime.slicing import BatchSource
 from tests.support.families import hf_llama
 
@@ -50,3 +51,13 @@ def test_attention_masks_the_modes_honour_pass() -> None:
     _configured()(input_ids=IDS, attention_mask=torch.ones_like(IDS))
     mask = torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0]])
     _configured(padding=~mask.bool(), mask=mask)(input_ids=IDS, attention_mask=mask)
+
+
+def test_only_a_model_that_shifts_its_labels_asks_for_them_shifted_over_the_batch() -> None:
+    """A Hugging Face causal LM shifts the ``labels`` it is given: a step cut from a larger batch must hand it labels
+    shifted over that batch. A model that takes targets as they are needs no shifting (nothing is computed for it)."""
+    causal = hf_llama(n_layers=1)
+    parallelize(causal, None)
+    plain = build_model("llama-tiny")
+    parallelize(plain, None)
+    assert shifts_labels(causal) and not shifts_labels(plain)
