@@ -272,7 +272,8 @@ class GroupRunner:
 
     def planner_for(self, g: int) -> Planner:
         """The planner of a group of ``g`` ranks (the cost model's machine, collectives for every size; a group of
-        one with the profile's constants of one rank where it has them, :attr:`~.cost.model.CostModel.one_rank`)."""
+        one with the profile's constants of one rank where it has them, :attr:`~.cost.model.CostModel.one_rank`,
+        larger groups with the world's: :func:`~lightning_paradyse.planning.planner.group_calibration`)."""
         if g not in self._planners:
             planner = self._planner
             if isinstance(planner, CostPlanner):

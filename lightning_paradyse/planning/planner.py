@@ -446,11 +446,18 @@ def group_planning(g: int, modes: Sequence[str], prefer_tp_sp: float = 0.0) -> t
 
 
 def group_calibration(g: int, world: CostModel) -> dict[str, OpCalibration]:
-    """The per-op constants of the planner of a group of ``g`` ranks cut from the world that ``world`` prices: a
-    group of one has its own where the profile measured them (:attr:`~lightning_paradyse.cost.model.CostModel.one_rank`,
-    the whole weights on one rank); other sizes, and a group of one of a profile written before they were measured,
-    are priced on the machine's rates alone."""
-    return dict(world.one_rank) if g == 1 else {}
+    """The per-op constants of the planner of a group of ``g`` ranks cut from the world that ``world`` prices.
+
+    A group of one has its own where the profile measured them
+    (:attr:`~lightning_paradyse.cost.model.CostModel.one_rank`, the whole weights on one rank; a profile written
+    before they were measured: the machine's rates alone). No collective runs there, and the world's constants,
+    fitted where the modes communicate, would price it poorly. A group of ``1 < g`` ranks runs the world's modes with
+    their collectives on fewer ranks: it takes the world's constants (the per-op overheads the FLOP and alpha-beta
+    terms do not see, the elementwise work, the memory factors: properties of the modes' code; the collectives' own
+    sizes are priced by the machine). On the rates alone its ops had no per-op overhead at all (milliseconds per op
+    on two CPU processes, where the world's were priced with theirs): a group of 2 of 4 or 8 ranks looked cheaper
+    than the world and than groups of one by what it did not price."""
+    return dict(world.one_rank) if g == 1 else dict(world.calibration)
 
 
 def largest_true(pred: Callable[[int], bool], low: int, limit: int) -> int:

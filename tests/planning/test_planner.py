@@ -24,7 +24,7 @@ import torch
 from lightning_paradyse.calibration.profile import ONE_RANK_MODES, load_profile
 from lightning_paradyse.cost.cluster import load_cluster
 from lightning_paradyse.cost.dims import dims_from_config, dims_from_module
-from lightning_paradyse.cost.model import CostModel, OpCalibration
+from lightning_paradyse.cost.model import CostModel, OpCalibration, calibration_key
 from lightning_paradyse.cost.search import Choice, PlanProblem, all_plans, evaluate, exhaustive, min_peak, solve
 from lightning_paradyse.models import CONFIGS, build_model
 from lightning_paradyse.modes import MODES
@@ -317,8 +317,8 @@ def test_a_group_of_one_takes_tp_sp_whenever_it_fits() -> None:
 
 def test_a_group_of_one_is_priced_on_its_profiled_constants() -> None:
     """A profile that measured a group of one (``calibration_one``) gives that group's planner its constants
-    (:func:`group_calibration`, as the runner makes the planner); larger groups and older profiles price on the
-    machine's rates."""
+    (:func:`group_calibration`, as the runner makes the planner); older profiles price it on the machine's rates,
+    larger groups on the world's constants."""
     from lightning_paradyse.groups.cost import machine_for_groups
 
     shipped = load_profile(Path(__file__).resolve().parents[2] / "configs" / "profiles" / "cpu-2proc-llama-tiny.json")
@@ -327,7 +327,7 @@ def test_a_group_of_one_is_priced_on_its_profiled_constants() -> None:
     one = {k: OpCalibration(time_fixed=fixed) for k in ("tp_sp/attention", "tp_sp/mlp", "head")}
     profile = dataclasses.replace(shipped, calibration_one=one)
     world = make_planner(CONFIGS["llama-tiny"], 2, 2**30, profile)
-    assert group_calibration(1, world.model) == one and group_calibration(2, world.model) == {}
+    assert group_calibration(1, world.model) == one and group_calibration(2, world.model) == world.model.calibration
     assert group_calibration(1, make_planner(CONFIGS["llama-tiny"], 2, 2**30, shipped).model) == {}
     machine = machine_for_groups(world.model.machine, 2)
     modes, prefer = group_planning(1, world.modes)
@@ -345,3 +345,22 @@ def test_a_group_of_one_is_priced_on_its_profiled_constants() -> None:
     for s, b in [(16, 47), (512, 1)]:
         extra = (2 * layers + 1) * (fixed - machine.op_overhead_s)  # every segment's fixed seconds, and the head's
         assert priced.step(s, b).time_s == pytest.approx(raw.step(s, b).time_s + extra, rel=1e-9), (s, b)
+
+
+def test_a_group_between_one_rank_and_the_world_is_priced_on_the_worlds_constants() -> None:
+    """A group of 2 of 4 ranks runs the world's modes with their collectives: the world's per-op constants price its
+    segments (on the machine's rates alone they had no per-op overhead: such a group looked cheaper than it runs)."""
+    from lightning_paradyse.groups.cost import machine_for_groups
+
+    shipped = load_profile(Path(__file__).resolve().parents[2] / "configs" / "profiles" / "cpu-2proc-llama-tiny.json")
+    dims = dims_from_config(CONFIGS["llama-tiny"], 4)
+    world = CostModel(dims, 4, shipped.machine, calibration=shipped.calibration)
+    assert group_calibration(2, world) == shipped.calibration and group_calibration(4, world) == shipped.calibration
+    machine = machine_for_groups(world.machine, 4)
+    priced = make_planner(dims, 2, 2**30, machine, calibration=group_calibration(2, world))
+    raw = make_planner(dims, 2, 2**30, machine)
+    for mode, op in (("tp_sp", "attention"), ("ring", "mlp")):
+        key = calibration_key(mode, op, False)
+        assert shipped.calibration[key].time_fixed > 0  # milliseconds on two CPU processes
+        cal, plain = priced.model.op_cost(mode, op, False, 512, 1), raw.model.op_cost(mode, op, False, 512, 1)
+        assert cal.time_s > plain.time_s + shipped.calibration[key].time_fixed / 2, (mode, op)
