@@ -155,8 +155,8 @@ def length_time(planner: Any, planned: Any, s: int, weights: tuple[float, float]
     for the bucket's lower end (:meth:`~lightning_paradyse.planning.planner.CostPlanner.bucket_start`, as many rows)
     and ``planned``. Exact at both ends, monotone in ``s`` across buckets, and what does not grow with the tokens
     (a collective's latency, a kernel's launch) is kept whole: a step of many collectives planned for 64 tokens is
-    not priced at 34 as if its latencies halved with the FLOPs. Where the lower end does not fit (or is shorter than
-    the group), the whole time is scaled by the FLOP count."""
+    not priced at 34 as if its latencies halved with the FLOPs. Where the lower end does not fit with as many rows
+    (or is shorter than the group), the whole time is scaled by the FLOP count."""
     top = planned.seq_len
     if s >= top:
         return float(planned.time_s)
@@ -167,7 +167,7 @@ def length_time(planner: Any, planned: Any, s: int, weights: tuple[float, float]
 
     start = planner.bucket_start(s) if top == planner.bucket(s) else 0
     below = planner.try_step(start, planned.batch) if start >= planner.model.p else None
-    if below is None or below.seq_len != start:
+    if below is None or (below.seq_len, below.batch) != (start, planned.batch):  # near the budget: fewer rows fit
         return float(planned.time_s) * flops(s) / flops(top)
     low = min(float(below.time_s), float(planned.time_s))
     return low + (float(planned.time_s) - low) * (flops(s) - flops(start)) / (flops(top) - flops(start))
