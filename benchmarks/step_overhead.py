@@ -29,6 +29,7 @@ import argparse
 import collections
 import cProfile
 import itertools
+import math
 import os
 import statistics
 import sys
@@ -114,8 +115,11 @@ class StepClock(pl.Callback):
         )
 
     def phases(self) -> list[float]:
-        """Median seconds of each of :data:`PHASES` over the steps after the warm-up."""
+        """Median seconds of each of :data:`PHASES` over the steps after the warm-up that stepped the optimizer (a
+        skipped step has no ``on_before_optimizer_step``)."""
         steps = [(m, nxt) for m, nxt in zip(self.marks[self.warmup :], self.wall[self.warmup + 1 :]) if len(m) == 5]
+        if not steps:  # every timed step skipped its optimizer step (no plan fitted): nothing to part
+            return [math.nan] * len(PHASES)
         return [statistics.median([*m, nxt][i + 1] - [*m, nxt][i] for m, nxt in steps) for i in range(len(PHASES))]
 
 
@@ -229,7 +233,7 @@ def main() -> None:
     print("    " + " " * 9 + "".join(f"{phase:>18s}" for phase in PHASES))
     for run in RUNS:
         fits = [fit[3] for rank in per_rank for fit in rank[run]]
-        parts = [statistics.median(fit[i] for fit in fits) for i in range(len(PHASES))]
+        parts = [statistics.median(fit[i] for fit in fits) for i in range(len(PHASES))]  # nan: no step to part
         print(f"    {run:9s}" + "".join(f"{1e3 * part:18.2f}" for part in parts))
 
 

@@ -11,10 +11,12 @@ the things dealt to groups:
   packed together cost their tokens, not the square of their total).
 
 With a cost model, a group's time is the planner's predicted step time for the group's shape (planned once per
-length bucket) rescaled from the bucket to the real lengths by the FLOP count (:func:`flop_weights`), times the
-correction ``scales[g]`` of its group size when given, plus the weight exchange (:func:`exchange_seconds`);
-without one (a fixed plan or thresholds) it is the FLOPs per rank. Every cost is monotone: adding a unit never
-makes a group faster, as the solver's bound needs.
+length bucket) moved from the bucket's ends to the real lengths in the FLOP count (:func:`length_time`,
+:func:`flop_weights`), times the correction ``scales[g]`` of its group size when given, plus the weight exchange
+(:func:`exchange_seconds`); without one (a fixed plan or thresholds) it is the FLOPs per rank. The costs are
+monotone, adding a unit never makes a group faster, as the solver's bound needs, wherever the planner's own times
+are: a step planned at a bucket's lower end can be slower than at its upper end where the plan changes (a group of
+one takes ``tp_sp`` whenever it fits, however fast the others are predicted).
 """
 
 from __future__ import annotations
@@ -126,9 +128,10 @@ def planner_step_time(
     """:data:`StepTime` from the cost planner of each group size: the step planned at the shape's buckets
     (:meth:`~lightning_paradyse.planning.planner.CostPlanner.step`), its time moved from the bucket's length to the
     real one (:func:`length_time`) and, for a coarse bucket, interpolated linearly in the batch between its ends
-    (``b`` rows between ``B/2`` and ``B``: the steps planned for both; near the budget, where a fine bucket's
-    step is taken, its time as it is: at most one fine step more rows), times ``scales[g]``. Both are monotone,
-    so the cost is; results are cached per shape (:data:`SHAPE_CACHE` of them)."""
+    (``b`` rows between ``B/2`` and ``B``: the steps planned for both, ``B`` rows never priced below ``B/2``; near the
+    budget, where a fine bucket's step is taken, its time as it is: at most one fine step more rows), times
+    ``scales[g]``. Both are monotone where the planner's own times are (see the module docstring), so the cost is;
+    results are cached per shape (:data:`SHAPE_CACHE` of them)."""
 
     a, c = flop_weights(dims)
     scales = scales or {}
@@ -143,6 +146,7 @@ def planner_step_time(
         if (high.seq_len, high.batch) == planner.coarse(s, b) and high.batch > b:  # interpolate from B/2 rows
             low = planner.step(s, high.batch // 2)  # fits: fewer rows of a length that fits
             below = length_time(planner, low, s, (a, c))
+            time_s = max(time_s, below)  # B rows priced by the FLOPs (their lower end did not fit), B/2 by its ends
             time_s = below + (time_s - below) * (b - low.batch) / (high.batch - low.batch)
         return time_s * scales.get(g, 1.0)
 
@@ -153,7 +157,8 @@ def length_time(planner: Any, planned: Any, s: int, weights: tuple[float, float]
     """The time of ``planned`` (a step planned for ``planned.seq_len >= s`` tokens: the upper end of ``s``'s length
     bucket) at ``s`` tokens: interpolated, in the FLOP count ``a s + c s^2`` (``weights``), between the step planned
     for the bucket's lower end (:meth:`~lightning_paradyse.planning.planner.CostPlanner.bucket_start`, as many rows)
-    and ``planned``. Exact at both ends, monotone in ``s`` across buckets, and what does not grow with the tokens
+    and ``planned``. Exact at both ends, monotone in ``s`` across buckets (where the lower end's step is not the
+    slower: then flat, at ``planned``'s time, inside the bucket), and what does not grow with the tokens
     (a collective's latency, a kernel's launch) is kept whole: a step of many collectives planned for 64 tokens is
     not priced at 34 as if its latencies halved with the FLOPs. Where the lower end does not fit with as many rows
     (or is shorter than the group), the whole time is scaled by the FLOP count."""

@@ -327,7 +327,8 @@ def test_a_group_of_one_is_priced_on_its_profiled_constants() -> None:
     one = {k: OpCalibration(time_fixed=fixed) for k in ("tp_sp/attention", "tp_sp/mlp", "head")}
     profile = dataclasses.replace(shipped, calibration_one=one)
     world = make_planner(CONFIGS["llama-tiny"], 2, 2**30, profile)
-    assert group_calibration(1, world.model) == one and group_calibration(2, world.model) == world.model.calibration
+    assert group_calibration(1, world.model) == one
+    assert group_calibration(2, world.model).keys() == world.model.calibration.keys()
     assert group_calibration(1, make_planner(CONFIGS["llama-tiny"], 2, 2**30, shipped).model) == {}
     machine = machine_for_groups(world.model.machine, 2)
     modes, prefer = group_planning(1, world.modes)
@@ -355,7 +356,13 @@ def test_a_group_between_one_rank_and_the_world_is_priced_on_the_worlds_constant
     shipped = load_profile(Path(__file__).resolve().parents[2] / "configs" / "profiles" / "cpu-2proc-llama-tiny.json")
     dims = dims_from_config(CONFIGS["llama-tiny"], 4)
     world = CostModel(dims, 4, shipped.machine, calibration=shipped.calibration)
-    assert group_calibration(2, world) == shipped.calibration and group_calibration(4, world) == shipped.calibration
+    for g in (2, 4):  # the world's times; its memory factors left at one (what fits a group does not move)
+        got = group_calibration(g, world)
+        assert got.keys() == shipped.calibration.keys()
+        for key, cal in got.items():
+            world_cal = shipped.calibration[key]
+            assert (cal.time_fixed, cal.time_scale) == (world_cal.time_fixed, world_cal.time_scale)
+            assert (cal.saved, cal.fwd, cal.bwd) == (1.0, 1.0, 1.0)
     machine = machine_for_groups(world.machine, 4)
     priced = make_planner(dims, 2, 2**30, machine, calibration=group_calibration(2, world))
     raw = make_planner(dims, 2, 2**30, machine)
@@ -364,3 +371,4 @@ def test_a_group_between_one_rank_and_the_world_is_priced_on_the_worlds_constant
         assert shipped.calibration[key].time_fixed > 0  # milliseconds on two CPU processes
         cal, plain = priced.model.op_cost(mode, op, False, 512, 1), raw.model.op_cost(mode, op, False, 512, 1)
         assert cal.time_s > plain.time_s + shipped.calibration[key].time_fixed / 2, (mode, op)
+        assert (cal.saved, cal.fwd, cal.bwd) == (plain.saved, plain.fwd, plain.bwd), (mode, op)
