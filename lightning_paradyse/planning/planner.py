@@ -452,14 +452,14 @@ def group_calibration(g: int, world: CostModel) -> dict[str, OpCalibration]:
     (:attr:`~lightning_paradyse.cost.model.CostModel.one_rank`, the whole weights on one rank; a profile written
     before they were measured: the machine's rates alone). No collective runs there, and the world's constants,
     fitted where the modes communicate, would price it poorly. A group of ``1 < g`` ranks runs the world's modes with
-    their collectives on fewer ranks: it takes the world's constants (the per-op overheads the FLOP and alpha-beta
-    terms do not see, the elementwise work, the memory factors: properties of the modes' code; the collectives' own
-    sizes are priced by the machine). On the rates alone its ops had no per-op overhead at all (milliseconds per op
-    on two CPU processes, where the world's were priced with theirs): a group of 2 of 4 or 8 ranks looked cheaper
-    than the world and than groups of one by what it did not price. Its times only: the memory factors stay at one
-    (the formulas as they are, as before), so what fits such a group does not move with factors fitted on ``P``
-    ranks. What the world's per-op overhead holds per rank of the world (a ring's ``P - 1`` passes) prices a smaller
-    group's op a little high; a group of one of an older profile, on the rates, a little low."""
+    their collectives on fewer ranks: it takes the world's time constants (the per-op overheads the FLOP and
+    alpha-beta terms do not see, the elementwise work: properties of the modes' code; the collectives' own sizes are
+    priced by the machine). On the rates alone its ops had no per-op overhead at all (milliseconds per op on two CPU
+    processes, where the world's were priced with theirs): a group of 2 of 4 or 8 ranks looked cheaper than the
+    world and than groups of one by what it did not price. The memory factors stay at one (the formulas as they are,
+    as before), so what fits such a group does not move with factors fitted on ``P`` ranks. What the world's per-op
+    overhead holds per rank of the world (a ring's ``P - 1`` passes) prices a smaller group's op a little high; a
+    group of one of an older profile, on the rates, a little low."""
     if g == 1:
         return dict(world.one_rank)
     return {key: replace(cal, saved=1.0, fwd=1.0, bwd=1.0) for key, cal in world.calibration.items()}
