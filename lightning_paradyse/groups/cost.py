@@ -170,7 +170,7 @@ def length_time(planner: Any, planned: Any, s: int, weights: tuple[float, float]
     def flops(n: int) -> float:
         return a * n + c * n * n
 
-    start = planner.bucket_start(s) if top == planner.bucket(s) else 0
+    start = planner.bucket_start(s)  # planned.seq_len is s's bucket top here (a step planned for s itself returned)
     below = planner.try_step(start, planned.batch) if start >= planner.model.p else None
     if below is None or (below.seq_len, below.batch) != (start, planned.batch):  # near the budget: fewer rows fit
         return float(planned.time_s) * flops(s) / flops(top)

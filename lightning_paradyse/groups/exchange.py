@@ -264,17 +264,18 @@ def _routes(module: nn.Module, p: int, sizes: Sequence[int], rank: int) -> dict[
     for this split (a data-parallel step reads them three times; a parameter's shape is its layout's, which only a
     new parameter changes)."""
     params = [w for _, op in dispatchers(module) for w in map(op._parameters.get, op.sources)]
+    dtypes = [None if w is None else w.dtype for w in params]
     key = (p, tuple(sizes), rank)
     cached = _ROUTES.setdefault(module, {}).get(key)
     if (
         cached is not None
         and len(cached[0]) == len(params)
         and all(map(operator.is_, cached[0], params))
-        and [None if w is None else w.dtype for w in params] == cached[1]
+        and dtypes == cached[1]
     ):
         return cached[2]  # type: ignore[no-any-return]
     routes = _made_routes(module, p, sizes, rank)
-    _ROUTES[module][key] = (params, [None if w is None else w.dtype for w in params], routes)
+    _ROUTES[module][key] = (params, dtypes, routes)
     return routes
 
 
