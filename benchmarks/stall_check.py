@@ -10,6 +10,7 @@ Usage::
     python benchmarks/stall_check.py                           # start_method=spawn, rank 1 stalls
     python benchmarks/stall_check.py --start-method popen --timeout 15   # the script launcher (rank 0 is this process)
     python benchmarks/stall_check.py --start-method popen --timeout 15 --stall-rank 0   # see below
+    python benchmarks/stall_check.py --sigterm-ends-stall      # spawn's SIGTERM ends the stall (30 s sooner)
 
 Prints how the fit ended and how long it took, then checks the process table for any process of the run (each
 carries a marker in its environment). Exit status 0 when the fit raised and no process of the run is left, else 1
@@ -47,15 +48,21 @@ MARKER = "PARADYSE_STALL_CHECK"
 
 
 class StallingLM(pl.LightningModule):
-    """Mean token cross-entropy; rank ``stall_rank`` sleeps for ``stall_s`` seconds at step ``stall_step``."""
+    """Mean token cross-entropy; rank ``stall_rank`` sleeps for ``stall_s`` seconds at step ``stall_step``.
 
-    def __init__(self, stall_rank: int, stall_s: float, stall_step: int = 2) -> None:
+    ``sigterm_ends``: the sleep ends the process on SIGTERM (the default action) instead of running Lightning's
+    handler, which lets the rank sleep on: under ``spawn`` torch then kills it only 30 s after its SIGTERM."""
+
+    def __init__(self, stall_rank: int, stall_s: float, stall_step: int = 2, sigterm_ends: bool = False) -> None:
         super().__init__()
         self.model = build_model("llama-tiny")
         self.stall_rank, self.stall_s, self.stall_step = stall_rank, stall_s, stall_step
+        self.sigterm_ends = sigterm_ends
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         if batch_idx == self.stall_step and self.global_rank == self.stall_rank:
+            if self.sigterm_ends:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
             time.sleep(self.stall_s)
         tokens, targets = batch
         logits = self.model(tokens)  # [b, s_r, vocab] on this rank's tokens
@@ -98,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=10.0, help="the strategy's collective timeout (s)")
     parser.add_argument("--stall", type=float, default=300.0, help="how long the stalled rank sleeps (s)")
     parser.add_argument("--grace", type=float, default=20.0, help="seconds after the fit for the workers to go")
+    parser.add_argument(
+        "--sigterm-ends-stall", action="store_true", help="the stalled rank dies on SIGTERM (see StallingLM)"
+    )
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     marker = os.environ.setdefault(MARKER, uuid.uuid4().hex)  # inherited by every worker of this run
@@ -114,7 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     outcome = "finished"
     try:
-        trainer.fit(StallingLM(args.stall_rank, args.stall), DataLoader(batches(4), batch_size=None))
+        trainer.fit(
+            StallingLM(args.stall_rank, args.stall, sigterm_ends=args.sigterm_ends_stall),
+            DataLoader(batches(4), batch_size=None),
+        )
     except BaseException as err:  # the expected end: the collective timed out on the rank that waited
         outcome = f"raised {type(err).__name__}: {str(err).strip().splitlines()[0][:160] if str(err).strip() else ''}"
     took = time.monotonic() - start

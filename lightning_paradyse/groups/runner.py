@@ -154,8 +154,10 @@ WARM_BUCKETS = 16
 
 
 def group_sizes(world: int) -> list[int]:
-    """The sizes a group of ``world`` ranks can have: the powers of two up to it, and the world itself."""
-    return sorted({1 << k for k in range(world.bit_length()) if 1 << k <= world} | {world})
+    """The sizes a group of ``world`` ranks can have: the powers of two up to it from
+    :func:`~lightning_paradyse.groups.solver.smallest_group` (1 up to 32 ranks), and the world itself."""
+    least = solver.smallest_group(world)
+    return sorted({1 << k for k in range(world.bit_length()) if least <= 1 << k <= world} | {world})
 
 
 def imbalance(times: Sequence[float]) -> float:

@@ -14,7 +14,8 @@ free, a layout whose large group idles can tie with one of smaller groups and wi
 memory, which holds for any real step; an idle group costs no more than one sequence (:func:`assign_rows` holds
 ``idle(g)`` to the cost of the shortest row alone on ``g`` ranks).
 
-* :func:`layouts` enumerates the splits of ``P`` into powers of two (10 for ``P = 8``, 1,828 for ``P = 64``).
+* :func:`layouts` enumerates the splits of ``P`` into powers of two (10 for ``P = 8``, 1,828 for ``P = 64``);
+  the solvers choose among :func:`splits`, those of at most :data:`MAX_GROUPS` groups (all of them up to 32 ranks).
 * :func:`assign_exact`: branch and bound, per layout, over the sequences longest first: a sequence goes to
   each group in turn (among empty groups of one size only the first, as they are interchangeable); a branch
   is cut when its slowest group is already no faster than the best complete assignment (by monotonicity its
@@ -26,10 +27,12 @@ memory, which holds for any real step; an idle group costs no more than one sequ
   longest row and its number of rows (:data:`ShapeCost`). Some optimum gives every group a run of consecutive
   rows in the order of length: dealing the longest rows to the group with the longest row, the next ones to
   the group with the next longest, keeping every group's count, changes no count and lengthens no group's
-  longest row. Per layout and order of its group sizes, a dynamic programme over the sorted rows finds the
-  runs, each group's run next to where its cost crosses the best of the groups after it (its cost grows with its
-  run, theirs shrinks), found for every start in one sweep (the crossing never moves back as the start moves on):
-  ``O(k n)`` cost lookups for ``k`` groups and ``n`` rows.
+  longest row. A dynamic programme over the sorted rows and the multisets of group sizes left (which size takes
+  the next run is part of the choice: every order of a layout's sizes at once) finds the runs, each group's run
+  next to where its cost crosses the best of the groups left after it (its cost grows with its run, theirs
+  shrinks), found for every start in one sweep (the crossing never moves back as the start moves on): ``O(n)``
+  cost lookups per multiset and size. The multisets are few (about 200 below 16 ranks, 2,000 below 32) where a
+  layout's orders are not (25 million for one layout of 32 ranks).
 * :func:`brute_force`: every layout and every map of sequences to groups; the reference of the tests.
 
 Ties are broken deterministically (time, then layouts in :func:`layouts` order, then the first assignment
@@ -38,7 +41,6 @@ found), so every rank reaches the same answer.
 
 from __future__ import annotations
 
-import collections
 import functools
 import itertools
 import math
@@ -57,6 +59,11 @@ IdleCost = Callable[[int], float]
 
 EXACT_UP_TO = 10
 """Sequences per step up to which :func:`assign` solves exactly."""
+
+MAX_GROUPS = 32
+"""Groups a step is split into at most: beyond ``MAX_GROUPS`` ranks the smallest group grows
+(:func:`smallest_group`). The rows solver keeps a row per multiset of sizes smaller than the world: 1,626 below 32
+ranks (about half a second of Python for a batch of 117 rows), 25,510 below 64."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +101,22 @@ def layouts(world: int) -> tuple[tuple[int, ...], ...]:
 
     extend(world, 0, ())
     return tuple(out)
+
+
+def smallest_group(world: int) -> int:
+    """The fewest ranks a group of ``world`` has: 1 up to :data:`MAX_GROUPS` ranks, else the least power of two
+    that keeps the groups to :data:`MAX_GROUPS` (2 at 64 ranks: data parallelism then runs on pairs of ranks)."""
+    g = 1
+    while world > g * MAX_GROUPS:
+        g *= 2
+    return g
+
+
+def splits(world: int) -> tuple[tuple[int, ...], ...]:
+    """The layouts the solvers choose from: :func:`layouts` whose groups have at least :func:`smallest_group` ranks
+    (all of them up to :data:`MAX_GROUPS` ranks)."""
+    least = smallest_group(world)
+    return tuple(sizes for sizes in layouts(world) if sizes[-1] >= least)
 
 
 def _idle(idle: IdleCost | None, g: int) -> float:
@@ -202,7 +225,7 @@ def assign_exact(
     seconds of an idle group (free without it).
     """
     best: Assignment | None = None
-    for sizes in layouts(world):
+    for sizes in splits(world):
         found = _exact_layout(lengths, sizes, cost, math.inf if best is None else best.time, all_busy, idle)
         if found is not None:
             best = found
@@ -257,7 +280,7 @@ def assign_greedy(
     """
     best: Assignment | None = None
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    for sizes in layouts(world):
+    for sizes in splits(world):
         if all_busy and len(sizes) > len(lengths):
             continue
         members: list[list[int]] = [[] for _ in sizes]
@@ -303,29 +326,6 @@ def assign(
     return assign_greedy(lengths, world, cost, all_busy, idle)
 
 
-@functools.lru_cache(maxsize=256)
-def _orders(sizes: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
-    """Every distinct order of the group sizes ``sizes``, largest first in each position (the same on every rank),
-    made once per layout: a multiset's distinct orders are built position by position (``(1,) * 8`` has one, not
-    the 40,320 permutations of its places). Their number grows fast past 16 ranks (millions for one layout of 32):
-    the rows solver is meant for the group sizes of a node or two."""
-    counts = sorted(collections.Counter(sizes).items(), reverse=True)  # [(size, count)], largest size first
-    out: list[tuple[int, ...]] = []
-
-    def extend(prefix: tuple[int, ...]) -> None:
-        if len(prefix) == len(sizes):
-            out.append(prefix)
-            return
-        for k, (g, left) in enumerate(counts):
-            if left:
-                counts[k] = (g, left - 1)
-                extend((*prefix, g))
-                counts[k] = (g, left)
-
-    extend(())
-    return tuple(out)
-
-
 def _row(
     run: Callable[[int, int], float],
     after: list[float],
@@ -334,7 +334,7 @@ def _row(
     later: int,
     all_busy: bool,
 ) -> tuple[list[float], list[int]]:
-    """One row of :func:`_runs`' programme: for every start ``i``, the fastest time of this group (rows ``[i, end)``
+    """One row of :func:`_table`'s programme: for every start ``i``, the fastest time of this group (rows ``[i, end)``
     cost ``run(i, end)``) and the ``later`` groups after it (``after[end]``), and the best ``end``.
 
     The best end is next to the crossing: the first ``e`` where the group's run costs at least as much as the groups
@@ -361,67 +361,73 @@ def _row(
     return best, cut
 
 
-Tables = dict[tuple[int, ...], tuple[list[float], list[int]]]
-"""Per suffix of a sequence of group sizes, the rows ``best`` and ``cut`` of :func:`_runs`' programme: they depend on
-the suffix alone (the groups after it), so every sequence of one decision that ends alike shares them."""
+Table = tuple[list[float], list[int], list[int]]
+"""The programme's row of a multiset of group sizes (:func:`_table`): per start ``i``, the fastest time of those
+groups on the rows ``i..``, where the run of the group on the longest of them ends, and that group's size."""
 
 
-def _runs(
+def _runner(
     ordered: Sequence[int],
-    sizes: tuple[int, ...],
+    g: int,
     cost: ShapeCost,
     all_busy: bool,
-    tables: Tables | None = None,
-    memo: dict[int, dict[int, float]] | None = None,
-    idle: IdleCost | None = None,
-) -> tuple[float, list[int]] | None:
-    """The fastest split of the rows ``ordered`` (lengths, longest first) into consecutive runs, run ``j`` to a
-    group of ``sizes[j]`` ranks: ``(time, run starts)``, or ``None`` if no split fits. ``tables`` and ``memo`` carry
-    the programme's rows per suffix of ``sizes`` and the costs of runs from one call to the next: the same rows only
-    (a run's cost is kept per group size under ``longest row * (n + 1) + rows``, one to one for ``n`` rows)."""
-    n, k = len(ordered), len(sizes)
-    inf = math.inf
-    tables = {} if tables is None else tables
-    memo = {} if memo is None else memo
-    stride = n + 1
+    memo: dict[int, dict[int, float]],
+    idle: IdleCost | None,
+) -> Callable[[int, int], float]:
+    """Rows ``[i, end)`` of ``ordered`` on ``g`` ranks (an empty run idles), their costs kept in ``memo`` per group
+    size under ``longest row * (n + 1) + rows`` (one to one for ``n`` rows: the shape the cost reads)."""
+    held = memo.setdefault(g, {})
+    empty = math.inf if all_busy else _idle(idle, g)
+    stride = len(ordered) + 1
 
-    def runner(g: int) -> Callable[[int, int], float]:
-        """Rows ``[i, end)`` on ``g`` ranks (an empty run idles), their costs kept per group size."""
-        held = memo.setdefault(g, {})
-        empty = inf if all_busy else _idle(idle, g)
+    def run(i: int, end: int) -> float:
+        if end == i:
+            return empty
+        key = ordered[i] * stride + end - i
+        t = held.get(key)
+        if t is None:
+            found = cost(ordered[i], end - i, g)
+            t = held[key] = math.inf if found is None else found
+        return t
 
-        def run(i: int, end: int) -> float:
-            if end == i:
-                return empty
-            key = ordered[i] * stride + end - i  # (longest row, rows): the shape the cost reads
-            t = held.get(key)
-            if t is None:
-                found = cost(ordered[i], end - i, g)
-                t = held[key] = inf if found is None else found
-            return t
+    return run
 
-        return run
 
-    # best[j][i]: the fastest time of groups j.. on rows i..; cut[j][i]: where group j's run ends
-    best: list[list[float]] = [[inf] * (n + 1) for _ in range(k + 1)]
-    cut: list[list[int]] = [[n] * (n + 1) for _ in range(k + 1)]
-    best[k][n] = 0.0
-    for j in range(k - 1, -1, -1):
-        suffix = sizes[j:]
-        if j > 0 and suffix in tables:  # the groups j.. of another sequence that ends alike
-            best[j], cut[j] = tables[suffix]
-            continue
-        starts = [0] if j == 0 else range(n + 1)
-        best[j], cut[j] = _row(runner(sizes[j]), best[j + 1], n, starts, k - j - 1, all_busy)
-        if j > 0:
-            tables[suffix] = (best[j], cut[j])
-    if best[0][0] == inf:
-        return None
-    starts, i = [], 0
-    for j in range(k):
-        starts.append(i)
-        i = cut[j][i]
-    return best[0][0], starts
+def _table(
+    groups: tuple[int, ...],
+    ordered: Sequence[int],
+    cost: ShapeCost,
+    all_busy: bool,
+    tables: dict[tuple[int, ...], Table],
+    memo: dict[int, dict[int, float]],
+    idle: IdleCost | None,
+    first: bool = False,
+) -> Table:
+    """The programme's row of the multiset ``groups`` (sizes, largest first) on the rows ``ordered`` (lengths,
+    longest first): for every start, the best over which size takes the next run, that run found by :func:`_row`
+    against the row of the groups left. Rows are kept in ``tables``: what is left of one layout is left of many.
+    ``first``: the start ``0`` only (a whole layout, never what is left of another; not kept). A tie keeps the
+    larger size (the first in ``groups``), on every rank alike."""
+    n = len(ordered)
+    if not groups:
+        best = [math.inf] * (n + 1)
+        best[n] = 0.0
+        return best, [n] * (n + 1), [0] * (n + 1)
+    if not first and groups in tables:
+        return tables[groups]
+    best, cut, pick = [math.inf] * (n + 1), [n] * (n + 1), [0] * (n + 1)
+    for g in dict.fromkeys(groups):  # every distinct size once, largest first
+        k = groups.index(g)
+        rest = groups[:k] + groups[k + 1 :]
+        after = _table(rest, ordered, cost, all_busy, tables, memo, idle)[0]
+        run = _runner(ordered, g, cost, all_busy, memo, idle)
+        row, ends = _row(run, after, n, [0] if first else range(n + 1), len(rest), all_busy)
+        for i, t in enumerate(row):
+            if t < best[i]:
+                best[i], cut[i], pick[i] = t, ends[i], g
+    if not first:
+        tables[groups] = best, cut, pick
+    return best, cut, pick
 
 
 def _capped(idle: IdleCost, cost: ShapeCost, shortest: int) -> IdleCost:
@@ -447,30 +453,32 @@ def assign_rows(
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     ordered = [lengths[i] for i in order]
     best: Assignment | None = None
-    tables: Tables = {}
+    tables: dict[tuple[int, ...], Table] = {}
     memo: dict[int, dict[int, float]] = {}
     if idle is not None and ordered:
         idle = _capped(idle, cost, ordered[-1])
-    for sizes in layouts(world):
+    for sizes in splits(world):
         if all_busy and len(sizes) > len(lengths):
             continue
-        for sequence in _orders(sizes):
-            found = _runs(ordered, sequence, cost, all_busy, tables, memo, idle)
-            if found is None or (best is not None and found[0] >= best.time):
-                continue
-            starts = [*found[1], len(ordered)]
-            members: list[list[int]] = [[] for _ in sizes]
-            times = [_idle(idle, g) for g in sizes]
-            free = list(range(len(sizes)))  # the layout's groups not yet given a run, largest first
-            for j, g in enumerate(sequence):
-                slot = next(x for x in free if sizes[x] == g)
-                free.remove(slot)
-                members[slot] = order[starts[j] : starts[j + 1]]
-                if members[slot]:
-                    t = cost(ordered[starts[j]], len(members[slot]), g)
-                    assert t is not None
-                    times[slot] = t
-            best = _finish(sizes, members, times)
+        time, cut, pick = _table(sizes, ordered, cost, all_busy, tables, memo, idle, first=True)
+        if time[0] == math.inf or (best is not None and time[0] >= best.time):
+            continue
+        members: list[list[int]] = [[] for _ in sizes]
+        times = [_idle(idle, g) for g in sizes]
+        free = list(range(len(sizes)))  # the layout's groups not yet given a run, largest first
+        left, i = sizes, 0
+        while left:  # the runs in order of length, each the choice the programme kept for the groups left
+            if left != sizes:
+                _, cut, pick = _table(left, ordered, cost, all_busy, tables, memo, idle)
+            g, end = pick[i], cut[i]
+            slot = next(x for x in free if sizes[x] == g)
+            free.remove(slot)
+            members[slot] = order[i:end]
+            if end > i:
+                times[slot] = _runner(ordered, g, cost, all_busy, memo, idle)(i, end)  # priced by the programme
+            k = left.index(g)
+            left, i = left[:k] + left[k + 1 :], end
+        best = _finish(sizes, members, times)
     return best
 
 
@@ -499,6 +507,7 @@ def sequential_cost(seq_cost: Callable[[int, int], float | None]) -> GroupCost:
 
 __all__ = [
     "EXACT_UP_TO",
+    "MAX_GROUPS",
     "Assignment",
     "GroupCost",
     "IdleCost",
@@ -510,4 +519,6 @@ __all__ = [
     "brute_force",
     "layouts",
     "sequential_cost",
+    "smallest_group",
+    "splits",
 ]

@@ -28,7 +28,7 @@ from lightning_paradyse.cost.cluster import load_cluster
 from lightning_paradyse.cost.dims import dims_from_config, dtype_size
 from lightning_paradyse.cost.model import CostModel
 from lightning_paradyse.groups.cost import exchange_seconds, packed_cost
-from lightning_paradyse.groups.solver import assign, layouts
+from lightning_paradyse.groups.solver import assign, splits
 from lightning_paradyse.models import CONFIGS, resolve_config
 from lightning_paradyse.modes import MODES
 from lightning_paradyse.modes.plan import Plan
@@ -272,7 +272,7 @@ def group_step(model: CostModel, budget: int, args: argparse.Namespace) -> dict[
 
     rc = (False,) if args.no_recompute else (False, True)
     world = model.p
-    sizes = sorted({g for layout in layouts(world) for g in layout})
+    sizes = sorted({g for layout in splits(world) for g in layout})
     planners = {g: CostPlanner(dataclasses.replace(model, p=g), budget, args.modes, rc) for g in sizes}
 
     def step_time(s: int, b: int, g: int) -> float | None:

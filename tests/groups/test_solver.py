@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 import random
 from collections.abc import Callable
@@ -10,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from lightning_paradyse.groups.runner import group_sizes
 from lightning_paradyse.groups.solver import (
+    MAX_GROUPS,
     Assignment,
-    _orders,
     assign,
     assign_exact,
     assign_greedy,
@@ -20,6 +20,8 @@ from lightning_paradyse.groups.solver import (
     brute_force,
     layouts,
     sequential_cost,
+    smallest_group,
+    splits,
 )
 from lightning_paradyse.models import CONFIGS
 from lightning_paradyse.planning.planner import PlanInfeasible, group_planning, make_planner
@@ -56,6 +58,18 @@ def test_layouts_are_every_split_into_powers_of_two() -> None:
     assert len(layouts(3)) == 2  # 2 + 1, 1 + 1 + 1: any world size works
     with pytest.raises(ValueError, match="world must be positive"):
         layouts(0)
+
+
+def test_beyond_thirty_two_ranks_the_smallest_group_grows() -> None:
+    """The solvers split the world into at most :data:`MAX_GROUPS` groups: every layout up to 32 ranks, groups of at
+    least 2 ranks up to 64, of 4 up to 128 (48 ranks: pairs)."""
+    assert [smallest_group(w) for w in (1, 8, 32, 33, 48, 64, 65, 128)] == [1, 1, 1, 2, 2, 2, 4, 4]
+    for world in (4, 8, 16, 32):
+        assert splits(world) == layouts(world)
+    for world in (48, 64, 128):
+        assert splits(world) and all(len(s) <= MAX_GROUPS and s[-1] >= smallest_group(world) for s in splits(world))
+        assert set(splits(world)) == {s for s in layouts(world) if s[-1] >= smallest_group(world)}
+    assert group_sizes(64) == [2, 4, 8, 16, 32, 64] and group_sizes(8) == [1, 2, 4, 8]
 
 
 def test_exact_solver_matches_brute_force_on_random_instances() -> None:
@@ -156,16 +170,6 @@ def test_rows_solver_matches_brute_force_on_random_instances() -> None:
             assert assign(lengths, world, cost, all_busy=busy, shape=shape, idle=priced) == found
 
 
-def test_the_orders_of_a_layout_are_its_distinct_permutations_largest_first() -> None:
-    """The rows solver tries every distinct order of a layout's group sizes, in one order on every rank; they are
-    built without enumerating every permutation (eight groups of one have one order, not 40,320)."""
-    for world in (2, 4, 8):
-        for sizes in layouts(world):
-            assert _orders(sizes) == tuple(sorted(set(itertools.permutations(sizes)), reverse=True)), sizes
-    assert _orders((1,) * 8) == ((1,) * 8,)
-    assert len(_orders((2, 2, 1, 1, 1, 1))) == 15
-
-
 def test_rows_solver_matches_brute_force_at_eight_ranks() -> None:
     """At 8 ranks (ten layouts, up to 15 orders each) on a few rows, with idle groups priced."""
     rng = random.Random(11)
@@ -225,6 +229,48 @@ def test_rows_solver_needs_few_cost_evaluations_on_many_rows() -> None:
     check(found, lengths, 4)
     assert calls[0] < 2_000, calls[0]
     assert found == assign_rows(lengths, 4, shape, all_busy=True)  # deterministic
+
+
+def test_rows_solver_matches_brute_force_at_sixteen_ranks() -> None:
+    """At 16 ranks (36 layouts, up to 16 groups each) on three rows: the programme over the multisets of sizes left
+    takes every order of a layout's sizes into account, as enumerating them did."""
+    rng = random.Random(13)
+    for trial in range(12):
+        lengths = [rng.randint(16, 200) for _ in range(rng.randint(1, 3))]
+        shape = rows_shape(rng.random(), rng.random() * 0.05, rng.random() * 3, rng.choice([None, 150.0]), 16)
+
+        def cost(lengths: tuple[int, ...], g: int, shape: Callable[..., float | None] = shape) -> float | None:
+            return shape(max(lengths), len(lengths), g)
+
+        found = assign_rows(lengths, 16, shape)
+        reference = brute_force(lengths, 16, cost)
+        assert (found is None) == (reference is None), f"trial {trial}: {found} vs {reference}"
+        if found is not None and reference is not None:
+            check(found, lengths, 16)
+            assert found.time == pytest.approx(reference.time, rel=1e-12), f"trial {trial}"
+
+
+def test_rows_solver_scales_to_thirty_two_ranks() -> None:
+    """117 rows on 32 ranks (202 layouts; one of them alone has 25 million orders of its sizes, which the solver
+    once enumerated): the programme keeps one row per multiset of sizes left, and looks up each cost once."""
+    rng = random.Random(5)
+    lengths = [rng.randint(4, 35) for _ in range(117)]
+    shape = rows_shape(1e-3, 1e-5, 0.5, 400.0, 32)
+    calls: list[tuple[int, int, int]] = []
+
+    def counted(s: int, b: int, g: int) -> float | None:
+        calls.append((s, b, g))
+        return shape(s, b, g)
+
+    found = assign_rows(lengths, 32, counted)
+    check(found, lengths, 32)
+    assert found is not None and len(calls) < 20_000, len(calls)
+    assert len(calls) - len(set(calls)) <= 6, "a shape priced again (an idle group's one-row price aside)"
+    for g in (1, 2, 4, 8, 16, 32):  # no worse than any one group size alone, rows dealt longest first
+        k = 32 // g
+        even = assign_rows(lengths, k, lambda s, b, _g, g=g: shape(s, b, g), all_busy=len(lengths) >= k)
+        if even is not None and even.sizes == (1,) * k:
+            assert found.time <= even.time * (1 + 1e-12)
 
 
 def test_assign_is_deterministic_and_switches_to_the_approximation() -> None:

@@ -41,10 +41,12 @@ def test_a_stalled_rank_does_not_outlive_the_run(start_method: str, timeout: int
     """Rank 1 sleeps inside its step; rank 0's collective times out and every process of the run ends.
 
     Under ``popen`` rank 0 launched rank 1 itself and stops it (before: it slept on after the run had failed);
-    under ``spawn`` the launcher stops the workers. The collective timeout leaves ``popen``'s workers time to
-    start (it also bounds the rendezvous).
+    under ``spawn`` the launcher stops the workers (its SIGTERM ends the stall here: with Lightning's handler the
+    sleeping rank would wait for torch's SIGKILL, 30 s on, which this test would only wait out). The collective
+    timeout leaves ``popen``'s workers time to start (it also bounds the rendezvous).
     """
     args = ["--start-method", start_method, "--stall-rank", "1", "--timeout", str(timeout), "--grace", "20"]
+    args += ["--sigterm-ends-stall"] if start_method == "spawn" else []
     proc = subprocess.run(
         [sys.executable, "benchmarks/stall_check.py", *args],
         cwd=ROOT,
