@@ -80,6 +80,7 @@ from lightning_paradyse.distributed.devices import (
     resolve_backend,
 )
 from lightning_paradyse.groups.exchange import measure_regroup
+from lightning_paradyse.groups.solver import MAX_GROUPS, smallest_group
 from lightning_paradyse.lightning.callbacks import ParaDySeSwitcher
 from lightning_paradyse.lightning.cycle import StepCycle, reporting_result
 from lightning_paradyse.lightning.launch import SpawnLauncher, make_launcher, stop_workers
@@ -456,6 +457,12 @@ class ParaDySeStrategy(ParallelStrategy):
             planned, seconds = self.cycle.runner.warmed
             if planned:
                 rank_zero_info(f"[paradyse] groups: {planned} batch shapes planned ahead in {seconds:.2f} s")
+            least = smallest_group(group_size(self._group))
+            if least > 1:
+                rank_zero_info(
+                    f"[paradyse] groups: at most {MAX_GROUPS} groups a step on {group_size(self._group)} ranks, "
+                    f"each of at least {least} ranks (data parallelism runs on groups of {least})"
+                )
         _ensure_switcher(trainer)
         self._result_cls = _report_loss(trainer, self.cycle)
         self.cycle.reports_loss = self._result_cls is not None
