@@ -220,6 +220,23 @@ def test_step_overhead_times_both_runs_and_names_the_split() -> None:
 
 
 @pytest.mark.dist
+def test_meetings_times_each_collective_of_both_steps() -> None:
+    """``meetings.py``: a time for DDP's two meetings, ParaDySe's two and the all-gather back to back."""
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/meetings.py", "--iters", "5", "--compute-ms", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()[-5:]
+    labels = ["broadcast", "all-reduce", "all-gather", "all-to-all", "all-gather, back to back"]
+    assert [line.split("  ")[1].strip() for line in lines] == labels, lines
+    assert all(line.split()[-1] == "ms" and float(line.split()[-2]) > 0 for line in lines), lines
+
+
+@pytest.mark.dist
 def test_single_rank_modes_times_every_mode_on_one_rank() -> None:
     """``single_rank_modes.py``: one line per shape and op, a time for every mode."""
     proc = subprocess.run(
