@@ -54,6 +54,7 @@ from lightning_paradyse.distributed.comm import (
 from lightning_paradyse.distributed.devices import gpu_free_bytes, to_device
 from lightning_paradyse.distributed.layout import split_offsets
 from lightning_paradyse.graph.dispatch import OpDispatch
+from lightning_paradyse.groups.solver import splits
 from lightning_paradyse.runtime.parallel import (
     ReplicatedGrads,
     dispatchers,
@@ -85,10 +86,11 @@ def blocks(sizes: Sequence[int]) -> list[range]:
 
 @dataclass
 class GroupSet:
-    """The process groups of every aligned power-of-two block of the world, created once.
+    """The process groups of every block of ranks a split of the world can have (:func:`~.solver.splits`: every
+    aligned power-of-two block up to 32 ranks), created once.
 
     ``torch.distributed.new_group`` is collective over the whole job, so every rank creates every block,
-    in the same order (here: at construction). Groups of one rank are ``None`` (no collective).
+    in the same order (here: at construction, by size, then start). Groups of one rank are ``None`` (no collective).
     """
 
     world: Group
@@ -98,12 +100,9 @@ class GroupSet:
     def __post_init__(self) -> None:
         p = group_size(self.world)
         ranks = list(range(p)) if self.world is None else dist.get_process_group_ranks(self.world)
-        g = 2
-        while g <= p:
-            for start in range(0, p - g + 1, g):
-                members = ranks[start : start + g]
-                self._groups[(start, g)] = self.world if g == p else dist.new_group(members)
-            g *= 2
+        used = {(b.start, len(b)) for sizes in splits(p) for b in blocks(sizes) if len(b) > 1}
+        for start, g in sorted(used, key=lambda block: (block[1], block[0])):
+            self._groups[(start, g)] = self.world if g == p else dist.new_group(ranks[start : start + g])
 
     @property
     def p(self) -> int:

@@ -154,10 +154,9 @@ WARM_BUCKETS = 16
 
 
 def group_sizes(world: int) -> list[int]:
-    """The sizes a group of ``world`` ranks can have: the powers of two up to it from
-    :func:`~lightning_paradyse.groups.solver.smallest_group` (1 up to 32 ranks), and the world itself."""
-    least = solver.smallest_group(world)
-    return sorted({1 << k for k in range(world.bit_length()) if least <= 1 << k <= world} | {world})
+    """The sizes a group of ``world`` ranks can have: those of :func:`~lightning_paradyse.groups.solver.splits` (every
+    power of two up to the world up to 32 ranks), and the world itself."""
+    return sorted({g for sizes in solver.splits(world) for g in sizes} | {world})
 
 
 def imbalance(times: Sequence[float]) -> float:

@@ -15,7 +15,7 @@ memory, which holds for any real step; an idle group costs no more than one sequ
 ``idle(g)`` to the cost of the shortest row alone on ``g`` ranks).
 
 * :func:`layouts` enumerates the splits of ``P`` into powers of two (10 for ``P = 8``, 1,828 for ``P = 64``);
-  the solvers choose among :func:`splits`, those of at most :data:`MAX_GROUPS` groups (all of them up to 32 ranks).
+  the solvers choose among :func:`splits`, all of them up to 32 ranks, beyond them those of larger groups.
 * :func:`assign_exact`: branch and bound, per layout, over the sequences longest first: a sequence goes to
   each group in turn (among empty groups of one size only the first, as they are interchangeable); a branch
   is cut when its slowest group is already no faster than the best complete assignment (by monotonicity its
@@ -62,9 +62,10 @@ EXACT_UP_TO = 10
 """Sequences per step up to which :func:`assign` solves exactly."""
 
 MAX_GROUPS = 32
-"""Groups a step is split into at most: beyond ``MAX_GROUPS`` ranks the smallest group grows
-(:func:`smallest_group`). The rows solver keeps a row per multiset of sizes smaller than the world: 1,626 below 32
-ranks (about half a second of Python for a batch of 117 rows), 25,510 below 64."""
+"""Groups of the smallest size a step is split into at most: beyond ``MAX_GROUPS`` ranks that size grows
+(:func:`smallest_group`; what does not divide into it adds a few smaller groups, :func:`splits`). The rows solver
+keeps a row per multiset of sizes smaller than the world: 1,626 below 32 ranks (about half a second of Python for a
+batch of 117 rows), 25,510 below 64."""
 
 
 @dataclass(frozen=True)
@@ -113,11 +114,17 @@ def smallest_group(world: int) -> int:
     return g
 
 
+@functools.lru_cache(maxsize=64)
 def splits(world: int) -> tuple[tuple[int, ...], ...]:
-    """The layouts the solvers choose from: :func:`layouts` whose groups have at least :func:`smallest_group` ranks
-    (all of them up to :data:`MAX_GROUPS` ranks)."""
+    """The layouts the solvers choose from: every one of :func:`layouts` up to :data:`MAX_GROUPS` ranks; beyond, those
+    of groups of at least :func:`smallest_group` ranks, with what does not divide into such groups (``world`` modulo
+    that size, in powers of two) as groups of their own, last: ``33 = 2 + ... + 2 + 1``. Made from the layouts of
+    ``world // smallest_group(world)`` ranks (at most :data:`MAX_GROUPS` of them), never from the far more of
+    ``world`` (billions at 1,024 ranks)."""
     least = smallest_group(world)
-    return tuple(sizes for sizes in layouts(world) if sizes[-1] >= least)
+    rest = world % least
+    tail = tuple(1 << k for k in reversed(range(rest.bit_length())) if rest >> k & 1)  # its binary digits
+    return tuple(tuple(g * least for g in sizes) + tail for sizes in layouts(world // least))
 
 
 def _idle(idle: IdleCost | None, g: int) -> float:

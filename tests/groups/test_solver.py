@@ -61,15 +61,23 @@ def test_layouts_are_every_split_into_powers_of_two() -> None:
 
 
 def test_beyond_thirty_two_ranks_the_smallest_group_grows() -> None:
-    """The solvers split the world into at most :data:`MAX_GROUPS` groups: every layout up to 32 ranks, groups of at
-    least 2 ranks up to 64, of 4 up to 128 (48 ranks: pairs)."""
-    assert [smallest_group(w) for w in (1, 8, 32, 33, 48, 64, 65, 128)] == [1, 1, 1, 2, 2, 2, 4, 4]
+    """The solvers split the world into at most :data:`MAX_GROUPS` groups of the smallest size: every layout up to 32
+    ranks, groups of at least 2 ranks up to 64, of 4 up to 128; what does not divide into them (33 ranks: one) adds
+    smaller groups last. Made without the layouts of the whole world (billions at 1,024 ranks)."""
+    assert [smallest_group(w) for w in (1, 8, 32, 33, 48, 64, 65, 128, 1024)] == [1, 1, 1, 2, 2, 2, 4, 4, 32]
     for world in (4, 8, 16, 32):
         assert splits(world) == layouts(world)
     for world in (48, 64, 128):
-        assert splits(world) and all(len(s) <= MAX_GROUPS and s[-1] >= smallest_group(world) for s in splits(world))
         assert set(splits(world)) == {s for s in layouts(world) if s[-1] >= smallest_group(world)}
+    for world in (33, 48, 63, 64, 100, 264, 1000, 1024):
+        least = smallest_group(world)
+        for sizes in splits(world):
+            assert sum(sizes) == world and list(sizes) == sorted(sizes, reverse=True)
+            assert all(g & (g - 1) == 0 for g in sizes), sizes
+            assert sum(g >= least for g in sizes) <= MAX_GROUPS and sum(g < least for g in sizes) < least.bit_length()
+    assert splits(33)[-1] == (2,) * 16 + (1,)
     assert group_sizes(64) == [2, 4, 8, 16, 32, 64] and group_sizes(8) == [1, 2, 4, 8]
+    assert group_sizes(33) == [1, 2, 4, 8, 16, 32, 33]
 
 
 def test_exact_solver_matches_brute_force_on_random_instances() -> None:
