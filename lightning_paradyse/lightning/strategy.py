@@ -457,11 +457,13 @@ class ParaDySeStrategy(ParallelStrategy):
             planned, seconds = self.cycle.runner.warmed
             if planned:
                 rank_zero_info(f"[paradyse] groups: {planned} batch shapes planned ahead in {seconds:.2f} s")
-            least = smallest_group(group_size(self._group))
+            world = group_size(self._group)
+            least = smallest_group(world)
             if least > 1:
+                rest = f"; the {world % least} ranks left over in smaller groups" if world % least else ""
                 rank_zero_info(
-                    f"[paradyse] groups: at most {MAX_GROUPS} groups a step on {group_size(self._group)} ranks, "
-                    f"each of at least {least} ranks (data parallelism runs on groups of {least})"
+                    f"[paradyse] groups: at most {MAX_GROUPS} groups of at least {least} ranks a step on {world} "
+                    f"ranks (data parallelism runs on groups of {least}){rest}"
                 )
         _ensure_switcher(trainer)
         self._result_cls = _report_loss(trainer, self.cycle)
