@@ -54,7 +54,7 @@ from lightning_paradyse.distributed.comm import (
 from lightning_paradyse.distributed.devices import gpu_free_bytes, to_device
 from lightning_paradyse.distributed.layout import split_offsets
 from lightning_paradyse.graph.dispatch import OpDispatch
-from lightning_paradyse.groups.solver import splits
+from lightning_paradyse.groups.solver import MAX_GROUPS, splits
 from lightning_paradyse.runtime.parallel import (
     ReplicatedGrads,
     dispatchers,
@@ -113,8 +113,11 @@ class GroupSet:
         return group_rank(self.world)
 
     def mine(self, sizes: Sequence[int]) -> tuple[int, Group]:
-        """``(index of this rank's group, its process group)`` for the split ``sizes``."""
+        """``(index of this rank's group, its process group)`` for the split ``sizes``, one of :func:`~.solver.splits`
+        (every split up to 32 ranks)."""
         check_sizes(sizes, self.p)
+        if self.p > MAX_GROUPS and tuple(sizes) not in splits(self.p):
+            raise ValueError(f"group sizes {tuple(sizes)}: not a split of {self.p} ranks the solvers choose (splits)")
         for index, members in enumerate(blocks(sizes)):
             if self.rank in members:
                 g = len(members)

@@ -31,13 +31,14 @@ memory, which holds for any real step; an idle group costs no more than one sequ
   the next run is part of the choice: every order of a layout's sizes at once) finds the runs, each group's run
   next to where its cost crosses the best of the groups left after it (its cost grows with its run, theirs
   shrinks), found for every start in one sweep (the crossing never moves back as the start moves on): ``O(n)``
-  cost lookups per multiset and size. The multisets are few (166 below 16 ranks, 1,626 below 32) where a
-  layout's orders are not (25 million for one layout of 32 ranks).
+  cost lookups per multiset and size. The multisets are few (165 below 16 ranks, 1,625 below 32) where the
+  layouts' orders are not (5,272 at 16 ranks, 47 million at 32, 3.5 million of them for one layout).
 * :func:`brute_force`: every layout and every map of sequences to groups; the reference of the tests.
 
-Ties are broken deterministically (time, then layouts in :func:`layouts` order, then the first assignment
-found; in the rows solver, the larger group size for the next run, then the shorter run), so every rank reaches the
-same answer.
+Ties are broken deterministically (time, then layouts in :func:`splits` order, then the first assignment
+found; in the rows solver, the larger group size for the next run, then the first end its sweep finds), so every
+rank reaches the same answer. Past 32 ranks the solvers are exact among :func:`splits` (the rows solver: with the
+groups below the smallest size on the last runs).
 """
 
 from __future__ import annotations
@@ -64,8 +65,8 @@ EXACT_UP_TO = 10
 MAX_GROUPS = 32
 """Groups of the smallest size a step is split into at most: beyond ``MAX_GROUPS`` ranks that size grows
 (:func:`smallest_group`; what does not divide into it adds a few smaller groups, :func:`splits`). The rows solver
-keeps a row per multiset of sizes smaller than the world: 1,626 below 32 ranks (about half a second of Python for a
-batch of 117 rows), 25,510 below 64."""
+keeps a row per multiset of sizes smaller than the world: 1,625 below 32 ranks (about half a second of Python for a
+batch of 117 rows), 25,509 below 64."""
 
 
 @dataclass(frozen=True)
@@ -409,13 +410,16 @@ def _table(
     tables: dict[tuple[int, ...], Table],
     memo: dict[int, dict[int, float]],
     idle: IdleCost | None,
+    least: int = 1,
     first: bool = False,
 ) -> Table:
     """The programme's row of the multiset ``groups`` (sizes, largest first) on the rows ``ordered`` (lengths,
     longest first): for every start, the best over which size takes the next run, that run found by :func:`_row`
     against the row of the groups left. Rows are kept in ``tables``: what is left of one layout is left of many.
-    ``first``: the start ``0`` only (a whole layout, never what is left of another; not kept). A tie keeps the
-    larger size (the first in ``groups``), on every rank alike."""
+    Groups smaller than ``least`` (what of a world past 32 ranks does not divide into its smallest groups,
+    :func:`splits`) take the last runs, largest first: each would double the multisets. ``first``: the start ``0``
+    only (a whole layout, never what is left of another; not kept). A tie keeps the larger size (the first in
+    ``groups``), on every rank alike."""
     n = len(ordered)
     if not groups:
         best = [math.inf] * (n + 1)
@@ -424,10 +428,11 @@ def _table(
     if not first and groups in tables:
         return tables[groups]
     best, cut, pick = [math.inf] * (n + 1), [n] * (n + 1), [0] * (n + 1)
-    for g in dict.fromkeys(groups):  # every distinct size once, largest first
+    sizes = [g for g in dict.fromkeys(groups) if g >= least] or [groups[0]]  # every distinct size once, largest first
+    for g in sizes:
         k = groups.index(g)
         rest = groups[:k] + groups[k + 1 :]
-        after = _table(rest, ordered, cost, all_busy, tables, memo, idle)[0]
+        after = _table(rest, ordered, cost, all_busy, tables, memo, idle, least)[0]
         run = _runner(ordered, g, cost, all_busy, memo, idle)
         row, ends = _row(run, after, n, [0] if first else range(n + 1), len(rest), all_busy)
         for i, t in enumerate(row):
@@ -463,12 +468,13 @@ def assign_rows(
     best: Assignment | None = None
     tables: dict[tuple[int, ...], Table] = {}
     memo: dict[int, dict[int, float]] = {}
+    least = smallest_group(world)
     if idle is not None and ordered:
         idle = _capped(idle, cost, ordered[-1])
     for sizes in splits(world):
         if all_busy and len(sizes) > len(lengths):
             continue
-        time, cut, pick = _table(sizes, ordered, cost, all_busy, tables, memo, idle, first=True)
+        time, cut, pick = _table(sizes, ordered, cost, all_busy, tables, memo, idle, least, first=True)
         if time[0] == math.inf or (best is not None and time[0] >= best.time):
             continue
         members: list[list[int]] = [[] for _ in sizes]
@@ -477,7 +483,7 @@ def assign_rows(
         left, i = sizes, 0
         while left:  # the runs in order of length, each the choice the programme kept for the groups left
             if left != sizes:
-                _, cut, pick = _table(left, ordered, cost, all_busy, tables, memo, idle)
+                _, cut, pick = _table(left, ordered, cost, all_busy, tables, memo, idle, least)
             g, end = pick[i], cut[i]
             slot = next(x for x in free if sizes[x] == g)
             free.remove(slot)
