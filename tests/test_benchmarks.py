@@ -29,17 +29,17 @@ from benchmarks.worker import rotated
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def run_script(*args: str, timeout: int) -> list[str]:
+    """The output lines of ``python *args`` run from the repository root, which must exit with status 0."""
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout.strip().splitlines()
+
+
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
     out = tmp_path_factory.mktemp("bench") / "quick.json"
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/run.py", "--quick", "--repeats", "1", "--out", str(out)],  # one pass: a smoke test
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=170,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_script("benchmarks/run.py", "--quick", "--repeats", "1", "--out", str(out), timeout=170)  # one pass: a smoke
     return json.loads(out.read_text()), out
 
 
@@ -202,15 +202,7 @@ def test_decision_times_replay_a_trace_as_a_fit_decides_it() -> None:
 def test_step_overhead_times_both_runs_and_names_the_split() -> None:
     """The splits are the planner's, which weighs measured times (data parallel on an idle machine, maybe not on a
     loaded one): counted and printed, not asserted; then a time for every part of the step of both runs."""
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/step_overhead.py", "--steps", "8", "--warmup", "2", "--repeats", "1"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=170,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()
+    lines = run_script("benchmarks/step_overhead.py", "--steps", "8", "--warmup", "2", "--repeats", "1", timeout=170)
     assert lines[-7].split()[0] == "paradyse" and "(timed steps per split: " in lines[-7], lines
     assert sum(int(n) for n in re.findall(r": (\d+)", lines[-7].split("split:")[1])) == 8 - 2, lines  # every step
     assert lines[-6].split()[0] == "ddp" and lines[-5].startswith("  DDP / ours"), lines
@@ -222,15 +214,7 @@ def test_step_overhead_times_both_runs_and_names_the_split() -> None:
 @pytest.mark.dist
 def test_meetings_times_each_collective_of_both_steps() -> None:
     """``meetings.py``: a time for DDP's two meetings, ParaDySe's two and the all-gather back to back."""
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/meetings.py", "--iters", "5", "--compute-ms", "1"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()[-5:]
+    lines = run_script("benchmarks/meetings.py", "--iters", "5", "--compute-ms", "1", timeout=120)[-5:]
     labels = ["broadcast", "all-reduce", "all-gather", "all-to-all", "all-gather, back to back"]
     assert [line.split("  ")[1].strip() for line in lines] == labels, lines
     assert all(line.split()[-1] == "ms" and float(line.split()[-2]) > 0 for line in lines), lines
@@ -239,14 +223,6 @@ def test_meetings_times_each_collective_of_both_steps() -> None:
 @pytest.mark.dist
 def test_single_rank_modes_times_every_mode_on_one_rank() -> None:
     """``single_rank_modes.py``: one line per shape and op, a time for every mode."""
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/single_rank_modes.py", "--shapes", "2x32", "--reps", "1"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = proc.stdout.strip().splitlines()[-2:]
+    rows = run_script("benchmarks/single_rank_modes.py", "--shapes", "2x32", "--reps", "1", timeout=120)[-2:]
     assert [row.split()[3] for row in rows] == ["attention", "mlp"], rows
     assert all(len(row.split()) == 4 + 4 and all(float(x) > 0 for x in row.split()[4:]) for row in rows), rows
