@@ -159,6 +159,15 @@ def rows_shape(a: float, c: float, fixed: float, cap: float | None, world: int) 
     return shape
 
 
+def rows_cost(shape: Callable[..., float | None]) -> Callable[[tuple[int, ...], int], float | None]:
+    """The group cost of a rows cost: the rows padded to the group's longest."""
+
+    def cost(lengths: tuple[int, ...], g: int) -> float | None:
+        return shape(max(lengths), len(lengths), g)
+
+    return cost
+
+
 def test_rows_solver_matches_brute_force_on_random_instances() -> None:
     """:func:`assign_rows` (consecutive runs of rows by length, dynamic programme) is exact for rows costs."""
     rng = random.Random(7)
@@ -167,9 +176,7 @@ def test_rows_solver_matches_brute_force_on_random_instances() -> None:
         lengths = [rng.randint(1, 40) for _ in range(rng.randint(1, 6))]
         shape = rows_shape(rng.random(), rng.random() * 0.05, rng.random() * 3, rng.choice([None, 60.0, 200.0]), world)
 
-        def cost(lengths: tuple[int, ...], g: int, shape: Callable[..., float | None] = shape) -> float | None:
-            return shape(max(lengths), len(lengths), g)
-
+        cost = rows_cost(shape)
         fixed = rng.random() * 3
 
         def idle(
@@ -206,9 +213,7 @@ def test_rows_solver_matches_brute_force_at_eight_ranks() -> None:
         lengths = [rng.randint(1, 40) for _ in range(rng.randint(1, 4))]
         shape = rows_shape(rng.random(), rng.random() * 0.05, rng.random() * 3, rng.choice([None, 60.0]), 8)
 
-        def cost(lengths: tuple[int, ...], g: int, shape: Callable[..., float | None] = shape) -> float | None:
-            return shape(max(lengths), len(lengths), g)
-
+        cost = rows_cost(shape)
         alone = {g: shape(min(lengths), 1, g) for g in (1, 2, 4, 8)}
         idles = {g: min(0.3 * g / 8, alone[g] if alone[g] is not None else math.inf) for g in (1, 2, 4, 8)}
         for priced in (None, idles.__getitem__):
@@ -268,9 +273,7 @@ def test_rows_solver_matches_brute_force_at_sixteen_ranks() -> None:
         lengths = [rng.randint(16, 200) for _ in range(rng.randint(1, 3))]
         shape = rows_shape(rng.random(), rng.random() * 0.05, rng.random() * 3, rng.choice([None, 150.0]), 16)
 
-        def cost(lengths: tuple[int, ...], g: int, shape: Callable[..., float | None] = shape) -> float | None:
-            return shape(max(lengths), len(lengths), g)
-
+        cost = rows_cost(shape)
         found = assign_rows(lengths, 16, shape)
         reference = brute_force(lengths, 16, cost)
         assert (found is None) == (reference is None), f"trial {trial}: {found} vs {reference}"
