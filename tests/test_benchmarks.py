@@ -186,6 +186,21 @@ def test_activation_checkpointing_of_the_built_in_runs_is_exact() -> None:
     assert all(torch.allclose(grads[n], grads_ac[n], rtol=1e-12, atol=1e-14) for n in grads)
 
 
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_every_trace_of_both_presets_is_built_for_2_4_and_8_processes(world: int) -> None:
+    """The quick preset and the full benchmark start on every trace at 2, 4 and 8 processes (``--devices 4`` and
+    ``8`` once stopped here: a length bucket left without a length): every sequence in one batch, each at least
+    ``2 * world`` tokens long (a rank of a sequence-parallel group holds tokens of both halves of a causal row)."""
+    from benchmarks.workload import build_trace
+
+    for preset in (BenchSettings.quick(), BenchSettings.full()):
+        for settings in preset.traces:
+            trace = build_trace(settings, world, preset.batch_tokens)
+            rows = sorted(i for batch in trace.batches for i in batch)
+            assert rows == list(range(len(trace.sequences))), (preset.preset, settings.name)
+            assert min(trace.lengths) >= 2 * world, (preset.preset, settings.name)
+
+
 def test_decision_times_replay_a_trace_as_a_fit_decides_it() -> None:
     """``decision_time.py --traces``: one decision a global batch of the trace, planners warmed as at setup."""
     from benchmarks.decision_time import trace_seconds
