@@ -364,8 +364,11 @@ class GroupRunner:
         local_rank = rank - blocks(found.sizes)[index].start
         members, g = found.groups[index], found.sizes[index]
         sub = units.cut(batch, members, idle_tokens=g)  # no members: the idle group's placeholder, a token a rank
-        device = find_tokens(batch).device
-        on_host = sub if device.type == "cpu" else units.cut(host, members, idle_tokens=g)
+        tokens = find_tokens(batch)
+        device = tokens.device
+        # the cut read on the host: the batch's own where it holds the host batch's tensors (a host run), else the
+        # host batch's (a device's would be read there)
+        on_host = sub if tokens is find_tokens(host) else units.cut(host, members, idle_tokens=g)
         mine = describe_batch(  # read on the host batch's cut; the step digests the whole batch's checksum
             on_host, g, local_rank, causal, mean_loss=mean_loss, require_targets=False, digest=False
         )

@@ -42,6 +42,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
 from lightning_paradyse.distributed.comm import Group, all_reduce_sum, group_size
+from lightning_paradyse.distributed.devices import to_device
 from lightning_paradyse.groups.runner import GroupRunner, GroupStep, imbalance, plan_predictions
 from lightning_paradyse.groups.units import Units
 from lightning_paradyse.lightning.fixed_cost import FixedCost
@@ -417,8 +418,8 @@ class StepCycle:
             total = torch.tensor(shares[0], dtype=share.dtype)
             for value in shares[1:]:  # in the loss's dtype, as an all-reduce of it would add
                 total = total + torch.tensor(value, dtype=share.dtype)
-        if reported is not None:
-            reported.copy_(total.reshape(reported.shape))
+        if reported is not None:  # queued onto the loss's device (a blocking copy would wait for the GPU)
+            reported.copy_(to_device(total.reshape(reported.shape), reported.device))
 
     # ------------------------------------------------------------------ 4. after the backward
 
