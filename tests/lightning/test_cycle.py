@@ -40,6 +40,10 @@ COUNTED_STEP = 3
 (step 2) and a validation batch."""
 
 
+HOST_BRANCHES = ("models/llama.py:resolve_positions",)
+"""Code that reads values only when they are on the host (the positions' range, asserted on a GPU instead)."""
+
+
 class Collectives(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
@@ -85,7 +89,7 @@ class Count(pl.Callback):
                 warnings.showwarning = self._seen
                 torch.cuda.set_sync_debug_mode("warn")
             self._copies = BlockingCopies().__enter__()
-            self._values = DeviceValues()
+            self._values = DeviceValues(host_branches=HOST_BRANCHES)
             optimizer = trainer.optimizers[0]
             state = [v for s in optimizer.state.values() for k, v in s.items() if k != "step"]  # a host step count
             self._values.hold(list(pl_module.parameters()), list(pl_module.buffers()), state, batch)

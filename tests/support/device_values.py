@@ -5,10 +5,11 @@ On a GPU, reading a tensor's value on the host (``.item()``, ``.tolist()``, ``bo
 ``torch.cuda.synchronize`` wait for every kernel queued before them. On the host the same calls cost nothing, and
 nothing tells the tensors a GPU run would keep on the GPU from those it makes on the host. :class:`DeviceValues`
 follows them: the tensors it is told of (:meth:`DeviceValues.hold`: the parameters, the optimizer's state, the batch
-Lightning moved) and every tensor an op makes from one of them (a collective's output buffer too: every tensor an op
-is handed is then held). What the package makes on the host and moves onto the device (a header, an index) is
-followed from the first op that combines it with a followed tensor: on the host a move onto the device cannot be told
-from a copy kept on the host (both name the one device there). It records (:attr:`DeviceValues.sites`, with the
+Lightning moved), every tensor made on a ``torch.device`` object (:data:`FACTORIES`) and every tensor an op makes
+from one of them (a collective's output buffer too: every tensor an op is handed is then held). What the package
+makes on the host and moves onto the device (a header, an index) is followed from the first op that combines it
+with a followed tensor: on the host a move onto the device cannot be told from a copy kept on the host (both name
+the one device there). It records (:attr:`DeviceValues.sites`, with the
 frames that led there) each read of a held tensor's value, each blocking copy between a held and a host tensor,
 each ``.to("cpu")`` or ``.cpu()`` of a held tensor that does not pass ``non_blocking=True``, and each call of the
 package's :func:`~lightning_paradyse.distributed.comm.synchronize`. A GPU's own count (CUDA's synchronisation debug
@@ -17,7 +18,9 @@ mode) is the authority; this one runs on every machine, so a new synchronisation
 
 from __future__ import annotations
 
+import os
 import sys
+import traceback
 import weakref
 from typing import Any
 
@@ -31,19 +34,26 @@ READS = frozenset({"_local_scalar_dense", "equal", "is_nonzero"})
 """Ops that hand a tensor's value to the host."""
 METHODS = ("tolist", "numpy", "cpu", "__array__")
 """Tensor methods that copy values to the host outside the dispatcher."""
+FACTORIES = ("zeros", "ones", "empty", "full", "arange", "eye", "rand", "randn", "randint", "linspace")
+"""Functions that make a tensor: one made on a ``torch.device`` object (a tensor's or a group's device, where a GPU
+run makes it on the GPU) is followed; one made on the string ``"cpu"`` or on no device named is the host's."""
 
 
 class DeviceValues(TorchDispatchMode):
     """While entered: :attr:`sites` of every host synchronisation a GPU run would make (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, host_branches: tuple[str, ...] = ()) -> None:
         super().__init__()
+        self.host_branches = host_branches
+        """Functions (``"models/llama.py:resolve_positions"``: a package file and a function in it) whose reads are
+        their host branch: on a GPU they take another, which reads nothing (on the host both name the one device)."""
         self.sites: list[str] = []
         self._held: dict[int, weakref.ref[torch.Tensor]] = {}
         self._queued: dict[int, weakref.ref[torch.Tensor]] = {}
         """Tensors moved by ``Tensor.to(device, non_blocking=True)``: on the device or on the host (on the host the
         two cannot be told apart), not followed; a copy from one into a followed tensor is not counted."""
         self._saved: dict[str, Any] = {}
+        self._factories: dict[str, Any] = {}
         self._synchronize: list[tuple[Any, Any]] = []
 
     def hold(self, *tensors: Any) -> None:
@@ -54,6 +64,9 @@ class DeviceValues(TorchDispatchMode):
         return _has(self._held, t)
 
     def _sync(self, what: str) -> None:
+        frames = traceback.extract_stack()
+        if any(f"{'/'.join(f.filename.split(os.sep)[-2:])}:{f.name}" in self.host_branches for f in frames):
+            return
         self.sites.append(f"{what}: {call_sites()}")
 
     def __enter__(self) -> DeviceValues:
@@ -75,6 +88,9 @@ class DeviceValues(TorchDispatchMode):
             return out
 
         torch.Tensor.to = moved  # type: ignore[method-assign]
+        for name in FACTORIES:
+            self._factories[name] = original = getattr(torch, name)
+            setattr(torch, name, self._made(original))
         for module in [m for name, m in sys.modules.items() if name.startswith("lightning_paradyse")]:
             original = getattr(module, "synchronize", None)
             if original is not None and getattr(original, "__module__", "") == "lightning_paradyse.distributed.comm":
@@ -86,6 +102,9 @@ class DeviceValues(TorchDispatchMode):
         super().__exit__(*exc)
         for name, original in self._saved.items():
             setattr(torch.Tensor, name, original)
+        for name, original in self._factories.items():
+            setattr(torch, name, original)
+        self._factories = {}
         for module, original in self._synchronize:
             module.synchronize = original
         self._saved, self._synchronize = {}, []
@@ -108,6 +127,15 @@ class DeviceValues(TorchDispatchMode):
         self._held.pop(id(copy), None)
         return copy
 
+    def _made(self, original: Any) -> Any:
+        def factory(*args: Any, **kwargs: Any) -> Any:
+            out = original(*args, **kwargs)
+            if isinstance(kwargs.get("device"), torch.device):  # made where a tensor or a group lives
+                self.hold(out)
+            return out
+
+        return factory
+
     def _synchronized(self, original: Any) -> Any:
         def synchronize(device: torch.device) -> None:
             self._sync("synchronize")
@@ -121,6 +149,8 @@ class DeviceValues(TorchDispatchMode):
         given = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         out = func(*args, **kwargs)
         if name == "copy_":  # a copy between the host and the device blocks unless it is queued
+            if _in_collective():  # gloo's own copies of what it received (device work under NCCL)
+                return out
             queued = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
             source_on_device = self.held(args[1]) or _has(self._queued, args[1])
             if self.held(args[0]) != source_on_device and not queued:
@@ -146,3 +176,11 @@ def _has(where: dict[int, weakref.ref[torch.Tensor]], t: Any) -> bool:
         return False
     ref = where.get(id(t))
     return ref is not None and ref() is t
+
+
+def _in_collective() -> bool:
+    """Whether torch's collectives are on the stack (what gloo copies there, NCCL does on the device)."""
+    return any(
+        frame.filename.endswith(("distributed_c10d.py", "_functional_collectives.py"))
+        for frame in traceback.extract_stack()
+    )
