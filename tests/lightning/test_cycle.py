@@ -66,6 +66,8 @@ class Count(pl.Callback):
         self.device_syncs: list[str] = []
         """The host synchronisations a GPU run would make, followed on the host
         (:class:`~tests.support.device_values.DeviceValues`)."""
+        self.eval_syncs: list[str] = []
+        """The same for the evaluation batch before the counted step."""
         self._values: DeviceValues | None = None
         """Where each synchronisation was asked for: the package's frames that led to it."""
         self.validated: list[int] = []
@@ -96,8 +98,20 @@ class Count(pl.Callback):
             self._values.__enter__()
 
     @override
+    def on_validation_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *args: Any
+    ) -> None:
+        if trainer.global_step == COUNTED_STEP:  # the evaluation batch before the counted step, followed alike
+            self._values = DeviceValues(host_branches=HOST_BRANCHES)
+            self._values.hold(list(pl_module.parameters()), list(pl_module.buffers()), batch)
+            self._values.__enter__()
+
+    @override
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         self.validated.append(trainer.global_step)
+        if self._values is not None:
+            self._values.__exit__(None, None, None)
+            self.eval_syncs, self._values = self._values.sites, None
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -181,6 +195,7 @@ def worker(rank: int, world: int, ports: tuple[int, ...]) -> bytes:
         "sync_sites": count.sync_sites,
         "copies": count.copies,
         "device_syncs": count.device_syncs,
+        "eval_syncs": count.eval_syncs,
     }
     torch.save(record, buffer)
     return buffer.getvalue()
@@ -221,6 +236,13 @@ def test_a_data_parallel_step_would_synchronise_a_gpu_at_most_three_times() -> N
     sites = counted_step()["device_syncs"]
     print("host synchronisations a GPU run would make:", *sites, sep="\n  ")  # shown whole if it fails
     assert len(sites) <= 3, sites
+
+
+def test_an_evaluation_batch_would_synchronise_a_gpu_once() -> None:
+    # its digest's agreement (the plan and the batch agreed before its collectives; no gradient comes back)
+    sites = counted_step()["eval_syncs"]
+    print("host synchronisations a GPU run would make:", *sites, sep="\n  ")
+    assert len(sites) == 1, sites
 
 
 def test_a_data_parallel_step_copies_nothing_onto_the_device_blocking() -> None:

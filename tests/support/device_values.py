@@ -5,15 +5,18 @@ On a GPU, reading a tensor's value on the host (``.item()``, ``.tolist()``, ``bo
 ``torch.cuda.synchronize`` wait for every kernel queued before them. On the host the same calls cost nothing, and
 nothing tells the tensors a GPU run would keep on the GPU from those it makes on the host. :class:`DeviceValues`
 follows them: the tensors it is told of (:meth:`DeviceValues.hold`: the parameters, the optimizer's state, the batch
-Lightning moved), every tensor made on a ``torch.device`` object (:data:`FACTORIES`) and every tensor an op makes
-from one of them (a collective's output buffer too: every tensor an op is handed is then held). What the package
-makes on the host and moves onto the device (a header, an index) is followed from the first op that combines it
-with a followed tensor: on the host a move onto the device cannot be told from a copy kept on the host (both name
-the one device there). It records (:attr:`DeviceValues.sites`, with the
-frames that led there) each read of a held tensor's value, each blocking copy between a held and a host tensor,
-each ``.to("cpu")`` or ``.cpu()`` of a held tensor that does not pass ``non_blocking=True``, and each call of the
-package's :func:`~lightning_paradyse.distributed.comm.synchronize`. A GPU's own count (CUDA's synchronisation debug
-mode) is the authority; this one runs on every machine, so a new synchronisation is caught where no GPU is.
+Lightning moved), every tensor made on a ``torch.device`` object (:data:`FACTORIES`), every tensor an op makes from
+one of them (a collective's output buffer too: every tensor an op is handed is then held) and every tensor handed to
+a collective (NCCL's are the GPU's). What the package makes on the host and moves onto the device (a header, an
+index) is otherwise followed from the first op that combines it with a followed tensor: on the host a move onto the
+device cannot be told from a copy kept on the host (both name the one device there).
+
+It records (:attr:`DeviceValues.sites`, with the frames that led there) each read of a held tensor's value, each
+blocking copy between a held and a host tensor, each ``.to("cpu")`` or ``.cpu()`` of a held tensor that does not
+pass ``non_blocking=True``, and each call of the package's :func:`~lightning_paradyse.distributed.comm.synchronize`;
+not gloo's own copies inside a collective, nor the reads of a function named a host branch
+(:attr:`DeviceValues.host_branches`). A GPU's own count (CUDA's synchronisation debug mode) is the authority; this
+one runs on every machine, so a new synchronisation is caught where no GPU is.
 """
 
 from __future__ import annotations
@@ -156,7 +159,9 @@ class DeviceValues(TorchDispatchMode):
             if self.held(args[0]) != source_on_device and not queued:
                 self._sync("copy_")
             return out
-        if any(self.held(t) for t in given):
+        if func.namespace in ("c10d", "_c10d_functional"):  # NCCL's tensors are the GPU's, whatever made them
+            self.hold(given, out)
+        elif any(self.held(t) for t in given):
             if name in READS:
                 self._sync(name)
             self.hold(given, out)  # what the op made, and what it wrote into (a collective's output buffer)
