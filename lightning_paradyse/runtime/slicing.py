@@ -220,8 +220,9 @@ def target_counts(targets: Tensor | None, layout: SeqLayout, b: int, s: int) -> 
     """Real target tokens held by each rank (all tokens when the batch has no ``[b, s]`` targets)."""
     if targets is None or targets.dim() < 2 or tuple(targets.shape[:2]) != (b, s):
         return [b * n for n in layout.local_lens]
-    valid = targets != IGNORE_INDEX
-    return [int(layout.shard(valid, r).sum()) for r in range(layout.world)]
+    per_position = (targets != IGNORE_INDEX).reshape(b, s, -1).sum(dim=(0, 2))  # [b, s, ...] -> [s]
+    before = [0, *torch.cumsum(per_position, 0).tolist()]  # real targets before each position: one read
+    return [sum(before[stop] - before[start] for start, stop in layout.segments(r)) for r in range(layout.world)]
 
 
 def shifted_labels(labels: Tensor) -> Tensor:
