@@ -5,8 +5,10 @@ to split every step into groups of one (data parallelism, as the planner does fo
 training step, from the end of the validation before it to its last callback hook (the switcher's before it), a
 dispatch mode counts every collective (the package's and Lightning's, its check for SIGTERM included). On a GPU
 (ranks sharing it, marked ``gpu``) CUDA's synchronisation debug mode also counts the step's host synchronisations
-(from its first callback hook); on the host a read of a tensor value is free and nothing tells the tensors a GPU
-would hold apart, so that count needs the GPU.
+(from its first callback hook). On the host a read of a tensor value is free and nothing tells the tensors a GPU
+would hold apart: there the tensors a GPU run keeps on the GPU are followed instead
+(:class:`~tests.support.device_values.DeviceValues`, Lightning's move of the batch made a copy as onto a GPU), and
+the same synchronisations are counted on every machine, for the step and for the evaluation batch before it.
 """
 
 from __future__ import annotations
@@ -63,13 +65,13 @@ class Count(pl.Callback):
         self._copies: BlockingCopies | None = None
         self.syncs = 0
         self.sync_sites: list[str] = []
+        """Where each synchronisation was asked for: the package's frames that led to it."""
         self.device_syncs: list[str] = []
         """The host synchronisations a GPU run would make, followed on the host
         (:class:`~tests.support.device_values.DeviceValues`)."""
         self.eval_syncs: list[str] = []
         """The same for the evaluation batch before the counted step."""
         self._values: DeviceValues | None = None
-        """Where each synchronisation was asked for: the package's frames that led to it."""
         self.validated: list[int] = []
         """The optimizer steps done when each validation batch ended."""
         self._mode: Collectives | None = None
