@@ -481,7 +481,8 @@ class GroupRunner:
             enter_group(module, self._world, step.assignment.sizes, whole)
             self.exchanges += 1
         doc_ids = step.info.doc_ids
-        parallel.configure(module, SeqContext(step.info.layout, step.group, doc_ids, step.info.idle), step.plan)
+        ctx = SeqContext(step.info.layout, step.group, doc_ids, step.info.idle, step.info.host_doc_ids)
+        parallel.configure(module, ctx, step.plan)
         self.step = step
         self._started = time.perf_counter()
 

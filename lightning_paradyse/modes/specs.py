@@ -137,6 +137,9 @@ class SeqContext:
     idle: bool = False
     """The group runs a placeholder (a group given no row of the batch, weighed by 0): nothing its tokens do
     counts, e.g. an expert they are routed to is not thereby used."""
+    host_doc_ids: torch.Tensor | None = None
+    """:attr:`doc_ids` on the host when the caller has them there (the batch's description does): read without
+    waiting for a GPU. Else they are copied there once per context."""
 
     def __post_init__(self) -> None:
         if self.doc_ids is not None and tuple(self.doc_ids.shape) != (self.layout.seq_len,):
@@ -146,8 +149,13 @@ class SeqContext:
             )
 
     def doc_bounds(self) -> list[tuple[int, int]]:
-        """``(start, stop)`` of every document in natural order (one span without packing)."""
-        return document_bounds(self.doc_ids, self.layout.seq_len)
+        """``(start, stop)`` of every document in natural order (one span without packing): read on the host once
+        per context (every attention layer of the step asks; on a GPU each read would wait for it)."""
+        return self._doc_bounds
+
+    @cached_property
+    def _doc_bounds(self) -> list[tuple[int, int]]:
+        return document_bounds(self._host_doc_ids, self.layout.seq_len)
 
     def docs_of(self, rank: int) -> torch.Tensor | None:
         """Document ids of ``rank``'s tokens in local order, or ``None`` without packing."""
@@ -159,7 +167,9 @@ class SeqContext:
 
     @cached_property
     def _host_doc_ids(self) -> torch.Tensor | None:
-        return None if self.doc_ids is None else self.doc_ids.cpu()  # [s] device -> host, once
+        if self.doc_ids is None or self.host_doc_ids is not None:
+            return self.host_doc_ids if self.doc_ids is not None else None
+        return self.doc_ids.cpu()  # [s] device -> host, once
 
     @property
     def p(self) -> int:

@@ -461,8 +461,8 @@ def _position_hook(arg: str) -> Any:
             return call.result()
         if not state.sources:  # the library used directly (no batch registered): the caller owns its positions
             return args, kwargs
-        ok = isinstance(given, torch.Tensor) and (
-            _same_values(given, ctx.positions(given.device)) or _trace(given, state.sources) is not None
+        ok = isinstance(given, torch.Tensor) and (  # the batch's own slice first: known without a read
+            _trace(given, state.sources) is not None or _same_values(given, ctx.positions(given.device))
         )
         if not _agree(ok, ctx, device):
             raise ValueError(
@@ -489,8 +489,10 @@ def _is_slice(value: torch.Tensor, src: BatchSource) -> bool:
 
 
 def _trace(value: torch.Tensor, sources: tuple[BatchSource, ...]) -> BatchSource | None:
-    """The batch tensor whose slice ``value`` is, else ``None``."""
-    return next((src for src in sources if _is_slice(value, src)), None)
+    """The batch tensor whose slice ``value`` is, else ``None``: the slice itself first (known without reading a
+    value; on a GPU each comparison of values waits for it), then one of equal values."""
+    same = next((src for src in sources if value is src.local), None)
+    return same if same is not None else next((src for src in sources if _is_slice(value, src)), None)
 
 
 def _labels_hook(

@@ -60,6 +60,9 @@ class BatchInfo:
     idle: bool = False
     """This rank's group was given no row of the batch: its step runs on a placeholder (a few tokens of the shortest
     row, :meth:`~lightning_paradyse.groups.units.Units.cut`) whose loss the strategy weighs by 0."""
+    host_doc_ids: Tensor | None = None
+    """:attr:`doc_ids` on the host, kept by :func:`on_device` when it moves them: what the modes read there (the
+    documents' spans) without waiting for a GPU."""
 
 
 @dataclass(frozen=True)
@@ -309,6 +312,7 @@ def on_device(info: BatchInfo, device: torch.device) -> BatchInfo:
         info,
         doc_ids=None if info.doc_ids is None else info.doc_ids.to(device, non_blocking=True),
         padding=None if info.padding is None else info.padding.to(device, non_blocking=True),
+        host_doc_ids=info.doc_ids if info.host_doc_ids is None else info.host_doc_ids,
     )
 
 

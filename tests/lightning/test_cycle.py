@@ -97,6 +97,7 @@ class Count(pl.Callback):
             optimizer = trainer.optimizers[0]
             state = [v for s in optimizer.state.values() for k, v in s.items() if k != "step"]  # a host step count
             self._values.hold(list(pl_module.parameters()), list(pl_module.buffers()), state, batch)
+            self._values.host(LOADER_BATCH)
             self._values.__enter__()
 
     @override
@@ -106,6 +107,7 @@ class Count(pl.Callback):
         if trainer.global_step == COUNTED_STEP:  # the evaluation batch before the counted step, followed alike
             self._values = DeviceValues(host_branches=HOST_BRANCHES)
             self._values.hold(list(pl_module.parameters()), list(pl_module.buffers()), batch)
+            self._values.host(LOADER_BATCH)
             self._values.__enter__()
 
     @override
@@ -148,11 +150,28 @@ def rows(steps: int) -> list[dict[str, torch.Tensor]]:
     return out
 
 
+def packed(steps: int) -> list[dict[str, torch.Tensor]]:
+    """Batches of three documents packed in one row of 64 tokens (their positions restart, attention stays inside)."""
+    gen = torch.Generator().manual_seed(0)
+    sizes = (20, 24, 20)
+    doc_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(sizes)])  # [64]
+    positions = torch.cat([torch.arange(n) for n in sizes])  # [64]
+    out = []
+    for _ in range(steps):
+        x = torch.randint(0, 128, (1, 65), generator=gen)
+        out.append({"input_ids": x[:, :-1], "targets": x[:, 1:], "positions": positions, "doc_ids": doc_ids})
+    return out
+
+
 def data_parallel(lengths: Any, world: int, cost: Any, **kwargs: Any) -> Assignment:
     """Every step on groups of one, rows dealt round robin."""
     members = [list(range(r, len(lengths), world)) for r in range(world)]
     times = tuple(float(cost(tuple(lengths[i] for i in m), 1)) for m in members)
     return Assignment((1,) * world, tuple(tuple(m) for m in members), times)
+
+
+LOADER_BATCH: list[Any] = []
+"""The batch the loader gave for the last batch moved (:func:`_moved_as_onto_a_device`)."""
 
 
 def _moved_as_onto_a_device() -> None:
@@ -163,12 +182,14 @@ def _moved_as_onto_a_device() -> None:
     move = Strategy.batch_to_device
 
     def copied(self: Strategy, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        LOADER_BATCH[:] = [batch]  # the host's (the step describes the batch from it)
         return apply_to_collection(move(self, batch, *args, **kwargs), torch.Tensor, torch.clone)
 
     Strategy.batch_to_device = copied  # type: ignore[method-assign]
 
 
-def worker(rank: int, world: int, ports: tuple[int, ...]) -> bytes:
+def worker(rank: int, world: int, ports: tuple[int, ...], packing: bool) -> bytes:
+    """Counts a data-parallel step of 16 rows, or (``packing``) a ``tp_sp`` step of both ranks on packed documents."""
     import lightning_paradyse.groups.solver as solver
 
     strategy_environment(rank, world)
@@ -177,18 +198,19 @@ def worker(rank: int, world: int, ports: tuple[int, ...]) -> bytes:
     _moved_as_onto_a_device()
     pl.seed_everything(0, verbose=False)
     count = Count()
+    batches = packed if packing else rows
     trainer = quiet_trainer(
         world,
-        ParaDySeStrategy(timeout=60),
+        ParaDySeStrategy(timeout=60, plan="tp_sp", groups=False) if packing else ParaDySeStrategy(timeout=60),
         [ParaDySeSwitcher(), count],  # the switcher's batch-end hook inside the counted window (it runs first)
         max_steps=COUNTED_STEP + 1,
         val_check_interval=COUNTED_STEP,  # a validation batch between step 2 and the counted step
         limit_val_batches=1,
         num_sanity_val_steps=0,
     )
-    loader = DataLoader(rows(COUNTED_STEP + 1), batch_size=None)
-    trainer.fit(LanguageModel("llama-tiny"), loader, DataLoader(rows(1), batch_size=None))
-    assert trainer.strategy.step_record.split == (1,) * world  # type: ignore[attr-defined]
+    loader = DataLoader(batches(COUNTED_STEP + 1), batch_size=None)
+    trainer.fit(LanguageModel("llama-tiny"), loader, DataLoader(batches(1), batch_size=None))
+    assert trainer.strategy.step_record.split == (() if packing else (1,) * world)  # type: ignore[attr-defined]
     assert count.validated[0] == COUNTED_STEP, count.validated  # before the counted step
     buffer = io.BytesIO()
     record = {
@@ -204,9 +226,9 @@ def worker(rank: int, world: int, ports: tuple[int, ...]) -> bytes:
 
 
 @functools.cache
-def counted_step() -> dict[str, Any]:
+def counted_step(packing: bool = False) -> dict[str, Any]:
     """One run of :func:`worker` (the tests that read it share it)."""
-    raw = run_distributed(worker, 2, free_ports(1), timeout=240)
+    raw = run_distributed(worker, 2, free_ports(1), packing, timeout=240)
     counted = [torch.load(io.BytesIO(r), weights_only=False) for r in raw]
     assert all(run == counted[0] for run in counted), counted
     return counted[0]  # type: ignore[no-any-return]
@@ -245,6 +267,15 @@ def test_an_evaluation_batch_would_synchronise_a_gpu_once() -> None:
     sites = counted_step()["eval_syncs"]
     print("host synchronisations a GPU run would make:", *sites, sep="\n  ")
     assert len(sites) == 1, sites
+
+
+def test_a_step_on_packed_documents_would_synchronise_a_gpu_at_most_three_times_and_never_per_layer() -> None:
+    # a sequence-parallel step (tp_sp on both ranks): the digest's agreement, the batch's positions agreed (given by
+    # the batch: one flag summed over the ranks), the replicated gradients' presence flags; the documents' spans
+    # are read on the host once (every attention layer asks for them)
+    sites = counted_step(packing=True)["device_syncs"]
+    print("host synchronisations a GPU run would make:", *sites, sep="\n  ")
+    assert len(sites) <= 3 and not any(": modes/" in site for site in sites), sites
 
 
 def test_a_data_parallel_step_copies_nothing_onto_the_device_blocking() -> None:
