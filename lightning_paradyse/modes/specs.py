@@ -167,9 +167,9 @@ class SeqContext:
 
     @cached_property
     def _host_doc_ids(self) -> torch.Tensor | None:
-        if self.doc_ids is None or self.host_doc_ids is not None:
-            return self.host_doc_ids if self.doc_ids is not None else None
-        return self.doc_ids.cpu()  # [s] device -> host, once
+        if self.doc_ids is None:
+            return None
+        return self.host_doc_ids if self.host_doc_ids is not None else self.doc_ids.cpu()  # [s] device -> host, once
 
     @property
     def p(self) -> int:

@@ -223,7 +223,8 @@ def target_counts(targets: Tensor | None, layout: SeqLayout, b: int, s: int) -> 
     """Real target tokens held by each rank (all tokens when the batch has no ``[b, s]`` targets)."""
     if targets is None or targets.dim() < 2 or tuple(targets.shape[:2]) != (b, s):
         return [b * n for n in layout.local_lens]
-    per_position = (targets != IGNORE_INDEX).reshape(b, s, -1).sum(dim=(0, 2))  # [b, s, ...] -> [s]
+    valid = targets != IGNORE_INDEX  # [b, s, ...]
+    per_position = valid.sum(dim=(0, *range(2, valid.dim())))  # [b, s, ...] -> [s]
     before = [0, *torch.cumsum(per_position, 0).tolist()]  # real targets before each position: one read
     return [sum(before[stop] - before[start] for start, stop in layout.segments(r)) for r in range(layout.world)]
 
