@@ -8,7 +8,8 @@ dispatch mode counts every collective (the package's and Lightning's, its check 
 (from its first callback hook). On the host a read of a tensor value is free and nothing tells the tensors a GPU
 would hold apart: there the tensors a GPU run keeps on the GPU are followed instead
 (:class:`~tests.support.device_values.DeviceValues`, Lightning's move of the batch made a copy as onto a GPU), and
-the same synchronisations are counted on every machine, for the step and for the evaluation batch before it.
+the same synchronisations are counted on every machine, for the step and for the evaluation batch before it. A
+second run counts a ``tp_sp`` step of both ranks on packed documents alike (:func:`packed`).
 """
 
 from __future__ import annotations
