@@ -94,22 +94,24 @@ class Count(pl.Callback):
                 warnings.showwarning = self._seen
                 torch.cuda.set_sync_debug_mode("warn")
             self._copies = BlockingCopies().__enter__()
-            self._values = DeviceValues(host_branches=HOST_BRANCHES)
             optimizer = trainer.optimizers[0]
             state = [v for s in optimizer.state.values() for k, v in s.items() if k != "step"]  # a host step count
-            self._values.hold(list(pl_module.parameters()), list(pl_module.buffers()), state, batch)
-            self._values.host(LOADER_BATCH)
-            self._values.__enter__()
+            self._follow(pl_module, state, batch)
+
+    def _follow(self, pl_module: pl.LightningModule, *device: Any) -> None:
+        """Count what would synchronise a GPU from here: the module's tensors and ``device`` on the GPU, the loader's
+        batch on the host."""
+        self._values = DeviceValues(host_branches=HOST_BRANCHES)
+        self._values.hold(list(pl_module.parameters()), list(pl_module.buffers()), device)
+        self._values.host(LOADER_BATCH)
+        self._values.__enter__()
 
     @override
     def on_validation_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *args: Any
     ) -> None:
         if trainer.global_step == COUNTED_STEP:  # the evaluation batch before the counted step, followed alike
-            self._values = DeviceValues(host_branches=HOST_BRANCHES)
-            self._values.hold(list(pl_module.parameters()), list(pl_module.buffers()), batch)
-            self._values.host(LOADER_BATCH)
-            self._values.__enter__()
+            self._follow(pl_module, batch)
 
     @override
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
