@@ -115,6 +115,7 @@ def make_trainer(ctx: Context, spec: RunSpec, callbacks: list[pl.Callback]) -> p
         use_distributed_sampler=False,
         num_sanity_val_steps=0,
         callbacks=callbacks,
+        log_every_n_steps=1,  # the strategy measures group times and the fixed part on the steps it logs: every one
     )
 
 

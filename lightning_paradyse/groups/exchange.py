@@ -427,8 +427,10 @@ def exit_group(
 
     ``extra``: ``[k]`` float64 numbers (e.g. this rank's measured seconds and its share of the loss) sent to every
     rank in the same all-to-all, their bits packed into the gradients' dtype (:func:`pack_float64`: they arrive
-    exactly, whatever that dtype); returns every rank's, ``[P, k]`` float64 on the host, or ``None`` when the split
-    is one group or the model has no shard (nothing moves).
+    exactly, whatever that dtype); returns every rank's, ``[P, k]`` float64 where the collective ran (a GPU's:
+    nothing here waits for the return; reading them on the host does), or ``None`` when the split is one group or
+    the model has no shard (nothing moves). The replicated gradients' presence flags are read on the host only by
+    a rank that lacks one of them (:meth:`~lightning_paradyse.runtime.parallel.ReplicatedGrads.apply`).
     """
     p, rank = group_size(world), group_rank(world)
     shards: dict[int, dict[str, torch.Tensor]] = {}
@@ -450,22 +452,15 @@ def exit_group(
             if n > 0 or got is None:
                 continue
             m = 0 if folded is None else folded.message.numel()
-            numbers = None if packed is None else unpack_float64(got[:, m:])  # [P, k] float64, on the device
+            received = None if packed is None else unpack_float64(got[:, m:])  # [P, k] float64, on the device
             if folded is None:
-                received = None if numbers is None else numbers.cpu()
                 continue
             wide = folded.message.dtype
             total = got[0, :m].to(wide)
             for i in range(1, p):  # in rank order on every rank: the replicas stay equal
                 total = total + got[i, :m].to(wide)
             settle_opaque_grads(module, world)  # after the return: an expert no rank used is left without a gradient
-            flags = total[m - len(folded.params) :]
-            if numbers is None:
-                folded.apply(total, flags.tolist())
-            else:  # the presence flags and every rank's numbers in one read on the host
-                host = torch.cat([flags.to(torch.float64), numbers.reshape(-1)]).tolist()
-                folded.apply(total, host[: len(folded.params)])
-                received = torch.tensor(host[len(folded.params) :], dtype=torch.float64).view(p, -1)  # [P, k]
+            folded.apply(total)
         if folded is not None:
             return received
     if replicated:

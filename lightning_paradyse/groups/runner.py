@@ -16,9 +16,10 @@ different sizes.
    agreement brought the weights), then the group's layout and plan;
 3. the module's step on this rank's tokens of its group's batch (the cycle's ``shard``);
 4. :meth:`GroupRunner.finish` after the backward, when no micro-batch is left to accumulate: the gradients back
-   onto the ``1/P`` shards with the replicated gradients summed over every rank and every rank's measured group
-   time riding along (:func:`~lightning_paradyse.groups.exchange.exit_group`, one all-to-all), logged against the
-   predictions; for one group, the replicated gradients' all-reduce.
+   onto the ``1/P`` shards with the replicated gradients summed over every rank and every rank's share of the loss
+   riding along (:func:`~lightning_paradyse.groups.exchange.exit_group`, one all-to-all; on the steps the logger
+   logs every rank's measured group time too, logged against the predictions); for one group, the replicated
+   gradients' all-reduce.
 
 **Micro-batches** (gradient accumulation): while micro-batches are left before the optimizer step, the ``1/g``
 shards are kept, their gradients accumulating in place (DDP's ``no_sync``). A micro-batch split like the previous
@@ -486,30 +487,39 @@ class GroupRunner:
         self.step = step
         self._started = time.perf_counter()
 
-    def finish(self, accumulating: bool, share: Tensor | None = None) -> list[float] | None:
+    def finish(self, accumulating: bool, share: Tensor | None = None, timed: bool = True) -> Tensor | None:
         """After the backward: the ``1/g`` gradients back onto the ``1/P`` shards with the replicated gradients
         summed over every rank and every rank's measured seconds (one all-to-all over every rank), unless micro-batches
         are left to accumulate: the shards are then kept and nothing moves.
 
         ``share``: this rank's share of the step's loss (a scalar), sent to every rank in the same all-to-all.
-        Returns every rank's share in rank order, or ``None`` when nothing carried it (one group, micro-batches left,
-        a model without shards): the caller then sums it itself."""
+        Returns every rank's share in rank order (``[P]`` float64 where the collective ran: not read here), or
+        ``None`` when nothing carried it (one group, micro-batches left, a model without shards): the caller then
+        sums it itself.
+
+        ``timed``: the step's priced part is timed (:attr:`times`; on a GPU its kernels are waited for before the
+        clock is read, and every rank's seconds are read on the host after the return: the two synchronisations a
+        step on groups makes besides its agreement). Untimed, nothing here waits for the device and :attr:`times` is
+        empty. The strategy times the steps its logger logs.
+        """
         step, self.step = self.step, None
         module = self._module
         assert module is not None
+        self.times = ()
         if step is None or step.whole:  # one group (or a skipped batch): the replicated gradients, when it steps
-            self.times = ()
             if not accumulating:
                 self.flush()  # a skipped last micro-batch: the earlier ones' kept shards
                 parallel.reduce_replicated_grads(module, self._world)
+                if timed:
+                    synchronize(next(module.parameters()).device)  # the priced part ends with the gradients summed
             return None
-        synchronize(next(module.parameters()).device)  # the step's kernels, not only their launches (once a step)
-        mine = time.perf_counter() - self._started
         self.kept = step.assignment.sizes
         if accumulating:  # the weights the kept shards were gathered from (unchanged since: no optimizer step)
             self._versions = [(w, w._version) for w in module.parameters()]
-            self.times = ()  # measured where the gradients return (the micro-batch that steps)
-            return None
+            return None  # the seconds are measured where the gradients return (the micro-batch that steps)
+        if timed:
+            synchronize(next(module.parameters()).device)  # the step's kernels, not only their launches
+        mine = time.perf_counter() - self._started if timed else 0.0
         kept, self.kept, self._versions = self.kept, None, []
         numbers = torch.tensor([mine], dtype=torch.float64)
         if share is not None:  # [2]: seconds, loss share (float64 holds a float32 or bf16 share exactly)
@@ -517,14 +527,16 @@ class GroupRunner:
         every = exit_group(module, self._world, kept, replicated=True, extra=numbers)  # [P, k] or None: one group
         self._gather_next = kept == (1,) * len(kept) and self._gathers_whole()
         if every is None:
-            self.times = tuple(mine if members else 0.0 for members in step.assignment.groups)
+            if timed:
+                self.times = tuple(mine if members else 0.0 for members in step.assignment.groups)
             return None
-        per_rank = every[:, 0].tolist()
-        self.times = tuple(  # an idle group's placeholder step counts as no time (as predicted)
-            max(per_rank[r] for r in block) if members else 0.0
-            for block, members in zip(blocks(step.assignment.sizes), step.assignment.groups)
-        )
-        return None if share is None else every[:, 1].tolist()
+        if timed:
+            per_rank = every[:, 0].tolist()  # every rank's seconds on the host (on a GPU: waits for the return)
+            self.times = tuple(  # an idle group's placeholder step counts as no time (as predicted)
+                max(per_rank[r] for r in block) if members else 0.0
+                for block, members in zip(blocks(step.assignment.sizes), step.assignment.groups)
+            )
+        return None if share is None else every[:, 1]
 
     def _gathers_whole(self) -> bool:
         """Whether the agreement may bring the whole weights (the shards in one dtype; read once a run)."""

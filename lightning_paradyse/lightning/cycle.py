@@ -406,27 +406,33 @@ class StepCycle:
         if self._share is not None:
             self._reported = kept
 
-    def settle_loss(self, shares: list[float] | None) -> None:
-        """The deferred loss: every rank's share summed in rank order (``shares``; ``None``: nothing carried them,
-        one all-reduce instead) and written into the loss Lightning keeps."""
+    def settle_loss(self, shares: Tensor | None) -> None:
+        """The deferred loss: every rank's share summed in rank order (``shares``, ``[P]`` float64 where the return
+        ran; ``None``: nothing carried them, one all-reduce instead) and written into the loss Lightning keeps, on
+        the device (nothing read on the host)."""
         share, reported, self._share, self._reported = self._share, self._reported, None, None
         if share is None:
             return
         if shares is None:
             total = all_reduce_sum(share, self._group)
         else:
-            total = torch.tensor(shares[0], dtype=share.dtype)
-            for value in shares[1:]:  # in the loss's dtype, as an all-reduce of it would add
-                total = total + torch.tensor(value, dtype=share.dtype)
+            every = shares.to(share.dtype)  # [P] in the loss's dtype, as an all-reduce of it would add
+            total = every[0]
+            for i in range(1, every.shape[0]):  # in rank order on every rank
+                total = total + every[i]
         if reported is not None:  # queued onto the loss's device (a blocking copy would wait for the GPU)
             reported.copy_(to_device(total.reshape(reported.shape), reported.device))
 
     # ------------------------------------------------------------------ 4. after the backward
 
-    def after_backward(self, accumulating: bool) -> None:
+    def after_backward(self, accumulating: bool, timed: bool = True) -> None:
         """The gradients summed where they belong (:meth:`~.groups.runner.GroupRunner.finish`), unless micro-batches
-        are left to accumulate; a deferred loss settled (its shares ride on the same return)."""
-        self.settle_loss(self.runner.finish(accumulating, self._share))
+        are left to accumulate; a deferred loss settled (its shares ride on the same return). ``timed``: the step's
+        priced part and group times are measured (on a GPU that waits for the device, so the strategy times only
+        the steps its logger logs); an untimed step adds nothing to the fixed part's estimate."""
+        self.settle_loss(self.runner.finish(accumulating, self._share, timed))
+        if not timed:
+            self.fixed.exclude()
         self.fixed.leave()
 
     def stepped(self) -> None:

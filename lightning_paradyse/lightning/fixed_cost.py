@@ -28,8 +28,9 @@ multiplies its priced prediction by it (``plan/predicted_scale``). Only the repo
 decisions price the cost model alone: a rerun on the same machine decides alike, and no rank's own measurement can
 make it decide apart from the others.
 
-On a GPU the priced part ends where the gradient return's results are read on the host (a synchronisation the return
-makes anyway); nothing here synchronises the device.
+Only the steps the logger logs are measured (the strategy's ``timed`` steps, every ``log_every_n_steps``): on a GPU
+their priced part ends where the device has finished it (the gradient return waits for it and reads every rank's
+seconds on the host), which the other steps do not wait for. Nothing here synchronises the device.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ class FixedCost:
 
     Per training batch: :meth:`begin` when the cycle starts, :meth:`decided` with the decision's seconds,
     :meth:`enter` and :meth:`leave` around the priced part (several pairs add up), :meth:`predicted` with the
-    cost model's seconds of that part, :meth:`exclude` when the step check runs in it, :meth:`stepped` after the
+    cost model's seconds of that part, :meth:`exclude` when the step check runs in it or the step is not timed,
+    :meth:`stepped` after the
     optimizer step; :meth:`interrupt` when something else ran between two steps (an evaluation batch, a replica
     check, a checkpoint). :attr:`seconds` is the estimate without the decision (0 before the first measured step);
     :meth:`scale` the measured over the predicted priced part of a kind of step (1 before the first).
@@ -96,7 +98,8 @@ class FixedCost:
             self._predicted = (kind, seconds)
 
     def exclude(self) -> None:
-        """This step measures nothing (the one-time step check runs in it: extra forward passes)."""
+        """This step measures nothing (the one-time step check runs in it: extra forward passes; or it is not timed:
+        its priced part's end was not waited for)."""
         self._excluded = True
 
     def decided(self, seconds: float) -> None:

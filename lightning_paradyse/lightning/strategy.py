@@ -644,9 +644,10 @@ class ParaDySeStrategy(ParallelStrategy):
         :meth:`~lightning_paradyse.lightning.cycle.StepCycle.after_backward`).
 
         With gradient accumulation (automatic optimization) the sum waits for the micro-batch that steps, as
-        DDP's ``no_sync`` does; with manual optimization it follows every backward.
+        DDP's ``no_sync`` does; with manual optimization it follows every backward. The step's priced part and its
+        group times are measured on the steps the logger logs (:meth:`_timed`).
         """
-        self.cycle.after_backward(self._accumulating())
+        self.cycle.after_backward(self._accumulating(), self._timed())
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -712,6 +713,17 @@ class ParaDySeStrategy(ParallelStrategy):
         if trainer is None or not self._module.automatic_optimization or trainer.accumulate_grad_batches != 1:
             return False
         return not self._accumulating()
+
+    def _timed(self) -> bool:
+        """Whether this training step is measured: the one the callback logs (the global step it ends with a multiple
+        of ``log_every_n_steps``), every step without a Trainer. On a GPU the measurement waits for the device
+        twice (its kernels before the clock is read, every rank's seconds after the return): the other steps run
+        ahead of it."""
+        trainer = self._trainer
+        if trainer is None:
+            return True
+        every = int(getattr(trainer, "log_every_n_steps", 1))
+        return every > 0 and (trainer.global_step + 1) % every == 0
 
     def _accumulating(self) -> bool:
         trainer = self._trainer

@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import inspect
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -706,6 +706,8 @@ class ReplicatedGrads:
 
     params: tuple[nn.Parameter, ...]
     message: torch.Tensor
+    own: tuple[bool, ...] = ()
+    """This rank's presence flags, on the host (the message's last ``n`` values)."""
 
     @staticmethod
     def of(module: nn.Module) -> ReplicatedGrads:
@@ -719,13 +721,16 @@ class ReplicatedGrads:
                 w.grad.reshape(-1).to(dtype) if w.grad is not None else w.new_zeros(w.numel(), dtype=dtype)
                 for w in params
             ]
-            return ReplicatedGrads(params, torch.cat([*grads, present]))  # [numel + n]
+            own = tuple(w.grad is not None for w in params)
+            return ReplicatedGrads(params, torch.cat([*grads, present]), own)  # [numel + n]
 
-    def apply(self, total: torch.Tensor, seen: list[float] | None = None) -> None:
+    def apply(self, total: torch.Tensor) -> None:
         """Set every gradient to its part of ``total`` (the sum of every rank's message); one missing on every rank
-        stays ``None``. Reads the presence flags on the host (one synchronisation) unless given (``seen``)."""
+        stays ``None``. When this rank holds every gradient, so does the sum; only a rank that lacks one reads the
+        summed presence flags on the host (a synchronisation on a GPU: an idle group's rank, an unused parameter)."""
         at = 0
-        if seen is None:
+        seen: Sequence[float] = self.own
+        if not all(self.own):
             seen = total[-len(self.params) :].tolist()
         for w, present in zip(self.params, seen):
             n = w.numel()
