@@ -17,9 +17,9 @@ different sizes.
 3. the module's step on this rank's tokens of its group's batch (the cycle's ``shard``);
 4. :meth:`GroupRunner.finish` after the backward, when no micro-batch is left to accumulate: the gradients back
    onto the ``1/P`` shards with the replicated gradients summed over every rank and every rank's share of the loss
-   riding along (:func:`~lightning_paradyse.groups.exchange.exit_group`, one all-to-all; on the steps the logger
-   logs every rank's measured group time too, logged against the predictions); for one group, the replicated
-   gradients' all-reduce.
+   riding along (:func:`~lightning_paradyse.groups.exchange.exit_group`, one all-to-all; on timed steps, the
+   logged ones and a fit's first, every rank's measured group time too, logged against the predictions); for one
+   group, the replicated gradients' all-reduce.
 
 **Micro-batches** (gradient accumulation): while micro-batches are left before the optimizer step, the ``1/g``
 shards are kept, their gradients accumulating in place (DDP's ``no_sync``). A micro-batch split like the previous
@@ -500,7 +500,7 @@ class GroupRunner:
         ``timed``: the step's priced part is timed (:attr:`times`; on a GPU its kernels are waited for before the
         clock is read, and every rank's seconds are read on the host after the return: the two synchronisations a
         step on groups makes besides its agreement). Untimed, nothing here waits for the device and :attr:`times` is
-        empty. The strategy times the steps its logger logs.
+        empty. The cycle times a fit's first steps and the steps the logger logs.
         """
         step, self.step = self.step, None
         module = self._module

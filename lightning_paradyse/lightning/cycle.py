@@ -425,11 +425,15 @@ class StepCycle:
 
     # ------------------------------------------------------------------ 4. after the backward
 
-    def after_backward(self, accumulating: bool, timed: bool = True) -> None:
+    def after_backward(self, accumulating: bool, logged: bool = True) -> None:
         """The gradients summed where they belong (:meth:`~.groups.runner.GroupRunner.finish`), unless micro-batches
-        are left to accumulate; a deferred loss settled (its shares ride on the same return). ``timed``: the step's
-        priced part and group times are measured (on a GPU that waits for the device, so the strategy times only
-        the steps its logger logs); an untimed step adds nothing to the fixed part's estimate."""
+        are left to accumulate; a deferred loss settled (its shares ride on the same return).
+
+        The step's priced part and group times are measured (timed) when the logger logs it (``logged``) or the
+        fixed part's estimate is not settled yet (the fit's first steps, :attr:`FixedCost.settled`): on a GPU that
+        waits for the device, which the other steps do not. An untimed step adds nothing to the estimate. Both are
+        the same on every rank (the estimate's samples are the same steps everywhere)."""
+        timed = logged or not self.fixed.settled
         self.settle_loss(self.runner.finish(accumulating, self._share, timed))
         if not timed:
             self.fixed.exclude()

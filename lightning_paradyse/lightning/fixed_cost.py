@@ -28,9 +28,10 @@ multiplies its priced prediction by it (``plan/predicted_scale``). Only the repo
 decisions price the cost model alone: a rerun on the same machine decides alike, and no rank's own measurement can
 make it decide apart from the others.
 
-Only the steps the logger logs are measured (the strategy's ``timed`` steps, every ``log_every_n_steps``): on a GPU
-their priced part ends where the device has finished it (the gradient return waits for it and reads every rank's
-seconds on the host), which the other steps do not wait for. Nothing here synchronises the device.
+Only timed steps are measured: the fit's first ones until a step after the cold first is (:attr:`FixedCost.settled`),
+then the steps the logger logs (every ``log_every_n_steps``). On a GPU their priced part ends where the device has
+finished it (the gradient return waits for it and reads every rank's seconds on the host), which the other steps do
+not wait for. Nothing here synchronises the device. Which steps are timed is the same on every rank.
 """
 
 from __future__ import annotations
@@ -72,6 +73,12 @@ class FixedCost:
         """The median fixed part, decision excluded, of the last :data:`WINDOW` measured steps (the fit's first only
         until another is measured; 0.0 before the first)."""
         return self._samples.median(0.0)
+
+    @property
+    def settled(self) -> bool:
+        """Whether the estimate stands on a step after the fit's first (cold) one: until then every training step is
+        timed (:meth:`~lightning_paradyse.lightning.cycle.StepCycle.after_backward`), later only the logged ones."""
+        return len(self._samples) > 1
 
     def scale(self, kind: Hashable) -> float:
         """The median of measured over predicted priced seconds of the last :data:`WINDOW` steps of this ``kind``
@@ -154,6 +161,9 @@ class _Window:
             self._first = value
         else:
             self._rest.append(value)
+
+    def __len__(self) -> int:
+        return (self._first is not None) + len(self._rest)
 
     def median(self, default: float) -> float:
         if self._rest:

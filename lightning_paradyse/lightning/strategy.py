@@ -645,9 +645,9 @@ class ParaDySeStrategy(ParallelStrategy):
 
         With gradient accumulation (automatic optimization) the sum waits for the micro-batch that steps, as
         DDP's ``no_sync`` does; with manual optimization it follows every backward. The step's priced part and its
-        group times are measured on the steps the logger logs (:meth:`_timed`).
+        group times are measured on the fit's first steps and on the steps the logger logs (:meth:`_logged`).
         """
-        self.cycle.after_backward(self._accumulating(), self._timed())
+        self.cycle.after_backward(self._accumulating(), self._logged())
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -714,11 +714,10 @@ class ParaDySeStrategy(ParallelStrategy):
             return False
         return not self._accumulating()
 
-    def _timed(self) -> bool:
-        """Whether this training step is measured: the one the callback logs (the global step it ends with a multiple
-        of ``log_every_n_steps``), every step without a Trainer. On a GPU the measurement waits for the device
-        twice (its kernels before the clock is read, every rank's seconds after the return): the other steps run
-        ahead of it."""
+    def _logged(self) -> bool:
+        """Whether the callback logs this training step (the global step it ends with a multiple of
+        ``log_every_n_steps``; every step without a Trainer): such a step is measured, which on a GPU waits for the
+        device twice (its kernels before the clock is read, every rank's seconds after the return)."""
         trainer = self._trainer
         if trainer is None:
             return True

@@ -48,6 +48,24 @@ def test_the_fixed_part_is_the_wall_time_less_the_priced_part(clock: Clock) -> N
     assert cost.seconds == pytest.approx((2.0 + 1.0) / 2)  # median of the steps after the first
 
 
+def test_the_estimate_settles_on_the_second_measured_step(clock: Clock) -> None:
+    # until then the cycle times every training step (on a GPU a synchronisation), later only the logged ones
+    cost = FixedCost()
+    assert not cost.settled
+    step(cost, clock, before=0.5, priced=(3.0,), after=0.25)
+    assert not cost.settled  # the fit's first step runs cold: it counts only until another is measured
+    cost.begin()
+    cost.exclude()  # a step that measures nothing (the step check, or an untimed step) does not settle it
+    cost.enter()
+    cost.leave()
+    cost.stepped()
+    assert not cost.settled
+    step(cost, clock, before=0.5, priced=(1.0,), after=0.5)
+    assert cost.settled
+    cost.reset()  # a new fit
+    assert not cost.settled
+
+
 def test_the_decision_is_left_out_of_the_estimate(clock: Clock) -> None:
     cost = FixedCost()
     cost.begin()
