@@ -715,13 +715,13 @@ class ReplicatedGrads:
         if not params:
             return ReplicatedGrads((), torch.zeros(0))
         dtype = functools.reduce(torch.promote_types, [w.dtype for w in params], torch.float32)  # bf16 sums in fp32
+        own = tuple(w.grad is not None for w in params)
         with torch.no_grad():
-            present = to_device(torch.tensor([w.grad is not None for w in params], dtype=dtype), params[0].device)
+            present = to_device(torch.tensor(own, dtype=dtype), params[0].device)  # [n]
             grads = [
                 w.grad.reshape(-1).to(dtype) if w.grad is not None else w.new_zeros(w.numel(), dtype=dtype)
                 for w in params
             ]
-            own = tuple(w.grad is not None for w in params)
             return ReplicatedGrads(params, torch.cat([*grads, present]), own)  # [numel + n]
 
     def apply(self, total: torch.Tensor) -> None:
