@@ -41,7 +41,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
-from lightning_paradyse.distributed.comm import Group, all_reduce_sum, group_size
+from lightning_paradyse.distributed.comm import Group, all_reduce_sum, group_size, synchronize
 from lightning_paradyse.distributed.devices import to_device
 from lightning_paradyse.groups.runner import GroupRunner, GroupStep, imbalance, plan_predictions
 from lightning_paradyse.groups.units import Units
@@ -130,6 +130,8 @@ class StepCycle:
         self.sigterm = SigtermFlag()
         """Rank 0's SIGTERM flag rides the training batches' agreement in place of Lightning's broadcast (installed
         by the strategy for a fit on several ranks)."""
+        self.timed = False
+        """The training step begun is measured (:meth:`begin`): its priced part, group times and fixed part."""
         self.reports_loss = False
         """Lightning hands this cycle the loss it keeps (:func:`reporting_result` is installed): a training step on
         groups may then settle the global loss on the gradient return."""
@@ -190,17 +192,28 @@ class StepCycle:
         exactness.check_window(info.seq_len, self.window)
         return info
 
-    def begin(self, batch: Any, stage: str, check_pending: bool = False) -> StepRecord:
+    def begin(self, batch: Any, stage: str, check_pending: bool = False, logged: bool = False) -> StepRecord:
         """Validate, plan, agree, enter (see the module docstring); returns (and keeps in :attr:`record`) what the
         callback logs. ``check_pending``: the one-time step check (:mod:`~lightning_paradyse.lightning.step_check`)
         may run on this batch; a plain batch then runs on one group of every rank, as the check needs. Raises,
         identically on every rank and before any collective of the step, for a bad batch, a plan that cannot run, or
         ranks that disagree (the agreement's all-gather only); Lightning's ``SIGTERMException`` after that
-        all-gather when rank 0 received SIGTERM."""
+        all-gather when rank 0 received SIGTERM.
+
+        A training step is measured (:attr:`timed`: its priced part, group times and fixed part) when the logger logs
+        it (``logged``) or the fixed part's estimate has not settled (a fit's first steps, :attr:`FixedCost.settled`);
+        the same steps on every rank. On a GPU a timed step first waits for the device (the previous step's kernels,
+        which an untimed step does not wait for; the wait is no part of the step) and again at its priced part's end
+        (:meth:`after_backward`)."""
         training = stage == "train"
         self.skipping = False
+        self.timed = training and (logged or not self.fixed.settled)
         if training:
             self.fixed.begin()
+            if self.timed:
+                waiting = time.perf_counter()
+                synchronize(next(self.module.parameters()).device)
+                self.fixed.waited(time.perf_counter() - waiting)
         else:
             self.fixed.interrupt()  # the next training step counts from its own start, not this batch's
         self.checkpointed = hf_checkpointing.checkpointed_layers(self.module, self._blocks)
@@ -425,17 +438,13 @@ class StepCycle:
 
     # ------------------------------------------------------------------ 4. after the backward
 
-    def after_backward(self, accumulating: bool, logged: bool = True) -> None:
+    def after_backward(self, accumulating: bool) -> None:
         """The gradients summed where they belong (:meth:`~.groups.runner.GroupRunner.finish`), unless micro-batches
-        are left to accumulate; a deferred loss settled (its shares ride on the same return).
-
-        The step's priced part and group times are measured (timed) when the logger logs it (``logged``) or the
-        fixed part's estimate is not settled yet (the fit's first steps, :attr:`FixedCost.settled`): on a GPU that
-        waits for the device, which the other steps do not. An untimed step adds nothing to the estimate. Both are
-        the same on every rank (the estimate's samples are the same steps everywhere)."""
-        timed = logged or not self.fixed.settled
-        self.settle_loss(self.runner.finish(accumulating, self._share, timed))
-        if not timed:
+        are left to accumulate; a deferred loss settled (its shares ride on the same return). A timed step
+        (:meth:`begin`) measures its priced part and group times there; an untimed one adds nothing to the fixed
+        part's estimate."""
+        self.settle_loss(self.runner.finish(accumulating, self._share, self.timed))
+        if not self.timed:
             self.fixed.exclude()
         self.fixed.leave()
 
@@ -447,7 +456,7 @@ class StepCycle:
         """A grouped step whose module returned no loss (no backward hands its shards back) ends here."""
         step = self.runner.step
         if step is not None and not step.whole and step_loss(output) is None:
-            self.runner.finish(accumulating)
+            self.runner.finish(accumulating, timed=self.timed)
 
     def teardown(self) -> None:
         """Drop every reference to the process groups and the batch (the strategy destroys the world group next)."""

@@ -29,9 +29,10 @@ decisions price the cost model alone: a rerun on the same machine decides alike,
 make it decide apart from the others.
 
 Only timed steps are measured: the fit's first ones until a step after the cold first is (:attr:`FixedCost.settled`),
-then the steps the logger logs (every ``log_every_n_steps``). On a GPU their priced part ends where the device has
-finished it (the gradient return waits for it and reads every rank's seconds on the host), which the other steps do
-not wait for. Nothing here synchronises the device. Which steps are timed is the same on every rank.
+then the steps the logger logs (every ``log_every_n_steps``). On a GPU such a step starts by waiting for the previous
+step's kernels (which an untimed step does not wait for; the wait is left out, :meth:`FixedCost.waited`) and its
+priced part ends where the device has finished it (the gradient return waits for it), which the other steps do not
+wait for. Nothing here synchronises the device. Which steps are timed is the same on every rank.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class FixedCost:
         self._entered: float | None = None
         self._priced = 0.0
         self._decided = 0.0
+        self._waited = 0.0
         self._predicted: tuple[Hashable, float] | None = None
         self._excluded = False
         self._last: float | None = None
@@ -91,7 +93,7 @@ class FixedCost:
         counts from the end of the previous one when that stepped and nothing came between (:meth:`interrupt`)."""
         began, self._last = self._last, None
         self._began = time.perf_counter() if began is None else began
-        self._entered, self._priced, self._decided = None, 0.0, 0.0
+        self._entered, self._priced, self._decided, self._waited = None, 0.0, 0.0, 0.0
         self._predicted, self._excluded = None, False
 
     def interrupt(self) -> None:
@@ -108,6 +110,12 @@ class FixedCost:
         """This step measures nothing (the one-time step check runs in it: extra forward passes; or it is not timed:
         its priced part's end was not waited for)."""
         self._excluded = True
+
+    def waited(self, seconds: float) -> None:
+        """The step waited ``seconds`` for the device to finish the previous step's kernels (a timed step, on a GPU):
+        left out of the estimate, as the decision is."""
+        if self._began is not None:
+            self._waited += seconds
 
     def decided(self, seconds: float) -> None:
         """The batch's decision took ``seconds`` (the record adds them itself: they are known before the step)."""
@@ -134,7 +142,7 @@ class FixedCost:
         self._last = now  # the next training step counts from here
         if began is None or self._priced <= 0.0 or self._excluded:
             return
-        self._samples.append(max(0.0, now - began - self._priced - self._decided))
+        self._samples.append(max(0.0, now - began - self._priced - self._decided - self._waited))
         if predicted is not None and predicted[1] > 0.0:
             kind, seconds = predicted
             self._ratios.setdefault(kind, _Window()).append(self._priced / seconds)
@@ -143,7 +151,7 @@ class FixedCost:
         """Forget every measurement (a new fit)."""
         self._samples = _Window()
         self._ratios.clear()
-        self._began, self._entered, self._priced, self._decided = None, None, 0.0, 0.0
+        self._began, self._entered, self._priced, self._decided, self._waited = None, None, 0.0, 0.0, 0.0
         self._predicted, self._excluded, self._last = None, False, None
 
 

@@ -576,7 +576,7 @@ class ParaDySeStrategy(ParallelStrategy):
         """The one call per batch (:meth:`~lightning_paradyse.lightning.cycle.StepCycle.begin`): validate, plan, agree,
         enter; returns (and keeps in :attr:`step_record`) what the callback logs."""
         pending = self._step_check.left > 0 and self._module.automatic_optimization  # it runs on one group
-        return self.cycle.begin(batch, stage, check_pending=pending)
+        return self.cycle.begin(batch, stage, check_pending=pending, logged=stage == "train" and self._logged())
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -644,10 +644,9 @@ class ParaDySeStrategy(ParallelStrategy):
         :meth:`~lightning_paradyse.lightning.cycle.StepCycle.after_backward`).
 
         With gradient accumulation (automatic optimization) the sum waits for the micro-batch that steps, as
-        DDP's ``no_sync`` does; with manual optimization it follows every backward. The step's priced part and its
-        group times are measured on the fit's first steps and on the steps the logger logs (:meth:`_logged`).
+        DDP's ``no_sync`` does; with manual optimization it follows every backward.
         """
-        self.cycle.after_backward(self._accumulating(), self._logged())
+        self.cycle.after_backward(self._accumulating())
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:

@@ -275,12 +275,14 @@ def test_a_data_parallel_step_would_synchronise_a_gpu_once() -> None:
     assert len(sites) == 1, sites
 
 
-def test_a_data_parallel_step_the_logger_logs_would_synchronise_a_gpu_three_times() -> None:
-    # the agreement, the group time (the step's kernels before the clock is read) and every rank's seconds after the
-    # return: the measurement is made on the steps the logger logs
+def test_a_data_parallel_step_the_logger_logs_would_synchronise_a_gpu_four_times() -> None:
+    # the measurement made on the steps the logger logs: the previous step's kernels before the step starts, the
+    # agreement, the group time (the step's kernels before the clock is read) and every rank's seconds after the return
     sites = counted_step()["timed_syncs"]
     print("host synchronisations a GPU run would make:", *sites, sep="\n  ")
-    assert len(sites) == 3 and sum("groups/runner.py" in site.split(" <- ")[0] for site in sites) == 2, sites
+    first = [site.split(" <- ")[0] for site in sites]  # where each was asked for
+    assert len(sites) == 4 and sum("groups/runner.py" in f for f in first) == 2, sites
+    assert sum("lightning/cycle.py" in f for f in first) == 1, sites
 
 
 def test_an_evaluation_batch_would_synchronise_a_gpu_once() -> None:

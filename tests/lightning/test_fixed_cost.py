@@ -66,6 +66,18 @@ def test_the_estimate_settles_on_the_second_measured_step(clock: Clock) -> None:
     assert not cost.settled
 
 
+def test_a_wait_for_the_previous_steps_kernels_is_left_out_of_the_estimate(clock: Clock) -> None:
+    cost = FixedCost()
+    cost.begin()
+    cost.waited(0.25)  # a timed step on a GPU waits for the previous step's kernels first
+    clock.now += 0.75
+    cost.enter()
+    clock.now += 3.0
+    cost.leave()
+    cost.stepped()
+    assert cost.seconds == pytest.approx(0.5)
+
+
 def test_the_decision_is_left_out_of_the_estimate(clock: Clock) -> None:
     cost = FixedCost()
     cost.begin()
