@@ -16,8 +16,9 @@ Rows (each passes or fails on its own; ``--only NAME,...`` runs some):
   GPU, the planner held to one mode: peak CUDA memory of setup and of saving a checkpoint against the steady
   training peak (each <= 1.25x), and the planner's predicted peak against the measured one (within 5%).
 * ``profile``: ``cli.py profile --device cuda --quick`` on 2 ranks sharing the GPU.
-* ``host-syncs``: a data-parallel step the logger does not log synchronises the host once, at its agreement
-  (``tests/lightning/test_cycle.py``, a GPU test).
+* ``host-syncs``: a data-parallel step the logger does not log synchronises the host once, at its agreement, and
+  once more where its ranks share the GPU over gloo (gloo stages the return's device tensors through the host;
+  ``tests/lightning/test_cycle.py``, a GPU test).
 * ``quick-p8-cpu``: the quick preset at 8 processes on the machine's CPU cores (``CUDA_VISIBLE_DEVICES=""
   benchmarks/run.py --quick --devices 8 --repeats 1``): its adaptive/DDP ratio, which issue 24 asks at 8
   processes on at least 8 cores (only the GPU machine has them; a few minutes: it runs only when ``--only`` names

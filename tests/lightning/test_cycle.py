@@ -77,6 +77,8 @@ class Count(pl.Callback):
         """The same for the evaluation batch before the counted step."""
         self.timed_syncs: list[str] = []
         """The same for the step after it, one the logger logs (:data:`TIMED_STEP`)."""
+        self.backend = ""
+        """The world's backend during the counted step (gloo where ranks share a GPU, NCCL on GPUs of their own)."""
         self._values: DeviceValues | None = None
         self.validated: list[int] = []
         """The optimizer steps done when each validation batch ended."""
@@ -143,6 +145,7 @@ class Count(pl.Callback):
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
             self.collectives, self._mode = self._mode.calls, None
+            self.backend = str(torch.distributed.get_backend())
         if self._copies is not None:
             self._copies.__exit__(None, None, None)
             self.copies, self._copies = self._copies.sites, None
@@ -234,6 +237,7 @@ def worker(rank: int, world: int, ports: tuple[int, ...], packing: bool) -> byte
         "device_syncs": count.device_syncs,
         "eval_syncs": count.eval_syncs,
         "timed_syncs": count.timed_syncs,
+        "backend": count.backend,
     }
     torch.save(record, buffer)
     return buffer.getvalue()
@@ -261,10 +265,11 @@ def test_a_data_parallel_step_makes_the_two_halves_of_ddps_all_reduce_and_nothin
 @pytest.mark.gpu
 @pytest.mark.skipif(ACCELERATOR != "gpu" or not torch.cuda.is_available(), reason="PARADYSE_TEST_ACCELERATOR=gpu")
 def test_a_data_parallel_step_synchronises_the_host_once() -> None:
-    # the digest's agreement (on a step the logger does not log: nothing is timed)
+    # the digest's agreement (on a step the logger does not log: nothing is timed); where the ranks share the GPU
+    # over gloo, gloo stages the return's device tensors through the host inside the all-to-all: once more
     counted = counted_step()
-    print("host synchronisations of the step:", *counted["sync_sites"], sep="\n  ")  # shown whole if it fails
-    assert counted["syncs"] <= 1, counted["sync_sites"]
+    print(f"host synchronisations of the step ({counted['backend']}):", *counted["sync_sites"], sep="\n  ")
+    assert counted["syncs"] <= 1 + (counted["backend"] == "gloo"), counted["sync_sites"]
 
 
 def test_a_data_parallel_step_would_synchronise_a_gpu_once() -> None:
