@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -71,6 +72,33 @@ def test_quick_run_adaptive_and_static_complete_the_trace(quick: tuple[dict[str,
     adaptive = next(r for r in report["runs"] if r["family"] == "paradyse")
     assert len(adaptive["plans"]) == len(adaptive["step_time_s"])
     assert adaptive["planner_ms_per_batch"] is not None and adaptive["planner_ms_per_batch"] >= 0
+
+
+def test_length_search_doubles_then_bisects_to_the_largest_length_that_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    import benchmarks.worker as worker
+    from benchmarks.settings import SearchSettings
+
+    def run(largest: int, search: SearchSettings) -> tuple[dict[str, Any], list[int]]:
+        probed: list[int] = []
+
+        def probe(ctx: Any, spec: Any, length: int) -> dict[str, Any]:
+            probed.append(length)
+            return {"fits": length <= largest}
+
+        monkeypatch.setattr(worker, "probe", probe)
+        ctx = SimpleNamespace(settings=SimpleNamespace(search=search), world=2, tick=lambda: None)
+        return worker.search_length(ctx, None), probed  # type: ignore[arg-type]
+
+    quick = SearchSettings(start=256, cap=1024, resolution=0.25, min_step=128)  # the quick preset's
+    found, probed = run(640, quick)  # DDP's under the quick preset's budget
+    assert found["max_len"] == 640 and not found["capped"] and probed == [256, 512, 1024, 768, 640], probed
+    found, probed = run(5000, quick)
+    assert found == {"max_len": 1024, "capped": True, "probes": found["probes"]} and probed == [256, 512, 1024]
+    found, probed = run(100, quick)  # even the first probe fails: halving
+    assert found["max_len"] == 64 and probed[:3] == [256, 128, 64], probed
+    found, probed = run(700, SearchSettings(start=256, cap=4096, resolution=0.05, min_step=16))
+    assert found["max_len"] <= 700 < found["max_len"] + 32 and not found["capped"], (found["max_len"], probed)
+    assert run(5000, SearchSettings(cap=0))[0] == {"max_len": None, "capped": False, "probes": {}}
 
 
 def test_predicted_step_times_are_the_timed_passes() -> None:
