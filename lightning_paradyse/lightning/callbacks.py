@@ -60,6 +60,13 @@ class _Timed:
     span: Span
 
 
+def logs_step(trainer: Any, step: int) -> bool:
+    """Whether the switcher logs global step ``step`` (every ``log_every_n_steps`` steps; 0: never): the steps the
+    strategy also measures (:meth:`~lightning_paradyse.lightning.strategy.ParaDySeStrategy.post_backward`)."""
+    every = int(getattr(trainer, "log_every_n_steps", 1))  # set by the Trainer's logger connector
+    return every > 0 and step % every == 0
+
+
 class ParaDySeSwitcher(pl.Callback):
     """Logs the plan of every batch, its predicted and measured cost, and prints each plan change.
 
@@ -179,8 +186,7 @@ class ParaDySeSwitcher(pl.Callback):
         """``metrics`` to every logger of the Trainer, at global step ``step``, every ``log_every_n_steps`` steps."""
         if not self.log_plan or trainer.global_rank != 0 or not trainer.loggers:
             return
-        every = int(getattr(trainer, "log_every_n_steps", 1))  # set by the Trainer's logger connector; 0: never
-        if every <= 0 or step % every != 0 or step == self._logged_step:
+        if not logs_step(trainer, step) or step == self._logged_step:
             return  # once per optimizer step (micro-batches of gradient accumulation share one global step)
         self._logged_step = step
         for logger in trainer.loggers:
@@ -248,4 +254,4 @@ class ParaDySeSwitcher(pl.Callback):
         return record
 
 
-__all__ = ["ParaDySeSwitcher", "announce", "plan_digest"]
+__all__ = ["ParaDySeSwitcher", "announce", "logs_step", "plan_digest"]

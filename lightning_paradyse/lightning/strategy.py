@@ -81,7 +81,7 @@ from lightning_paradyse.distributed.devices import (
 )
 from lightning_paradyse.groups.exchange import measure_regroup
 from lightning_paradyse.groups.solver import MAX_GROUPS, smallest_group
-from lightning_paradyse.lightning.callbacks import ParaDySeSwitcher
+from lightning_paradyse.lightning.callbacks import ParaDySeSwitcher, logs_step
 from lightning_paradyse.lightning.cycle import StepCycle, reporting_result
 from lightning_paradyse.lightning.launch import SpawnLauncher, make_launcher, stop_workers
 from lightning_paradyse.lightning.options import StrategyOptions
@@ -720,8 +720,7 @@ class ParaDySeStrategy(ParallelStrategy):
         trainer = self._trainer
         if trainer is None:
             return True
-        every = int(getattr(trainer, "log_every_n_steps", 1))
-        return every > 0 and (trainer.global_step + 1) % every == 0
+        return logs_step(trainer, trainer.global_step + 1)  # the step this one ends with
 
     def _accumulating(self) -> bool:
         trainer = self._trainer
