@@ -58,7 +58,10 @@ class ModelDims:
     norm: str = "rms"
     """``rms`` (RMSNorm) or ``layer`` (LayerNorm): what the norm before each op saves."""
     dtype_bytes: int = 4
-    """Element size of activations, weights and gradients (4 for float32, 2 for bf16)."""
+    """Element size of the parameters, their gradients and the residual stream (4 for float32, 2 for bf16)."""
+    compute_bytes: int | None = None
+    """Element size of what the matmuls read and write under autocast (``precision="bf16-mixed"``: 2): the
+    projections' inputs, outputs and the weights cast for them; ``None``: no autocast, the parameters' own."""
     extra_params: int = 0
     """Replicated parameters outside the blocks and norms beyond ``2*vocab*h`` (e.g. position embeddings)."""
     windows: tuple[int | None, ...] = ()
@@ -102,6 +105,17 @@ class ModelDims:
     def branches(self) -> int:
         """Input projections of the MLP: 2 (gate, up) when gated, else 1."""
         return 2 if self.gated else 1
+
+    @property
+    def act_bytes(self) -> int:
+        """Element size of the activations a mode computes and ships: autocast's compute dtype, else the
+        parameters'."""
+        return self.compute_bytes or self.dtype_bytes
+
+    @property
+    def autocast(self) -> bool:
+        """Autocast computes in a dtype other than the parameters' (its casts of the weights are new tensors)."""
+        return self.act_bytes != self.dtype_bytes
 
     @property
     def acc_bytes(self) -> int:

@@ -19,7 +19,16 @@ calibrates only the latter with a multiplicative factor. The formulas were deriv
 (``modes/*.py``) and checked tensor by tensor against :class:`~lightning_paradyse.calibration.tracker.MemoryTracker`
 on CPU: ``saved`` is exact for ``b = 1`` (float32), the transients are the dominant moments of each
 op and agree to about 10%. Symbols (all per rank): ``t = b*ceil(s/p)`` local tokens, ``T = b*s``,
-``X = t*h*e`` a local hidden state, ``XG = T*h*e`` a gathered one, ``e`` the element size.
+``X = t*h*e`` a local hidden state, ``XG = T*h*e`` a gathered one, ``e`` the activations' element size, ``r`` the
+parameters' (and the residual stream's).
+
+Under autocast (``precision="bf16-mixed"``: float32 parameters, bf16 matmuls; checked tensor by tensor with
+autograd's saved-tensor hooks and against the tracker) what a mode computes is in the compute dtype (``e = 2``)
+while the residual stream, the norms (they compute in float32 and return the stream's dtype), the rotary tables,
+log-sum-exps and accumulators stay float32 (``XR = t*h*r``). A mode keeps its input cast to the compute dtype;
+a recomputed segment keeps the stream's. ``tp_sp``'s projections are autocast's own matmuls on the weight shards,
+so autocast's casts of the shards (``e`` bytes per element) are saved for backward; the other modes cast weights
+inside their own functions and keep the float32 shards.
 
 A layer with a causal sliding window ``w`` shorter than the sequence (checked with the tracker at ``p = 2``):
 
@@ -103,6 +112,11 @@ class _Shape:
 
     @property
     def e(self) -> int:
+        return self.d.act_bytes
+
+    @property
+    def r(self) -> int:
+        """Element size of the parameters and the residual stream."""
         return self.d.dtype_bytes
 
     @property
@@ -129,6 +143,15 @@ class _Shape:
     @property
     def XG(self) -> float:
         return self.T * self.d.hidden * self.e
+
+    @property
+    def XR(self) -> float:
+        """A local hidden state of the residual stream (in the parameters' dtype)."""
+        return self.t * self.d.hidden * self.r
+
+    def casts(self, op: str) -> float:
+        """Autocast's compute-dtype copies of the op's ``1/p`` weight shards (nothing without autocast)."""
+        return self.d.op_params(op) / self.p * self.e if self.d.autocast else 0.0
 
     @property
     def balanced(self) -> bool:
@@ -229,6 +252,9 @@ class _Core:
     """Core backward peak above its start."""
     fwd_rc: Mem | None = None
     """Core forward peak when checkpointed (nothing saved, intermediates freed early); default ``fwd``."""
+    input_casts: int = 1
+    """Copies of its input the core keeps under autocast, each cast to the compute dtype by the projection that
+    reads it (one shared input without autocast)."""
 
 
 def _full_attention_saved(c: _Shape, q_view_of: str) -> float:
@@ -256,7 +282,7 @@ def _tp_sp_attention(c: _Shape) -> _Core:
     bwd = Mem(0.0, XG * (3 if c.balanced else 2) + c.pad)
     attending = 2 * XG + c.T * (2 * c.qr + c.kvr) * c.e  # what a checkpointed forward holds inside the attention
     fwd_rc = peak(Mem(0.0, attending + after + c.pad), Mem(0.0, attending + c.band_build()))
-    return _Core(Mem(0.0, saved), False, fwd, bwd, fwd_rc)
+    return _Core(Mem(c.casts("attention"), saved), False, fwd, bwd, fwd_rc)
 
 
 def _ulysses_attention(c: _Shape) -> _Core:
@@ -268,7 +294,7 @@ def _ulysses_attention(c: _Shape) -> _Core:
     fwd = peak(Mem(w_out * (1 + 1 / c.p), saved + act), Mem(0.0, saved + c.band_build()))
     bwd = peak(Mem(w_out * (2 + 1 / c.p) + _wide_grads(c, w_out), c.X), Mem(2 * w_out, 2 * T * c.qr * e))
     rc = 2 * t * (d.q_rows + 2 * kv_sent) * e + T * (2 * c.qr + 3 * c.kvr) * e + t * d.q_rows * e + c.band_build()
-    return _Core(Mem(0.0, saved), True, fwd, bwd, Mem(w_out * (1 + 1 / c.p), rc))
+    return _Core(Mem(0.0, saved), True, fwd, bwd, Mem(w_out * (1 + 1 / c.p), rc), input_casts=3)  # q, k, v
 
 
 def _ring_attention(c: _Shape) -> _Core:
@@ -281,7 +307,7 @@ def _ring_attention(c: _Shape) -> _Core:
     fwd = peak(tiles, weights)
     ring = Mem(q * d.hidden * e / c.p, 5 * c.tile(n) + c.tile_masks() + t * q * a + 6 * t * kv * a + c.X)
     bwd = peak(ring, Mem(w_max * (2 + 1 / c.p) + _wide_grads(c, w_max), c.X))
-    return _Core(Mem(0.0, saved), True, fwd, bwd)
+    return _Core(Mem(0.0, saved), True, fwd, bwd, input_casts=3)  # q, k, v
 
 
 def _metp_attention(c: _Shape) -> _Core:
@@ -337,7 +363,7 @@ def _tp_sp_mlp(c: _Shape) -> _Core:
     saved = c.XG + _mlp_saved_factor(d) * T * f_r * e
     fwd = Mem(0.0, saved + c.XG + c.X + c.pad)
     bwd = Mem(f_r * d.hidden * e, c.XG + T * f_r * e + c.pad)
-    return _Core(Mem(0.0, saved), False, fwd, bwd, Mem(0.0, saved + c.pad))
+    return _Core(Mem(c.casts("mlp"), saved), False, fwd, bwd, Mem(0.0, saved + c.pad))
 
 
 def _zero3_mlp(c: _Shape) -> _Core:
@@ -347,7 +373,7 @@ def _zero3_mlp(c: _Shape) -> _Core:
     fwd = Mem(w * (1 + 1 / c.p), saved)
     bwd = peak(Mem(w * (2 + 1 / c.p) + _wide_grads(c, w), t * d.ffn * e), Mem(w / c.p, 2 * t * d.ffn * e))
     fwd_rc = Mem(w * (1 + 1 / c.p), (_mlp_saved_factor(d) - 1) * t * d.ffn * e)
-    return _Core(Mem(0.0, saved), True, fwd, bwd, fwd_rc)
+    return _Core(Mem(0.0, saved), True, fwd, bwd, fwd_rc, input_casts=d.branches)
 
 
 def _metp_mlp(c: _Shape) -> _Core:
@@ -406,12 +432,13 @@ def _norm(c: _Shape) -> tuple[float, float]:
     """``(saved, allocated before the core)`` of the norm, its output (the op's input) included in the latter.
 
     RMSNorm (float32 compute) saves its input, the normalised input and ``1/rms``; a low-precision input
-    is first copied to float32. LayerNorm saves its input, mean and ``1/std``.
+    is first copied to float32. LayerNorm saves its input, mean and ``1/std``. Both read the residual stream and
+    return its dtype (autocast runs them in float32).
     """
-    t, h, e, X = c.t, c.d.hidden, c.e, c.X
+    t, h, r, X = c.t, c.d.hidden, c.r, c.XR
     if c.d.norm == "layer":
         return X + 8 * t, 8 * t + X
-    if e >= 4:
+    if r >= 4:
         return 2 * X + 4 * t, 4 * t + 2 * X
     return 2 * t * h * 4 + 4 * t, 2 * t * h * 4 + 4 * t + X
 
@@ -441,19 +468,29 @@ def segment_memory(
     norm_saved, norm_alloc = _norm(c)
     before = Mem(0.0, norm_alloc)
     if recompute:  # only the input is saved; backward re-runs the forward, saving, then the backward
-        saved = Mem(0.0, norm_saved + c.X)
+        saved = Mem(0.0, norm_saved + c.XR)
         bwd = peak(core.saved + core.bwd, core.fwd)
         return SegmentMemory(saved, before + (core.fwd_rc or core.fwd), bwd)
-    saved = Mem(0.0, norm_saved + (c.X if core.saves_input else 0.0)) + core.saved
+    inputs = core.input_casts if dims.autocast else 1
+    saved = Mem(0.0, norm_saved + (inputs * c.X if core.saves_input else 0.0)) + core.saved
     return SegmentMemory(saved, before + core.fwd, core.bwd)
 
 
 def head_memory(seq_len: int, batch: int, p: int, dims: ModelDims) -> SegmentMemory:
-    """The final norm, the LM head and a float32 cross-entropy on the local tokens, as a segment."""
+    """The final norm, the LM head and a float32 cross-entropy on the local tokens, as a segment.
+
+    Under autocast the head keeps its input and its weight cast to the compute dtype, and the forward's peak is the
+    logits' upcast (the compute-dtype logits beside their float32 copy, the norm's output and the two casts);
+    measured on the host: saved exact, the forward's peak 8% above the tracker's."""
     c = _Shape(dims, seq_len, batch, p)
     t, V, e = c.t, dims.vocab, c.e
     norm_saved, norm_alloc = _norm(c)
     logits32 = t * V * 4
+    if dims.autocast:
+        cast = V * dims.hidden * e  # the head's weight in the compute dtype
+        saved = Mem(cast, norm_saved + c.X + logits32)
+        fwd = Mem(cast, norm_alloc + c.X + t * V * e + logits32)
+        return SegmentMemory(saved, fwd, Mem(cast, 2 * logits32 + t * V * e + c.X))
     upcast = logits32 if e < 4 else 0.0
     saved = Mem(0.0, norm_saved + c.X + logits32)
     fwd = Mem(0.0, norm_alloc + t * V * e + upcast + logits32)
@@ -463,7 +500,7 @@ def head_memory(seq_len: int, batch: int, p: int, dims: ModelDims) -> SegmentMem
 
 def stream_bytes(seq_len: int, batch: int, p: int, dims: ModelDims) -> float:
     """One local hidden state ``[b, s/p, h]``: the residual stream, or its gradient."""
-    return _Shape(dims, seq_len, batch, p).X
+    return _Shape(dims, seq_len, batch, p).XR
 
 
 def op_grad_bytes(op: str, p: int, dims: ModelDims) -> float:

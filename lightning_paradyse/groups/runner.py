@@ -294,6 +294,7 @@ class GroupRunner:
                         recompute=planner.recompute,
                         prefer_tp_sp=prefer,
                         calibration=group_calibration(g, planner.model),
+                        compute_bytes=planner.model.dims.compute_bytes,
                     )
             else:  # a fixed plan (or thresholds): the same planner on every group
                 assert planner is not None

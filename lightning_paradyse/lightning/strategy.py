@@ -57,6 +57,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.loops.optimization.automatic import ClosureResult
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.strategy import TBroadcast
@@ -529,6 +530,7 @@ class ParaDySeStrategy(ParallelStrategy):
             self.cycle.checkpointed,
             self.check_plan,
             lambda: measure_regroup(module, self._group),  # None where the whole weights would not fit a GPU
+            autocast_bytes(self.precision_plugin),
         )
         self._exchange_s = chosen.exchange_s
         return chosen.planner
@@ -874,6 +876,13 @@ class ParaDySeStrategy(ParallelStrategy):
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def autocast_bytes(precision: Precision) -> int | None:
+    """The element size autocast computes in under ``precision`` (``"bf16-mixed"``, ``"16-mixed"``: 2), ``None``
+    without autocast: what the memory model prices the modes' activations at
+    (:attr:`~lightning_paradyse.cost.dims.ModelDims.compute_bytes`)."""
+    return 2 if isinstance(precision, MixedPrecision) else None
 
 
 def compile_blocks(module: torch.nn.Module, names: Sequence[str]) -> None:

@@ -87,11 +87,13 @@ def choose_planner(
     checkpointed: tuple[int, ...],
     check_plan: Callable[[Plan], None],
     measure_exchange: Callable[[], float | None] | None = None,
+    compute_bytes: int | None = None,
 ) -> ChosenPlanner:
     """The run's planner (see the module docstring), the same on every rank. ``devices``: every local rank's device
     (ranks sharing a GPU share its budget); ``checkpointed``: the layers the model's own gradient checkpointing
     marks (all of them: the planner recomputes every layer); ``measure_exchange``: seconds of the groups' largest
-    weight exchange (``None`` where it cannot be measured), measured beside the machine when it is measured."""
+    weight exchange (``None`` where it cannot be measured), measured beside the machine when it is measured;
+    ``compute_bytes``: the element size autocast computes in (``precision="bf16-mixed"``: 2), for the memory model."""
     n = parallel.n_layers(module)
     if options.plan != "auto":
         return ChosenPlanner(FixedPlanner(fixed_plan(options, n)))
@@ -123,6 +125,7 @@ def choose_planner(
         bucket_tokens=options.plan_bucket,
         recompute=(True,) if len(checkpointed) == n else (False, True),  # every layer checkpointed by HF
         prefer_tp_sp=0.25 if options.profile is None else 0.0,  # the quick model leaves per-op overheads out
+        compute_bytes=compute_bytes,
     )
     return ChosenPlanner(planner, exchange_s)
 

@@ -389,9 +389,12 @@ def make_planner(
     For a parallelized module the dimensions come from its dispatch modules' specs and the allowed
     modes per op from :func:`lightning_paradyse.runtime.parallel.feasible_modes` (every layer must allow them).
     ``kwargs`` go to :class:`CostPlanner` (``recompute``, ``bucket_tokens``, ``on_infeasible``, ``prefer_tp_sp``) or to
-    :class:`~lightning_paradyse.cost.model.CostModel` (``optimizer_bytes_per_param``, ``switch_s``, ...).
+    :class:`~lightning_paradyse.cost.model.CostModel` (``optimizer_bytes_per_param``, ``switch_s``, ...);
+    ``compute_bytes``: the element size autocast computes in (:attr:`~lightning_paradyse.cost.dims.ModelDims.
+    compute_bytes`; ``None``: no autocast).
     """
 
+    compute_bytes = kwargs.pop("compute_bytes", None)
     planner_keys = {"recompute", "bucket_tokens", "on_infeasible", "prefer_tp_sp"}
     planner_kwargs = {k: v for k, v in kwargs.items() if k in planner_keys}
     model_kwargs = {k: v for k, v in kwargs.items() if k not in planner_keys}
@@ -404,6 +407,8 @@ def make_planner(
         dims = model
     else:
         dims = dims_from_config(model, 4)
+    if compute_bytes is not None:
+        dims = replace(dims, compute_bytes=compute_bytes)
     cost = _source_model(dims, p, source, **model_kwargs)
     return CostPlanner(cost, budget_bytes, modes, allowed=allowed, **planner_kwargs)  # type: ignore[arg-type]
 
