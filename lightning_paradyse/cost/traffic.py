@@ -61,7 +61,9 @@ class _Case:
 
     @property
     def e(self) -> int:
-        return self.d.dtype_bytes
+        """Element size of what the modes ship: activations and weights in the compute dtype (autocast's, else the
+        parameters'); gradients are summed in float32 at least (:meth:`gbytes`)."""
+        return self.d.act_bytes
 
     @property
     def kv_sent(self) -> int:

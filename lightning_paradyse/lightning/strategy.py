@@ -530,7 +530,7 @@ class ParaDySeStrategy(ParallelStrategy):
             self.cycle.checkpointed,
             self.check_plan,
             lambda: measure_regroup(module, self._group),  # None where the whole weights would not fit a GPU
-            autocast_bytes(self.precision_plugin),
+            autocast_dtype(self.precision_plugin),
         )
         self._exchange_s = chosen.exchange_s
         return chosen.planner
@@ -878,11 +878,12 @@ class ParaDySeStrategy(ParallelStrategy):
 # ---------------------------------------------------------------------- helpers
 
 
-def autocast_bytes(precision: Precision) -> int | None:
-    """The element size autocast computes in under ``precision`` (``"bf16-mixed"``, ``"16-mixed"``: 2), ``None``
-    without autocast: what the memory model prices the modes' activations at
-    (:attr:`~lightning_paradyse.cost.dims.ModelDims.compute_bytes`)."""
-    return 2 if isinstance(precision, MixedPrecision) else None
+def autocast_dtype(precision: Precision) -> torch.dtype | None:
+    """The dtype autocast computes in under ``precision`` (``"bf16-mixed"``: bfloat16, ``"16-mixed"``: float16),
+    ``None`` without autocast: what the planner prices the modes' matmuls and activations in."""
+    if not isinstance(precision, MixedPrecision):
+        return None
+    return torch.bfloat16 if precision.precision == "bf16-mixed" else torch.float16
 
 
 def compile_blocks(module: torch.nn.Module, names: Sequence[str]) -> None:

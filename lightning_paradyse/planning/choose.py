@@ -22,7 +22,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_paradyse.calibration.profile import is_profile_file
 from lightning_paradyse.calibration.quick import cached_quick_machine
 from lightning_paradyse.cost.cluster import GiB, load_cluster
-from lightning_paradyse.cost.dims import dims_from_module
+from lightning_paradyse.cost.dims import dims_from_module, dtype_size
 from lightning_paradyse.distributed.comm import Group, all_gather_rows, collective_device, group_size
 from lightning_paradyse.distributed.devices import gpu_budget
 from lightning_paradyse.graph.dispatch import AttentionDispatch
@@ -87,13 +87,14 @@ def choose_planner(
     checkpointed: tuple[int, ...],
     check_plan: Callable[[Plan], None],
     measure_exchange: Callable[[], float | None] | None = None,
-    compute_bytes: int | None = None,
+    compute_dtype: torch.dtype | None = None,
 ) -> ChosenPlanner:
     """The run's planner (see the module docstring), the same on every rank. ``devices``: every local rank's device
     (ranks sharing a GPU share its budget); ``checkpointed``: the layers the model's own gradient checkpointing
     marks (all of them: the planner recomputes every layer); ``measure_exchange``: seconds of the groups' largest
     weight exchange (``None`` where it cannot be measured), measured beside the machine when it is measured;
-    ``compute_bytes``: the element size autocast computes in (``precision="bf16-mixed"``: 2), for the memory model."""
+    ``compute_dtype``: the dtype autocast computes in (``precision="bf16-mixed"``: bfloat16; ``None``: no autocast):
+    the machine is measured in it and the memory model keeps the modes' activations in it."""
     n = parallel.n_layers(module)
     if options.plan != "auto":
         return ChosenPlanner(FixedPlanner(fixed_plan(options, n)))
@@ -105,7 +106,7 @@ def choose_planner(
     exchange_s = None
     p = group_size(group)
     if source is None:  # measure this machine now (every rank, then agreed: the same model everywhere)
-        dtype = next(module.parameters()).dtype
+        dtype = compute_dtype or next(module.parameters()).dtype  # the matmuls' dtype: autocast's where it is on
 
         def exchange(machine: Any) -> dict[str, float]:  # the largest weight exchange, kept with the machine
             seconds = None if measure_exchange is None else measure_exchange()
@@ -125,7 +126,7 @@ def choose_planner(
         bucket_tokens=options.plan_bucket,
         recompute=(True,) if len(checkpointed) == n else (False, True),  # every layer checkpointed by HF
         prefer_tp_sp=0.25 if options.profile is None else 0.0,  # the quick model leaves per-op overheads out
-        compute_bytes=compute_bytes,
+        compute_bytes=None if compute_dtype is None else dtype_size(compute_dtype),
     )
     return ChosenPlanner(planner, exchange_s)
 

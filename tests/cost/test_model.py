@@ -329,8 +329,9 @@ def test_autocast_saved_bytes_are_what_the_tracker_measures() -> None:
 
 
 def test_autocast_head_keeps_its_casts_and_float32_logits() -> None:
-    """The LM head under autocast: saved bytes exact but for the loss's scalars (the final norm in float32, the head's input and weight cast
-    to bf16, the float32 log-probabilities); the forward's peak not below the tracker's."""
+    """The LM head under autocast: saved bytes exact but for the loss's scalars (the final norm in float32, the
+    head's input and weight cast to bf16, the float32 log-probabilities); the forward's peak not below the
+    tracker's."""
     from lightning_paradyse.calibration.measure import memory_of
     from lightning_paradyse.cost.memory import head_memory
 
@@ -353,19 +354,24 @@ def test_autocast_head_keeps_its_casts_and_float32_logits() -> None:
 
 def test_the_compute_dtype_reaches_the_planner() -> None:
     """``bf16-mixed`` and ``16-mixed`` compute in 2 bytes, other precisions in the parameters' dtype; the planner's
-    dimensions carry it (the strategy passes it at setup, the groups' planners take the world planner's)."""
+    dimensions carry it (the strategy passes it at setup, the groups' planners take the world planner's), and
+    its activations' collectives ship half the bytes."""
     from lightning.pytorch.plugins.precision import DoublePrecision, MixedPrecision, Precision
 
-    from lightning_paradyse.lightning.strategy import autocast_bytes
+    from lightning_paradyse.lightning.strategy import autocast_dtype
     from lightning_paradyse.planning.planner import make_planner
 
-    assert autocast_bytes(MixedPrecision("bf16-mixed", "cpu")) == 2
-    assert autocast_bytes(MixedPrecision("16-mixed", "cpu")) == 2
-    assert autocast_bytes(Precision()) is None and autocast_bytes(DoublePrecision()) is None
+    assert autocast_dtype(MixedPrecision("bf16-mixed", "cpu")) == torch.bfloat16
+    assert autocast_dtype(MixedPrecision("16-mixed", "cpu")) == torch.float16
+    assert autocast_dtype(Precision()) is None and autocast_dtype(DoublePrecision()) is None
     dims = dims_from_config(CONFIGS["llama-tiny"], 4)
     mixed = make_planner(dims, 2, 10**9, CLUSTER, compute_bytes=2)
     plain = make_planner(dims, 2, 10**9, CLUSTER)
     assert mixed.model.dims.act_bytes == 2 and plain.model.dims.act_bytes == 4
+    half = dims_from_config(CONFIGS["llama-tiny"], 2)  # bf16 parameters: what autocast's modes ship, byte for byte
+    for mode, op in itertools.product(MODES, OPS):
+        shipped, bf16 = (op_collectives(mode, op, 1000, 1, 2, d) for d in (mixed.model.dims, half))
+        assert {k: phase_bytes(v) for k, v in shipped.items()} == {k: phase_bytes(v) for k, v in bf16.items()}
     assert (
         mixed.model.plan_cost(uniform_plan("tp_sp", 2), 512, 1)[1]
         < plain.model.plan_cost(uniform_plan("tp_sp", 2), 512, 1)[1]
