@@ -26,9 +26,12 @@ Under autocast (``precision="bf16-mixed"``: float32 parameters, bf16 matmuls; ch
 autograd's saved-tensor hooks and against the tracker) what a mode computes is in the compute dtype (``e = 2``)
 while the residual stream, the norms (they compute in float32 and return the stream's dtype), the rotary tables,
 log-sum-exps and accumulators stay float32 (``XR = t*h*r``). A mode keeps its input cast to the compute dtype;
-a recomputed segment keeps the stream's. ``tp_sp``'s projections are autocast's own matmuls on the weight shards,
-so autocast's casts of the shards (``e`` bytes per element) are saved for backward; the other modes cast weights
-inside their own functions and keep the float32 shards.
+a recomputed segment keeps the stream's; the input's gradient returns in the stream's dtype. ``tp_sp``'s projections
+(and every mode's on one rank) are autocast's own matmuls on the weight shards: autocast's casts of the shards
+(``e`` bytes per element) are saved for backward, and its cache keeps them until the forward ends even in a
+recomputed segment; the other modes cast weights inside their own functions and keep the float32 shards. The
+saved bytes are checked against the tracker with autocast open over the forward; the transients under autocast
+(the casts and the input's gradient added to the float32 moments) are not checked one by one.
 
 A layer with a causal sliding window ``w`` shorter than the sequence (checked with the tracker at ``p = 2``):
 
@@ -282,7 +285,7 @@ def _tp_sp_attention(c: _Shape) -> _Core:
     bwd = Mem(0.0, XG * (3 if c.balanced else 2) + c.pad)
     attending = 2 * XG + c.T * (2 * c.qr + c.kvr) * c.e  # what a checkpointed forward holds inside the attention
     fwd_rc = peak(Mem(0.0, attending + after + c.pad), Mem(0.0, attending + c.band_build()))
-    return _Core(Mem(c.casts("attention"), saved), False, fwd, bwd, fwd_rc)
+    return _Core(Mem(0.0, saved), False, fwd, bwd, fwd_rc)
 
 
 def _ulysses_attention(c: _Shape) -> _Core:
@@ -363,7 +366,7 @@ def _tp_sp_mlp(c: _Shape) -> _Core:
     saved = c.XG + _mlp_saved_factor(d) * T * f_r * e
     fwd = Mem(0.0, saved + c.XG + c.X + c.pad)
     bwd = Mem(f_r * d.hidden * e, c.XG + T * f_r * e + c.pad)
-    return _Core(Mem(c.casts("mlp"), saved), False, fwd, bwd, Mem(0.0, saved + c.pad))
+    return _Core(Mem(0.0, saved), False, fwd, bwd, Mem(0.0, saved + c.pad))
 
 
 def _zero3_mlp(c: _Shape) -> _Core:
@@ -467,13 +470,20 @@ def segment_memory(
     core = formula(c)
     norm_saved, norm_alloc = _norm(c)
     before = Mem(0.0, norm_alloc)
+    inputs, cast_in, dx, kept = 1, Mem(), Mem(), Mem()
+    if dims.autocast:
+        inputs = core.input_casts
+        cast_in = Mem(0.0, (inputs if core.saves_input else 1) * c.X)  # the input's casts, through the forward
+        dx = Mem(0.0, c.XR)  # the input's gradient in the stream's dtype, beside the compute dtype's
+        # autocast's casts of the weight shards (its own matmuls: tp_sp's, every mode's on one rank), which its cache
+        # keeps until the forward ends even where the segment is recomputed
+        kept = Mem(c.casts(op) if mode == "tp_sp" or p == 1 else 0.0, 0.0)
     if recompute:  # only the input is saved; backward re-runs the forward, saving, then the backward
-        saved = Mem(0.0, norm_saved + c.XR)
-        bwd = peak(core.saved + core.bwd, core.fwd)
-        return SegmentMemory(saved, before + (core.fwd_rc or core.fwd), bwd)
-    inputs = core.input_casts if dims.autocast else 1
-    saved = Mem(0.0, norm_saved + (inputs * c.X if core.saves_input else 0.0)) + core.saved
-    return SegmentMemory(saved, before + core.fwd, core.bwd)
+        saved = kept + Mem(0.0, norm_saved + c.XR)
+        bwd = peak(kept + core.saved + core.bwd + dx, core.fwd + cast_in)
+        return SegmentMemory(saved, before + cast_in + (core.fwd_rc or core.fwd), bwd)
+    saved = kept + Mem(0.0, norm_saved + (inputs * c.X if core.saves_input else 0.0)) + core.saved
+    return SegmentMemory(saved, before + cast_in + core.fwd, core.bwd + dx)
 
 
 def head_memory(seq_len: int, batch: int, p: int, dims: ModelDims) -> SegmentMemory:
@@ -490,7 +500,8 @@ def head_memory(seq_len: int, batch: int, p: int, dims: ModelDims) -> SegmentMem
         cast = V * dims.hidden * e  # the head's weight in the compute dtype
         saved = Mem(cast, norm_saved + c.X + logits32)
         fwd = Mem(cast, norm_alloc + c.X + t * V * e + logits32)
-        return SegmentMemory(saved, fwd, Mem(cast, 2 * logits32 + t * V * e + c.X))
+        grad = V * dims.hidden * (e + c.r)  # the weight's gradient in the compute dtype, then in the parameters'
+        return SegmentMemory(saved, fwd, Mem(grad, 2 * logits32 + t * V * e + c.X))
     upcast = logits32 if e < 4 else 0.0
     saved = Mem(0.0, norm_saved + c.X + logits32)
     fwd = Mem(0.0, norm_alloc + t * V * e + upcast + logits32)

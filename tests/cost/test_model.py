@@ -290,7 +290,8 @@ def test_metp_memory_is_what_the_tracker_measures(world: int) -> None:
 
 def _autocast_saved(rank: int, world: int, length: int) -> dict[tuple[str, str, bool], int]:
     """Saved bytes of layer 0's segments of llama-tiny in every mode under bf16 autocast (the least of 2 runs)."""
-    from lightning_paradyse.calibration.measure import memory_of, segment_fn
+    from lightning_paradyse.calibration.measure import segment_fn
+    from lightning_paradyse.calibration.tracker import MemoryTracker
     from lightning_paradyse.distributed.layout import SeqLayout
     from lightning_paradyse.modes.specs import SeqContext
 
@@ -299,15 +300,24 @@ def _autocast_saved(rank: int, world: int, length: int) -> dict[tuple[str, str, 
     parallelize(model, torch.distributed.group.WORLD)
     ctx = SeqContext(SeqLayout.for_sequence(length, world, True), torch.distributed.group.WORLD)
     x0 = torch.randn(1, ctx.layout.local_len(rank), CONFIGS["llama-tiny"].hidden)  # the float32 residual stream
+
+    def saved(fn: Any) -> int:
+        """Bytes alive after the forward (its input included, its output not), autocast open over the forward and
+        closed before the backward, as Lightning's ``bf16-mixed`` runs a step: autocast's cache counts."""
+        model.zero_grad(set_to_none=True)
+        with MemoryTracker() as mem:
+            x = x0.detach().clone().requires_grad_()
+            before = mem.live
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = fn(x)
+                kept = mem.live - (before - x.untyped_storage().nbytes()) - y.untyped_storage().nbytes()
+            y.backward(torch.ones_like(y))
+        return kept
+
     out = {}
     for mode, op, rc in itertools.product(MODES, OPS, (False, True)):
         fn = segment_fn(model, op, mode, rc, ctx)
-
-        def autocast(x: torch.Tensor, fn: Any = fn) -> torch.Tensor:  # as Lightning's bf16-mixed runs a forward
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                return fn(x)
-
-        out[(mode, op, rc)] = min(memory_of(model, autocast, x0)[0] for _ in range(2))
+        out[(mode, op, rc)] = min(saved(fn) for _ in range(2))
     return out
 
 
