@@ -153,8 +153,15 @@ class _Shape:
         return self.t * self.d.hidden * self.r
 
     def casts(self, op: str) -> float:
-        """Autocast's compute-dtype copies of the op's ``1/p`` weight shards (nothing without autocast)."""
-        return self.d.op_params(op) / self.p * self.e if self.d.autocast else 0.0
+        """Autocast's compute-dtype copies of the op's weights on this rank (nothing without autocast): the ``1/p``
+        shards, and for attention the key/value rows of the local heads' kv heads (replicated when ``n_kv < p``)."""
+        if not self.d.autocast:
+            return 0.0
+        d = self.d
+        if op == "mlp":
+            return d.mlp_params() / self.p * self.e
+        biases = self.qr + 2 * self.kvr if d.biases else 0
+        return ((2 * self.qr + 2 * self.kvr) * d.hidden + biases) * self.e
 
     @property
     def balanced(self) -> bool:
