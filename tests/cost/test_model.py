@@ -325,9 +325,10 @@ def test_autocast_saved_bytes_are_what_the_tracker_measures() -> None:
     """Under autocast (``bf16-mixed``: float32 parameters, bf16 matmuls) every mode's saved bytes per segment, with
     and without recomputation, within 4% of the tracker at p = 2 (``tp_sp`` attention recomputed is 2% below in
     float32 too; ``ulysses`` attention 3.8% above, on the safe side): the modes' activations in bf16, the norms and
-    the residual stream in float32, ``tp_sp``'s autocast casts of its weight shards, the other modes' own casts of
-    their input per projection. Without the compute dtype the formulas priced everything at float32's 4 bytes:
-    up to 65% above (a step's peak 17-39% above, on a GPU too)."""
+    the residual stream in float32, ``tp_sp``'s autocast casts of its weight shards (kept by autocast's cache until
+    the forward ends, recomputed or not), the other modes' own casts of their input per projection. Without the
+    compute dtype the formulas priced everything at float32's 4 bytes: up to 65% above (a step's peak 17-39% above,
+    on a GPU too)."""
     from tests.support.dist import run_distributed
 
     per_rank = run_distributed(_autocast_saved, 2, 256, timeout=180)
