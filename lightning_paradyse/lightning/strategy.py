@@ -530,7 +530,7 @@ class ParaDySeStrategy(ParallelStrategy):
             self.cycle.checkpointed,
             self.check_plan,
             lambda: measure_regroup(module, self._group),  # None where the whole weights would not fit a GPU
-            autocast_dtype(self.precision_plugin),
+            autocast_dtype(self.precision_plugin, next(module.parameters()).dtype),
         )
         self._exchange_s = chosen.exchange_s
         return chosen.planner
@@ -878,10 +878,11 @@ class ParaDySeStrategy(ParallelStrategy):
 # ---------------------------------------------------------------------- helpers
 
 
-def autocast_dtype(precision: Precision) -> torch.dtype | None:
-    """The dtype autocast computes in under ``precision`` (``"bf16-mixed"``: bfloat16, ``"16-mixed"``: float16),
-    ``None`` without autocast: what the planner prices the modes' matmuls and activations in."""
-    if not isinstance(precision, MixedPrecision):
+def autocast_dtype(precision: Precision, params: torch.dtype = torch.float32) -> torch.dtype | None:
+    """The dtype autocast computes in under ``precision`` (``"bf16-mixed"``: bfloat16, ``"16-mixed"``: float16) for
+    parameters of dtype ``params``, ``None`` without autocast or where it leaves them alone (float64): what the
+    planner prices the modes' matmuls and activations in."""
+    if not isinstance(precision, MixedPrecision) or params == torch.float64:
         return None
     return torch.bfloat16 if precision.precision == "bf16-mixed" else torch.float16
 

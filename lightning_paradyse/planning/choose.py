@@ -96,8 +96,6 @@ def choose_planner(
     ``compute_dtype``: the dtype autocast computes in (``precision="bf16-mixed"``: bfloat16; ``None``: no autocast):
     the machine is measured in it and the memory model keeps the modes' activations in it."""
     n = parallel.n_layers(module)
-    if next(module.parameters()).dtype == torch.float64:
-        compute_dtype = None  # autocast leaves float64 alone
     if options.plan != "auto":
         return ChosenPlanner(FixedPlanner(fixed_plan(options, n)))
     if options.axes == 2:

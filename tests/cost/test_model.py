@@ -375,6 +375,7 @@ def test_the_compute_dtype_reaches_the_planner() -> None:
     assert autocast_dtype(MixedPrecision("bf16-mixed", "cpu")) == torch.bfloat16
     assert autocast_dtype(MixedPrecision("16-mixed", "cpu")) == torch.float16
     assert autocast_dtype(Precision()) is None and autocast_dtype(DoublePrecision()) is None
+    assert autocast_dtype(MixedPrecision("bf16-mixed", "cpu"), torch.float64) is None  # autocast leaves float64 alone
     dims = dims_from_config(CONFIGS["llama-tiny"], 4)
     mixed = make_planner(dims, 2, 10**9, CLUSTER, compute_bytes=2)
     plain = make_planner(dims, 2, 10**9, CLUSTER)
