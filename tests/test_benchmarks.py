@@ -40,7 +40,9 @@ def run_script(*args: str, timeout: int) -> list[str]:
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
     out = tmp_path_factory.mktemp("bench") / "quick.json"
-    run_script("benchmarks/run.py", "--quick", "--repeats", "1", "--out", str(out), timeout=170)  # one pass: a smoke
+    # one pass over half the trace, the length search capped at 512 tokens: a smoke
+    args = ["--quick", "--repeats", "1", "--trace-len", "32", "--search-cap", "512", "--out", str(out)]
+    run_script("benchmarks/run.py", *args, timeout=170)
     return json.loads(out.read_text()), out
 
 

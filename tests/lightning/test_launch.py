@@ -36,26 +36,35 @@ def test_spawn_fit_releases_process_group(plan: str) -> None:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize(("start_method", "timeout"), [("spawn", 5), ("popen", 15)])
-def test_a_stalled_rank_does_not_outlive_the_run(start_method: str, timeout: int) -> None:
-    """Rank 1 sleeps inside its step; rank 0's collective times out and every process of the run ends.
+def test_a_stalled_rank_does_not_outlive_the_run(tmp_path: Path) -> None:
+    """Rank 1 sleeps inside its step; rank 0's collective times out and every process of the run ends, under
+    ``spawn`` and ``popen`` (both checks run at once: each mostly waits out its timeout).
 
     Under ``popen`` rank 0 launched rank 1 itself and stops it (before: it slept on after the run had failed);
     under ``spawn`` the launcher stops the workers (its SIGTERM ends the stall here: with Lightning's handler the
     sleeping rank would wait for torch's SIGKILL, 30 s on, which this test would only wait out). The collective
     timeout leaves ``popen``'s workers time to start (it also bounds the rendezvous).
     """
-    args = ["--start-method", start_method, "--stall-rank", "1", "--timeout", str(timeout), "--grace", "20"]
-    args += ["--sigterm-ends-stall"] if start_method == "spawn" else []
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/stall_check.py", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=200,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "processes of the run left 20 s after the fit: 0" in proc.stdout, proc.stdout
+    runs, logs = {}, {}
+    for start_method, timeout in (("spawn", 5), ("popen", 15)):
+        args = ["--start-method", start_method, "--stall-rank", "1", "--timeout", str(timeout), "--grace", "20"]
+        args += ["--sigterm-ends-stall"] if start_method == "spawn" else []
+        logs[start_method] = tmp_path / f"{start_method}.log"  # a file, not a pipe: neither run waits on a reader
+        with logs[start_method].open("w") as log:
+            runs[start_method] = subprocess.Popen(
+                [sys.executable, "benchmarks/stall_check.py", *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
+            )
+    try:
+        for proc in runs.values():
+            proc.wait(timeout=200)
+    finally:
+        for proc in runs.values():  # a check that timed out is not left running
+            if proc.poll() is None:
+                proc.kill()
+    for method, proc in runs.items():
+        output = logs[method].read_text()
+        assert proc.returncode == 0, f"{method}: {output[-8000:]}"
+        assert "processes of the run left 20 s after the fit: 0" in output, f"{method}: {output[-8000:]}"
 
 
 def test_stop_workers_kills_only_the_ones_still_running() -> None:
