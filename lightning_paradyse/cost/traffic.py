@@ -71,13 +71,19 @@ class _Case:
         return self.p * self.d.kv_heads_per_rank(self.p) * self.d.head_dim
 
     def wbytes(self, elements: float) -> float:
-        """Bytes of gathering (or scattering) ``elements`` sharded weight elements."""
+        """Bytes of gathering (or scattering) ``elements`` sharded weight elements cast to the compute dtype first
+        (the ZeRO-3 and METP matrices)."""
         return elements * self.frac * self.e
 
+    def pbytes(self, elements: float) -> float:
+        """Bytes of gathering ``elements`` sharded weight elements as they are stored, autocast casting them after
+        the gather (``tp_sp``'s gathered k/v weights, ZeRO-3's biases)."""
+        return elements * self.frac * self.d.dtype_bytes
+
     def gbytes(self, elements: float) -> float:
-        """Bytes of summing the gradients of ``elements`` sharded weight elements over the ranks (float32 for
-        half-precision weights: :func:`~lightning_paradyse.distributed.comm.reduce_itemsize`)."""
-        return elements * self.frac * reduce_itemsize(self.e)
+        """Bytes of summing the gradients of ``elements`` sharded weight elements over the ranks: in the parameters'
+        dtype, float32 for half-precision ones (:func:`~lightning_paradyse.distributed.comm.reduce_itemsize`)."""
+        return elements * self.frac * reduce_itemsize(self.d.dtype_bytes)
 
 
 def _zero3(c: _Case, mats: int, n_mats: int, biases: int, n_biases: int) -> Phases:
@@ -85,7 +91,7 @@ def _zero3(c: _Case, mats: int, n_mats: int, biases: int, n_biases: int) -> Phas
     fwd = [Collective("all_gather", n_mats, c.wbytes(mats))]
     bwd = [Collective("all_gather", n_mats, c.wbytes(mats)), Collective("reduce_scatter", n_mats, c.gbytes(mats))]
     if n_biases:
-        fwd.append(Collective("all_gather", n_biases, c.wbytes(biases)))
+        fwd.append(Collective("all_gather", n_biases, c.pbytes(biases)))
         bwd.append(Collective("reduce_scatter", n_biases, c.gbytes(biases)))
     return {"forward": fwd, "backward": bwd, "recompute": list(fwd)}
 
@@ -124,9 +130,9 @@ def _tp_sp(c: _Case, op: str) -> Phases:
     if op == "attention" and d.n_kv_heads % c.p:  # k/v weights (and biases) gathered
         calls = 4 if d.biases else 2
         kv = 2 * d.kv_rows * (d.hidden + (1 if d.biases else 0))
-        phases["forward"].append(Collective("all_gather", calls, c.wbytes(kv)))
+        phases["forward"].append(Collective("all_gather", calls, c.pbytes(kv)))
         phases["backward"].append(Collective("reduce_scatter", calls, c.gbytes(kv)))
-        phases["recompute"].append(Collective("all_gather", calls, c.wbytes(kv)))
+        phases["recompute"].append(Collective("all_gather", calls, c.pbytes(kv)))
     return phases
 
 

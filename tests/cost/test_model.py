@@ -30,7 +30,7 @@ from lightning_paradyse.cost.model import CostModel
 from lightning_paradyse.cost.search import evaluate
 from lightning_paradyse.cost.time import op_time, ring_pairs
 from lightning_paradyse.cost.traffic import PHASES, op_collectives, phase_bytes
-from lightning_paradyse.models import CONFIGS, build_model
+from lightning_paradyse.models import CONFIGS, GPTConfig, LlamaConfig, build_model
 from lightning_paradyse.modes import MODES, get_mode
 from lightning_paradyse.modes.plan import OPS, LayerPlan, OpPlan, Plan, random_plan, uniform_plan
 from lightning_paradyse.modes.volume import op_traffic
@@ -624,3 +624,52 @@ def test_the_kernels_only_windows_call_are_measured_for_models_with_windows() ->
     older = dataclasses.replace(machine, curves={"sdpa_fwd": ((200, 4e9),)})  # the causal kernel at 2w stands in
     assert attn_seconds(older, work, backward=False) == pytest.approx(work.attn / 4e9)
     assert op_work("tp_sp", "attention", 100, 1, 2, dims, window=100)["forward"].kernel == "sdpa"
+
+
+AUTOCAST_TRAFFIC_MODELS = {  # k/v weights gathered by tp_sp at p = 4 (2 kv heads); biases gathered by ZeRO-3
+    "kv2": LlamaConfig(vocab_size=64, n_layers=1, hidden=96, n_heads=12, n_kv_heads=2, ffn=192, max_seq_len=1024),
+    "bias": GPTConfig(vocab_size=64, n_layers=1, hidden=96, n_heads=12, ffn=384, max_seq_len=1024),
+}
+
+
+def _autocast_traffic(rank: int, world: int, length: int, batch: int) -> dict[tuple[str, str, str, bool], float]:
+    """Bytes this rank sends in one forward (under bf16 autocast, float32 parameters) and backward of each segment
+    of layer 0, in every mode, recomputed or not."""
+    from lightning_paradyse.calibration.measure import segment_fn
+    from lightning_paradyse.distributed.comm import CommCounter
+    from lightning_paradyse.distributed.layout import SeqLayout
+    from lightning_paradyse.modes.specs import SeqContext
+
+    out = {}
+    for name, config in AUTOCAST_TRAFFIC_MODELS.items():
+        torch.manual_seed(0)
+        model = build_model(config)
+        parallelize(model, torch.distributed.group.WORLD)
+        ctx = SeqContext(SeqLayout.for_sequence(length, world, True), torch.distributed.group.WORLD)
+        for mode, op, rc in itertools.product(MODES, OPS, (False, True)):
+            fn = segment_fn(model, op, mode, rc, ctx)
+            x = torch.randn(batch, ctx.layout.local_len(rank), config.hidden, requires_grad=True)
+            with CommCounter() as counter:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    y = fn(x)
+                y.backward(torch.ones_like(y))
+            out[(name, mode, op, rc)] = counter.total
+    return out
+
+
+def test_autocast_traffic_is_what_the_ranks_send() -> None:
+    """Under autocast every mode's collectives per segment (forward, backward, the recomputation) are the bytes the
+    ranks send, exactly (mean over ranks, algorithmic volume): activations and the matrices the modes cast before
+    moving them in bf16; ``tp_sp``'s gathered k/v weights and ZeRO-3's biases as stored (float32: autocast casts
+    them after the gather); every weight gradient summed in float32."""
+    from tests.support.dist import run_distributed
+
+    length, batch, p = 63, 2, 4
+    per_rank = run_distributed(_autocast_traffic, p, length, batch, timeout=300)
+    for name, config in AUTOCAST_TRAFFIC_MODELS.items():
+        dims = dataclasses.replace(dims_from_config(config, 4), compute_bytes=2)
+        for mode, op, rc in itertools.product(MODES, OPS, (False, True)):
+            got = sum(r[(name, mode, op, rc)] for r in per_rank) / p
+            phases = op_collectives(mode, op, length, batch, p, dims)
+            want = sum(phase_bytes(phases[ph]) for ph in ("forward", "backward", *(("recompute",) if rc else ())))
+            assert got == pytest.approx(want, rel=1e-9), (name, mode, op, rc)
