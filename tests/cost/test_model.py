@@ -30,11 +30,12 @@ from lightning_paradyse.cost.model import CostModel
 from lightning_paradyse.cost.search import evaluate
 from lightning_paradyse.cost.time import op_time, ring_pairs
 from lightning_paradyse.cost.traffic import PHASES, op_collectives, phase_bytes
-from lightning_paradyse.models import CONFIGS, GPTConfig, LlamaConfig, build_model
+from lightning_paradyse.models import CONFIGS, build_model
 from lightning_paradyse.modes import MODES, get_mode
 from lightning_paradyse.modes.plan import OPS, LayerPlan, OpPlan, Plan, random_plan, uniform_plan
 from lightning_paradyse.modes.volume import op_traffic
 from lightning_paradyse.runtime.parallel import parallelize
+from tests.modes.test_volume import MODELS as VOLUME_MODELS
 
 CLUSTER = load_cluster(sorted((Path(__file__).resolve().parents[2] / "configs" / "clusters").glob("*.yaml"))[0])
 MODELS = ["llama-tiny", "llama-tiny-mha", "llama-tiny-mqa", "gpt-tiny", "llama-70b"]
@@ -627,8 +628,7 @@ def test_the_kernels_only_windows_call_are_measured_for_models_with_windows() ->
 
 
 AUTOCAST_TRAFFIC_MODELS = {  # k/v weights gathered by tp_sp at p = 4 (2 kv heads); biases gathered by ZeRO-3
-    "kv2": LlamaConfig(vocab_size=64, n_layers=1, hidden=96, n_heads=12, n_kv_heads=2, ffn=192, max_seq_len=1024),
-    "bias": GPTConfig(vocab_size=64, n_layers=1, hidden=96, n_heads=12, ffn=384, max_seq_len=1024),
+    name: VOLUME_MODELS[name] for name in ("llama-kv2", "gpt-bias")
 }
 
 
