@@ -369,17 +369,19 @@ def _segments_one(
     refs = shard_sources(model)
     ops = dispatchers(model)
     for path, op in ops:  # [rows/P, ...] -> [rows, ...] per piece: what a group of one holds
-        op.group_shards = {
-            name: gather_param_like(w.detach(), refs[f"{path}.{name}"], group).requires_grad_(w.requires_grad)
-            for name, w in ((name, op.get_parameter(name)) for name in op.sources)
-        }
+        op.set_group_shards(
+            {
+                name: gather_param_like(w.detach(), refs[f"{path}.{name}"], group).requires_grad_(w.requires_grad)
+                for name, w in ((name, op.get_parameter(name)) for name in op.sources)
+            }
+        )
     try:
         modes = _one_rank_modes(settings)
         segments = _segments(model, settings, 1, bar, modes, "one rank ")
         steps = _steps(model, settings, settings.step_lengths or settings.lengths, 1, bar, modes, "one rank ")
     finally:
         for _, op in ops:
-            op.group_shards = None
+            op.set_group_shards(None)
         model.zero_grad(set_to_none=True)
     return segments, steps
 

@@ -68,13 +68,18 @@ def reduce_itemsize(itemsize: int) -> int:
 
 
 def group_size(group: Group) -> int:
-    """Number of ranks in ``group`` (1 for ``None``)."""
-    return 1 if group is None else dist.get_world_size(group)
+    """Number of ranks in ``group`` (1 for ``None``). Asked several times a step: a group this process belongs to
+    answers itself (one call; ``torch.distributed.get_world_size`` walks the default group's bookkeeping first)."""
+    if group is None:
+        return 1
+    return group.size() if isinstance(group, dist.ProcessGroup) else dist.get_world_size(group)
 
 
 def group_rank(group: Group) -> int:
-    """This process's rank inside ``group`` (0 for ``None``)."""
-    return 0 if group is None else dist.get_rank(group)
+    """This process's rank inside ``group`` (0 for ``None``; -1 outside it, as ``torch.distributed.get_rank``)."""
+    if group is None:
+        return 0
+    return group.rank() if isinstance(group, dist.ProcessGroup) else dist.get_rank(group)
 
 
 def collective_device(group: Group) -> torch.device:

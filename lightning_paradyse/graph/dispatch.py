@@ -194,7 +194,12 @@ class OpDispatch(nn.Module):
 
     def configure(self, ctx: SeqContext, op_plan: OpPlan) -> None:
         """Select the variant (mode, recompute) and the layout for the next call."""
-        self.ctx, self.op_plan = ctx, op_plan
+        self.__dict__.update(ctx=ctx, op_plan=op_plan)  # plain attributes: what nn.Module's __setattr__ ends in
+
+    def set_group_shards(self, shards: dict[str, torch.Tensor] | None) -> None:
+        """Set :attr:`group_shards` (twice a step on groups; a plain attribute, set without ``nn.Module``'s
+        ``__setattr__`` walk)."""
+        self.__dict__["group_shards"] = shards
 
     def infeasible(self, mode: str, p: int) -> str | None:
         raise NotImplementedError

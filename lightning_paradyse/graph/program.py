@@ -25,6 +25,7 @@ Two more pieces of the block's code are replayed the same way:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -93,36 +94,67 @@ class Program:
     n_inputs: int = 3
     """The program's own inputs (slots ``0 .. n_inputs - 1``): q, k, v; or the output projection."""
 
+    def __post_init__(self) -> None:
+        # every step's arguments as fillers, made once (a plain attribute: no field, pickled with the program)
+        binds = tuple((_Fill(step.args, self.dtype), _Fill(step.kwargs or {}, self.dtype)) for step in self.steps)
+        object.__setattr__(self, "_binds", binds)
+
     def run(self, inputs: Sequence[torch.Tensor], values: Sequence[Any], owner: nn.Module) -> tuple[Any, ...]:
         """Replay on this call's ``inputs``; ``owner`` holds the modules and parameters (by relative path)."""
         q = inputs[0]
+        dtype = q.dtype
         env: list[Any] = [*inputs, *values]
-
-        def fill(value: Any) -> Any:
-            if isinstance(value, _Slot):
-                return env[value.index]
-            return q.dtype if value is self.dtype else value
-
-        for step in self.steps:
+        binds: tuple[tuple[_Fill, _Fill], ...] = self.__dict__["_binds"]
+        for step, (bind_args, bind_kwargs) in zip(self.steps, binds):
             if step.kind == "dropout":  # functional dropout: trained as the owner is (HF passes self.training)
-                kwargs = {**_map(fill, step.kwargs or {}), "training": owner.training}
-                out = step.target(*_map(fill, step.args), **kwargs)
+                kwargs = {**bind_kwargs.fill(env, dtype), "training": owner.training}
+                out = step.target(*bind_args.fill(env, dtype), **kwargs)
             elif step.kind == "module":
-                out = owner.get_submodule(step.target)(*_map(fill, step.args), **_map(fill, step.kwargs or {}))
+                out = owner.get_submodule(step.target)(*bind_args.fill(env, dtype), **bind_kwargs.fill(env, dtype))
             elif step.kind == "param":
                 out = _attr(owner, step.target)
             elif step.kind == "const":
                 const = self.constants[step.target]
                 if const.device != q.device:  # moved once to where the block runs (it may move after install)
                     const = self.constants[step.target] = const.to(q.device)
-                out = const.to(dtype=q.dtype if const.dtype is self.dtype else const.dtype)
+                out = const.to(dtype=dtype if const.dtype is self.dtype else const.dtype)
             else:
-                args = _map(fill, step.args)
+                args = bind_args.fill(env, dtype)
                 if step.shapes is not None:
                     args = (args[0], _call_shape(*step.shapes, tuple(args[0].shape), self.heads))
-                out = step.target(*args, **_map(fill, step.kwargs or {}))
+                out = step.target(*args, **bind_kwargs.fill(env, dtype))
             env.append(out)
         return tuple(env[i] for i in self.outputs)
+
+
+class _Fill:
+    """A step's arguments (a tuple, list or dict) filled in for one call: every slot by the value computed there,
+    the traced dtype (:attr:`Program.dtype`) by the call's. Where the values are plain leaves the places to fill
+    are found once and a call copies the container (a replayed op's arguments, every call); nested ones are walked
+    by :func:`_map`."""
+
+    def __init__(self, tree: Any, traced: torch.dtype) -> None:
+        self.tree, self.traced = tree, traced
+        kind = type(tree)
+        items = list(tree.items()) if kind is dict else list(enumerate(tree)) if kind in (tuple, list) else None
+        self.flat = items is not None and all(type(v) in _LEAVES for _, v in items)
+        self.slots = tuple((i, v.index) for i, v in items or () if type(v) is _Slot) if self.flat else ()
+        self.dtypes = tuple(i for i, v in items or () if v is traced) if self.flat else ()
+
+    def fill(self, env: list[Any], dtype: torch.dtype) -> Any:
+        """The arguments of this call (``env``: the values so far; ``dtype``: the call's projections')."""
+        tree = self.tree
+        if not self.flat:
+            traced = self.traced
+            return _map(lambda v: env[v.index] if isinstance(v, _Slot) else dtype if v is traced else v, tree)
+        if not self.slots and not self.dtypes:
+            return tree
+        out = dict(tree) if type(tree) is dict else list(tree)
+        for i, j in self.slots:
+            out[i] = env[j]
+        for i in self.dtypes:
+            out[i] = dtype
+        return tuple(out) if type(tree) is tuple else out
 
 
 def _attr(owner: nn.Module, path: str) -> torch.Tensor:
@@ -152,6 +184,7 @@ def _map(fn: Callable[[Any], Any], tree: Any) -> Any:
     return tree_map(fn, tree, is_leaf=lambda x: isinstance(x, _Slot))
 
 
+@functools.lru_cache(maxsize=4096)
 def _call_shape(
     example_in: tuple[int, ...], example_out: tuple[int, ...], actual_in: tuple[int, ...], heads: tuple[int, int]
 ) -> tuple[int, ...]:

@@ -353,7 +353,7 @@ def enter_group(module: nn.Module, world: Group, sizes: Sequence[int], whole: Wh
     for _, op in dispatchers(module):
         if op.group_shards is not None:
             raise RuntimeError("enter_group called twice without exit_group")
-        op.group_shards = {}
+        op.set_group_shards({})
     if len(sizes) == 1:
         return
     for bucket in _routes(module, p, sizes, rank).values():
@@ -437,7 +437,8 @@ def exit_group(
     for _, op in dispatchers(module):
         if op.group_shards is None:
             raise RuntimeError("exit_group called without enter_group")
-        shards[id(op)], op.group_shards = op.group_shards, None
+        shards[id(op)] = op.group_shards
+        op.set_group_shards(None)
     received = None
     if len(sizes) > 1:
         routes = _routes(module, p, sizes, rank)
@@ -499,7 +500,7 @@ def drop_group(module: nn.Module) -> None:
     """Drop the ``1/g`` shards without returning their gradients (no collective): a step given up or checked
     only, a fit stopped between micro-batches."""
     for _, op in dispatchers(module):
-        op.group_shards = None
+        op.set_group_shards(None)
 
 
 def _return_grads(

@@ -81,6 +81,18 @@ class Plan:
     def __str__(self) -> str:
         return " | ".join(str(layer) for layer in self.layers)
 
+    def __hash__(self) -> int:
+        """The hash of :attr:`layers`, computed once per plan (a plan is looked up several times a step)."""
+        known = self.__dict__.get("_hash")
+        if known is None:
+            known = hash(self.layers)
+            object.__setattr__(self, "_hash", known)
+        return known  # type: ignore[no-any-return]
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The fields only: a string's hash differs between processes, so the kept hash does not travel."""
+        return {"layers": self.layers}
+
 
 def _parse_op(value: Any, recompute: bool, where: str) -> OpPlan:
     if isinstance(value, str):

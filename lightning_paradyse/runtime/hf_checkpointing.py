@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -82,6 +83,12 @@ def prepare_for_launch(module: nn.Module) -> None:
         _check_function(name or type(module).__name__, sub)
 
 
+_FOUND: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[str, ...], list[tuple[str, nn.Module]], list[nn.Module]]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Per model: the block names last asked for, the modules enclosing them (with their names) and the blocks."""
+
+
 def checkpointed_layers(module: nn.Module, block_names: Sequence[str]) -> tuple[int, ...]:
     """The indices of the blocks (``block_names``, in order) Hugging Face would checkpoint in training.
 
@@ -90,16 +97,16 @@ def checkpointed_layers(module: nn.Module, block_names: Sequence[str]) -> tuple[
     (:func:`with_recompute`). Raises ``ValueError`` naming the layer and the fix for a checkpoint function the plan
     cannot stand for (identical on every rank: the same model everywhere).
     """
-    names = list(block_names)
-    enclosing = sorted({".".join(name.split(".")[:depth]) for name in names for depth in range(name.count(".") + 1)})
-    flagged = [
-        (name, sub)
-        for name, sub in ((name, module.get_submodule(name)) for name in enclosing)
-        if getattr(sub, "gradient_checkpointing", False) is True
-    ]
+    names = tuple(block_names)
+    found = _FOUND.get(module)
+    if found is None or found[0] != names:  # the modules looked up once per model (read before every batch)
+        enclosing = sorted({".".join(n.split(".")[:depth]) for n in names for depth in range(n.count(".") + 1)})
+        found = (names, [(n, module.get_submodule(n)) for n in enclosing], [module.get_submodule(n) for n in names])
+        _FOUND[module] = found
+    _, around, blocks = found
+    flagged = [(name, sub) for name, sub in around if getattr(sub, "gradient_checkpointing", False) is True]
     layers = []
-    for index, name in enumerate(names):  # the layers first: a refusal names the layer, not the model around it
-        block = module.get_submodule(name)
+    for index, (name, block) in enumerate(zip(names, blocks)):  # the layers first: a refusal names the layer
         own = getattr(block, "gradient_checkpointing", None)
         if own is True:
             _take(name, block)

@@ -90,21 +90,25 @@ class BatchSource:
 
 def find_tokens(batch: Any) -> Tensor:
     """The token tensor ``[b, s, ...]`` of a batch: a tensor, a dict (:data:`TOKEN_KEYS`) or a sequence."""
+    found: Tensor | None = None
     if isinstance(batch, Tensor):
-        tensors = [batch]
-    elif isinstance(batch, Mapping):
-        named = [batch[k] for k in TOKEN_KEYS if isinstance(batch.get(k), Tensor)]
-        tensors = named or [v for v in batch.values() if isinstance(v, Tensor)]
+        found = batch
+    elif isinstance(batch, Mapping):  # the first of TOKEN_KEYS, else the first tensor
+        for value in (*(batch.get(k) for k in TOKEN_KEYS if k in batch), *batch.values()):
+            if isinstance(value, Tensor):
+                found = value
+                break
     elif isinstance(batch, Sequence):
-        tensors = [v for v in batch if isinstance(v, Tensor)]
-    else:
-        tensors = []
-    if not tensors or tensors[0].dim() < 2:
+        for value in batch:
+            if isinstance(value, Tensor):
+                found = value
+                break
+    if found is None or found.dim() < 2:
         raise TypeError(
             f"ParaDySeStrategy cannot find the token tensor [batch, seq] in a batch of type {type(batch).__name__}: "
             f"yield a tensor, a tuple/list whose first tensor holds the tokens, or a dict with one of {TOKEN_KEYS}"
         )
-    return tensors[0]
+    return found
 
 
 def find_targets(batch: Any) -> tuple[str | None, Tensor | None]:
