@@ -734,8 +734,9 @@ class ReplicatedGrads:
             seen = total[-len(self.params) :].tolist()
         for w, present in zip(self.params, seen):
             n = w.numel()
-            if present:
-                w.grad = total[at : at + n].view_as(w).to(w.dtype).clone()
+            if present:  # a view of the sum (its own dtype's: a half-precision gradient is rounded into a copy)
+                part = total[at : at + n].view(w.shape)  # [numel + n] -> the parameter's shape
+                w.grad = part if part.dtype == w.dtype else part.to(w.dtype)
             at += n
 
 
