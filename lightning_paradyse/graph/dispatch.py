@@ -362,8 +362,12 @@ class AttentionDispatch(OpDispatch):
         return prepare
 
     def _prepare_params(self) -> tuple[torch.Tensor, ...]:
-        names = () if self.roles.program is None else self.roles.program.modules
-        return tuple(p for n in names for p in self.get_submodule(n).parameters() if p.requires_grad)
+        """The trainable parameters of the modules the head program calls (looked up once; read every call)."""
+        found = self.__dict__.get("_program_modules")
+        if found is None:  # a plain attribute: the modules stay registered where the program adopted them
+            names = () if self.roles.program is None else self.roles.program.modules
+            found = self.__dict__["_program_modules"] = tuple(self.get_submodule(n) for n in names)
+        return tuple(p for m in found for p in m.parameters() if p.requires_grad)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         x = self.roles.hidden.get(args, kwargs)
