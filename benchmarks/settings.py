@@ -150,9 +150,11 @@ class BenchSettings:
     """The largest-trainable-length search."""
     lr: float = 1e-3
     """AdamW learning rate."""
-    warmup: int = 2
-    """Unrecorded warm-up steps at the start of every fit (the trace's first global batch, repeated): the one-time
-    step check of the ParaDySe strategy runs on the first, the group planners are made on the second."""
+    warmup: int = 3
+    """Unrecorded warm-up steps at the start of every fit (the trace's first global batch, repeated), the same for
+    every run: the one-time step check of the ParaDySe strategy runs on the first, the group planners are made on
+    the second, and its replica check runs after each of the first three optimizer steps
+    (``ParaDySeStrategy(check_replicas_every=...)``: then every 50th); DDP's first step rebuilds its buckets."""
     thresholds: tuple[int, int] = (256, 1024)
     """``ParaDySeStrategy(thresholds=...)`` of the adaptive run (used by its stand-in threshold policy)."""
     profile: str | None = None
