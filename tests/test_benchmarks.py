@@ -25,6 +25,7 @@ from benchmarks.report import best, model_flops
 from benchmarks.runs import BenchLM, run_spec
 from benchmarks.settings import QUICK_RUNS, BenchSettings, ModelSettings
 from benchmarks.step_overhead import PHASES
+from benchmarks.sync_readme import sync
 from benchmarks.worker import rotated
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -271,3 +272,10 @@ def test_single_rank_modes_times_every_mode_on_one_rank() -> None:
     rows = run_script("benchmarks/single_rank_modes.py", "--shapes", "2x32", "--reps", "1", timeout=120)[-2:]
     assert [row.split()[3] for row in rows] == ["attention", "mlp"], rows
     assert all(len(row.split()) == 4 + 4 and all(float(x) > 0 for x in row.split()[4:]) for row in rows), rows
+
+
+def test_readme_benchmarks_section_is_results_md() -> None:
+    """``benchmarks/sync_readme.py`` rewrites the README's Benchmarks section from ``benchmarks/RESULTS.md``: a
+    paragraph written into the README alone would be lost on the next sync. Edit RESULTS.md, then sync."""
+    readme = (ROOT / "README.md").read_text()
+    assert sync(readme, (ROOT / "benchmarks" / "RESULTS.md").read_text()) == readme
