@@ -367,7 +367,7 @@ class AttentionDispatch(OpDispatch):
         if found is None:  # a plain attribute: the modules stay registered where the program adopted them
             names = () if self.roles.program is None else self.roles.program.modules
             found = self.__dict__["_program_modules"] = tuple(self.get_submodule(n) for n in names)
-        return tuple(p for m in found for p in m.parameters() if p.requires_grad)
+        return tuple(p for m in found if m._parameters or m._modules for p in m.parameters() if p.requires_grad)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         x = self.roles.hidden.get(args, kwargs)

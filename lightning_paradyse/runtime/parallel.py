@@ -571,6 +571,10 @@ _FITTING: weakref.WeakKeyDictionary[nn.Module, set[tuple[Plan, int]]] = weakref.
 """Modules -> the ``(plan, group size)`` pairs :func:`check_plan` found to fit (forgotten with the walks)."""
 
 
+_CAUSAL: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+"""Modules -> :func:`is_causal` (forgotten with the walks)."""
+
+
 def forget_walks() -> None:
     """Forget what the walks found (:func:`dispatchers`, :func:`replicated_parameters`, the plans
     :func:`check_plan` passed): after a rewrite, and when a fit sets a model up (its parameters may have been
@@ -578,6 +582,7 @@ def forget_walks() -> None:
     _OPS.clear()
     _REPLICATED.clear()
     _FITTING.clear()
+    _CAUSAL.clear()
 
 
 def dispatchers(module: nn.Module) -> list[tuple[str, OpDispatch]]:
@@ -600,9 +605,13 @@ def attention_windows(module: nn.Module) -> list[int | None]:
 
 
 def is_causal(module: nn.Module) -> bool:
-    """Whether any block is (or may be, when decided per call) causal: the balanced layout is then used."""
-    attn = [m for _, m in dispatchers(module) if isinstance(m, AttentionDispatch)]
-    return any(m.roles.causal is None or m.roles.causal for m in attn)
+    """Whether any block is (or may be, when decided per call) causal: the balanced layout is then used (the
+    rewritten blocks' roles: found once, with the walks)."""
+    known = _CAUSAL.get(module)
+    if known is None:
+        attn = [m for _, m in dispatchers(module) if isinstance(m, AttentionDispatch)]
+        known = _CAUSAL[module] = any(m.roles.causal is None or m.roles.causal for m in attn)
+    return known
 
 
 def check_plan(module: nn.Module, plan: Plan, p: int) -> None:
