@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 
 from lightning_paradyse.modes import MODES
@@ -57,6 +59,17 @@ def test_plan_is_frozen_and_hashable() -> None:
     assert plan != parse_plan("ring", 2)
     with pytest.raises(AttributeError):
         plan.layers = ()  # type: ignore[misc]
+
+
+def test_a_plans_kept_hash_does_not_travel() -> None:
+    """A plan keeps its hash once asked; a pickled plan (sent to another process, whose string hashes differ) carries
+    its fields only and hashes anew there."""
+    plan = parse_plan("ulysses", 2)
+    hash(plan)
+    assert "_hash" in plan.__dict__
+    copy = pickle.loads(pickle.dumps(plan))
+    assert copy == plan and "_hash" not in copy.__dict__
+    assert hash(copy) == hash(plan)  # this process: the same strings, the same hash
 
 
 def test_unknown_mode_lists_known_modes() -> None:
