@@ -1,6 +1,7 @@
 """What a data-parallel step costs against DDP's: wall and CPU time per step of many identical short batches.
 
     python benchmarks/step_overhead.py [--devices 2] [--steps 60] [--repeats 3] [--layers N] [--vary] [--profile DIR]
+                                       [--calls]
 
 Every spawned process trains the quick preset's model (:meth:`benchmarks.settings.BenchSettings.quick`) for
 ``--steps`` steps on global batches of ``--rows`` rows of ``--length`` tokens, alternately with
@@ -21,6 +22,11 @@ every fit), as real data does: each batch is then a first sight for whatever the
 ``--profile DIR`` first runs one more fit of each, left out of the timings, and writes rank 0's ``cProfile`` of its
 steps after the warm-up (``DIR/<run>.prof``; read with ``python -m pstats``): where the difference goes. The
 profiler slows Python-heavy code most.
+
+``--calls`` first runs one more fit of each, left out of the timings, and prints how many Python and C function calls
+rank 0's main thread makes per step, in each part of the step (a ``sys.setprofile`` hook): a count that, unlike a
+time on a loaded machine, does not move between invocations (what a change of the step's Python saves shows here
+when the times cannot resolve it).
 """
 
 from __future__ import annotations
@@ -64,8 +70,12 @@ class StepClock(pl.Callback):
     """Wall and process CPU time at every batch start and at the end of training, the wall clock at the hooks that
     part a step (:data:`PHASES`); profiles the steps after ``warmup`` when given a profiler."""
 
-    def __init__(self, warmup: int, profiler: cProfile.Profile | None) -> None:
-        self.warmup, self.profiler = warmup, profiler
+    def __init__(self, warmup: int, profiler: cProfile.Profile | None, count_calls: bool = False) -> None:
+        self.warmup, self.profiler, self.count_calls = warmup, profiler, count_calls
+        self.calls = [0] * len(PHASES)
+        """With ``count_calls``: the Python and C calls of the main thread in each part of the steps after the
+        warm-up (:meth:`calls_per_step`)."""
+        self._phase = 0
         self.wall: list[float] = []
         self.cpu: list[float] = []
         self.marks: list[list[float]] = []
@@ -80,12 +90,20 @@ class StepClock(pl.Callback):
 
     def _mark(self) -> None:
         self.marks[-1].append(time.perf_counter())
+        self._phase = len(self.marks[-1]) - 1  # the part of the step that starts here
+
+    def _count(self, frame: Any, event: str, arg: Any) -> None:
+        if event in ("call", "c_call"):
+            self.calls[self._phase] += 1
 
     def on_train_batch_start(self, *args: Any) -> None:
         self._tick()
         self.marks.append([self.wall[-1]])
+        self._phase = 0
         if self.profiler is not None and len(self.wall) == self.warmup + 1:
             self.profiler.enable()
+        if self.count_calls and len(self.wall) == self.warmup + 1:
+            sys.setprofile(self._count)
 
     def on_before_backward(self, *args: Any) -> None:
         self._mark()
@@ -105,6 +123,14 @@ class StepClock(pl.Callback):
         self._tick()
         if self.profiler is not None:
             self.profiler.disable()
+        if self.count_calls:
+            sys.setprofile(None)
+
+    def calls_per_step(self) -> list[float]:
+        """The mean calls per step after the warm-up in each of :data:`PHASES` (the last step's "between steps" is
+        its way to the end of training)."""
+        steps = max(1, len(self.wall) - 1 - self.warmup)
+        return [n / steps for n in self.calls]
 
     def medians(self) -> tuple[float, float]:
         """Median wall and CPU seconds of the steps after the warm-up."""
@@ -134,7 +160,9 @@ class Varied(Tokens):
         return {"input_ids": window[:, :-1], "targets": window[:, 1:]}
 
 
-def _fit(run: str, args: argparse.Namespace, rank: int, world: int, store: str, profile: Path | None) -> Any:
+def _fit(
+    run: str, args: argparse.Namespace, rank: int, world: int, store: str, profile: Path | None, calls: bool = False
+) -> Any:
     from lightning.pytorch.strategies import DDPStrategy
 
     from lightning_paradyse import ParaDySeStrategy
@@ -153,7 +181,7 @@ def _fit(run: str, args: argparse.Namespace, rank: int, world: int, store: str, 
         strategy = DDPStrategy(gradient_as_bucket_view=True, timeout=timedelta(seconds=120))
         rows = args.rows // world  # each rank its share
     profiler = cProfile.Profile() if profile is not None and rank == 0 else None
-    clock = StepClock(args.warmup, profiler)
+    clock = StepClock(args.warmup, profiler, count_calls=calls and rank == 0)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world,
@@ -172,6 +200,8 @@ def _fit(run: str, args: argparse.Namespace, rank: int, world: int, store: str, 
         profiler.dump_stats(profile / f"{run}.prof")
     if dist.is_initialized():  # a strategy's teardown may have destroyed it
         dist.destroy_process_group()
+    if calls:
+        return clock.calls_per_step()
     return (*clock.medians(), clock.splits[args.warmup :], clock.phases())
 
 
@@ -183,6 +213,9 @@ def _worker(rank: int, world: int, args: argparse.Namespace, store_dir: str) -> 
 
     quiet()
     out: dict[str, list[Any]] = {run: [] for run in RUNS}
+    if args.calls:  # one more fit of each, counted, left out of the timings
+        for run in RUNS:
+            out[f"{run} calls"] = [_fit(run, args, rank, world, os.path.join(store_dir, f"calls-{run}"), None, True)]
     for k in range(-1 if args.profile else 0, args.repeats):
         for run in RUNS:  # alternated: noise hits both alike
             profile = Path(args.profile) if k < 0 else None  # a profiled fit first, left out of the timings
@@ -203,6 +236,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None, help="blocks of the model (default: the quick preset's)")
     parser.add_argument("--vary", action="store_true", help="every step its own length (see the docstring)")
     parser.add_argument("--profile", default=None, help="a folder for rank 0's cProfile of one more fit of each run")
+    parser.add_argument("--calls", action="store_true", help="count rank 0's calls per step part in one more fit each")
     args = parser.parse_args()
     if args.rows % args.devices:
         parser.error("--rows must be a multiple of --devices (DDP gives every rank the same share)")
@@ -235,6 +269,12 @@ def main() -> None:
         fits = [fit[3] for rank in per_rank for fit in rank[run]]
         parts = [statistics.median(fit[i] for fit in fits) for i in range(len(PHASES))]  # nan: no step to part
         print(f"    {run:9s}" + "".join(f"{1e3 * part:18.2f}" for part in parts))
+    if args.calls:
+        print("  Python and C calls per step on rank 0's main thread, per part (one more fit each, counted):")
+        print("    " + " " * 9 + "".join(f"{phase:>18s}" for phase in PHASES) + f"{'step':>10s}")
+        for run in RUNS:
+            counts = per_rank[0][f"{run} calls"][0]
+            print(f"    {run:9s}" + "".join(f"{n:18.0f}" for n in counts) + f"{sum(counts):10.0f}")
 
 
 if __name__ == "__main__":
