@@ -264,6 +264,8 @@ class AttentionDispatch(OpDispatch):
         for code in (program, roles.tail):  # the norms / rotary / dropout the model's own code calls
             for path in () if code is None else code.modules:
                 self.adopt(core, path)
+        # the head program's modules, read every call (a plain attribute: they stay registered where adopted)
+        self.__dict__["_program_modules"] = tuple(self.get_submodule(n) for n in (program.modules if program else ()))
         h = self.req("o_t").shape[1]
         self.spec = AttnSpec(
             h,
@@ -362,12 +364,9 @@ class AttentionDispatch(OpDispatch):
         return prepare
 
     def _prepare_params(self) -> tuple[torch.Tensor, ...]:
-        """The trainable parameters of the modules the head program calls (looked up once; read every call)."""
-        found = self.__dict__.get("_program_modules")
-        if found is None:  # a plain attribute: the modules stay registered where the program adopted them
-            names = () if self.roles.program is None else self.roles.program.modules
-            found = self.__dict__["_program_modules"] = tuple(self.get_submodule(n) for n in names)
-        return tuple(p for m in found if m._parameters or m._modules for p in m.parameters() if p.requires_grad)
+        """The trainable parameters of the modules the head program calls (parameter-less ones skipped)."""
+        modules: tuple[nn.Module, ...] = self.__dict__["_program_modules"]
+        return tuple(p for m in modules if m._parameters or m._modules for p in m.parameters() if p.requires_grad)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         x = self.roles.hidden.get(args, kwargs)
