@@ -301,6 +301,13 @@ def _check_reductions(chk: Checks, rank: int, p: int, group: Any) -> None:
     parts = [_rand(1360 + q, 2 * p + 1, 2) for q in range(p)]
     got = reduce_scatter_rows(parts[rank], sizes, group)
     chk.close(got, sum(parts)[off[rank] : off[rank + 1]], "reduce_scatter_rows uneven")
+    # every rank holds the same bits of a sum (the pairwise path adds in rank order on every rank)
+    for numel in (5, comm.PAIRWISE_ALL_REDUCE_BYTES // 8 + 1):  # a small one and one past the pairwise threshold
+        mine = _rand(1370 + rank, numel)
+        total = all_reduce_sum(mine, group)
+        chk.close(total, sum(_rand(1370 + q, numel) for q in range(p)), f"all_reduce_sum of {numel}")
+        every = all_gather_rows(total.view(1, -1), [1] * p, group)  # [1, n] -> [p, n]
+        chk.true(all(torch.equal(every[0], row) for row in every), f"all_reduce_sum of {numel} differs between ranks")
     try:  # a shard of the wrong size is refused on every rank, before the all-gather
         all_gather_rows(torch.zeros(sizes[rank] + 1, 2), sizes, group)
         chk.true(False, "all_gather_rows accepted a shard of the wrong size")
@@ -600,6 +607,9 @@ COLLECTIVE_CHECKS = {
 MODEL_WORLDS = (2, 3)
 STAGED_CHECKS = ("ring_shift", "ring_pass", "ring_dtype", "ring_window")
 """Ring hops staged through host memory (what gloo groups of ranks sharing one GPU run): forced on CPU here."""
+PAIRWISE_CHECKS = ("reductions", "gather_scatter_seq", "gather_weight")
+"""Checks of collectives that host tensors of a gloo group run through one all-to-all (``comm.PAIRWISE``): run again
+through the backend's own all-gather, reduce-scatter and all-reduce (what GPU tensors take)."""
 
 
 def _staged(fn: Callable[..., None]) -> Callable[..., None]:
@@ -613,6 +623,17 @@ def _staged(fn: Callable[..., None]) -> Callable[..., None]:
     return run
 
 
+def _ringed(fn: Callable[..., None]) -> Callable[..., None]:
+    def run(*args: Any) -> None:
+        comm.PAIRWISE = False
+        try:
+            fn(*args)
+        finally:
+            comm.PAIRWISE = None
+
+    return run
+
+
 def _worker(rank: int, world: int) -> dict[str, Any]:
     torch.manual_seed(1234)
     chk = Checks(rank)
@@ -621,6 +642,8 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
         chk.run(name, fn, rank, world, group)
     for name in STAGED_CHECKS:
         chk.run(f"{name}_staged", _staged(COLLECTIVE_CHECKS[name]), rank, world, group)
+    for name in PAIRWISE_CHECKS:
+        chk.run(f"{name}_ringed", _ringed(COLLECTIVE_CHECKS[name]), rank, world, group)
     if world in MODEL_WORLDS:
         chk.run("parameters_untouched", _check_parameters_untouched, rank, world, group)
     return chk.result()
@@ -692,6 +715,14 @@ def test_all_to_all_rows(world: int) -> None:
 @WORLDS
 def test_reductions_and_row_primitives(world: int) -> None:
     _assert_check(world, "reductions")
+
+
+@WORLDS
+@pytest.mark.parametrize("name", PAIRWISE_CHECKS)
+def test_backend_collectives_where_not_pairwise(world: int, name: str) -> None:
+    """The backend's own all-gather, reduce-scatter and all-reduce (GPU tensors) move the same values as the one
+    all-to-all that host tensors of a gloo group take."""
+    _assert_check(world, f"{name}_ringed")
 
 
 @WORLDS
