@@ -316,14 +316,14 @@ PAIRWISE: bool | None = None
 (see the module docstring); ``True``/``False`` force it (tests)."""
 
 
-def _pairwise(x: torch.Tensor, group: dist.ProcessGroup) -> bool:
+def _pairwise(x: torch.Tensor, group: Group) -> bool:
     """Whether ``x``'s collectives on ``group`` go through one all-to-all (:data:`PAIRWISE`)."""
     if PAIRWISE is not None:
         return PAIRWISE
     return x.device.type == "cpu" and dist.get_backend(group) == "gloo"
 
 
-def _gather_into(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup) -> None:
+def _gather_into(out: torch.Tensor, x: torch.Tensor, group: Group) -> None:
     """Every rank's ``x`` (``[n, ...]``, contiguous) into ``out`` (``[p n, ...]``) in rank order."""
     if not _pairwise(x, group):
         _all_gather_single(out, x, group=group)
@@ -332,7 +332,7 @@ def _gather_into(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup) -
     dist.all_to_all_single(out, torch.cat([x] * p), group=group)  # [n, ...] to every rank -> [p n, ...]
 
 
-def _scatter_sum_into(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup) -> None:
+def _scatter_sum_into(out: torch.Tensor, x: torch.Tensor, group: Group) -> None:
     """The sum over ranks of their rows ``r n : (r + 1) n`` of ``x`` (``[p n, ...]``, contiguous) into ``out``
     (``[n, ...]``) on rank ``r``."""
     if not _pairwise(x, group):
