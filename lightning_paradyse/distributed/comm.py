@@ -321,8 +321,8 @@ sends ``2 (P - 1) / P`` of the tensor where the gather sends ``P - 1`` of it."""
 
 
 PAIRWISE: bool | None = None
-"""Row collectives and small all-reduces through one all-to-all: ``None`` (default) for host tensors of a gloo group
-(see the module docstring); ``True``/``False`` force it (tests)."""
+"""Row collectives, reductions to one rank and small all-reduces through one all-to-all: ``None`` (default) for host
+tensors of a gloo group (see the module docstring); ``True``/``False`` force it (tests)."""
 
 
 def _pairwise(x: torch.Tensor, group: Group) -> bool:
