@@ -304,8 +304,9 @@ def all_reduce_sum(x: torch.Tensor, group: Group) -> torch.Tensor:
     if group_size(group) == 1:
         return x
     p = group_size(group)
-    _record("all_reduce", 2 * _nbytes(x.numel(), x.dtype) * (p - 1) / p)
-    if _pairwise(x, group) and _nbytes(x.numel(), x.dtype) * (p - 1) <= PAIRWISE_ALL_REDUCE_BYTES:
+    nbytes = x.numel() * x.element_size()
+    _record("all_reduce", 2 * nbytes * (p - 1) / p)
+    if _pairwise(x, group) and nbytes * (p - 1) <= PAIRWISE_ALL_REDUCE_BYTES:
         every = x.new_empty((p, *x.shape))  # [p, ...]
         _gather_into(every, x.detach().reshape(1, *x.shape).contiguous(), group)  # [1, ...] -> [p, ...]
         return _sum_in_rank_order(every)  # the same additions on every rank: the same bits

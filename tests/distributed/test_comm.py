@@ -612,24 +612,15 @@ PAIRWISE_CHECKS = ("reductions", "gather_scatter_seq", "gather_weight")
 through the backend's own all-gather, reduce-scatter and all-reduce (what GPU tensors take)."""
 
 
-def _staged(fn: Callable[..., None]) -> Callable[..., None]:
+def _forcing(switch: str, value: bool, fn: Callable[..., None]) -> Callable[..., None]:
+    """``fn`` run with ``comm.<switch>`` forced to ``value`` (back to ``None``, the default, after)."""
+
     def run(*args: Any) -> None:
-        comm.STAGE_P2P = True
+        setattr(comm, switch, value)
         try:
             fn(*args)
         finally:
-            comm.STAGE_P2P = None
-
-    return run
-
-
-def _ringed(fn: Callable[..., None]) -> Callable[..., None]:
-    def run(*args: Any) -> None:
-        comm.PAIRWISE = False
-        try:
-            fn(*args)
-        finally:
-            comm.PAIRWISE = None
+            setattr(comm, switch, None)
 
     return run
 
@@ -641,9 +632,9 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     for name, fn in COLLECTIVE_CHECKS.items():
         chk.run(name, fn, rank, world, group)
     for name in STAGED_CHECKS:
-        chk.run(f"{name}_staged", _staged(COLLECTIVE_CHECKS[name]), rank, world, group)
+        chk.run(f"{name}_staged", _forcing("STAGE_P2P", True, COLLECTIVE_CHECKS[name]), rank, world, group)
     for name in PAIRWISE_CHECKS:
-        chk.run(f"{name}_ringed", _ringed(COLLECTIVE_CHECKS[name]), rank, world, group)
+        chk.run(f"{name}_ringed", _forcing("PAIRWISE", False, COLLECTIVE_CHECKS[name]), rank, world, group)
     if world in MODEL_WORLDS:
         chk.run("parameters_untouched", _check_parameters_untouched, rank, world, group)
     return chk.result()
