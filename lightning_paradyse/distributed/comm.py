@@ -21,10 +21,12 @@ Torch 2.11 (what GPU images ship) names two collectives differently (``all_gathe
 the installed torch has. Point-to-point hops of gloo groups on CUDA tensors (several ranks sharing one GPU,
 for tests and checks) are staged through host memory: gloo's send/recv of CUDA tensors crashes.
 
-On host tensors of a gloo group the row collectives, reductions to one rank and small all-reduces go through one
-all-to-all (:func:`_pairwise`): gloo's all-gather, reduce-scatter, reduce and all-reduce are rings of dependent hops,
-each a wake-up of the next rank's thread, where its all-to-all posts every pair at once (2-4x faster at 4 ranks on 2
-cores; sums are then added in rank order, the same bits on every rank).
+Small collectives of host tensors on a gloo group (flags, digests, losses, times: at most :data:`PAIRWISE_BYTES` of
+buffers of their own) go through one all-to-all (:func:`_pairwise`): gloo's all-gather, reduce-scatter, reduce and
+all-reduce are rings of dependent hops, each a wake-up of the next rank's thread, where its all-to-all posts every pair
+at once (2-4x faster at 4 ranks on 2 cores; sums are then added in rank order, the same bits on every rank). Larger
+ones keep the backend's: the all-to-all needs a ``[p n]`` buffer beside the result, which the memory model does not
+count and gloo may hold past the call.
 
 ``CommCounter`` records the bytes each rank sends, counted as the volume of the bandwidth-optimal
 algorithm (ring all-gather / reduce-scatter / pipelined broadcast), which is what the communication
@@ -286,7 +288,7 @@ def reduce_to(x: torch.Tensor, dst: int, group: Group) -> torch.Tensor:
         return x
     assert group is not None
     _record("reduce", _nbytes(x.numel(), x.dtype) * (p - 1) / p)
-    if _pairwise(x, group):  # every rank's x to dst in one all-to-all, summed there in rank order
+    if _pairwise(x, group, p * x.numel() * x.element_size()):  # every rank's x to dst, summed there in rank order
         n, mine = x.numel(), group_rank(group) == dst
         got = x.new_empty((p * n if mine else 0,))  # [p n] on dst, [0] elsewhere
         sent = [n if j == dst else 0 for j in range(p)]
@@ -306,7 +308,7 @@ def all_reduce_sum(x: torch.Tensor, group: Group) -> torch.Tensor:
     p = group_size(group)
     nbytes = x.numel() * x.element_size()
     _record("all_reduce", 2 * nbytes * (p - 1) / p)
-    if _pairwise(x, group) and nbytes * (p - 1) <= PAIRWISE_ALL_REDUCE_BYTES:
+    if _pairwise(x, group, p * nbytes):
         every = x.new_empty((p, *x.shape))  # [p, ...]
         _gather_into(every, x.detach().reshape(1, *x.shape).contiguous(), group)  # [1, ...] -> [p, ...]
         return _sum_in_rank_order(every)  # the same additions on every rank: the same bits
@@ -315,27 +317,27 @@ def all_reduce_sum(x: torch.Tensor, group: Group) -> torch.Tensor:
     return buf
 
 
-PAIRWISE_ALL_REDUCE_BYTES = 1 << 16
-"""An all-reduce of host tensors on a gloo group is an all-gather (one all-to-all) and a sum in rank order on every
-rank while that sends at most this many bytes per rank (flags, losses, times); larger ones keep gloo's ring, which
-sends ``2 (P - 1) / P`` of the tensor where the gather sends ``P - 1`` of it."""
+PAIRWISE_BYTES = 1 << 12
+"""The most bytes of buffers of its own (the ``[p n]`` copies it sends or receives) a collective of host tensors on a
+gloo group may take to run as one all-to-all (:func:`_pairwise`); beyond, the backend's own collective."""
 
 
 PAIRWISE: bool | None = None
-"""Row collectives, reductions to one rank and small all-reduces through one all-to-all: ``None`` (default) for host
-tensors of a gloo group (see the module docstring); ``True``/``False`` force it (tests)."""
+"""Small collectives through one all-to-all: ``None`` (default) for host tensors of a gloo group up to
+:data:`PAIRWISE_BYTES` (see the module docstring); ``True``/``False`` force it, whatever the size (tests)."""
 
 
-def _pairwise(x: torch.Tensor, group: Group) -> bool:
-    """Whether ``x``'s collectives on ``group`` go through one all-to-all (:data:`PAIRWISE`)."""
+def _pairwise(x: torch.Tensor, group: Group, buffer_bytes: int) -> bool:
+    """Whether a collective of ``x`` on ``group`` whose all-to-all would take ``buffer_bytes`` of buffers of its own
+    goes through one all-to-all (:data:`PAIRWISE`, :data:`PAIRWISE_BYTES`)."""
     if PAIRWISE is not None:
         return PAIRWISE
-    return x.device.type == "cpu" and dist.get_backend(group) == "gloo"
+    return buffer_bytes <= PAIRWISE_BYTES and x.device.type == "cpu" and dist.get_backend(group) == "gloo"
 
 
 def _gather_into(out: torch.Tensor, x: torch.Tensor, group: Group) -> None:
     """Every rank's ``x`` (``[n, ...]``, contiguous) into ``out`` (``[p n, ...]``) in rank order."""
-    if not _pairwise(x, group):
+    if not _pairwise(x, group, out.numel() * out.element_size()):
         _all_gather_single(out, x, group=group)
         return
     p = group_size(group)
@@ -345,7 +347,7 @@ def _gather_into(out: torch.Tensor, x: torch.Tensor, group: Group) -> None:
 def _scatter_sum_into(out: torch.Tensor, x: torch.Tensor, group: Group) -> None:
     """The sum over ranks of their rows ``r n : (r + 1) n`` of ``x`` (``[p n, ...]``, contiguous) into ``out``
     (``[n, ...]``) on rank ``r``."""
-    if not _pairwise(x, group):
+    if not _pairwise(x, group, x.numel() * x.element_size()):
         _reduce_scatter_single(out, x, group=group)
         return
     p = group_size(group)

@@ -302,7 +302,7 @@ def _check_reductions(chk: Checks, rank: int, p: int, group: Any) -> None:
     got = reduce_scatter_rows(parts[rank], sizes, group)
     chk.close(got, sum(parts)[off[rank] : off[rank + 1]], "reduce_scatter_rows uneven")
     # every rank holds the same bits of a sum (the pairwise path adds in rank order on every rank)
-    for numel in (5, comm.PAIRWISE_ALL_REDUCE_BYTES // 8 + 1):  # a small one and one past the pairwise threshold
+    for numel in (5, comm.PAIRWISE_BYTES // 8 + 1):  # a small one and one past the pairwise threshold
         mine = _rand(1370 + rank, numel)
         total = all_reduce_sum(mine, group)
         chk.close(total, sum(_rand(1370 + q, numel) for q in range(p)), f"all_reduce_sum of {numel}")
