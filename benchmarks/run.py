@@ -3,7 +3,7 @@
 Usage::
 
     python benchmarks/run.py                     # the full benchmark (under 30 minutes on 2 CPU cores)
-    python benchmarks/run.py --quick --out q.json  # the smoke run (under 3 minutes)
+    python benchmarks/run.py --quick             # the smoke run (under 3 minutes), into benchmarks/results/quick/
 
 It spawns ``--devices`` processes (gloo on CPU with one thread each; NCCL with one GPU each when CUDA is
 available: the same command), trains the same LightningModule under every run on the same global batches of
@@ -33,13 +33,21 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 from benchmarks.settings import ALL_RUNS, TRACE_KINDS, BenchSettings, TraceSettings
 
 RESULTS = Path(__file__).resolve().parent / "results"
+QUICK_RESULTS = RESULTS / "quick"
+"""Where ``--quick`` writes without ``--out`` (ignored by git: the committed results are the full run's)."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smoke run: tiny model and trace, five runs")
-    p.add_argument("--out", type=Path, default=None, help="JSON output (default benchmarks/results/results.json)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="JSON output (default benchmarks/results/results.json; with --quick "
+        "benchmarks/results/quick/results.json, which git ignores: a smoke run leaves the committed results alone)",
+    )
     p.add_argument("--plots", type=Path, default=None, help="folder of the PNG plots (default: next to --out)")
     p.add_argument("--no-plots", action="store_true", help="do not draw plots")
     p.add_argument("--devices", type=int, default=None, help="processes (default: GPUs if any, else 2)")
@@ -214,11 +222,17 @@ def header(report: dict[str, Any]) -> str:
     )
 
 
+def output_path(args: argparse.Namespace) -> Path:
+    """The JSON file to write: ``--out``, else the full run's committed results or, for ``--quick``, a folder git
+    ignores."""
+    return args.out or (QUICK_RESULTS if args.quick else RESULTS) / "results.json"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and write the JSON, the Markdown report and the plots."""
     args = parse_args(argv)
     settings = settings_from(args)
-    out = args.out or RESULTS / "results.json"
+    out = output_path(args)
     out.parent.mkdir(parents=True, exist_ok=True)
     report, traces = run_benchmark(settings, out.parent)
     out.write_text(json.dumps(report, indent=1, default=str))
