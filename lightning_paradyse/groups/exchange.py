@@ -48,6 +48,7 @@ from lightning_paradyse.distributed.comm import (
     collective_device,
     group_rank,
     group_size,
+    polled,
     reduce_dtype,
     synchronize,
 )
@@ -327,7 +328,8 @@ def gather_whole(module: nn.Module, world: Group, header: torch.Tensor) -> tuple
     with torch.no_grad():
         message = torch._utils._flatten_dense_tensors([packed, *bucket.params])  # [t + numel/P]: model order
         sizes = [t + n for n in bucket.received]  # rank i's header and shards
-        got = all_gather_rows(message, sizes, world)  # [t + numel/P] -> [P t + numel]
+        with polled():  # every rank reaches it together
+            got = all_gather_rows(message, sizes, world)  # [t + numel/P] -> [P t + numel]
         if len(set(sizes)) == 1:  # every rank's shards alike (rows divisible by P): one copy per piece
             rows = got.view(p, sizes[0])  # [P t + numel] -> [P, t + numel/P]
             headers = rows[:, :t].contiguous().view(torch.uint8).view(torch.int64)  # [P, k]
@@ -366,7 +368,8 @@ def enter_group(module: nn.Module, world: Group, sizes: Sequence[int], whole: Wh
                     for route in routes
                     for (_, w, _), spans in zip(route.pieces, route.ex.sends)
                 ]  # destination rank, then model order, then the op's pieces
-                recv = all_to_all_rows(torch.cat(send), bucket.sent, bucket.received, world)  # [numel] -> [numel']
+                with polled():
+                    recv = all_to_all_rows(torch.cat(send), bucket.sent, bucket.received, world)  # [numel] -> [numel']
                 moved = _assembled(routes, torch.split(recv, list(bucket.received)))  # [rows/g, ...] per op, piece
         source = moved if whole is None else whole
         for op, (key, name), w, (lo, hi) in zip(bucket.ops, bucket.keys, bucket.params, bucket.wanted):
@@ -530,7 +533,8 @@ def _return_grads(
                 send.append(tail)
         in_sizes = [n + t for n in bucket.received]
         out_sizes = [n + t for n in bucket.sent]
-        recv = all_to_all_rows(torch.cat(send), in_sizes, out_sizes, world)  # [numel' + p t] -> [numel + p t]
+        with polled():
+            recv = all_to_all_rows(torch.cat(send), in_sizes, out_sizes, world)  # [numel' + p t] -> [numel + p t]
         if read_whole:
             return _sum_whole(bucket, recv.view(p, -1), t)  # [numel + p t] -> [p, numel/p + t]
         sums: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # shard -> its gradient, summed in reduce_dtype
@@ -570,7 +574,8 @@ def _return_even(
         parts.append(tail.reshape(1, -1).expand(p, t))  # [t] -> [P, t]: the tail to every rank
     send = torch.cat(parts, dim=1)  # [P, numel/P + t]: owner rank, then model order, then the tail
     width = send.shape[1]
-    recv = all_to_all_rows(send.view(-1), [width] * p, [width] * p, world)  # [P width] -> [P width]
+    with polled():
+        recv = all_to_all_rows(send.view(-1), [width] * p, [width] * p, world)  # [P width] -> [P width]
     return _sum_whole(bucket, recv.view(p, width), t)  # [P width] -> [P, width]
 
 

@@ -47,7 +47,14 @@ import torch.nn as nn
 from torch import Tensor
 
 from lightning_paradyse.cost.dims import dims_from_module
-from lightning_paradyse.distributed.comm import Group, all_gather_rows, collective_device, group_size, synchronize
+from lightning_paradyse.distributed.comm import (
+    Group,
+    all_gather_rows,
+    collective_device,
+    group_size,
+    polled,
+    synchronize,
+)
 from lightning_paradyse.distributed.devices import to_device
 from lightning_paradyse.groups import solver
 from lightning_paradyse.groups.cost import (
@@ -468,7 +475,9 @@ class GroupRunner:
             every, self._whole = gather_whole(self._module, self._world, mine)  # [k] -> [p, k]
             return every.tolist()  # type: ignore[no-any-return]
         mine = to_device(mine.view(1, -1), collective_device(self._world))  # [k] -> [1, k]
-        return all_gather_rows(mine, [1] * p, self._world).tolist()  # type: ignore[no-any-return]  # [1, k] -> [p, k]
+        with polled():  # every rank reaches it together
+            every = all_gather_rows(mine, [1] * p, self._world)  # [1, k] -> [p, k]
+        return every.tolist()  # type: ignore[no-any-return]
 
     def enter(self, step: GroupStep) -> None:
         """This rank's ``1/g`` shards (a collective over every rank; none when ``step.reuse``, or when the

@@ -436,6 +436,7 @@ class ParaDySeStrategy(ParallelStrategy):
         self._trainer = trainer
         self.accelerator.setup(trainer)
         comm.GRAD_REDUCE_DTYPE = torch.float32 if self.options.grad_reduce_dtype == "float32" else None
+        comm.HOST_SPIN_S = comm.host_spin_seconds(self.root_device, self.num_processes)  # reset at teardown
         self.precision_plugin.convert_module(self._module)
         self._parallelize()  # rank 0's weights broadcast bucket by bucket, then each rank keeps its shards
         self.model_to_device()  # only the shards and the replicated parameters reach the GPU
@@ -828,6 +829,7 @@ class ParaDySeStrategy(ParallelStrategy):
         self.cycle.reports_loss, self._result_cls = False, None
         super().teardown()
         comm.GRAD_REDUCE_DTYPE = torch.float32  # the process-wide default again (set from the option at setup)
+        comm.HOST_SPIN_S = 0.0
         self._destroy_group()
 
     def _destroy_group(self) -> None:

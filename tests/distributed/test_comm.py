@@ -625,6 +625,25 @@ def _forcing(switch: str, value: bool, fn: Callable[..., None]) -> Callable[...,
     return run
 
 
+POLLED_CHECKS = ("reductions", "all_to_all", "gather_weight")
+"""Checks run again waiting by polling (``comm.polled`` with ``comm.HOST_SPIN_S`` set, what a data-parallel step's
+exchanges do on the host): the same values."""
+
+
+def _polling(fn: Callable[..., None]) -> Callable[..., None]:
+    """``fn`` run inside ``comm.polled()`` with ``comm.HOST_SPIN_S`` at its limit (back to ``0`` after)."""
+
+    def run(*args: Any) -> None:
+        comm.HOST_SPIN_S = comm.SPIN_LIMIT_S
+        try:
+            with comm.polled():
+                fn(*args)
+        finally:
+            comm.HOST_SPIN_S = 0.0
+
+    return run
+
+
 def _worker(rank: int, world: int) -> dict[str, Any]:
     torch.manual_seed(1234)
     chk = Checks(rank)
@@ -635,6 +654,8 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
         chk.run(f"{name}_staged", _forcing("STAGE_P2P", True, COLLECTIVE_CHECKS[name]), rank, world, group)
     for name in PAIRWISE_CHECKS:
         chk.run(f"{name}_ringed", _forcing("PAIRWISE", False, COLLECTIVE_CHECKS[name]), rank, world, group)
+    for name in POLLED_CHECKS:
+        chk.run(f"{name}_polled", _polling(COLLECTIVE_CHECKS[name]), rank, world, group)
     if world in MODEL_WORLDS:
         chk.run("parameters_untouched", _check_parameters_untouched, rank, world, group)
     return chk.result()
@@ -714,6 +735,56 @@ def test_backend_collectives_where_not_pairwise(world: int, name: str) -> None:
     """The backend's own all-gather, reduce-scatter and all-reduce (GPU tensors) move the same values as the one
     all-to-all that host tensors of a gloo group take."""
     _assert_check(world, f"{name}_ringed")
+
+
+@WORLDS
+@pytest.mark.parametrize("name", POLLED_CHECKS)
+def test_collectives_waited_for_by_polling(world: int, name: str) -> None:
+    """Waiting by polling (a data-parallel step's exchanges on the host) moves the same values as blocking."""
+    _assert_check(world, f"{name}_polled")
+
+
+class _Work:
+    """A collective in flight that completes after ``polls`` polls."""
+
+    def __init__(self, polls: int) -> None:
+        self.polls, self.asked, self.waited = polls, 0, False
+
+    def is_completed(self) -> bool:
+        self.asked += 1
+        return self.asked > self.polls
+
+    def wait(self) -> bool:
+        self.waited = True
+        return True
+
+
+def test_only_the_exchanges_poll_and_only_where_each_rank_has_a_core() -> None:
+    """Polling happens inside ``polled()`` on host tensors with ``HOST_SPIN_S`` set, else the backend's wait at once;
+    the strategy sets ``HOST_SPIN_S`` only for host ranks that each can have a core."""
+    host = torch.zeros(1)
+    comm.HOST_SPIN_S = 1.0
+    try:
+        work = _Work(polls=3)
+        comm._settle(work, host)  # outside polled(): blocks at once
+        assert work.asked == 0 and work.waited
+        with comm.polled():
+            work = _Work(polls=3)
+            comm._settle(work, host)
+            assert work.asked == 4 and work.waited  # polled until complete, then the backend's wait
+        work = _Work(polls=3)
+        comm._settle(work, host)  # polled() left: blocking again
+        assert work.asked == 0
+    finally:
+        comm.HOST_SPIN_S = 0.0
+    with comm.polled():
+        work = _Work(polls=3)
+        comm._settle(work, host)  # nothing set (the default, a GPU run): blocks at once
+        assert work.asked == 0 and work.waited
+    cpu = torch.device("cpu")
+    assert comm.host_spin_seconds(cpu, 1) == comm.SPIN_LIMIT_S
+    assert comm.host_spin_seconds(cpu, 10_000) == 0.0  # more ranks than cores: a polling rank would take a core
+    assert comm.host_spin_seconds(torch.device("cuda", 0), 1) == 0.0
 
 
 @WORLDS

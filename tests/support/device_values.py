@@ -204,9 +204,11 @@ def _written(func: Any, args: Any, kwargs: dict[str, Any]) -> list[torch.Tensor]
 
 
 def _in_collective() -> bool:
-    """Whether torch's collectives are on the stack."""
+    """Whether torch's collectives, or the package's wait for one (``comm._settle``: gloo finishes a collective
+    inside its wait), are on the stack."""
     return any(
         frame.filename.endswith(("distributed_c10d.py", "_functional_collectives.py"))
+        or (frame.name == "_settle" and frame.filename.endswith(os.path.join("distributed", "comm.py")))
         for frame in traceback.extract_stack()
     )
 
