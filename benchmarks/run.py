@@ -77,6 +77,11 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
     search = replace(base.search, cap=args.search_cap) if args.search_cap is not None else None
     devices = args.devices or _default_devices()
     budget = parse_memory_budget(args.budget) if args.budget else None
+    if args.profile and not Path(args.profile).is_file():  # before any process starts, not once per run and probe
+        raise SystemExit(
+            f"run.py: --profile {args.profile}: no such file; give a saved cost profile (a full run writes one to "
+            "benchmarks/results/profile.json) or leave --profile out to calibrate one now"
+        )
     return base.with_overrides(
         traces=traces,
         runs=runs,

@@ -22,7 +22,7 @@ import pytest
 from benchmarks.instrument import collective_bytes
 from benchmarks.plots import matplotlib_available
 from benchmarks.report import best, model_flops
-from benchmarks.run import QUICK_RESULTS, RESULTS, output_path, parse_args
+from benchmarks.run import QUICK_RESULTS, RESULTS, output_path, parse_args, settings_from
 from benchmarks.runs import BenchLM, run_spec
 from benchmarks.settings import QUICK_RUNS, BenchSettings, ModelSettings
 from benchmarks.step_overhead import PHASES
@@ -169,13 +169,16 @@ def test_runs_settings_and_helpers() -> None:
 
 
 def test_a_quick_run_leaves_the_committed_results_alone(tmp_path: Path) -> None:
-    """Without ``--out`` the smoke run writes into a folder git ignores; the full run into the committed results."""
+    """Without ``--out`` the smoke run writes into a folder git ignores; the full run into the committed results. A
+    missing ``--profile`` stops the harness before it starts."""
     assert output_path(parse_args(["--quick"])) == QUICK_RESULTS / "results.json"
     assert output_path(parse_args([])) == RESULTS / "results.json"
     assert output_path(parse_args(["--quick", "--out", str(tmp_path / "q.json")])) == tmp_path / "q.json"
     ignored = subprocess.run(
         ["git", "check-ignore", "-q", str(QUICK_RESULTS / "results.json")], cwd=RESULTS.parent.parent, check=False
     )
+    with pytest.raises(SystemExit, match="no such file"):  # before any process starts
+        settings_from(parse_args(["--quick", "--profile", str(tmp_path / "missing.json")]))
     if ignored.returncode == 128:  # not a git checkout (an unpacked archive): nothing to ask
         pytest.skip("not a git checkout")
     assert ignored.returncode == 0, "benchmarks/results/quick/ must be ignored by git (.gitignore)"
