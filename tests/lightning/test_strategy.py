@@ -293,20 +293,27 @@ def rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
 
-def assert_same_training(got: dict[str, Any], ref: dict[str, Any], name: str, steps: slice = slice(None)) -> None:
-    """Per-step losses within LOSS_TOL and every final weight within WEIGHT_TOL of the reference."""
+def assert_same_training(
+    got: dict[str, Any],
+    ref: dict[str, Any],
+    name: str,
+    steps: slice = slice(None),
+    tolerances: tuple[float, float] = (LOSS_TOL, WEIGHT_TOL),
+) -> None:
+    """Per-step losses and every final weight within ``tolerances`` (loss, weight; float32's by default) of the
+    reference."""
     losses, ref_losses = got["losses"], ref["losses"][steps]
     assert len(losses) == len(ref_losses), f"{name}: {len(losses)} steps, reference {len(ref_losses)}"
     errs = [rel(a, b) for a, b in zip(losses, ref_losses)]
-    assert max(errs) <= LOSS_TOL, f"{name}: loss relative errors {errs} (losses {losses} vs {ref_losses})"
-    assert_same_weights(got["state"], ref["state"], name)
+    assert max(errs) <= tolerances[0], f"{name}: loss relative errors {errs} (losses {losses} vs {ref_losses})"
+    assert_same_weights(got["state"], ref["state"], name, tolerances[1])
 
 
-def assert_same_weights(state: dict[str, Tensor], ref: dict[str, Tensor], name: str) -> None:
+def assert_same_weights(state: dict[str, Tensor], ref: dict[str, Tensor], name: str, tol: float = WEIGHT_TOL) -> None:
     assert set(state) == set(ref), f"{name}: state keys differ: {sorted(set(state) ^ set(ref))}"
     for key, value in ref.items():
         err = float((state[key].double() - value.double()).abs().max() / value.double().abs().max().clamp_min(1e-6))
-        assert err <= WEIGHT_TOL, f"{name}: {key} differs from the single-process run (relative error {err:.2e})"
+        assert err <= tol, f"{name}: {key} differs from the single-process run (relative error {err:.2e})"
 
 
 SUM_ACCUMULATE = Scenario(
