@@ -11,12 +11,15 @@ touches is searched once), *after the setup's warm-up* (fresh planners that plan
 buckets, as the strategy's setup does: what the first steps of a fit pay), and *warm* (the same decision again:
 what a shape seen before pays), with the warm-up's own time (paid once, at setup). Prints one line per world size
 and row count. ``--traces`` replays the full benchmark's traces instead, batch by batch as one fit decides them,
-and prints each trace's mean, median and largest decision time a step.
+and prints each trace's mean, median and largest decision time a step, and how much of all of it Python's garbage
+collector took (a full collection walks every object of this small process: 50-170 ms on this repository's CPU
+machine, one or two of them a trace; a training process holds more objects and collects in full more rarely).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import statistics
 import sys
@@ -99,13 +102,38 @@ def decision_seconds(world: int, rows: int, cluster: str, budget: int, seed: int
     return out
 
 
-def trace_seconds(world: int, trace: Trace, cluster: str, budget: int) -> list[float]:
+class CollectorClock:
+    """Seconds Python's cyclic garbage collector ran while :attr:`on` (``gc.callbacks``): a full collection walks
+    every object of the process, and one that lands in a decision is counted in its time."""
+
+    def __init__(self) -> None:
+        self.seconds, self.on, self._start = 0.0, False, 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self.on:
+            self.seconds += time.perf_counter() - self._start
+
+    def __enter__(self) -> CollectorClock:
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self)
+
+
+def trace_seconds(world: int, trace: Trace, cluster: str, budget: int) -> tuple[list[float], float]:
     """Seconds of every step's decision over a trace's global batches, as one fit makes them on a rank: planners
-    warmed at setup, then each batch in training order (first sights and shapes seen before, as they come)."""
+    warmed at setup, then each batch in training order (first sights and shapes seen before, as they come); and the
+    seconds of them the garbage collector took (:class:`CollectorClock`)."""
     planner_for = planners(ModelSettings().config(), cluster, budget)
     warm(world, planner_for)
     decide = decider(world, planner_for)
-    return [decide(trace.batch_lengths(step)) for step in range(len(trace.batches))]
+    with CollectorClock() as collector:
+        collector.on = True
+        times = [decide(trace.batch_lengths(step)) for step in range(len(trace.batches))]
+    return times, collector.seconds
 
 
 def main() -> None:
@@ -123,12 +151,13 @@ def main() -> None:
         for world in args.world:
             for settings in full.traces:
                 trace = build_trace(settings, world, full.batch_tokens)
-                times = [1e3 * t for t in trace_seconds(world, trace, args.cluster, args.budget_mib * 2**20)]
+                seconds, collected = trace_seconds(world, trace, args.cluster, args.budget_mib * 2**20)
+                times, collected = [1e3 * t for t in seconds], 1e3 * collected
                 rows = [len(b) for b in trace.batches]
                 print(
                     f"{world} ranks, {trace.name:7s} ({len(times)} steps of {min(rows)}-{max(rows)} rows): mean "
                     f"{statistics.fmean(times):6.1f} ms, median {statistics.median(times):6.1f} ms, max "
-                    f"{max(times):6.1f} ms a step"
+                    f"{max(times):6.1f} ms a step; of all, {collected:5.1f} ms in the garbage collector"
                 )
         return
     for world in args.world:

@@ -250,15 +250,17 @@ def test_every_trace_of_both_presets_is_built_for_2_4_and_8_processes(world: int
 
 
 def test_decision_times_replay_a_trace_as_a_fit_decides_it() -> None:
-    """``decision_time.py --traces``: one decision a global batch of the trace, planners warmed as at setup."""
+    """``decision_time.py --traces``: one decision a global batch of the trace, planners warmed as at setup, and the
+    seconds of them the garbage collector took."""
     from benchmarks.decision_time import trace_seconds
     from benchmarks.settings import TraceSettings
     from benchmarks.workload import build_trace
 
     cluster = str(Path(__file__).resolve().parents[1] / "configs" / "clusters" / "h100-80gb-nvlink-8.yaml")
     trace = build_trace(TraceSettings("github", n=24, max_len=512, seed=1), 2, 1024)
-    times = trace_seconds(2, trace, cluster, 64 * 2**20)
+    times, collected = trace_seconds(2, trace, cluster, 64 * 2**20)
     assert len(times) == len(trace.batches) > 1 and all(t > 0 for t in times)
+    assert 0 <= collected <= sum(times)
 
 
 @pytest.mark.dist

@@ -349,10 +349,15 @@ def _row(
     The best end is next to the crossing: the first ``e`` where the group's run costs at least as much as the groups
     after it. With ``starts`` ascending the crossing never moves back (a later start runs shorter, fewer rows: by
     the cost's monotonicity it reaches ``after[e]`` no earlier), so one sweep finds every start's: what a bisection
-    per start finds, in about ``3 n`` costs looked up instead of ``n log n``."""
+    per start finds, in about ``3 n`` costs looked up instead of ``n log n``. The last group (``later == 0``) runs
+    every row left, whatever its start: its starts are taken from the last, fewer and shorter rows first, so that a
+    cost which rules out a shape by one that did not fit (a group of one rank's planner: longer rows, more rows)
+    answers the ones before it without a search."""
     best, cut = [math.inf] * (n + 1), [n] * (n + 1)
     first, last = (1, later) if all_busy else (0, 0)  # each later group needs a row
     e = 0
+    if later == 0:  # every start's run is the rows left, in any order: the shortest first (see the docstring)
+        starts = list(starts)[::-1]
     for i in starts:
         lo, hi = (n if later == 0 else i + first), n - last  # the last group takes every row left
         if lo > hi:

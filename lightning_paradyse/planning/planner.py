@@ -16,7 +16,9 @@ once per bucket. Batches of ``b`` sequences are bucketed alike, by the next powe
 planned for its own length and the upper end of its *fine* row bucket (the power-of-two bucket cut in
 eight), or for the most rows of its fine bucket that fit: shapes near the budget share a few searches,
 and a shape is found feasible exactly when its own search would find it so. Lengths are not cut finer:
-the padded buffers of an uneven split make a length's memory not always grow with it.
+the padded buffers of an uneven split make a length's memory not always grow with it. On one rank (a group of
+one: nothing is split) it does, and a shape that did not fit rules out every longer one with as many rows
+without a search.
 
 **Determinism.** The inputs (model dimensions, profile or cluster, budget, length, batch) are the same
 on every rank and the search breaks ties deterministically, so every rank computes the same plan
@@ -28,6 +30,7 @@ any plan needs; with ``on_infeasible="skip"`` it is :class:`PlanSkipped` instead
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -155,6 +158,12 @@ class CostPlanner:
         self._infeasible: set[tuple[int, int]] = set()
         self._too_many: dict[int, int] = {}
         """Per planned length, the fewest rows known not to fit (more rows of it need more memory: not searched)."""
+        self._length_grows = model.p == 1
+        """A group of one rank: its memory grows with the length too (no split, so no padded buffer of an uneven
+        one), and a shape that did not fit rules out every longer one with as many rows."""
+        self._stairs: tuple[list[int], list[int]] = ([], [])
+        """With :attr:`_length_grows`: the lengths of failures no other rules out, ascending, and their rows,
+        descending (:meth:`_fewest_failing` reads the last at or below a length)."""
         self._least: dict[tuple[int, int], int | None] = {}
         self._frontiers: dict[tuple[int, int], int] = {}
         """Per length and fine row bucket, the most rows that fit in it (:meth:`_frontier`)."""
@@ -261,7 +270,7 @@ class CostPlanner:
         found = self._solve(*key)
         if found is None:
             self._infeasible.add(key)
-            self._too_many[key[0]] = min(key[1], self._too_many.get(key[0], key[1]))
+            self._did_not_fit(*key)
         else:
             self._cache[key] = found
         return found
@@ -274,7 +283,7 @@ class CostPlanner:
         if (seq_len, top) not in self._frontiers:
             low = top - max(1, self._fine_step(batch))  # the fine bucket is (low, top]
             # rows <= lo fit (or lo is the bucket's lower end), rows >= hi do not (known ones not searched again)
-            lo, hi = low, min(top + 1, self._too_many.get(seq_len, top + 1))
+            lo, hi = low, min(top + 1, self._fewest_failing(seq_len, top + 1))
             mid = batch if batch < hi else (lo + hi) // 2
             while hi - lo > 1:
                 if self._search((seq_len, mid)) is None:
@@ -286,8 +295,30 @@ class CostPlanner:
         return self._frontiers[seq_len, top]
 
     def _too_many_rows(self, key: tuple[int, int]) -> bool:
-        """Whether the shape ``key`` has at least as many rows as a shape of its length that did not fit."""
-        return key[1] >= self._too_many.get(key[0], key[1] + 1)
+        """Whether the shape ``key`` has at least as many rows as a shape that did not fit, of its length or, for a
+        group of one rank, of any length up to its own."""
+        return key[1] >= self._fewest_failing(key[0], key[1] + 1)
+
+    def _fewest_failing(self, seq_len: int, default: int) -> int:
+        """The fewest rows known not to fit at ``seq_len`` tokens (``default`` when none is known): a shape of the
+        length that did not fit, or for a group of one rank (:attr:`_length_grows`) one of any length up to it."""
+        if not self._length_grows:
+            return self._too_many.get(seq_len, default)
+        lengths, fewest = self._stairs
+        i = bisect.bisect_right(lengths, seq_len)
+        return fewest[i - 1] if i else default
+
+    def _did_not_fit(self, seq_len: int, rows: int) -> None:
+        """Remember that ``rows`` rows of ``seq_len`` tokens do not fit (and, on one rank, nothing longer with as many
+        rows: the staircase :attr:`_stairs` keeps the failures no other one rules out)."""
+        self._too_many[seq_len] = min(rows, self._too_many.get(seq_len, rows))
+        if not self._length_grows or rows >= self._fewest_failing(seq_len, rows + 1):
+            return
+        lengths, fewest = self._stairs
+        i = j = bisect.bisect_left(lengths, seq_len)
+        while j < len(lengths) and fewest[j] >= rows:  # longer failures with as many rows: ruled out by this one
+            j += 1
+        lengths[i:j], fewest[i:j] = [seq_len], [rows]
 
     def plan(self, seq_len: int, batch: int) -> Plan:
         """The fastest plan within the budget for ``batch`` sequences of ``seq_len`` tokens."""

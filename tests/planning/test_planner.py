@@ -216,6 +216,33 @@ def test_shapes_near_the_budget_share_fine_row_buckets_and_fit_exactly_when_thei
     assert len(planner._cache) + len(planner._infeasible) < len(near) / 2  # the shapes share their searches
 
 
+@pytest.mark.parametrize("name", ["llama-tiny", "gpt-tiny", "bert-tiny"])
+def test_a_group_of_one_rules_out_longer_shapes_by_one_that_did_not_fit(name: str) -> None:
+    """On one rank nothing is split, so the least memory any plan needs grows with the length as it does with the
+    rows: a shape that did not fit rules out every longer one with as many rows. The planner of a group of one then
+    answers every shape as the shape's own search does, with fewer searches than one that rules out by the length
+    alone (a larger group's, whose uneven splits pay padded buffers)."""
+    config = dataclasses.replace(CONFIGS[name], n_layers=3)
+    model = CostModel(dims_from_config(config, 4), 1, load_cluster(CLUSTERS[0]).machine(), optimizer_bytes_per_param=8)
+    probe = CostPlanner(model, 2**40)
+    lengths, rows = range(1, 400, 13), (1, 2, 3, 5, 8, 13, 21, 34)
+    least = np.array([[min_peak(probe.problem(s, b)).peak for b in rows] for s in lengths])  # type: ignore[union-attr]
+    assert np.diff(least, axis=0).min() >= 0 and np.diff(least, axis=1).min() >= 0
+    budget = int(min_peak(probe.problem(200, 12)).peak)  # type: ignore[union-attr]
+    planner, exact, by_length = CostPlanner(model, budget), CostPlanner(model, budget), CostPlanner(model, budget)
+    by_length._length_grows = False
+    shapes = [(s, b) for s in range(150, 260, 9) for b in range(3, 30, 2)]
+    answers = [(planner.try_step(s, b) is None, by_length.try_step(s, b) is None) for s, b in shapes]
+    own = [exact._solve(s, b) is None for s, b in shapes]
+    assert [a for a, _ in answers] == own == [b for _, b in answers]
+    assert 0 < sum(own) < len(shapes)  # shapes that fit and shapes that do not
+
+    def searched(p: CostPlanner) -> int:
+        return len(p._cache) + len(p._infeasible)
+
+    assert searched(planner) < searched(by_length), (searched(planner), searched(by_length))
+
+
 def test_speed_on_80_layers() -> None:
     config = CONFIGS["llama-70b"]
     cluster = load_cluster(CLUSTERS[0])
