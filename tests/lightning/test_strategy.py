@@ -487,6 +487,32 @@ def test_single_process_errors_name_the_problem() -> None:
     assert result["error"].startswith("a batch of length ")
 
 
+def test_setup_ends_with_a_full_collection(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The setup's objects meet one full garbage collection at its end, before the first batch, on every rank at once
+    (left to Python it came in one rank's first steps, 200 ms, while the others waited for that rank)."""
+    import gc
+    import types
+
+    import lightning_paradyse.lightning.strategy as strategy_module
+
+    seen: list[str] = []
+    phase = ["setup"]
+
+    def collect(*args: Any) -> int:
+        seen.append(phase[0])
+        return gc.collect(*args)
+
+    class Phase(pl.Callback):
+        def on_train_batch_start(self, *args: Any) -> None:
+            phase[0] = "steps"
+
+    monkeypatch.setattr(strategy_module, "gc", types.SimpleNamespace(collect=collect))
+    pl.seed_everything(0, verbose=False)
+    trainer = quiet_trainer(1, ParaDySeStrategy(plan="tp_sp", timeout=60), [Phase()], max_steps=2)
+    trainer.fit(TinyLM("llama-tiny", "adamw", "mean"), train_dataloaders=loader())
+    assert seen[:1] == ["setup"] and "steps" not in seen[:-1], seen  # the teardown's own collection comes last
+
+
 # ---------------------------------------------------------------------------------------------- multi-process tests
 
 
