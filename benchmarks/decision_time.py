@@ -12,8 +12,8 @@ buckets, as the strategy's setup does: what the first steps of a fit pay), and *
 what a shape seen before pays), with the warm-up's own time (paid once, at setup). Prints one line per world size
 and row count. ``--traces`` replays the full benchmark's traces instead, batch by batch as one fit decides them,
 and prints each trace's mean, median and largest decision time a step, and how much of all of it Python's garbage
-collector took (a full collection walks every object of this small process: 50-170 ms on this repository's CPU
-machine, one or two of them a trace; a training process holds more objects and collects in full more rarely).
+collector took (a full collection walks every object of the process: 50-200 ms on this repository's CPU machine).
+The setup's objects meet one full collection before the first decision, as the strategy's setup ends.
 """
 
 from __future__ import annotations
@@ -129,6 +129,7 @@ def trace_seconds(world: int, trace: Trace, cluster: str, budget: int) -> tuple[
     seconds of them the garbage collector took (:class:`CollectorClock`)."""
     planner_for = planners(ModelSettings().config(), cluster, budget)
     warm(world, planner_for)
+    gc.collect()  # as the strategy's setup ends (its objects met by one full collection before the first step)
     decide = decider(world, planner_for)
     with CollectorClock() as collector:
         collector.on = True
