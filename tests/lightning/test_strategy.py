@@ -18,9 +18,11 @@ Multi-process runs come in two kinds:
 
 from __future__ import annotations
 
+import gc
 import io
 import os
 import re
+import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +37,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from typing_extensions import override
 
+import lightning_paradyse.lightning.strategy as strategy_module
 from lightning_paradyse import ParaDySeStrategy, ParaDySeSwitcher
 from lightning_paradyse.distributed.layout import SeqLayout
 from lightning_paradyse.distributed.spawn import run_distributed
@@ -490,11 +493,6 @@ def test_single_process_errors_name_the_problem() -> None:
 def test_setup_ends_with_a_full_collection(monkeypatch: pytest.MonkeyPatch) -> None:
     """The setup's objects meet one full garbage collection at its end, before the first batch, on every rank at once
     (left to Python it came in one rank's first steps, 200 ms, while the others waited for that rank)."""
-    import gc
-    import types
-
-    import lightning_paradyse.lightning.strategy as strategy_module
-
     seen: list[str] = []
     phase = ["setup"]
 
