@@ -103,16 +103,16 @@ def decision_seconds(world: int, rows: int, cluster: str, budget: int, seed: int
 
 
 class CollectorClock:
-    """Seconds Python's cyclic garbage collector ran while :attr:`on` (``gc.callbacks``): a full collection walks
-    every object of the process, and one that lands in a decision is counted in its time."""
+    """Seconds Python's cyclic garbage collector ran inside the ``with`` block (``gc.callbacks``): a full collection
+    walks every object of the process, and one that lands in a decision is counted in its time."""
 
     def __init__(self) -> None:
-        self.seconds, self.on, self._start = 0.0, False, 0.0
+        self.seconds, self._start = 0.0, 0.0
 
     def __call__(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
             self._start = time.perf_counter()
-        elif self.on:
+        else:
             self.seconds += time.perf_counter() - self._start
 
     def __enter__(self) -> CollectorClock:
@@ -132,7 +132,6 @@ def trace_seconds(world: int, trace: Trace, cluster: str, budget: int) -> tuple[
     gc.collect()  # as the strategy's setup ends (its objects met by one full collection before the first step)
     decide = decider(world, planner_for)
     with CollectorClock() as collector:
-        collector.on = True
         times = [decide(trace.batch_lengths(step)) for step in range(len(trace.batches))]
     return times, collector.seconds
 

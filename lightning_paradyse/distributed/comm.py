@@ -417,8 +417,8 @@ def _scatter_sum_into(out: torch.Tensor, x: torch.Tensor, group: Group) -> None:
         return
     p = group_size(group)
     got = torch.empty_like(x)
-    work = dist.all_to_all_single(got, x, group=group, async_op=True)  # [p n, ...]: rows j n : (j + 1) n to rank j,
-    _settle(work, got)  # from rank i at i n
+    # [p n, ...]: rows j n : (j + 1) n to rank j, from rank i at i n
+    _settle(dist.all_to_all_single(got, x, group=group, async_op=True), got)
     out.copy_(_sum_in_rank_order(got.view(p, *out.shape)))  # [p, n, ...] -> [n, ...]
 
 

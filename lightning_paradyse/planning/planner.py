@@ -157,7 +157,8 @@ class CostPlanner:
         self._cache: dict[tuple[int, int], PlannedStep] = {}
         self._infeasible: set[tuple[int, int]] = set()
         self._too_many: dict[int, int] = {}
-        """Per planned length, the fewest rows known not to fit (more rows of it need more memory: not searched)."""
+        """Per planned length, the fewest rows known not to fit (more rows of it need more memory: not searched); a
+        group of one rank keeps :attr:`_stairs` instead."""
         self._length_grows = model.p == 1
         """A group of one rank: its memory grows with the length too (no split, so no padded buffer of an uneven
         one), and a shape that did not fit rules out every longer one with as many rows."""
@@ -311,8 +312,10 @@ class CostPlanner:
     def _did_not_fit(self, seq_len: int, rows: int) -> None:
         """Remember that ``rows`` rows of ``seq_len`` tokens do not fit (and, on one rank, nothing longer with as many
         rows: the staircase :attr:`_stairs` keeps the failures no other one rules out)."""
-        self._too_many[seq_len] = min(rows, self._too_many.get(seq_len, rows))
-        if not self._length_grows or rows >= self._fewest_failing(seq_len, rows + 1):
+        if not self._length_grows:
+            self._too_many[seq_len] = min(rows, self._too_many.get(seq_len, rows))
+            return
+        if rows >= self._fewest_failing(seq_len, rows + 1):  # ruled out already
             return
         lengths, fewest = self._stairs
         i = j = bisect.bisect_left(lengths, seq_len)
