@@ -180,7 +180,7 @@ def fit_grid(devices: int, strategy: Any) -> dict[str, Any]:
             switcher = [cb for cb in trainer.callbacks if hasattr(cb, "history")]  # type: ignore[attr-defined]
             out["plans"] = [str(r.plan) for r in switcher[0].history] if switcher else []
 
-    trainer = quiet_trainer(devices, strategy, [Record()], max_steps=4)
+    trainer = quiet_trainer(devices, strategy, [Record()], max_steps=4, precision="64-true")  # compared to 1e-9
     trainer.fit(GridLM(), train_dataloaders=DataLoader(grid_batches(), batch_size=None))
     return out
 
