@@ -1,6 +1,6 @@
 """What one collective meeting costs here, for the bytes a data-parallel step of the quick preset moves.
 
-    python benchmarks/meetings.py [--devices 2] [--iters 60] [--compute-ms 4]
+    python benchmarks/meetings.py [--devices 2] [--iters 60] [--compute-ms 4] [--chunks 2]
 
 Every process computes alike for ``--compute-ms`` (matrix products on one thread), then meets the others in one
 collective; ``--iters`` times per collective. Prints, per collective, the median wall time of the call on rank 0
@@ -11,6 +11,11 @@ once for an all-gather of ``N / P`` a rank (the weights, the batch digest with t
 ``N`` (the gradients back to their owners). Last, the all-gather back to back with no compute between (what timing
 collectives in a loop sees). The step's own meetings cost more than these: the ranks reach them apart
 (``benchmarks/step_overhead.py`` times the step's parts).
+
+Then what overlapping the gradient return with the backward would buy here: the compute followed by the all-to-all
+of ``N``, against the compute cut in ``--chunks`` parts, each followed by an asynchronous all-to-all of its share
+of ``N`` (as a backward would issue one per bucket of layers), all waited at the end; both timed whole (compute
+included), ranks started together by a barrier.
 """
 
 from __future__ import annotations
@@ -72,7 +77,41 @@ def _worker(rank: int, world: int, args: argparse.Namespace, numel: int) -> list
         label = name if computing else f"{name}, back to back"
         nbytes = 4 * (n * world if name == "all-gather" else n)  # what the call's result holds
         out.append((label, nbytes, statistics.median(times[args.iters // 10 :])))
-    return out
+    return out + _overlap(compute, numel, args)
+
+
+def _overlap(compute: Callable[[], None], numel: int, args: argparse.Namespace) -> list[tuple[str, int, float]]:
+    """The compute then one all-to-all of ``numel``, against the compute in ``args.chunks`` parts each followed by
+    an asynchronous all-to-all of its share (waited at the end): median seconds of each, compute included."""
+    k = max(1, args.chunks)
+    send, out = torch.zeros(numel), torch.empty(numel)
+    parts = torch.tensor_split(send, k), torch.tensor_split(out, k)  # [numel] -> k x [numel / k]
+    whole = args.compute_ms
+
+    def serial() -> None:
+        compute()
+        dist.all_to_all_single(out, send)
+
+    def overlapped() -> None:
+        works = []
+        for mine, theirs in zip(*parts):
+            args.compute_ms = whole / k
+            compute()
+            works.append(dist.all_to_all_single(theirs, mine, async_op=True))
+        args.compute_ms = whole
+        for work in works:
+            work.wait()
+
+    rows = []
+    for label, run in (("compute, then all-to-all", serial), (f"compute, {k} all-to-alls overlapped", overlapped)):
+        times = []
+        for _ in range(args.iters):
+            dist.barrier()
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+        rows.append((label, 4 * numel, statistics.median(times[args.iters // 10 :])))
+    return rows
 
 
 def main() -> None:
@@ -80,6 +119,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--iters", type=int, default=60)
     parser.add_argument("--compute-ms", type=float, default=4.0)
+    parser.add_argument("--chunks", type=int, default=2, help="all-to-alls the overlapped return is cut in")
     args = parser.parse_args()
     from lightning_paradyse.distributed.spawn import run_distributed
     from lightning_paradyse.models import build_model
@@ -93,7 +133,7 @@ def main() -> None:
         f"preset's {4 * numel / 1e3:.0f} kB of weights (median ms on rank 0):"
     )
     for label, nbytes, seconds in per_rank[0]:
-        print(f"  {label:26s} {nbytes:9,d} bytes {1e3 * seconds:8.3f} ms")
+        print(f"  {label:36s} {nbytes:9,d} bytes {1e3 * seconds:8.3f} ms")
 
 
 if __name__ == "__main__":
