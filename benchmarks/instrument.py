@@ -218,9 +218,10 @@ class StepRecorder(pl.Callback):
     """Records every training step of a fit: rows and length of this rank's batch, seconds, the decision's
     seconds, the group split and, when ``instrumented``, the absolute peak bytes and the bytes sent.
 
-    A step's seconds run from the end of the previous step (after the device synchronised) to its own end, so that
-    Lightning's loop between two steps counts (its fetch of the batch, its per-step check for SIGTERM, the hooks
-    after this callback's), as a user's throughput does; the fit's first step, a step after a validation and every
+    A step's seconds run from the end of the previous step (after the device synchronised and after this callback
+    recorded it: its own bookkeeping, e.g. the plan's cost evaluated for the record, and the progress bar are no
+    run's time) to its own end, so that Lightning's loop between two steps counts (its fetch of the batch, its
+    per-step check for SIGTERM, the hooks after this callback's), as a user's throughput does; the fit's first step, a step after a validation and every
     step of an instrumented pass (whose tracking starts in the batch-start hook) from its batch-start hook.
 
     Args:
@@ -284,8 +285,14 @@ class StepRecorder(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, idx: int
     ) -> None:
         _sync(trainer.strategy.root_device)
-        self._last_end = time.perf_counter()
-        seconds = self._last_end - self._start
+        end = time.perf_counter()
+        try:
+            self._record(trainer, pl_module, batch, idx, end - self._start)
+        finally:  # the next step counts from here: this hook's own bookkeeping is no run's time
+            self._last_end = time.perf_counter()
+
+    def _record(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int, seconds: float) -> None:
+        """Keep the step (unless a warm-up one) with its plan, groups and, when instrumented, memory and bytes."""
         if idx < self.warmup:
             return
         rows, length = (int(n) for n in batch["input_ids"].shape[:2])
