@@ -221,8 +221,9 @@ class StepRecorder(pl.Callback):
     A step's seconds run from the end of the previous step (after the device synchronised and after this callback
     recorded it: its own bookkeeping, e.g. the plan's cost evaluated for the record, and the progress bar are no
     run's time) to its own end, so that Lightning's loop between two steps counts (its fetch of the batch, its
-    per-step check for SIGTERM, the hooks after this callback's), as a user's throughput does; the fit's first step, a step after a validation and every
-    step of an instrumented pass (whose tracking starts in the batch-start hook) from its batch-start hook.
+    per-step check for SIGTERM, the hooks after this callback's), as a user's throughput does; the fit's first step,
+    a step after a validation and every step of an instrumented pass (whose tracking starts in the batch-start hook)
+    from its batch-start hook.
 
     Args:
         instrumented: Track memory and communication (slower steps: use for the measurement pass only).
