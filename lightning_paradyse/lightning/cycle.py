@@ -14,7 +14,8 @@ The strategy runs Lightning's lifecycle and hands each batch to its :class:`Step
 2. :meth:`StepCycle.shard`: the module's step gets this rank's tokens of its group's batch;
 3. :meth:`StepCycle.global_output`: the loss the module returns made the global one: in a training step on groups
    every rank's share rides on the gradient return (step 4) and is written into the loss Lightning keeps
-   (:func:`reporting_result`); otherwise one all-reduce;
+   (:func:`reporting_result`); otherwise one all-reduce. What the module's step logged is held while it runs and
+   logged with the global loss in place of the step's own (:meth:`StepCycle.logged`; :mod:`~.lightning.step_logs`);
 4. :meth:`StepCycle.after_backward`: the gradients summed where they belong
    (:meth:`~lightning_paradyse.groups.runner.GroupRunner.finish`), and the deferred loss settled.
 
@@ -56,6 +57,7 @@ from lightning_paradyse.lightning.records import (
     plan_metrics,
 )
 from lightning_paradyse.lightning.sigterm import SigtermFlag
+from lightning_paradyse.lightning.step_logs import StepLogs
 from lightning_paradyse.modes.plan import Plan
 from lightning_paradyse.planning.fixed import Planner
 from lightning_paradyse.planning.planner import CostPlanner, PlanSkipped
@@ -135,6 +137,8 @@ class StepCycle:
         self.reports_loss = False
         """Lightning hands this cycle the loss it keeps (:func:`reporting_result` is installed): a training step on
         groups may then settle the global loss on the gradient return."""
+        self.logs = StepLogs()
+        """What the module's step logs, held until the step's global loss is known (the strategy captures them)."""
         self._share: Tensor | None = None
         self._reported: Tensor | None = None
         self._module: nn.Module | None = None
@@ -414,6 +418,15 @@ class StepCycle:
         self._share, self._reported = (share.detach(), None) if deferred else (None, None)
         return GlobalLoss.apply(share, self._group, not deferred)  # type: ignore[no-any-return]  # over every rank
 
+    def logged(self, output: Any, result: Any) -> None:
+        """Log what the module's step logged (:attr:`logs`) with the global loss in place of the step's own loss:
+        now, from ``result`` (the step's output made global), or once the gradient return settles it (a deferred
+        loss)."""
+        if self._share is not None:
+            self.logs.hold(step_loss(output))
+            return
+        self.logs.replay(step_loss(output), step_loss(result))
+
     def report(self, kept: Tensor) -> None:
         """The loss Lightning keeps of the step (:func:`reporting_result`): the global loss is written into it."""
         if self._share is not None:
@@ -435,6 +448,7 @@ class StepCycle:
                 total = total + every[i]
         if reported is not None:  # queued onto the loss's device (a blocking copy would wait for the GPU)
             reported.copy_(to_device(total.reshape(reported.shape), reported.device))
+        self.logs.replay(None, total)  # what the step logged, its loss as the global one
 
     # ------------------------------------------------------------------ 4. after the backward
 
@@ -462,6 +476,7 @@ class StepCycle:
         """Drop every reference to the process groups and the batch (the strategy destroys the world group next)."""
         self.pending, self._host_batch, self._group = None, None, None
         self._share, self._reported = None, None
+        self.logs.reset()
         self.fixed.reset()
         self.sigterm.restore()
         self.runner.teardown()

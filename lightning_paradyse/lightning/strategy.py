@@ -618,10 +618,12 @@ class ParaDySeStrategy(ParallelStrategy):
         if info.skip:
             return self._skipped_loss()
         args, kwargs = cycle.shard(info, args, kwargs)
-        with self._rank_rng():  # dropout masks independent across ranks
+        with self._rank_rng(), cycle.logs.capture(module):  # dropout masks independent across ranks
             output = super().training_step(*args, **kwargs)
         cycle.after_step(output, self._accumulating())
-        return cycle.global_output(output, info, defer=self._steps_now())
+        result = cycle.global_output(output, info, defer=self._steps_now())
+        cycle.logged(output, result)  # what the step logged, its loss as the global one (now or once settled)
+        return result
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -639,7 +641,11 @@ class ParaDySeStrategy(ParallelStrategy):
         if info.skip:
             return None  # Lightning skips the optimizer step of a None loss
         args, kwargs = self.cycle.shard(info, args, kwargs)
-        return self.cycle.global_output(step(*args, **kwargs), info)
+        with self.cycle.logs.capture(self._module):
+            output = step(*args, **kwargs)
+        result = self.cycle.global_output(output, info)
+        self.cycle.logged(output, result)  # what the step logged, its loss as the global one
+        return result
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:

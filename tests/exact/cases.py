@@ -137,7 +137,9 @@ def ragged(labels: str) -> Callable[[Tensor], dict[str, Tensor]]:
 
 
 class TinyLM(pl.LightningModule):
-    """The reference Llama, mean token cross-entropy, the optimizer and hooks a recipe picks."""
+    """The reference Llama, mean token cross-entropy, the optimizer and hooks a recipe picks; it logs its losses with
+    ``self.log`` inside its steps, as users do (the training loss also per epoch, the validation loss as a detached
+    view with ``sync_dist``)."""
 
     def __init__(
         self,
@@ -157,15 +159,21 @@ class TinyLM(pl.LightningModule):
 
     @override
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        return self.loss(batch)
+        loss = self.loss(batch)
+        self.log("train_loss", loss, prog_bar=True, on_step=True, on_epoch=True)
+        return loss
 
     @override
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        return self.loss(batch)
+        loss = self.loss(batch)
+        self.log("val_loss", loss.detach(), sync_dist=True)
+        return loss
 
     @override
     def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        return self.loss(batch)
+        loss = self.loss(batch)
+        self.log("test_loss", loss)
+        return loss
 
     @override
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -282,6 +290,7 @@ class HFModule(pl.LightningModule):
 
     ``call``: ``labels-key`` (``labels=batch["labels"]``), ``labels-ids`` (``labels=input_ids``, no labels in the
     batch), ``shift-labels`` (``shift_labels=batch["shift_labels"]``), ``masked`` (``attention_mask`` too).
+    Its steps log their loss with ``self.log``, as users do.
     ``checkpointing``: the keyword arguments of ``model.gradient_checkpointing_enable(...)``, called here as users
     do (``None``: not called).
     """
@@ -301,8 +310,7 @@ class HFModule(pl.LightningModule):
                 warnings.simplefilter("ignore", FutureWarning)
                 self.model.gradient_checkpointing_enable(**checkpointing)
 
-    @override
-    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+    def loss(self, batch: dict[str, Tensor]) -> Tensor:
         ids = batch["input_ids"]
         if self.call == "labels-key":
             return self.model(input_ids=ids, labels=batch["labels"]).loss
@@ -315,8 +323,16 @@ class HFModule(pl.LightningModule):
         raise ValueError(self.call)
 
     @override
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss = self.loss(batch)  # under the strategy: this rank's share of the global mean (the model is handed the
+        self.log("train_loss", loss, prog_bar=True)  # global count of labels); logged as the global loss
+        return loss
+
+    @override
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        return self.training_step(batch, batch_idx)
+        loss = self.loss(batch)
+        self.log("val_loss", loss)
+        return loss
 
     @override
     def configure_optimizers(self) -> torch.optim.Optimizer:

@@ -12,8 +12,11 @@ strategy starts its workers itself with its default start method (``spawn``: the
 interpreters), as from a notebook or a script without ``torchrun``.
 
 Each run records what a user sees and what a resumed run continues from: every step's global loss, every
-validation and test loss, and the checkpoint written at the end (``trainer.save_checkpoint``: the model's state
-dict, the optimizer state, the schedulers). A case that must be refused records the error instead.
+validation and test loss, what reached the loggers (every ``log_metrics`` call, a logger recording them and
+``log_every_n_steps=1``: the modules log their losses with ``self.log`` inside their steps, as users do; the
+strategy's own ``plan*`` and ``groups/*`` entries left out), and the checkpoint written at the end
+(``trainer.save_checkpoint``: the model's state dict, the optimizer state, the schedulers). A case that must be
+refused records the error instead.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.loggers import Logger
 from torch import Tensor
 from typing_extensions import override
 
@@ -74,9 +78,43 @@ class Result:
     groups: list[int] = field(default_factory=list)
     """The number of groups of every training step (under the strategy; 0: one group of every rank)."""
     checkpoint: dict[str, Any] = field(default_factory=dict)
+    logged: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+    """What reached the loggers: ``(step, metrics)`` per ``log_metrics`` call (the strategy's own entries left out)."""
     error: str | None = None
     world_size: int = 0
     """Ranks that trained (under the strategy: the group's size)."""
+
+
+OWN_METRICS = ("plan", "groups/")
+"""Prefixes of what the strategy's callback logs itself (the plain run has no such entries)."""
+
+
+class _Logged(Logger):
+    """A logger that records every ``log_metrics`` call into ``result.logged`` (on every rank; rank 0's is read)."""
+
+    def __init__(self, result: Result) -> None:
+        super().__init__()
+        self.result = result
+
+    @property
+    @override
+    def name(self) -> str:
+        return "recorded"
+
+    @property
+    @override
+    def version(self) -> int:
+        return 0
+
+    @override
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    @override
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        kept = {k: float(v) for k, v in metrics.items() if not k.startswith(OWN_METRICS)}
+        if kept:
+            self.result.logged.append((-1 if step is None else int(step), kept))
 
 
 class _Record(pl.Callback):
@@ -110,6 +148,7 @@ class _Record(pl.Callback):
                 "val_losses": self.result.val_losses,
                 "plans": self.result.plans,
                 "world_size": trainer.world_size,
+                "logged": self.result.logged,
             }
             torch.save(recorded, self.path + ".losses")
 
@@ -128,7 +167,8 @@ def run(case: Case, devices: int, strategy: Any, port: Callable[[str], int] | No
         train, val = _loaders(case.data())
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "last.ckpt")
-            settings = dict(max_steps=4, precision="64-true", num_sanity_val_steps=0) | case.trainer
+            settings = dict(max_steps=4, precision="64-true", num_sanity_val_steps=0, log_every_n_steps=1)
+            settings |= dict(logger=_Logged(result)) | case.trainer
             trainer = quiet_trainer(devices, strategy, [_Record(result, path)], **settings)
             trainer.fit(module, train, val)
             if case.test and val is not None:
@@ -141,6 +181,7 @@ def run(case: Case, devices: int, strategy: Any, port: Callable[[str], int] | No
                 recorded = torch.load(path + ".losses", weights_only=False)
                 result.losses, result.val_losses = recorded["losses"], recorded["val_losses"]
                 result.plans, result.world_size = recorded["plans"], recorded["world_size"]
+                result.logged = recorded["logged"]
     except Exception as err:  # a refused case: every rank must raise, before any collective hangs
         result.error = f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=3)}"
     finally:
@@ -262,6 +303,7 @@ def differences(ours: Result, plain: Result, tol: float = TOL) -> list[str]:
             bad.append(f"{what}: {len(a)} against {len(b)}")
         elif a and rel(torch.tensor(a), torch.tensor(b)) > tol:
             bad.append(f"{what}: {a} against {b}")
+    bad += _logged_differences(ours.logged, plain.logged, tol)
     mine, ref = ours.checkpoint.get("state_dict", {}), plain.checkpoint.get("state_dict", {})
     if list(mine) != list(ref):
         missing, extra = sorted(set(ref) - set(mine)), sorted(set(mine) - set(ref))
@@ -273,6 +315,20 @@ def differences(ours: Result, plain: Result, tol: float = TOL) -> list[str]:
     if ours.checkpoint.get("lr_schedulers") != plain.checkpoint.get("lr_schedulers"):
         bad.append("lr scheduler states differ")
     return bad
+
+
+def _logged_differences(
+    ours: list[tuple[int, dict[str, float]]], plain: list[tuple[int, dict[str, float]]], tol: float
+) -> list[str]:
+    """What reached the loggers: the same calls (steps and names, in order) and every value within ``tol``."""
+    if [(step, sorted(m)) for step, m in ours] != [(step, sorted(m)) for step, m in plain]:
+        return [f"logged metrics differ: {ours} against {plain}"]
+    return [
+        f"logged {name} at step {step}: {value} against {m_plain[name]}"
+        for (step, m), (_, m_plain) in zip(ours, plain)
+        for name, value in m.items()
+        if rel(torch.tensor(value), torch.tensor(m_plain[name])) > tol
+    ]
 
 
 def _optimizer_differences(i: int, ours: dict[str, Any], plain: dict[str, Any], tol: float) -> list[str]:

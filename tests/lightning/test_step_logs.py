@@ -1,0 +1,86 @@
+"""``StepLogs``: what a step logs reaches Lightning in order, in its hook, with the step's loss as the global loss.
+
+The strategy's end-to-end behaviour (every logged metric equal to one plain process's, in float64) is checked by
+``tests/exact`` (its modules log their losses inside their steps); here the holding and replaying alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from typing_extensions import override
+
+from lightning_paradyse.lightning.step_logs import StepLogs
+
+
+class Module(pl.LightningModule):
+    """Records what reaches ``log``: name, value, the hook it was logged in, the keyword arguments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, Any, str | None, dict[str, Any]]] = []
+
+    @override
+    def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        self.seen.append((name, value, self._current_fx_name, kwargs))
+
+
+def test_the_steps_loss_is_logged_as_the_global_loss_others_as_logged() -> None:
+    module, logs = Module(), StepLogs()
+    loss = torch.tensor(2.5, requires_grad=True) * 1.0  # this rank's loss, as the step returns it
+    other = torch.tensor(7.0)
+    module._current_fx_name = "training_step"
+    with logs.capture(module):
+        module.log("train_loss", loss, prog_bar=True)
+        module.log("detached", loss.detach())  # a view of the loss: the loss too
+        module.log("other", other)
+        other.add_(1.0)  # changed after it was logged: the logged value stands
+    assert module.seen == [], "one-number tensors are held while the step runs"
+    module._current_fx_name = "backward"  # where a deferred loss settles
+    logs.replay(loss, torch.tensor(5.0))
+    names = [(name, float(value), fx, kwargs) for name, value, fx, kwargs in module.seen]
+    assert names == [
+        ("train_loss", 5.0, "training_step", {"prog_bar": True}),
+        ("detached", 5.0, "training_step", {}),
+        ("other", 7.0, "training_step", {}),
+    ]
+    assert module._current_fx_name == "backward", "the hook name is restored"
+    assert not any(value.requires_grad for _, value, _, _ in module.seen)
+
+
+def test_other_values_go_to_lightning_at_once() -> None:
+    module, logs = Module(), StepLogs()
+    with logs.capture(module):
+        module.log("number", 3.0)
+        module.log("vector", torch.ones(3))
+        module.log("count", torch.tensor(4))  # an integer tensor: Lightning's own warning and conversion
+    assert [name for name, *_ in module.seen] == ["number", "vector", "count"]
+
+
+def test_a_deferred_loss_is_replayed_when_settled_and_log_is_restored() -> None:
+    module, logs = Module(), StepLogs()
+    loss = torch.tensor(1.25)
+    with logs.capture(module):
+        assert "log" in vars(module)
+        module.log("train_loss", loss)
+    assert "log" not in vars(module), "the module's own log again after the step"
+    logs.hold(loss)  # settled after the gradient return
+    logs.replay(None, torch.tensor(3.0))
+    assert [(name, float(value)) for name, value, *_ in module.seen] == [("train_loss", 3.0)]
+    logs.replay(None, torch.tensor(9.0))  # nothing held any more
+    assert len(module.seen) == 1
+
+
+def test_log_is_restored_when_the_step_raises_and_stale_calls_are_dropped() -> None:
+    module, logs = Module(), StepLogs()
+    with pytest.raises(RuntimeError, match="step failed"), logs.capture(module):
+        module.log("train_loss", torch.tensor(1.0))
+        raise RuntimeError("step failed")
+    assert "log" not in vars(module)
+    with logs.capture(module):  # the next step: the failed one's calls are gone
+        module.log("val_loss", torch.tensor(2.0))
+    logs.replay(torch.tensor(0.0), torch.tensor(0.0))
+    assert [(name, float(value)) for name, value, *_ in module.seen] == [("val_loss", 2.0)]
