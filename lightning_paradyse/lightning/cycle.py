@@ -120,6 +120,8 @@ class StepCycle:
         self.skipped_batches = 0
         self.pending: BatchInfo | None = None
         """The batch begun and not yet run: what the module's step is handed (``skip``: no plan fit it)."""
+        self.taken: BatchInfo | None = None
+        """The batch whose module step runs or ran last (:meth:`take`)."""
         self.skipping = False
         """The last batch begun is skipped (no plan fit it): its step, backward and optimizer step change nothing
         (read by the optimizer step, which Lightning calls before the closure runs the module's step)."""
@@ -360,8 +362,9 @@ class StepCycle:
     # ------------------------------------------------------------------ 2. the module's step on this rank's tokens
 
     def take(self, hook: str) -> BatchInfo:
-        """The batch begun for the module's ``hook`` (once)."""
+        """The batch begun for the module's ``hook`` (once); kept as :attr:`taken` while the module's step runs."""
         info, self.pending = self.pending, None
+        self.taken = info
         if info is None:
             raise RuntimeError(
                 f"ParaDySeStrategy.{hook}: the batch was not configured (ParaDySeStrategy.begin_batch runs before "
@@ -405,14 +408,30 @@ class StepCycle:
             return {**output, "loss": self.global_loss(output["loss"], info, defer)}
         return output
 
+    def share(self, local: Tensor, info: BatchInfo) -> Tensor:
+        """``local * w_r``: this rank's part of the global loss. A mean loss is weighed by this rank's share of the
+        batch's real targets; a summed one, or a Hugging Face model's (handed the global count of labels, it returns
+        its share already), by 1; an idle group's placeholder by 0."""
+        consumed = bool(parallel.step_state(self.module).labels_consumed)
+        weight = 1.0 if consumed or not self.options.mean_loss else info.n_local / info.n_global
+        if info.idle:  # a placeholder step: weighed by 0 (its loss may be a mean over no target: NaN * 0 is not 0)
+            return (local * 0.0).nan_to_num(0.0, 0.0, 0.0)
+        return local * weight
+
+    def manual_share(self, loss: Tensor) -> Tensor:
+        """What a manual optimization step's ``manual_backward(loss)`` backs: ``loss``, computed on this rank's
+        tokens, weighed as its part of the global loss (:meth:`share`), so that the ranks' gradients sum to the
+        global loss's (any loss: a mean over the tokens, or one every rank computes alike, e.g. of the weights, whose
+        weights sum to 1 over the ranks). Outside a step, ``loss`` as it is."""
+        info = self.taken
+        if info is None or info.skip:
+            return loss
+        return self.share(loss, info)
+
     def global_loss(self, local: Tensor, info: BatchInfo, defer: bool = False) -> Tensor:
         """``GlobalLoss(local * w_r)``: the exact single-process loss on every rank (settled after the backward when
         deferred)."""
-        consumed = bool(parallel.step_state(self.module).labels_consumed)
-        weight = 1.0 if consumed or not self.options.mean_loss else info.n_local / info.n_global
-        share = local * weight
-        if info.idle:  # a placeholder step: weighed by 0 (its loss may be a mean over no target: NaN * 0 is not 0)
-            share = (local * 0.0).nan_to_num(0.0, 0.0, 0.0)
+        share = self.share(local, info)
         step = self.runner.step
         deferred = defer and self.reports_loss and step is not None and not step.whole
         self._share, self._reported = (share.detach(), None) if deferred else (None, None)
@@ -474,7 +493,7 @@ class StepCycle:
 
     def teardown(self) -> None:
         """Drop every reference to the process groups and the batch (the strategy destroys the world group next)."""
-        self.pending, self._host_batch, self._group = None, None, None
+        self.pending, self.taken, self._host_batch, self._group = None, None, None, None
         self._share, self._reported = None, None
         self.logs.reset()
         self.fixed.reset()

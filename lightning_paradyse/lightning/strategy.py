@@ -652,6 +652,17 @@ class ParaDySeStrategy(ParallelStrategy):
         raise NotImplementedError("ParaDySeStrategy does not support trainer.predict yet; use a single device")
 
     @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        """Lightning's backward; with manual optimization (the step's ``manual_backward``) of the loss weighed as
+        this rank's part of the global loss (:meth:`~lightning_paradyse.lightning.cycle.StepCycle.manual_share`): the
+        step computed it on this rank's tokens. Automatic optimization backs the global loss the step's output was
+        made (:meth:`training_step`)."""
+        module = self.lightning_module
+        if module is not None and not module.automatic_optimization:
+            closure_loss = self.cycle.manual_share(closure_loss)
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
     def post_backward(self, closure_loss: Tensor) -> None:
         """Sum the gradients over the group once the last micro-batch is done (the cycle's
         :meth:`~lightning_paradyse.lightning.cycle.StepCycle.after_backward`).

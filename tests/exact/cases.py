@@ -206,6 +206,27 @@ class NudgedLM(TinyLM):
                     param.mul_(0.99)
 
 
+class ManualLM(TinyLM):
+    """Manual optimization, as Lightning documents it: the step zeroes, backs its loss with ``manual_backward``,
+    clips, steps the optimizer and the scheduler, logs and returns its loss."""
+
+    def __init__(self) -> None:
+        super().__init__(scheduler=True)
+        self.automatic_optimization = False
+
+    @override
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        optimizer = self.optimizers()
+        optimizer.zero_grad()  # type: ignore[union-attr]
+        loss = self.loss(batch)
+        self.manual_backward(loss)
+        self.clip_gradients(optimizer, gradient_clip_val=0.05)  # type: ignore[arg-type]
+        optimizer.step()  # type: ignore[union-attr]
+        self.lr_schedulers().step()  # type: ignore[union-attr]
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+
 class SelfShift(TinyLM):
     """A step that shifts targets itself, as litgpt-style code does: wrong on a slice of the sequence."""
 
@@ -448,6 +469,7 @@ def cases_p2() -> dict[str, Case]:
         "clip-total-norm": Case(
             tiny(clip_in_hook=0.05, clip_by_total=True), lambda: loader(shifted_targets), strategy=dict(plan=MIXED)
         ),
+        "manual-optimization": Case(ManualLM, lambda: loader(shifted_targets), strategy=dict(plan=MIXED)),
         "sgd": Case(tiny(optimizer="sgd"), lambda: loader(shifted_targets), strategy=dict(plan="tp_sp")),
         "adam": Case(tiny(optimizer="adam"), lambda: loader(shifted_targets), strategy=dict(plan="ring")),
         "rmsprop": Case(tiny(optimizer="rmsprop"), lambda: loader(shifted_targets), strategy=dict(plan="ulysses")),
@@ -532,6 +554,12 @@ def group_cases(p: int) -> dict[str, Case]:
             strategy=grouped | dict(plan=MIXED),
             splits=splits[:2],
         ),
+        "groups-manual": Case(  # manual optimization on groups: every backward returns its gradients
+            ManualLM,
+            lambda: loader(ragged("targets"), rows=rows),
+            strategy=grouped | dict(plan=MIXED),
+            splits=splits,
+        ),
         "groups-auto": Case(lm_main, lambda: loader(ragged("targets"), rows=2 * p)),
         "groups-auto-one-row": Case(lm_main, lambda: loader(ragged("targets"), rows=1)),  # on every rank, or fewer
         "groups-auto-again": Case(lm_main, lambda: loader(ragged("targets"), rows=2 * p)),
@@ -582,6 +610,7 @@ def cases_p3() -> dict[str, Case]:
             lm_main, _lm_data, trainer=dict(val_check_interval=2, limit_val_batches=2), strategy=dict(plan=MIXED_3)
         ),
         "hf-labels-ids": Case(lambda: HFModule("labels-ids"), lambda: loader(tokens_only), strategy=dict(plan="ring")),
+        "manual-optimization": Case(ManualLM, lambda: loader(shifted_targets), strategy=dict(plan=MIXED_3)),
         "clip-norm": Case(
             lambda: TinyLM(),
             lambda: loader(shifted_targets),
