@@ -29,9 +29,10 @@ ran from it), its decision's seconds and the fixed part the cycle measures on th
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -427,6 +428,22 @@ class StepCycle:
         if info is None or info.skip:
             return loss
         return self.share(loss, info)
+
+    @contextlib.contextmanager
+    def apart(self) -> Iterator[None]:
+        """Around a manual optimization step's backward: the replicated parameters' gradients it finds (earlier
+        backwards' since the last ``zero_grad``, already summed over the ranks) set aside, so that the gradient return
+        sums this backward's alone, then added back (``earlier + new``, as one process's backward accumulates)."""
+        earlier = []
+        for w in parallel.replicated_parameters(self.module):
+            if w.grad is not None:
+                earlier.append((w, w.grad))
+                w.grad = None
+        try:
+            yield
+        finally:
+            for w, grad in earlier:
+                w.grad = grad if w.grad is None else grad + w.grad
 
     def global_loss(self, local: Tensor, info: BatchInfo, defer: bool = False) -> Tensor:
         """``GlobalLoss(local * w_r)``: the exact single-process loss on every rank (settled after the backward when

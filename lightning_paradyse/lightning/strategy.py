@@ -655,12 +655,15 @@ class ParaDySeStrategy(ParallelStrategy):
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         """Lightning's backward; with manual optimization (the step's ``manual_backward``) of the loss weighed as
         this rank's part of the global loss (:meth:`~lightning_paradyse.lightning.cycle.StepCycle.manual_share`): the
-        step computed it on this rank's tokens. Automatic optimization backs the global loss the step's output was
-        made (:meth:`training_step`)."""
+        step computed it on this rank's tokens; and the replicated gradients of earlier backwards (accumulated by the
+        step, summed over the ranks already) kept apart from this one's sum
+        (:meth:`~lightning_paradyse.lightning.cycle.StepCycle.apart`). Automatic optimization backs the global loss
+        the step's output was made (:meth:`training_step`), and accumulates as DDP's ``no_sync`` does."""
         module = self.lightning_module
-        if module is not None and not module.automatic_optimization:
-            closure_loss = self.cycle.manual_share(closure_loss)
-        return super().backward(closure_loss, optimizer, *args, **kwargs)
+        if module is None or module.automatic_optimization:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        with self.cycle.apart():
+            return super().backward(self.cycle.manual_share(closure_loss), optimizer, *args, **kwargs)
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:

@@ -227,6 +227,25 @@ class ManualLM(TinyLM):
         return loss
 
 
+class ManualAccumulateLM(TinyLM):
+    """Manual optimization accumulating two batches per optimizer step, as Lightning documents it: the loss divided
+    by 2 and backed every batch, the optimizer stepped and zeroed every second one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    @override
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        optimizer = self.optimizers()
+        loss = self.loss(batch)
+        self.manual_backward(loss / 2)
+        if batch_idx % 2 == 1:
+            optimizer.step()  # type: ignore[union-attr]
+            optimizer.zero_grad()  # type: ignore[union-attr]
+        return loss
+
+
 class SelfShift(TinyLM):
     """A step that shifts targets itself, as litgpt-style code does: wrong on a slice of the sequence."""
 
@@ -470,6 +489,7 @@ def cases_p2() -> dict[str, Case]:
             tiny(clip_in_hook=0.05, clip_by_total=True), lambda: loader(shifted_targets), strategy=dict(plan=MIXED)
         ),
         "manual-optimization": Case(ManualLM, lambda: loader(shifted_targets), strategy=dict(plan=MIXED)),
+        "manual-accumulate": Case(ManualAccumulateLM, lambda: loader(shifted_targets), strategy=dict(plan=MIXED)),
         "sgd": Case(tiny(optimizer="sgd"), lambda: loader(shifted_targets), strategy=dict(plan="tp_sp")),
         "adam": Case(tiny(optimizer="adam"), lambda: loader(shifted_targets), strategy=dict(plan="ring")),
         "rmsprop": Case(tiny(optimizer="rmsprop"), lambda: loader(shifted_targets), strategy=dict(plan="ulysses")),
@@ -556,6 +576,12 @@ def group_cases(p: int) -> dict[str, Case]:
         ),
         "groups-manual": Case(  # manual optimization on groups: every backward returns its gradients
             ManualLM,
+            lambda: loader(ragged("targets"), rows=rows),
+            strategy=grouped | dict(plan=MIXED),
+            splits=splits,
+        ),
+        "groups-manual-accumulate": Case(  # the second backward adds to returned shard and replicated gradients
+            ManualAccumulateLM,
             lambda: loader(ragged("targets"), rows=rows),
             strategy=grouped | dict(plan=MIXED),
             splits=splits,
