@@ -18,6 +18,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import EarlyStopping
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
@@ -244,6 +245,27 @@ class ManualAccumulateLM(TinyLM):
             optimizer.step()  # type: ignore[union-attr]
             optimizer.zero_grad()  # type: ignore[union-attr]
         return loss
+
+
+class TwoValLM(TinyLM):
+    """Two validation (and test) loaders (``dataloader_idx``), each loss logged per loader, an early stop watching
+    the first."""
+
+    @override
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int, dataloader_idx: int = 0) -> Tensor:
+        loss = self.loss(batch)
+        self.log("val_loss", loss)
+        return loss
+
+    @override
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int, dataloader_idx: int = 0) -> Tensor:
+        loss = self.loss(batch)
+        self.log("test_loss", loss)
+        return loss
+
+
+def _two_val_data() -> tuple[DataLoader[Any], list[DataLoader[Any]]]:
+    return loader(shifted_targets), [loader(shifted_targets, (35, 52)), loader(shifted_targets, (44, 30))]
 
 
 class SelfShift(TinyLM):
@@ -489,6 +511,13 @@ def cases_p2() -> dict[str, Case]:
             tiny(clip_in_hook=0.05, clip_by_total=True), lambda: loader(shifted_targets), strategy=dict(plan=MIXED)
         ),
         "manual-optimization": Case(ManualLM, lambda: loader(shifted_targets), strategy=dict(plan=MIXED)),
+        "two-val-loaders": Case(
+            TwoValLM,
+            _two_val_data,
+            trainer=val | dict(callbacks=[EarlyStopping("val_loss/dataloader_idx_0", patience=0, min_delta=10.0)]),
+            test=True,
+            strategy=dict(plan=MIXED),
+        ),
         "manual-accumulate": Case(ManualAccumulateLM, lambda: loader(shifted_targets), strategy=dict(plan=MIXED)),
         "sgd": Case(tiny(optimizer="sgd"), lambda: loader(shifted_targets), strategy=dict(plan="tp_sp")),
         "adam": Case(tiny(optimizer="adam"), lambda: loader(shifted_targets), strategy=dict(plan="ring")),

@@ -169,7 +169,8 @@ def run(case: Case, devices: int, strategy: Any, port: Callable[[str], int] | No
             path = os.path.join(tmp, "last.ckpt")
             settings = dict(max_steps=4, precision="64-true", num_sanity_val_steps=0, log_every_n_steps=1)
             settings |= dict(logger=_Logged(result)) | case.trainer
-            trainer = quiet_trainer(devices, strategy, [_Record(result, path)], **settings)
+            callbacks = [_Record(result, path), *settings.pop("callbacks", [])]  # the case's own after ours
+            trainer = quiet_trainer(devices, strategy, callbacks, **settings)
             trainer.fit(module, train, val)
             if case.test and val is not None:
                 if port is not None:  # under the strategy (the plain run has no port and needs none)
