@@ -196,6 +196,19 @@ class OpDispatch(nn.Module):
         """Select the variant (mode, recompute) and the layout for the next call."""
         self.__dict__.update(ctx=ctx, op_plan=op_plan)  # plain attributes: what nn.Module's __setattr__ ends in
 
+    def unconfigure(self) -> None:
+        """No variant until the strategy configures the next step: a step on groups returned its gradients and
+        dropped its ``1/g`` shards, so a call now could only be wrong (it raises :meth:`unconfigured`)."""
+        self.__dict__.update(ctx=None, op_plan=None)
+
+    def unconfigured(self) -> RuntimeError:
+        """The error of a call outside a configured step."""
+        return RuntimeError(
+            f"{self.core_path} (layer {self.layer}) ran outside a step the strategy configured: before the first "
+            "batch, or after a training step on groups returned its gradients (a second forward in one training "
+            "step, as two manual_backward calls in one step make; use ParaDySeStrategy(groups=False) for such steps)"
+        )
+
     def set_group_shards(self, shards: dict[str, torch.Tensor] | None) -> None:
         """Set :attr:`group_shards` (twice a step on groups; a plain attribute, set without ``nn.Module``'s
         ``__setattr__`` walk)."""
@@ -206,7 +219,7 @@ class OpDispatch(nn.Module):
 
     def _state(self, x: torch.Tensor) -> tuple[SeqContext, OpPlan]:
         if self.ctx is None or self.op_plan is None:
-            raise RuntimeError(f"{self.core_path} (layer {self.layer}) ran before the strategy configured a plan")
+            raise self.unconfigured()
         expected = self.ctx.layout.local_len(self.ctx.rank)
         if x.shape[1] != expected:
             raise ValueError(f"layer {self.layer}: the input has {x.shape[1]} tokens, the layout gives {expected}")
@@ -314,7 +327,7 @@ class AttentionDispatch(OpDispatch):
         the attended axis is the sharded one; then a sequence mode runs with a layout along that axis."""
         grid, ctx, op = self.grid, self.ctx, self.op_plan
         if ctx is None or op is None or grid is None:
-            raise RuntimeError(f"{self.core_path} (layer {self.layer}) ran before the strategy configured a plan")
+            raise self.unconfigured()
         if self.attend_axis != grid.sharded or ctx.p == 1:
             return ctx, GRID_MODES["dsp"]
         if op.mode in GRID_MODES:
@@ -433,7 +446,7 @@ class MlpDispatch(OpDispatch):
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.grid is not None:  # token-wise on the local grid, whichever axis is sharded
             if self.ctx is None or self.op_plan is None:
-                raise RuntimeError(f"{self.core_path} (layer {self.layer}) ran before the strategy configured a plan")
+                raise self.unconfigured()
             ctx, op = self.ctx, self.op_plan
         else:
             ctx, op = self._state(x)
@@ -603,7 +616,7 @@ class RowDispatch(OpDispatch):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ctx is None or self.op_plan is None:
-            raise RuntimeError(f"{self.core_path} (layer {self.layer}) ran before the strategy configured a plan")
+            raise self.unconfigured()
         ctx, op = self.ctx, self.op_plan
         return self._run(lambda inp: self._compute(inp, ctx, op.mode), x)
 

@@ -535,6 +535,8 @@ class GroupRunner:
         if share is not None:  # [2]: seconds, loss share (float64 holds a float32 or bf16 share exactly)
             numbers = torch.cat([to_device(numbers, share.device), share.detach().reshape(1).to(torch.float64)])
         every = exit_group(module, self._world, kept, replicated=True, extra=numbers)  # [P, k] or None: one group
+        for _, op in parallel.dispatchers(module):  # the 1/g shards are gone: a later call raises, not misreads
+            op.unconfigure()
         self._gather_next = kept == (1,) * len(kept) and self._gathers_whole()
         if every is None:
             if timed:

@@ -247,6 +247,25 @@ class ManualAccumulateLM(TinyLM):
         return loss
 
 
+class ManualTwiceLM(TinyLM):
+    """Manual optimization with two forwards and two backwards in one step (half the loss each), then the step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    @override
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        optimizer = self.optimizers()
+        first = self.loss(batch)
+        self.manual_backward(first / 2)
+        second = self.loss(batch)
+        self.manual_backward(second / 2)
+        optimizer.step()  # type: ignore[union-attr]
+        optimizer.zero_grad()  # type: ignore[union-attr]
+        return first
+
+
 class TwoValLM(TinyLM):
     """Two validation (and test) loaders (``dataloader_idx``), each loss logged per loader, an early stop watching
     the first."""
@@ -519,6 +538,7 @@ def cases_p2() -> dict[str, Case]:
             strategy=dict(plan=MIXED),
         ),
         "manual-accumulate": Case(ManualAccumulateLM, lambda: loader(shifted_targets), strategy=dict(plan=MIXED)),
+        "manual-twice": Case(ManualTwiceLM, lambda: loader(shifted_targets), strategy=dict(plan=MIXED)),
         "sgd": Case(tiny(optimizer="sgd"), lambda: loader(shifted_targets), strategy=dict(plan="tp_sp")),
         "adam": Case(tiny(optimizer="adam"), lambda: loader(shifted_targets), strategy=dict(plan="ring")),
         "rmsprop": Case(tiny(optimizer="rmsprop"), lambda: loader(shifted_targets), strategy=dict(plan="ulysses")),
@@ -614,6 +634,16 @@ def group_cases(p: int) -> dict[str, Case]:
             lambda: loader(ragged("targets"), rows=rows),
             strategy=grouped | dict(plan=MIXED),
             splits=splits,
+        ),
+        "groups-manual-twice": Case(  # a forward after the step's gradient return: refused, naming groups=False
+            ManualTwiceLM,
+            lambda: loader(ragged("targets"), rows=rows),
+            strategy=grouped | dict(plan=MIXED),
+            splits=splits,
+            refused="use ParaDySeStrategy(groups=False) for such steps",
+        ),
+        "groups-manual-twice-off": Case(  # the fix the refusal names
+            ManualTwiceLM, lambda: loader(ragged("targets"), rows=rows), strategy=dict(groups=False)
         ),
         "groups-auto": Case(lm_main, lambda: loader(ragged("targets"), rows=2 * p)),
         "groups-auto-one-row": Case(lm_main, lambda: loader(ragged("targets"), rows=1)),  # on every rank, or fewer
