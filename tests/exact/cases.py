@@ -207,13 +207,20 @@ class NudgedLM(TinyLM):
                     param.mul_(0.99)
 
 
-class ManualLM(TinyLM):
+class _Manual(TinyLM):
+    """A :class:`TinyLM` with manual optimization (its subclasses' steps back, clip and step themselves)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+
+
+class ManualLM(_Manual):
     """Manual optimization, as Lightning documents it: the step zeroes, backs its loss with ``manual_backward``,
     clips, steps the optimizer and the scheduler, logs and returns its loss."""
 
     def __init__(self) -> None:
         super().__init__(scheduler=True)
-        self.automatic_optimization = False
 
     @override
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
@@ -228,13 +235,9 @@ class ManualLM(TinyLM):
         return loss
 
 
-class ManualAccumulateLM(TinyLM):
+class ManualAccumulateLM(_Manual):
     """Manual optimization accumulating two batches per optimizer step, as Lightning documents it: the loss divided
     by 2 and backed every batch, the optimizer stepped and zeroed every second one."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
 
     @override
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
@@ -247,12 +250,8 @@ class ManualAccumulateLM(TinyLM):
         return loss
 
 
-class ManualTwiceLM(TinyLM):
+class ManualTwiceLM(_Manual):
     """Manual optimization with two forwards and two backwards in one step (half the loss each), then the step."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
 
     @override
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
