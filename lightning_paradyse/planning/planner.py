@@ -65,19 +65,22 @@ def format_bytes(n: float) -> str:
 
 
 class PlanInfeasible(ValueError):
-    """No plan fits the memory budget for a batch."""
+    """No plan fits the memory budget for a batch. ``missing``: the memory-saving options the planner was not
+    allowed (``recompute``, ``metp``), named in the fix."""
 
-    def __init__(self, seq_len: int, batch: int, budget: int, minimum: int | None) -> None:
+    def __init__(
+        self, seq_len: int, batch: int, budget: int, minimum: int | None, missing: Sequence[str] = ("recompute", "metp")
+    ) -> None:
         self.seq_len, self.batch, self.budget, self.minimum = seq_len, batch, budget, minimum
         least = (
             "no allowed mode can run"
             if minimum is None
             else f"the smallest any plan needs is {format_bytes(minimum)} ({minimum} bytes)"
         )
+        more = f", or allow {' and '.join(missing)}" if missing else ""
         super().__init__(
             f"no plan fits a batch of {batch} x {seq_len} tokens in the memory budget of {format_bytes(budget)} "
-            f"({budget} bytes) per rank: {least}. Use shorter sequences, more ranks, a larger memory_budget, "
-            f"or allow more modes (recompute, metp)."
+            f"({budget} bytes) per rank: {least}. Use shorter sequences, more ranks or a larger memory_budget{more}."
         )
 
 
@@ -360,7 +363,9 @@ class CostPlanner:
             least = self.minimum(seq_len, batch)
             self._least[key] = None if least is None else least.peak
         error_type = PlanSkipped if self.on_infeasible == "skip" else PlanInfeasible
-        error = error_type(seq_len, batch, self.budget, self._least[key])
+        options = (("recompute", True in self.recompute), ("metp", "metp" in self.modes))
+        missing = [name for name, allowed in options if not allowed]  # what the fix may name
+        error = error_type(seq_len, batch, self.budget, self._least[key], missing)
         if self.on_infeasible == "skip":
             self.skipped += 1
             log.warning("skipping the batch (%d so far): %s", self.skipped, error)

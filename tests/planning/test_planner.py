@@ -125,6 +125,10 @@ def test_infeasible_budget_names_length_budget_and_minimum() -> None:
     with pytest.raises(PlanSkipped):
         skipping.plan(50_000, 2)
     assert skipping.skipped == 1
+    assert "allow" not in message, "every memory-saving option was allowed: the fix does not ask for them"
+    narrow = _tiny_planner(1, modes=("tp_sp", "ulysses"), recompute=(False,))
+    with pytest.raises(PlanInfeasible, match="or allow recompute and metp"):
+        narrow.plan(1024, 1)
 
 
 def test_plans_are_deterministic_and_cached_by_bucket() -> None:
