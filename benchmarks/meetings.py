@@ -53,9 +53,9 @@ def _meet(name: str, numel: int, world: int) -> Callable[[], None]:
 def _worker(rank: int, world: int, args: argparse.Namespace, numel: int) -> list[tuple[str, int, float]]:
     a = torch.randn(128, 128)
 
-    def compute() -> None:
+    def compute(ms: float = args.compute_ms) -> None:
         start = time.perf_counter()
-        while time.perf_counter() - start < args.compute_ms / 1e3:
+        while time.perf_counter() - start < ms / 1e3:
             a @ a
 
     cases = [
@@ -80,13 +80,12 @@ def _worker(rank: int, world: int, args: argparse.Namespace, numel: int) -> list
     return out + _overlap(compute, numel, args)
 
 
-def _overlap(compute: Callable[[], None], numel: int, args: argparse.Namespace) -> list[tuple[str, int, float]]:
+def _overlap(compute: Callable[..., None], numel: int, args: argparse.Namespace) -> list[tuple[str, int, float]]:
     """The compute then one all-to-all of ``numel``, against the compute in ``args.chunks`` parts each followed by
     an asynchronous all-to-all of its share (waited at the end): median seconds of each, compute included."""
     k = max(1, args.chunks)
     send, out = torch.zeros(numel), torch.empty(numel)
     parts = torch.tensor_split(send, k), torch.tensor_split(out, k)  # [numel] -> k x [numel / k]
-    whole = args.compute_ms
 
     def serial() -> None:
         compute()
@@ -95,10 +94,8 @@ def _overlap(compute: Callable[[], None], numel: int, args: argparse.Namespace) 
     def overlapped() -> None:
         works = []
         for mine, theirs in zip(*parts):
-            args.compute_ms = whole / k
-            compute()
+            compute(args.compute_ms / k)
             works.append(dist.all_to_all_single(theirs, mine, async_op=True))
-        args.compute_ms = whole
         for work in works:
             work.wait()
 
