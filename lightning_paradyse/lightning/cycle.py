@@ -30,6 +30,7 @@ ran from it), its decision's seconds and the fixed part the cycle measures on th
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
@@ -433,9 +434,11 @@ class StepCycle:
     def apart(self) -> Iterator[None]:
         """Around a manual optimization step's backward: the replicated parameters' gradients it finds (earlier
         backwards' since the last ``zero_grad``, already summed over the ranks) set aside, so that the gradient return
-        sums this backward's alone, then added back (``earlier + new``, as one process's backward accumulates)."""
+        sums this backward's alone, then added back (``earlier + new``, as one process's backward accumulates). So are
+        the experts' shards of a mixture of experts: the return leaves an expert this backward's tokens did not visit
+        without a gradient, which must not drop an earlier backward's."""
         earlier = []
-        for w in parallel.replicated_parameters(self.module):
+        for w in itertools.chain(parallel.replicated_parameters(self.module), parallel.opaque_parameters(self.module)):
             if w.grad is not None:
                 earlier.append((w, w.grad))
                 w.grad = None

@@ -26,7 +26,7 @@ from lightning_paradyse.distributed.devices import gpu_free_bytes
 from lightning_paradyse.groups.exchange import drop_group, enter_group
 from lightning_paradyse.lightning.cycle import StepCycle, step_loss
 from lightning_paradyse.lightning.summary import whole_sizes
-from lightning_paradyse.modes.plan import uniform_plan
+from lightning_paradyse.modes.plan import LayerPlan, OpPlan, Plan
 from lightning_paradyse.modes.specs import SeqContext
 from lightning_paradyse.runtime import parallel
 from lightning_paradyse.runtime.slicing import describe_batch, shard_batch
@@ -166,7 +166,7 @@ class StepCheck:
             sharded = None if local is None else float(cycle.global_loss(local, sharded_info))
             enter_group(module, group, [1] * p)  # every weight on every rank: the whole step, p times
             try:
-                parallel.configure(module, SeqContext(whole_info.layout, None), uniform_plan("tp_sp", len(plan)))
+                parallel.configure(module, SeqContext(whole_info.layout, None), whole_plan(plan))
                 piece, sources = shard_batch(prefix, whole_info, 0)  # the whole prefix, as one process holds it
                 parallel.set_step_sources(module, sources, whole_info.padding)
                 whole = step_loss(step_fn(piece, *rest[0], **rest[1]))
@@ -177,6 +177,13 @@ class StepCheck:
         self.left = 0
         if sharded is not None and whole is not None:
             check_step_losses(sharded, float(whole), step_check_tolerance(whole.dtype, trainer.precision))
+
+
+def whole_plan(plan: Plan) -> Plan:
+    """The plan of the whole run: the step's own modes on a group of one, where each computes the plain op (so each
+    op keeps a mode it takes: a mixture of experts run whole takes no ``tp_sp``), without recomputation (the check
+    keeps no gradient)."""
+    return Plan(tuple(LayerPlan(OpPlan(layer.attention.mode), OpPlan(layer.mlp.mode)) for layer in plan.layers))
 
 
 def _whole_weights_fit(module: torch.nn.Module, group: Group, device: torch.device, world: int) -> bool:
@@ -203,4 +210,5 @@ __all__ = [
     "prefix_batch",
     "side_effects_undone",
     "step_check_tolerance",
+    "whole_plan",
 ]

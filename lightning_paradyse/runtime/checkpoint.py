@@ -136,8 +136,9 @@ def plain_order(
     """Per param group, the plain parameters a plain optimizer would list, in the order it would list them.
 
     The optimizer's own order is kept (a ``configure_optimizers`` may list parameters in any order), except inside
-    one rewritten op: its pieces (``q, k, v, o`` of a dispatch module) sit together in the parallel module and
-    are put in the plain module's order (an MLP's ``gate`` before ``up``), as iterating the plain module lists them.
+    one rewritten op: its pieces (``q, k, v, o`` of a dispatch module and the sub-modules it adopted) sit together
+    in the parallel module and are put in the plain module's order (an MLP's ``gate`` before ``up``, ``q_norm``
+    before ``k_norm``), as iterating the plain module lists them.
     """
     ops = {path for path, _ in parallel.dispatchers(module)}
     order: list[list[str]] = []
@@ -163,9 +164,11 @@ def plain_order(
 
 
 def _op_of(name: str, ops: set[str]) -> str:
-    """The rewritten op a parameter belongs to, or the parameter itself (its own run)."""
-    parent = name.rsplit(".", 1)[0] if "." in name else ""
-    return parent if parent in ops else name
+    """The rewritten op a parameter belongs to (its own shards, or a sub-module of the block it adopted: Qwen3's
+    ``q_norm`` and ``k_norm``, which it lists in the order its code calls them), or the parameter itself (its own
+    run)."""
+    parts = name.split(".")
+    return next((op for i in range(len(parts) - 1, 0, -1) if (op := ".".join(parts[:i])) in ops), name)
 
 
 def _params(optimizer: Optimizer) -> list[Tensor]:

@@ -769,6 +769,14 @@ def settle_opaque_grads(module: nn.Module, group: Group) -> None:
         start += own.numel()
 
 
+def opaque_parameters(module: nn.Module) -> Iterator[nn.Parameter]:
+    """The shards of every mixture of experts run whole (:class:`~.graph.dispatch.OpaqueDispatch`): after each
+    backward, those no rank's tokens used lose their gradient (:func:`settle_opaque_grads`)."""
+    for _, op in dispatchers(module):
+        if isinstance(op, OpaqueDispatch):
+            yield from op.parameters()
+
+
 def reduce_replicated_grads(module: nn.Module, group: Group) -> None:
     """Sum the gradients of replicated parameters over the group, in one coalesced all-reduce.
 

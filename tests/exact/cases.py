@@ -26,7 +26,7 @@ from typing_extensions import override
 from lightning_paradyse.lightning.language_model import LanguageModel
 from lightning_paradyse.models import build_model
 from tests.exact.harness import Case
-from tests.support.families import hf_llama
+from tests.support.families import ListMoELM, hf_family, hf_llama
 from tests.support.lightning import ACCELERATOR
 
 LENGTHS = (40, 57, 33, 64, 45, 50)
@@ -419,6 +419,52 @@ class HFModule(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.1)
 
 
+class MoELM(pl.LightningModule):
+    """A Hugging Face mixture of experts (Qwen3-MoE: a top-k router over experts run whole on each rank's tokens,
+    per-head ``q_norm`` and ``k_norm``) called with ``labels=``, as its documentation shows, and AdamW."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = hf_family("qwen3moe")
+        self.model.loss_function = causal_lm_loss  # HF's own, without its float32 upcast: compared in float64
+
+    @override
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss = self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+        self.log("train_loss", loss)
+        return loss  # type: ignore[no-any-return]
+
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.1)
+
+
+class ListMoEAccumulateLM(_Manual):
+    """A user's own mixture of experts (:class:`~tests.support.families.ListMoELM`: sixteen experts in a
+    ``ModuleList``, top-1, only the visited ones run) with manual optimization accumulating two batches per optimizer
+    step, as Lightning documents it: an expert the first batch's tokens visit and the second's do not keeps the
+    first's gradient, as in one process. Plain SGD: the key bias's true gradient is zero, its rounding noise (see
+    :class:`MaskedLM`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = ListMoELM()
+
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.2)
+
+    @override
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        optimizer = self.optimizers()
+        loss = self.loss(batch)
+        self.manual_backward(loss / 2)
+        if batch_idx % 2 == 1:
+            optimizer.step()  # type: ignore[union-attr]
+            optimizer.zero_grad()  # type: ignore[union-attr]
+        return loss
+
+
 def mlm_labels(window: Tensor) -> dict[str, Tensor]:
     """Masked-LM labels, not shifted: a fixed third of the tokens are targets, the rest -100 (uneven per rank)."""
     ids = window[:, :-1]
@@ -502,6 +548,12 @@ def cases_p2() -> dict[str, Case]:
         "hf-pad-right": Case(hf("masked"), lambda: loader(padded("right")), strategy=dict(plan=MIXED)),
         "hf-pad-left": Case(hf("masked"), lambda: loader(padded("left")), refused="left padding"),
         "hf-bert-mlm": Case(MaskedLM, lambda: loader(mlm_labels), strategy=dict(plan=MIXED_BIDIRECTIONAL)),
+        "hf-moe": Case(  # the step check and the checkpoint's optimizer state of experts and per-head norms
+            MoELM, lambda: loader(hf_labels), strategy=dict(plan=["ulysses", {"attention": "tp_sp", "mlp": "ring"}])
+        ),
+        "moe-manual-accumulate": Case(
+            ListMoEAccumulateLM, lambda: loader(shifted_targets, (12, 10, 12, 10)), strategy=dict(plan="ulysses")
+        ),
         "hf-grad-ckpt": Case(
             hf("labels-key", checkpointing={}),
             lambda: loader(hf_labels),

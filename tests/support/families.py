@@ -144,12 +144,16 @@ HF_FAMILIES: dict[str, tuple[str, str, dict[str, object]]] = {
 """
 
 
-def hf_family(family: str, n_kv_heads: int = 4, n_layers: int = 2, user_defaults: bool = False) -> nn.Module:
+def hf_family(
+    family: str, n_kv_heads: int = 4, n_layers: int = 2, user_defaults: bool = False, **overrides: object
+) -> nn.Module:
     """A tiny random model of a family of :data:`HF_FAMILIES` (no download); ``user_defaults``: with the kernels a
-    user gets by default where the family's entry picks others for float64 (the grouped-GEMM experts of MoE)."""
+    user gets by default where the family's entry picks others for float64 (the grouped-GEMM experts of MoE);
+    ``overrides``: config fields over the family's (``num_experts=8``)."""
     import transformers
 
     config_cls, model_cls, fields = HF_FAMILIES[family]
+    fields = {**fields, **overrides}
     if user_defaults:
         fields = {k: v for k, v in fields.items() if k != "experts_implementation"}
     base = {**_tiny_decoder(n_kv_heads, n_layers), "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}

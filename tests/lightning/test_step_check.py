@@ -1,0 +1,35 @@
+"""The one-time step check's parts (its whole run on Hugging Face models and a mixture of experts, and its refusal of
+a step that shifts its own targets, are cases of :mod:`tests.exact.cases`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_paradyse.lightning.step_check import check_step_losses, prefix_batch, step_check_tolerance, whole_plan
+from lightning_paradyse.modes.plan import parse_plan, uniform_plan
+
+
+def test_the_whole_run_keeps_each_ops_mode_without_recomputation() -> None:
+    """On a group of one every mode computes the plain op, so each op keeps the step's own mode (a mixture of experts
+    run whole takes ulysses or ring, never tp_sp); recomputation is dropped (the check keeps no gradient)."""
+    plan = parse_plan([{"attention": "tp_sp", "mlp": "ulysses", "recompute": True}, "ring"], 2)
+    assert whole_plan(plan) == parse_plan([{"attention": "tp_sp", "mlp": "ulysses"}, "ring"], 2)
+    assert whole_plan(uniform_plan("metp", 3)) == uniform_plan("metp", 3)
+
+
+def test_the_probe_is_every_tensors_first_tokens() -> None:
+    batch = {"input_ids": torch.arange(12).view(2, 6), "positions": torch.arange(6), "scale": torch.ones(3)}
+    cut = prefix_batch(batch, 2, 6, 4)
+    assert cut["input_ids"].tolist() == [[0, 1, 2, 3], [6, 7, 8, 9]]
+    assert cut["positions"].tolist() == [0, 1, 2, 3]
+    assert cut["scale"] is batch["scale"]  # not per token: untouched
+    assert prefix_batch((batch["input_ids"],), 2, 6, 2)[0].shape == (2, 2)
+
+
+def test_losses_that_differ_beyond_the_tolerance_name_the_fix() -> None:
+    tol = step_check_tolerance(torch.float64, "64-true")
+    check_step_losses(2.0, 2.0 * (1 + tol / 2), tol)
+    with pytest.raises(ValueError, match=r"computes something across the tokens.*check_step=False"):
+        check_step_losses(2.0, 2.0 * (1 + 2 * tol), tol)
+    assert step_check_tolerance(torch.float32, "bf16-mixed") > step_check_tolerance(torch.float32, "32-true")
