@@ -26,7 +26,7 @@ from typing_extensions import override
 from lightning_paradyse.lightning.language_model import LanguageModel
 from lightning_paradyse.models import build_model
 from tests.exact.harness import Case
-from tests.support.families import ListMoELM, hf_family, hf_llama
+from tests.support.families import HF_FAMILIES, ListMoELM, hf_family, hf_llama
 from tests.support.lightning import ACCELERATOR
 
 LENGTHS = (40, 57, 33, 64, 45, 50)
@@ -419,13 +419,14 @@ class HFModule(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.1)
 
 
-class MoELM(pl.LightningModule):
-    """A Hugging Face mixture of experts (Qwen3-MoE: a top-k router over experts run whole on each rank's tokens,
-    per-head ``q_norm`` and ``k_norm``) called with ``labels=``, as its documentation shows, and AdamW."""
+class FamilyLM(pl.LightningModule):
+    """A Hugging Face causal LM of a family of :data:`~tests.support.families.HF_FAMILIES` (Qwen3-MoE: a top-k router
+    over experts run whole on each rank's tokens; Qwen3: per-head ``q_norm`` and ``k_norm``), called with
+    ``labels=``, as their documentation shows, and AdamW."""
 
-    def __init__(self) -> None:
+    def __init__(self, family: str) -> None:
         super().__init__()
-        self.model = hf_family("qwen3moe")
+        self.model = hf_family(family)
         self.model.loss_function = causal_lm_loss  # HF's own, without its float32 upcast: compared in float64
 
     @override
@@ -437,6 +438,26 @@ class MoELM(pl.LightningModule):
     @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.1)
+
+
+FLOAT32_FAMILIES = ("gemma", "gemma2", "gemma3")
+"""Families whose own code computes in float32 whatever the model's dtype (Gemma's norms, Gemma 2's softmax): their
+rounding (1e-7) is not compared at 1e-9 (their modes are, in ``tests/graph/test_families.py``)."""
+
+
+def family_cases() -> dict[str, Case]:
+    """Every family through Lightning on groups (data parallel, then one group of 2), ulysses (every family runs it),
+    AdamW: the checkpoint's weights and optimizer state, in the plain order."""
+    return {
+        f"family-{family}": Case(
+            lambda family=family: FamilyLM(family),
+            lambda: loader(hf_labels, rows=3),
+            strategy=dict(plan="ulysses", groups=True, check_step=False),
+            splits=SPLITS_2,
+        )
+        for family in HF_FAMILIES
+        if family not in FLOAT32_FAMILIES and family != "gpt2-eager"
+    }
 
 
 class ListMoEAccumulateLM(_Manual):
@@ -537,73 +558,83 @@ def cases_p2() -> dict[str, Case]:
     tiny = lambda **kw: lambda: TinyLM(**kw)  # noqa: E731
     hf = lambda call, **kw: lambda: HFModule(call, **kw)  # noqa: E731
     val = dict(val_check_interval=2, limit_val_batches=2)
-    return {
-        "lm-main-auto": Case(lm_main, _lm_data, trainer=val, test=True, strategy=dict(thresholds=(40, 56))),
-        "lm-main-mixed": Case(lm_main, _lm_data, trainer=val, strategy=dict(plan=MIXED)),
-        "lm-hf-granite": Case(lm_granite, _lm_data, trainer=val, strategy=dict(plan=MIXED)),
-        "hf-labels-key": Case(hf("labels-key"), lambda: loader(hf_labels), strategy=dict(plan="ulysses")),
-        "hf-labels-ids": Case(hf("labels-ids"), lambda: loader(tokens_only), strategy=dict(plan=MIXED)),
-        "hf-shift-labels": Case(hf("shift-labels"), lambda: loader(hf_shift_labels), strategy=dict(plan="ring")),
-        "hf-tied": Case(hf("labels-key", tied=True), lambda: loader(hf_labels), strategy=dict(plan="metp")),
-        "hf-pad-right": Case(hf("masked"), lambda: loader(padded("right")), strategy=dict(plan=MIXED)),
-        "hf-pad-left": Case(hf("masked"), lambda: loader(padded("left")), refused="left padding"),
-        "hf-bert-mlm": Case(MaskedLM, lambda: loader(mlm_labels), strategy=dict(plan=MIXED_BIDIRECTIONAL)),
-        "hf-moe": Case(  # the step check and the checkpoint's optimizer state of experts and per-head norms
-            MoELM, lambda: loader(hf_labels), strategy=dict(plan=["ulysses", {"attention": "tp_sp", "mlp": "ring"}])
-        ),
-        "moe-manual-accumulate": Case(
-            ListMoEAccumulateLM, lambda: loader(shifted_targets, (12, 10, 12, 10)), strategy=dict(plan="ulysses")
-        ),
-        "hf-grad-ckpt": Case(
-            hf("labels-key", checkpointing={}),
-            lambda: loader(hf_labels),
-            strategy=dict(plan=MIXED),
-            plans=("tp_sp+rc,tp_sp+rc | ring+rc,metp+rc",) * 4,
-        ),
-        "hf-grad-ckpt-every-2": Case(
-            hf("labels-key", checkpointing=GRAD_CKPT_EVERY_2),
-            lambda: loader(hf_labels),
-            strategy=dict(thresholds=(40, 56)),
-            plans=("tp_sp+rc,tp_sp+rc | tp_sp,tp_sp", "ring+rc,metp+rc | ring+rc,metp+rc") * 2,  # lengths 40, 57, ...
-        ),
-        "hf-grad-ckpt-offload": Case(
-            hf("labels-key", checkpointing={"offload": True}), lambda: loader(hf_labels), refused="offload=True"
-        ),
-        "accumulate": Case(tiny(), lambda: loader(shifted_targets), trainer=dict(accumulate_grad_batches=2)),
-        "clip-norm": Case(tiny(), lambda: loader(shifted_targets), trainer=dict(gradient_clip_val=0.05)),
-        "clip-value": Case(
-            tiny(optimizer="sgd"),
-            lambda: loader(shifted_targets),
-            trainer=dict(gradient_clip_val=0.002, gradient_clip_algorithm="value"),
-        ),
-        "clip-in-hook": Case(tiny(clip_in_hook=0.05), lambda: loader(shifted_targets), strategy=dict(plan="metp")),
-        "clip-total-norm": Case(
-            tiny(clip_in_hook=0.05, clip_by_total=True), lambda: loader(shifted_targets), strategy=dict(plan=MIXED)
-        ),
-        "manual-optimization": Case(ManualLM, lambda: loader(shifted_targets), strategy=dict(plan=MIXED)),
-        "two-val-loaders": Case(
-            TwoValLM,
-            _two_val_data,
-            trainer=val | dict(callbacks=[EarlyStopping("val_loss/dataloader_idx_0", patience=0, min_delta=10.0)]),
-            test=True,
-            strategy=dict(plan=MIXED),
-        ),
-        "manual-accumulate": Case(ManualAccumulateLM, lambda: loader(shifted_targets), strategy=dict(plan=MIXED)),
-        "manual-twice": Case(ManualTwiceLM, lambda: loader(shifted_targets), strategy=dict(plan=MIXED)),
-        "sgd": Case(tiny(optimizer="sgd"), lambda: loader(shifted_targets), strategy=dict(plan="tp_sp")),
-        "adam": Case(tiny(optimizer="adam"), lambda: loader(shifted_targets), strategy=dict(plan="ring")),
-        "rmsprop": Case(tiny(optimizer="rmsprop"), lambda: loader(shifted_targets), strategy=dict(plan="ulysses")),
-        "scheduler": Case(tiny(scheduler=True), lambda: loader(shifted_targets), strategy=dict(plan=MIXED)),
-        "prompt-masked": Case(tiny(), lambda: loader(prompt_masked), strategy=dict(plan=MIXED)),
-        "adafactor": Case(tiny(optimizer="adafactor"), lambda: loader(shifted_targets), refused="Adafactor"),
-        "muon": Case(tiny(optimizer="muon"), lambda: loader(shifted_targets), refused="Muon"),
-        "profile-of-another-device": Case(
-            lm_main, _lm_data, strategy=dict(profile=foreign_profile()), refused=f"measured on '{FOREIGN}' but this run"
-        ),
-        "lamb": Case(tiny(optimizer="lamb"), lambda: loader(shifted_targets), refused="Lamb"),
-        "dropout": Case(DropoutLM, lambda: loader(shifted_targets), strategy=dict(plan=MIXED), compare=False),
-        "self-shift": Case(SelfShift, lambda: loader(tokens_only), refused="computes something across the tokens"),
-    } | group_cases(2)
+    return (
+        {
+            "lm-main-auto": Case(lm_main, _lm_data, trainer=val, test=True, strategy=dict(thresholds=(40, 56))),
+            "lm-main-mixed": Case(lm_main, _lm_data, trainer=val, strategy=dict(plan=MIXED)),
+            "lm-hf-granite": Case(lm_granite, _lm_data, trainer=val, strategy=dict(plan=MIXED)),
+            "hf-labels-key": Case(hf("labels-key"), lambda: loader(hf_labels), strategy=dict(plan="ulysses")),
+            "hf-labels-ids": Case(hf("labels-ids"), lambda: loader(tokens_only), strategy=dict(plan=MIXED)),
+            "hf-shift-labels": Case(hf("shift-labels"), lambda: loader(hf_shift_labels), strategy=dict(plan="ring")),
+            "hf-tied": Case(hf("labels-key", tied=True), lambda: loader(hf_labels), strategy=dict(plan="metp")),
+            "hf-pad-right": Case(hf("masked"), lambda: loader(padded("right")), strategy=dict(plan=MIXED)),
+            "hf-pad-left": Case(hf("masked"), lambda: loader(padded("left")), refused="left padding"),
+            "hf-bert-mlm": Case(MaskedLM, lambda: loader(mlm_labels), strategy=dict(plan=MIXED_BIDIRECTIONAL)),
+            "hf-moe": Case(  # the step check and the checkpoint's optimizer state of experts and per-head norms
+                lambda: FamilyLM("qwen3moe"),
+                lambda: loader(hf_labels),
+                strategy=dict(plan=["ulysses", {"attention": "tp_sp", "mlp": "ring"}]),
+            ),
+            "moe-manual-accumulate": Case(
+                ListMoEAccumulateLM, lambda: loader(shifted_targets, (12, 10, 12, 10)), strategy=dict(plan="ulysses")
+            ),
+            "hf-grad-ckpt": Case(
+                hf("labels-key", checkpointing={}),
+                lambda: loader(hf_labels),
+                strategy=dict(plan=MIXED),
+                plans=("tp_sp+rc,tp_sp+rc | ring+rc,metp+rc",) * 4,
+            ),
+            "hf-grad-ckpt-every-2": Case(
+                hf("labels-key", checkpointing=GRAD_CKPT_EVERY_2),
+                lambda: loader(hf_labels),
+                strategy=dict(thresholds=(40, 56)),
+                plans=("tp_sp+rc,tp_sp+rc | tp_sp,tp_sp", "ring+rc,metp+rc | ring+rc,metp+rc")
+                * 2,  # lengths 40, 57, ...
+            ),
+            "hf-grad-ckpt-offload": Case(
+                hf("labels-key", checkpointing={"offload": True}), lambda: loader(hf_labels), refused="offload=True"
+            ),
+            "accumulate": Case(tiny(), lambda: loader(shifted_targets), trainer=dict(accumulate_grad_batches=2)),
+            "clip-norm": Case(tiny(), lambda: loader(shifted_targets), trainer=dict(gradient_clip_val=0.05)),
+            "clip-value": Case(
+                tiny(optimizer="sgd"),
+                lambda: loader(shifted_targets),
+                trainer=dict(gradient_clip_val=0.002, gradient_clip_algorithm="value"),
+            ),
+            "clip-in-hook": Case(tiny(clip_in_hook=0.05), lambda: loader(shifted_targets), strategy=dict(plan="metp")),
+            "clip-total-norm": Case(
+                tiny(clip_in_hook=0.05, clip_by_total=True), lambda: loader(shifted_targets), strategy=dict(plan=MIXED)
+            ),
+            "manual-optimization": Case(ManualLM, lambda: loader(shifted_targets), strategy=dict(plan=MIXED)),
+            "two-val-loaders": Case(
+                TwoValLM,
+                _two_val_data,
+                trainer=val | dict(callbacks=[EarlyStopping("val_loss/dataloader_idx_0", patience=0, min_delta=10.0)]),
+                test=True,
+                strategy=dict(plan=MIXED),
+            ),
+            "manual-accumulate": Case(ManualAccumulateLM, lambda: loader(shifted_targets), strategy=dict(plan=MIXED)),
+            "manual-twice": Case(ManualTwiceLM, lambda: loader(shifted_targets), strategy=dict(plan=MIXED)),
+            "sgd": Case(tiny(optimizer="sgd"), lambda: loader(shifted_targets), strategy=dict(plan="tp_sp")),
+            "adam": Case(tiny(optimizer="adam"), lambda: loader(shifted_targets), strategy=dict(plan="ring")),
+            "rmsprop": Case(tiny(optimizer="rmsprop"), lambda: loader(shifted_targets), strategy=dict(plan="ulysses")),
+            "scheduler": Case(tiny(scheduler=True), lambda: loader(shifted_targets), strategy=dict(plan=MIXED)),
+            "prompt-masked": Case(tiny(), lambda: loader(prompt_masked), strategy=dict(plan=MIXED)),
+            "adafactor": Case(tiny(optimizer="adafactor"), lambda: loader(shifted_targets), refused="Adafactor"),
+            "muon": Case(tiny(optimizer="muon"), lambda: loader(shifted_targets), refused="Muon"),
+            "profile-of-another-device": Case(
+                lm_main,
+                _lm_data,
+                strategy=dict(profile=foreign_profile()),
+                refused=f"measured on '{FOREIGN}' but this run",
+            ),
+            "lamb": Case(tiny(optimizer="lamb"), lambda: loader(shifted_targets), refused="Lamb"),
+            "dropout": Case(DropoutLM, lambda: loader(shifted_targets), strategy=dict(plan=MIXED), compare=False),
+            "self-shift": Case(SelfShift, lambda: loader(tokens_only), refused="computes something across the tokens"),
+        }
+        | group_cases(2)
+        | family_cases()
+    )
 
 
 DP = ((1, 1),)
