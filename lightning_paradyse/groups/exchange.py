@@ -553,7 +553,17 @@ def _return_grads(
                     sums[id(w)][1][lo:hi] += piece.view(hi - lo, *w.shape[1:])
         for w, total in sums.values():
             w.grad = total.to(w.dtype)
+        _empty_grads(bucket)
     return None if tail is None else torch.stack(tails)  # [P, t]
+
+
+def _empty_grads(bucket: _Bucket) -> None:
+    """An empty shard (a rank holding none of a piece's rows: 3 experts over 4 ranks) gets an empty gradient, as
+    its piece's other shards get theirs: an optimizer then keeps state for it on every rank alike, which a
+    checkpoint's consolidation, a collective per parameter with state, relies on."""
+    for w in bucket.params:
+        if w.requires_grad and w.numel() == 0 and w.grad is None:
+            w.grad = torch.zeros_like(w)
 
 
 def _return_even(
@@ -603,7 +613,7 @@ def _sum_whole(bucket: _Bucket, got: torch.Tensor, t: int) -> torch.Tensor | Non
         total += got[j, :n]
     summed = total.to(got.dtype)  # half precision: rounded once (else the sum itself)
     for w, grad in zip(bucket.params, torch._utils._unflatten_dense_tensors(summed, bucket.params)):
-        if w.requires_grad and w.numel():
+        if w.requires_grad:  # an empty shard too (:func:`_empty_grads`)
             w.grad = grad  # [n] -> the shard's shape: a view of the sum
     return None if t == 0 else got[:, n:]  # [P, t]
 

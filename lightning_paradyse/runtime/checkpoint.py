@@ -38,7 +38,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_paradyse.distributed.comm import Group
+from lightning_paradyse.distributed.comm import Group, all_gather_rows, collective_device, group_size
 from lightning_paradyse.graph.dispatch import ShardSource, join_pieces
 from lightning_paradyse.runtime import parallel
 
@@ -193,6 +193,7 @@ def consolidate_optimizer_state(
     names = parameter_names(optimizer, module)
     order = plain_order(optimizer, names, targets, plain, module)
     index = {name: i for i, name in enumerate(n for names_ in order for n in names_)}
+    _check_state_everywhere(saved["state"], names, targets, group)
     entries: dict[str, dict[str, Any]] = {}  # plain name -> key -> value, or the gathered pieces
     for i, (name, param) in enumerate(zip(names, _params(optimizer))):  # the same order on every rank
         entry = saved["state"].get(i)
@@ -209,6 +210,29 @@ def consolidate_optimizer_state(
     state = {index[t]: {k: v.join() if isinstance(v, _Pieces) else v for k, v in e.items()} for t, e in entries.items()}
     groups = [{**g, "params": [index[n] for n in names_]} for g, names_ in zip(saved["param_groups"], order)]
     return {"state": dict(sorted(state.items())), "param_groups": groups}
+
+
+def _check_state_everywhere(
+    state: Mapping[int, Any], names: list[str], targets: Mapping[str, Target], group: Group
+) -> None:
+    """Every rank holds optimizer state for the same sharded parameters, each of which the consolidation gathers in
+    a collective: one all-gather of the flags, so that a rank without one raises, naming it, on every rank, where
+    the gathers would hang or mix up their messages."""
+    sharded = [i for i, name in enumerate(names) if targets[name][1] is not None]
+    p = group_size(group)
+    if p == 1 or not sharded:
+        return
+    flags = torch.tensor([float(i in state) for i in sharded], dtype=torch.float64, device=collective_device(group))
+    every = all_gather_rows(flags, [len(sharded)] * p, group).view(p, -1).cpu()  # [n] -> [p, n]
+    split = [i for i, column in zip(sharded, every.t()) if 0 < float(column.sum()) < p]
+    if split:
+        name = names[split[0]]
+        holders = [r for r in range(p) if float(every[r, sharded.index(split[0])]) > 0]
+        raise RuntimeError(
+            f"the optimizer holds state for the shard of {targets[name][0]} on ranks {holders} only (and for "
+            f"{len(split) - 1} more such parameters): the checkpoint cannot be consolidated; this is a bug of "
+            f"ParaDySeStrategy, please report it (a parameter the optimizer should skip on every rank, or on none)"
+        )
 
 
 class _Pieces(list[tuple[ShardSource, Tensor]]):

@@ -735,8 +735,15 @@ def group_cases(p: int) -> dict[str, Case]:
 
 
 def cases_p4() -> dict[str, Case]:
-    """Groups of different sizes on 4 ranks."""
-    return group_cases(4)
+    """Groups of different sizes on 4 ranks; a mixture of experts with fewer experts than ranks."""
+    return group_cases(4) | {
+        "moe-empty-shards": Case(  # 3 experts over 4 ranks: one rank holds none (an empty shard gets an empty gradient)
+            lambda: FamilyLM("qwen3moe"),
+            lambda: loader(hf_labels, rows=3),
+            strategy=dict(plan="ulysses", groups=True, check_step=False),
+            splits=((2, 2), (1, 1, 1, 1)),
+        )
+    }
 
 
 GRAD_CKPT_EVERY_2 = {"every_n_layers": 2, "gradient_checkpointing_kwargs": {"use_reentrant": True}}

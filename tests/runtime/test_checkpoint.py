@@ -327,3 +327,29 @@ def test_fused_and_conv1d_projections_round_trip_exactly() -> None:
     pytest.importorskip("transformers")
     bad = run_distributed(_fused_round_trip, 2, timeout=120)[0]
     assert not bad, bad
+
+
+def _state_on_one_rank(rank: int, world: int) -> str:
+    """Optimizer state for a shard on rank 0 only: the consolidation's error on every rank, before any gather."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    plain = build_model("llama-tiny").double()
+    record = PlainModel.record(plain)
+    parallel.parallelize(plain, dist.group.WORLD)
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    shard = next(w for n, w in plain.named_parameters() if n in parallel.shard_sources(plain))
+    if rank == 0:  # as an optimizer that skipped the shard on the other rank would leave it
+        shard.grad = torch.ones_like(shard)
+        optimizer.step()
+    try:
+        consolidate_optimizer_state(optimizer, plain, record, dist.group.WORLD)
+    except RuntimeError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.dist
+def test_state_held_by_some_ranks_only_is_refused_on_every_rank() -> None:
+    errors = run_distributed(_state_on_one_rank, 2, timeout=120)
+    assert all("holds state for the shard of" in e and "on ranks [0] only" in e for e in errors), errors
