@@ -307,9 +307,13 @@ def _check_groups(saved: Mapping[str, Any], order: list[list[str]]) -> None:
 
 
 def _local(value: Any, ref: parallel.ShardRef | None, shape: torch.Size, param: Tensor, group: Group, what: str) -> Any:
-    """This rank's part of a plain state value: for a sharded parameter, the shard of a tensor shaped like it."""
-    if ref is None or not isinstance(value, Tensor) or value.dim() == 0:
+    """This rank's part of a plain state value: for a sharded parameter, the shard of a tensor shaped like it; a tensor
+    of its own in any case (the pieces of one fused plain weight, q, k and v of GPT-2's ``c_attn``, must not share
+    the ``step`` tensor Adam increments in place: it would count each step once per piece)."""
+    if not isinstance(value, Tensor):
         return value
+    if ref is None or value.dim() == 0:
+        return value.clone()
     if value.shape != shape:
         raise ValueError(
             f"the checkpoint's optimizer state {what} has shape {tuple(value.shape)}, neither the plain parameter's "

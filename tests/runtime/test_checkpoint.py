@@ -250,6 +250,40 @@ def test_optimizer_state_is_the_plain_optimizers(model: str) -> None:
         assert again["param_groups"] == ref["param_groups"]
 
 
+RESUMED = {
+    "llama-tiny": lambda: build_model("llama-tiny"),
+    "gpt2": lambda: hf_family("gpt2"),  # q, k and v of one fused c_attn: three shards of one plain weight
+    "neox": lambda: hf_family("neox"),
+    "phi3": lambda: hf_family("phi3"),  # fused qkv_proj and gate_up_proj
+    "qwen3": lambda: hf_family("qwen3"),
+}
+
+
+@pytest.mark.parametrize("model", list(RESUMED))
+def test_a_resumed_optimizer_steps_as_the_plain_one(model: str) -> None:
+    """A plain optimizer's state loaded into the shards, then more steps on both: the same state (Adam's ``step``
+    counts each step once per shard, however many pieces of one plain weight share its saved value)."""
+    if model != "llama-tiny":
+        pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    plain = RESUMED[model]().double()
+    twin, record = _parallel_twin(plain)
+    opt = torch.optim.AdamW(param_groups(plain), lr=1e-2)
+    for seed in range(2):
+        _same_grads(plain, twin, record, seed)
+        opt.step()
+    parallel.load_consolidated(twin, plain.state_dict(), None)
+    resumed = torch.optim.AdamW(param_groups(twin), lr=1e-2)
+    load_optimizer_state(resumed, twin, record, copy.deepcopy(opt.state_dict()), None)  # as torch.load gives it
+    for seed in range(2, 4):
+        _same_grads(plain, twin, record, seed)
+        opt.step()
+        resumed.step()
+    assert_same_optimizer_state(consolidate_optimizer_state(resumed, twin, record, None), opt.state_dict(), model)
+    got = parallel.consolidated(twin, None)
+    assert all(torch.equal(got[k], v) for k, v in plain.state_dict().items()), f"{model}: weights after resuming"
+
+
 def _names(module: nn.Module, params: list[Tensor]) -> list[str]:
     by_id = {id(p): n for n, p in module.named_parameters()}
     return [by_id[id(p)] for p in params]
