@@ -44,6 +44,7 @@ from datetime import timedelta
 from typing import Any, Literal
 
 import lightning.pytorch as pl
+import lightning.pytorch.callbacks as pl_callbacks
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import (
@@ -433,6 +434,7 @@ class ParaDySeStrategy(ParallelStrategy):
         """Parallelise the model once where it was built (the host, usually), then move what this rank holds to its
         device; add the switcher, then set up optimizers and precision."""
         assert self.accelerator is not None
+        refuse_weight_averaging(trainer.callbacks)  # type: ignore[attr-defined]  # every rank alike, before any broadcast
         self._trainer = trainer
         self.accelerator.setup(trainer)
         comm.GRAD_REDUCE_DTYPE = torch.float32 if self.options.grad_reduce_dtype == "float32" else None
@@ -960,3 +962,23 @@ def _keep_user_samplers(trainer: pl.Trainer) -> None:
     kept instead, and :meth:`ParaDySeStrategy.begin_batch` checks that every rank holds the same batch.
     """
     trainer._accelerator_connector.use_distributed_sampler = False
+
+
+AVERAGING_CALLBACKS = tuple(
+    c for c in (getattr(pl_callbacks, n, None) for n in ("StochasticWeightAveraging", "WeightAveraging")) if c
+)
+"""Lightning's weight-averaging callbacks (``EMAWeightAveraging`` is a ``WeightAveraging``)."""
+
+
+def refuse_weight_averaging(callbacks: Sequence[Any]) -> None:
+    """Lightning's weight-averaging callbacks copy the module when the fit is set up, before the strategy shards it,
+    and then average the copy's whole parameters with this rank's shards, pairing them by position (a crash on a
+    shape mismatch, or a wrong average where shapes happen to agree): refused, naming the fix."""
+    found = [type(c).__name__ for c in callbacks if isinstance(c, AVERAGING_CALLBACKS)]
+    if found:
+        raise ValueError(
+            f"{found[0]} averages a copy of the whole module made before ParaDySeStrategy shards it, which it cannot "
+            f"pair with the shards this rank trains; remove the callback and average the plain weights our "
+            f"checkpoints hold (their state dict is the single-process model's), or keep a running average inside "
+            f"the LightningModule over self.parameters() (each rank averages its own shards)"
+        )

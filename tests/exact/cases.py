@@ -18,7 +18,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import EarlyStopping
+from lightning.pytorch.callbacks import EarlyStopping, EMAWeightAveraging, StochasticWeightAveraging
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
@@ -629,6 +629,18 @@ def cases_p2() -> dict[str, Case]:
                 refused=f"measured on '{FOREIGN}' but this run",
             ),
             "lamb": Case(tiny(optimizer="lamb"), lambda: loader(shifted_targets), refused="Lamb"),
+            "swa": Case(  # Lightning's weight averaging copies the module before it is sharded
+                tiny(),
+                lambda: loader(shifted_targets),
+                trainer=dict(callbacks=[StochasticWeightAveraging(swa_lrs=1e-3)]),
+                refused="StochasticWeightAveraging averages a copy of the whole module",
+            ),
+            "ema": Case(
+                tiny(),
+                lambda: loader(shifted_targets),
+                trainer=dict(callbacks=[EMAWeightAveraging()]),
+                refused="EMAWeight",
+            ),
             "dropout": Case(DropoutLM, lambda: loader(shifted_targets), strategy=dict(plan=MIXED), compare=False),
             "self-shift": Case(SelfShift, lambda: loader(tokens_only), refused="computes something across the tokens"),
         }
