@@ -1,10 +1,10 @@
 """LanguageModel: an ordinary LightningModule around a reference model, for the command line and examples.
 
-Nothing in it knows about parallelism: it computes the mean token cross-entropy of the tokens it is
-given (targets are shifted in the data, -100 marks tokens without a target). Under
-``ParaDySeStrategy`` the step sees this rank's slice of the sequence and the strategy turns the
-returned loss into the global one; the module logs the loss the step *returned* (``outputs`` of the
-batch-end hooks), which is therefore the exact single-process loss on every rank.
+It computes the mean token cross-entropy of the tokens it is given (targets are shifted in the data, -100 marks
+tokens without a target). Under ``ParaDySeStrategy`` the step sees this rank's slice of the sequence and the strategy
+turns the returned loss into the global one; the module logs the loss the step *returned* (``outputs`` of the
+batch-end hooks), which is therefore the exact single-process loss on every rank. One thing it asks: whether its
+model was rewritten, so that a packed batch's documents attend only within themselves either way (:meth:`logits`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_paradyse.models import build_model
+from lightning_paradyse.runtime import parallel
 
 
 class LanguageModel(pl.LightningModule):
@@ -72,9 +73,20 @@ class LanguageModel(pl.LightningModule):
 
     def loss(self, batch: dict[str, Tensor]) -> Tensor:
         """Mean cross-entropy over the real targets of the tokens in ``batch`` (packed batches carry positions)."""
-        logits = self(batch["input_ids"], batch.get("positions"))  # [b, s, vocab]
+        logits = self.logits(batch)  # [b, s, vocab]
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16/fp16 up to float32, float64 kept
         return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(), ignore_index=-100)
+
+    def logits(self, batch: dict[str, Tensor]) -> Tensor:
+        """Logits ``[b, s, vocab]`` of ``batch``. A packed batch (``doc_ids``: ``data.pack=true``) is one sequence
+        whose documents attend only within themselves: under ``ParaDySeStrategy`` the rewritten attention keeps them
+        apart; elsewhere (one device, DDP) each document runs on its own here, which is the same."""
+        doc_ids = batch.get("doc_ids")
+        if doc_ids is None or parallel.is_parallelized(self.model):
+            return self(batch["input_ids"], batch.get("positions"))  # type: ignore[no-any-return]
+        sizes = torch.unique_consecutive(doc_ids, return_counts=True)[1].tolist()  # the documents' lengths
+        tokens, positions = batch["input_ids"].split(sizes, dim=1), batch["positions"].split(sizes)
+        return torch.cat([self(t, pos) for t, pos in zip(tokens, positions)], dim=1)  # [1, s_i, vocab] -> [1, s, vocab]
 
     @override
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:

@@ -23,6 +23,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
+from lightning_paradyse.data.batching import pack_documents
 from lightning_paradyse.lightning.language_model import LanguageModel
 from lightning_paradyse.models import build_model
 from tests.exact.harness import Case
@@ -61,6 +62,25 @@ def loader(
     make: Callable[[Tensor], dict[str, Tensor]], lengths: tuple[int, ...] = LENGTHS, rows: int = 2
 ) -> DataLoader[Any]:
     return DataLoader(Batches(make, lengths, rows), batch_size=None)
+
+
+class PackedBatches(Dataset[Any]):
+    """Packed batches as the package's data makes them (``data.pack=true``: documents in one sequence, positions
+    restarting, ``doc_ids``; :func:`~lightning_paradyse.data.batching.pack_documents`), seeded per index."""
+
+    def __init__(self, documents: tuple[tuple[int, ...], ...]) -> None:
+        self.documents = documents
+
+    def __len__(self) -> int:
+        return len(self.documents)
+
+    def __getitem__(self, i: int) -> dict[str, Tensor]:
+        gen = torch.Generator().manual_seed(100 + i)
+        return pack_documents([torch.randint(0, 128, (n,), generator=gen) for n in self.documents[i]])
+
+
+PACKED = ((20, 13, 9), (31, 17), (12, 25, 8, 11), (44,))
+"""Documents per packed batch (uneven over 2 and 3 ranks and over the groups)."""
 
 
 def shifted_targets(window: Tensor) -> dict[str, Tensor]:
@@ -562,6 +582,10 @@ def cases_p2() -> dict[str, Case]:
         {
             "lm-main-auto": Case(lm_main, _lm_data, trainer=val, test=True, strategy=dict(thresholds=(40, 56))),
             "lm-main-mixed": Case(lm_main, _lm_data, trainer=val, strategy=dict(plan=MIXED)),
+            "lm-packed": Case(  # the documents of a packed batch attend within themselves, with or without the strategy
+                lm_main, lambda: DataLoader(PackedBatches(PACKED), batch_size=None), strategy=dict(plan=MIXED)
+            ),
+            "lm-packed-groups": Case(lm_main, lambda: DataLoader(PackedBatches(PACKED), batch_size=None)),
             "lm-hf-granite": Case(lm_granite, _lm_data, trainer=val, strategy=dict(plan=MIXED)),
             "hf-labels-key": Case(hf("labels-key"), lambda: loader(hf_labels), strategy=dict(plan="ulysses")),
             "hf-labels-ids": Case(hf("labels-ids"), lambda: loader(tokens_only), strategy=dict(plan=MIXED)),
@@ -796,6 +820,9 @@ def cases_p3() -> dict[str, Case]:
             lm_main, _lm_data, trainer=dict(val_check_interval=2, limit_val_batches=2), strategy=dict(plan=MIXED_3)
         ),
         "hf-labels-ids": Case(lambda: HFModule("labels-ids"), lambda: loader(tokens_only), strategy=dict(plan="ring")),
+        "lm-packed": Case(
+            lm_main, lambda: DataLoader(PackedBatches(PACKED), batch_size=None), strategy=dict(plan=MIXED_3)
+        ),
         "manual-optimization": Case(ManualLM, lambda: loader(shifted_targets), strategy=dict(plan=MIXED_3)),
         "clip-norm": Case(
             lambda: TinyLM(),
