@@ -215,6 +215,22 @@ class TinyLM(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+class ConfiguredLM(TinyLM):
+    """A :class:`TinyLM` whose model is built in ``configure_model``, as Lightning recommends for large models (the
+    strategy parallelises what the hook built). Nothing draws random numbers before the hook: the strategy re-seeds
+    each process at setup, as Lightning's DDP does, so draws made in ``__init__`` would shift the hook's."""
+
+    def __init__(self) -> None:
+        pl.LightningModule.__init__(self)
+        self.model: Any = None
+        self.optimizer, self.clip_in_hook, self.scheduler, self.clip_by_total = "adamw", None, False, False
+
+    @override
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = build_model("llama-tiny")
+
+
 class NudgedLM(TinyLM):
     """Weights scaled in place between two micro-batches of one optimizer step (an EMA-like hook a recipe may
     have): shards kept from the first micro-batch are stale for the second."""
@@ -630,6 +646,7 @@ def cases_p2() -> dict[str, Case]:
                 tiny(clip_in_hook=0.05, clip_by_total=True), lambda: loader(shifted_targets), strategy=dict(plan=MIXED)
             ),
             "manual-optimization": Case(ManualLM, lambda: loader(shifted_targets), strategy=dict(plan=MIXED)),
+            "configure-model": Case(ConfiguredLM, lambda: loader(shifted_targets, rows=3), strategy=dict(plan=MIXED)),
             "two-val-loaders": Case(
                 TwoValLM,
                 _two_val_data,
