@@ -208,8 +208,17 @@ def consolidate_optimizer_state(
             else:
                 out.setdefault(key, value.cpu() if host and isinstance(value, Tensor) else value)
     state = {index[t]: {k: v.join() if isinstance(v, _Pieces) else v for k, v in e.items()} for t, e in entries.items()}
-    groups = [{**g, "params": [index[n] for n in names_]} for g, names_ in zip(saved["param_groups"], order)]
+    groups = [_plain_group(g, [index[n] for n in names_], names_) for g, names_ in zip(saved["param_groups"], order)]
     return {"state": dict(sorted(state.items())), "param_groups": groups}
+
+
+def _plain_group(group: Mapping[str, Any], params: list[int], names: list[str]) -> dict[str, Any]:
+    """A param group of the plain optimizer's state dict: its parameters' indices, and its ``param_names`` (an
+    optimizer built from ``named_parameters()``) the plain names, in the same order."""
+    out = {**group, "params": params}
+    if "param_names" in group:
+        out["param_names"] = list(names)
+    return out
 
 
 def _check_state_everywhere(
@@ -278,7 +287,8 @@ def load_optimizer_state(
             state[i] = {k: _local(v, ref, shape, param, group, f"{k!r} of {target}") for k, v in entry.items()}
     groups, at = [], 0
     for current, stored in zip(optimizer.param_groups, saved["param_groups"]):
-        groups.append({**stored, "params": list(range(at, at + len(current["params"])))})
+        kept = {k: v for k, v in stored.items() if k != "param_names"}  # the plain names: this optimizer keeps its own
+        groups.append({**kept, "params": list(range(at, at + len(current["params"])))})
         at += len(current["params"])
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 

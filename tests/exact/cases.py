@@ -476,6 +476,27 @@ class FamilyLM(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.1)
 
 
+class NamedGroupsLM(FamilyLM):
+    """Parameter groups by name, as Hugging Face's recipe makes them (no weight decay for biases and norms), or an
+    optimizer of named parameters (``named``: ``AdamW(self.named_parameters())``, whose state dict keeps the
+    names)."""
+
+    def __init__(self, family: str, named: bool = False) -> None:
+        super().__init__(family)
+        self.named = named
+
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.named:
+            return torch.optim.AdamW(self.named_parameters(), lr=3e-3, weight_decay=0.1)
+        no_decay = ("bias", "ln_", "norm")
+        named = list(self.named_parameters())
+        decay = [p for n, p in named if not any(k in n for k in no_decay)]
+        rest = [p for n, p in named if any(k in n for k in no_decay)]
+        groups = [{"params": decay, "weight_decay": 0.5}, {"params": rest, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=3e-3)
+
+
 FLOAT32_FAMILIES = ("gemma", "gemma2", "gemma3")
 """Families whose own code computes in float32 whatever the model's dtype (Gemma's norms, Gemma 2's softmax): their
 rounding (1e-7) is not compared at 1e-9 (their modes are, in ``tests/graph/test_families.py``)."""
@@ -617,6 +638,12 @@ def cases_p2() -> dict[str, Case]:
             ),
             "moe-manual-accumulate": Case(
                 ListMoEAccumulateLM, lambda: loader(shifted_targets, (12, 10, 12, 10)), strategy=dict(plan="ulysses")
+            ),
+            "named-groups": Case(  # by name: the shards of GPT-2's fused c_attn bias are biases too
+                lambda: NamedGroupsLM("gpt2"), lambda: loader(hf_labels), strategy=dict(plan="ulysses")
+            ),
+            "named-optimizer": Case(
+                lambda: NamedGroupsLM("gpt2", named=True), lambda: loader(hf_labels), strategy=dict(plan="ulysses")
             ),
             "hf-grad-ckpt": Case(
                 hf("labels-key", checkpointing={}),
