@@ -497,6 +497,21 @@ class NamedGroupsLM(FamilyLM):
         return torch.optim.AdamW(groups, lr=3e-3)
 
 
+class FrozenLM(FamilyLM):
+    """Fine-tuning: the embeddings and the first layer's attention frozen (``requires_grad_(False)``), the optimizer
+    over the trainable rest."""
+
+    def __init__(self, family: str) -> None:
+        super().__init__(family)
+        for name, param in self.model.named_parameters():
+            if any(k in name for k in ("embed", "wte", "layers.0.self_attn", "h.0.attn")):
+                param.requires_grad_(False)
+
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=3e-3, weight_decay=0.1)
+
+
 FLOAT32_FAMILIES = ("gemma", "gemma2", "gemma3")
 """Families whose own code computes in float32 whatever the model's dtype (Gemma's norms, Gemma 2's softmax): their
 rounding (1e-7) is not compared at 1e-9 (their modes are, in ``tests/graph/test_families.py``)."""
@@ -638,6 +653,12 @@ def cases_p2() -> dict[str, Case]:
             ),
             "moe-manual-accumulate": Case(
                 ListMoEAccumulateLM, lambda: loader(shifted_targets, (12, 10, 12, 10)), strategy=dict(plan="ulysses")
+            ),
+            "frozen-groups": Case(  # frozen shards of a fused projection, on groups
+                lambda: FrozenLM("gpt2"),
+                lambda: loader(hf_labels, rows=3),
+                strategy=dict(plan="ulysses", groups=True, check_step=False),
+                splits=SPLITS_2,
             ),
             "named-groups": Case(  # by name: the shards of GPT-2's fused c_attn bias are biases too
                 lambda: NamedGroupsLM("gpt2"), lambda: loader(hf_labels), strategy=dict(plan="ulysses")
