@@ -1,16 +1,16 @@
 """The plain model's parameter names, shown to ``configure_optimizers``.
 
-A rewritten op holds its weights under names of its own (``self_attn.q``, ``b_q``, ``mlp.down_t``), where the plain
-model has ``self_attn.q_proj.weight``, ``q_proj.bias``, ``mlp.down_proj.weight``. A ``configure_optimizers`` that
-builds its parameter groups by name, as Hugging Face's recipe does (no weight decay for ``"bias"`` and norm
-parameters), would put a shard in another group than its plain parameter: a silently different optimizer. While
-the hook runs (:func:`plain_named_parameters`), ``named_parameters()`` of the module and of each sub-module names
-every parameter as the plain model does:
+A rewritten op holds its weights under names of its own (``self_attn.q``, ``self_attn.bq``, ``mlp.down_t``), where
+the plain model has ``self_attn.q_proj.weight``, ``q_proj.bias``, ``mlp.down_proj.weight``. A
+``configure_optimizers`` that builds its parameter groups by name, as Hugging Face's recipe does (no weight decay
+for ``"bias"`` and norm parameters), would put a shard in another group than its plain parameter: a silently
+different optimizer. While the hook runs (:func:`plain_named_parameters`), ``named_parameters()`` of the module and
+of each sub-module names every parameter as the plain model does:
 
 * a parameter of the plain model kept as it is, or a shard of a plain parameter that is one piece: its plain name
   (``model.layers.0.self_attn.q_proj.weight``);
 * a piece of a fused plain parameter (q, k and v of GPT-2's ``c_attn``): the plain module's path, the piece, the
-  plain parameter's own name (``transformer.h.0.attn.c_attn.q.weight``, ``c_attn.b_q.bias``), unique per piece and
+  plain parameter's own name (``transformer.h.0.attn.c_attn.q.weight``, ``c_attn.bq.bias``), unique per piece and
   still holding every word a name-based rule looks for.
 
 Only the names change, never the parameters or their order.
