@@ -200,7 +200,8 @@ def validate_plan_spec(plan: PlanSpec, modes: Sequence[str]) -> PlanSpec:
     """
     if isinstance(plan, str) and plan == "auto":
         return plan
-    fix = f"use 'auto', one of the modes {list(MODES)}, or a list with one entry per layer"
+    grid = ", ".join(repr(m) for m in GRID_MODES)
+    fix = f"use 'auto', one of the modes {list(MODES)} ({grid} with axes=2), or a list with one entry per layer"
     try:
         if isinstance(plan, str):
             parsed = uniform_plan(plan, 1)
