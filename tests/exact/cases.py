@@ -532,7 +532,7 @@ def family_cases() -> dict[str, Case]:
     }
 
 
-class ListMoEAccumulateLM(_Manual):
+class ListMoEAccumulateLM(ManualAccumulateLM):
     """A user's own mixture of experts (:class:`~tests.support.families.ListMoELM`: sixteen experts in a
     ``ModuleList``, top-1, only the visited ones run) with manual optimization accumulating two batches per optimizer
     step, as Lightning documents it: an expert the first batch's tokens visit and the second's do not keeps the
@@ -546,16 +546,6 @@ class ListMoEAccumulateLM(_Manual):
     @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.2)
-
-    @override
-    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        optimizer = self.optimizers()
-        loss = self.loss(batch)
-        self.manual_backward(loss / 2)
-        if batch_idx % 2 == 1:
-            optimizer.step()  # type: ignore[union-attr]
-            optimizer.zero_grad()  # type: ignore[union-attr]
-        return loss
 
 
 def mlm_labels(window: Tensor) -> dict[str, Tensor]:
