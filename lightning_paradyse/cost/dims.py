@@ -226,7 +226,7 @@ def dims_from_module(module: nn.Module, vocab: int | None = None) -> ModelDims:
         layers,
         vocab,
         gated=m.gated,
-        biases=attn.opt("bq") is not None,
+        biases=attn.opt("q_bias") is not None,
         causal=bool(attn.roles.causal is not False),
         rotary=attn.roles.program is not None,
         norm="rms" if rms else "layer",

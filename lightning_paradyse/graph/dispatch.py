@@ -303,18 +303,25 @@ class AttentionDispatch(OpDispatch):
                 src = ShardSource(f"{pre}in_proj_weight", False, h, offset=i * h)
                 self.add_shard(name, core.in_proj_weight, src, group)
                 bias_src = ShardSource(f"{pre}in_proj_bias", False, h, offset=i * h)
-                self.add_shard(f"b{name}", core.in_proj_bias, bias_src, group)
-            self.add_row_projection("o_t", "bo", core.out_proj, f"{pre}out_proj", group)
+                self.add_shard(f"{name}_bias", core.in_proj_bias, bias_src, group)
+            self.add_row_projection("o_t", "o_bias", core.out_proj, f"{pre}out_proj", group)
             return
         for name, rows in zip(("q", "k", "v"), roles.rows):
             path = getattr(roles, name)
-            self.add_projection(name, f"b{name}", core.get_submodule(path[len(pre) :]), path, rows, group)
-        self.add_row_projection("o_t", "bo", core.get_submodule(roles.o[len(pre) :]), roles.o, group)
+            self.add_projection(name, f"{name}_bias", core.get_submodule(path[len(pre) :]), path, rows, group)
+        self.add_row_projection("o_t", "o_bias", core.get_submodule(roles.o[len(pre) :]), roles.o, group)
 
     def weights(self) -> AttnWeights:
         o = self.opt
         return AttnWeights(
-            self.req("q"), self.req("k"), self.req("v"), self.req("o_t"), o("bq"), o("bk"), o("bv"), o("bo")
+            self.req("q"),
+            self.req("k"),
+            self.req("v"),
+            self.req("o_t"),
+            o("q_bias"),
+            o("k_bias"),
+            o("v_bias"),
+            o("o_bias"),
         )
 
     def infeasible(self, mode: str, p: int) -> str | None:
@@ -418,14 +425,14 @@ class MlpDispatch(OpDispatch):
         super().__init__(roles.core, layer)
         pre = roles.core + "."
         up, down = core.get_submodule(roles.up[len(pre) :]), core.get_submodule(roles.down[len(pre) :])
-        f = self.add_projection("up", "b_up", up, roles.up, roles.rows[0], group)
+        f = self.add_projection("up", "up_bias", up, roles.up, roles.rows[0], group)
         if roles.gate is not None:
             gate = core.get_submodule(roles.gate[len(pre) :])
-            self.add_projection("gate", "b_gate", gate, roles.gate, roles.rows[1], group)
+            self.add_projection("gate", "gate_bias", gate, roles.gate, roles.rows[1], group)
         else:
             self.register_parameter("gate", None)
-            self.register_parameter("b_gate", None)
-        self.add_row_projection("down_t", "b_down", down, roles.down, group)
+            self.register_parameter("gate_bias", None)
+        self.add_row_projection("down_t", "down_bias", down, roles.down, group)
         self.roles = roles
         for path in () if roles.tail is None else roles.tail.modules:  # the model's code after the down projection
             self.adopt(core, path)
@@ -434,7 +441,7 @@ class MlpDispatch(OpDispatch):
 
     def weights(self) -> MlpWeights:
         o = self.opt
-        return MlpWeights(self.req("up"), self.req("down_t"), o("gate"), o("b_up"), o("b_gate"), o("b_down"))
+        return MlpWeights(self.req("up"), self.req("down_t"), o("gate"), o("up_bias"), o("gate_bias"), o("down_bias"))
 
     def infeasible(self, mode: str, p: int) -> str | None:
         if mode in GRID_MODES and self.grid is None:

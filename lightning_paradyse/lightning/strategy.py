@@ -101,7 +101,6 @@ from lightning_paradyse.runtime.checkpoint import (
     recorded,
 )
 from lightning_paradyse.runtime.exactness import ClipInterception, check_optimizers, rank_rng
-from lightning_paradyse.runtime.plain_names import plain_named_parameters
 from lightning_paradyse.runtime.slicing import BatchInfo
 
 _PLAIN_MODELS: weakref.WeakKeyDictionary[torch.nn.Module, PlainModel] = weakref.WeakKeyDictionary()
@@ -476,12 +475,7 @@ class ParaDySeStrategy(ParallelStrategy):
         summarize_whole_model(trainer.callbacks)  # type: ignore[attr-defined]  # whole parameter counts, not shards
         _keep_user_samplers(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
-            with (
-                contextlib.nullcontext()
-                if self._plain_model is None
-                else plain_named_parameters(self._module, self._plain_model)
-            ):  # a configure_optimizers that groups by name groups each shard as its plain parameter
-                self.setup_optimizers(trainer)
+            self.setup_optimizers(trainer)
             check_optimizers(self.optimizers, self.options.elementwise_optimizers)
             if group_size(self._group) > 1:  # rank 0's SIGTERM flag rides each training batch's agreement
                 self.cycle.sigterm.install(trainer)

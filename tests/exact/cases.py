@@ -477,22 +477,31 @@ class FamilyLM(pl.LightningModule):
 
 
 class NamedGroupsLM(FamilyLM):
-    """Parameter groups by name, as Hugging Face's recipe makes them (no weight decay for biases and norms), or an
-    optimizer of named parameters (``named``: ``AdamW(self.named_parameters())``, whose state dict keeps the
-    names)."""
+    """Parameter groups by name, as common recipes make them (no weight decay for biases and norms).
 
-    def __init__(self, family: str, named: bool = False) -> None:
+    ``recipe``: ``names`` (substrings of ``named_parameters()`` names, as Hugging Face's examples do), ``hf-trainer``
+    (Hugging Face Trainer's own ``get_parameter_names``, which walks ``named_children`` and each module's
+    ``_parameters``) or ``named-optimizer`` (``AdamW(self.named_parameters())``, whose state dict keeps the names).
+    """
+
+    def __init__(self, family: str, recipe: str = "names") -> None:
         super().__init__(family)
-        self.named = named
+        self.recipe = recipe
 
     @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        if self.named:
-            return torch.optim.AdamW(self.named_parameters(), lr=3e-3, weight_decay=0.1)
-        no_decay = ("bias", "ln_", "norm")
         named = list(self.named_parameters())
-        decay = [p for n, p in named if not any(k in n for k in no_decay)]
-        rest = [p for n, p in named if any(k in n for k in no_decay)]
+        if self.recipe == "named-optimizer":
+            return torch.optim.AdamW(named, lr=3e-3, weight_decay=0.1)
+        if self.recipe == "hf-trainer":
+            from transformers.trainer_pt_utils import get_parameter_names
+
+            patterns = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
+            decayed = set(get_parameter_names(self, [torch.nn.LayerNorm], patterns))
+        else:
+            decayed = {n for n, _ in named if not any(k in n for k in ("bias", "ln_", "norm"))}
+        decay = [p for n, p in named if n in decayed]
+        rest = [p for n, p in named if n not in decayed]
         groups = [{"params": decay, "weight_decay": 0.5}, {"params": rest, "weight_decay": 0.0}]
         return torch.optim.AdamW(groups, lr=3e-3)
 
@@ -653,8 +662,13 @@ def cases_p2() -> dict[str, Case]:
             "named-groups": Case(  # by name: the shards of GPT-2's fused c_attn bias are biases too
                 lambda: NamedGroupsLM("gpt2"), lambda: loader(hf_labels), strategy=dict(plan="ulysses")
             ),
+            "named-groups-hf-trainer": Case(
+                lambda: NamedGroupsLM("qwen2", "hf-trainer"), lambda: loader(hf_labels), strategy=dict(plan="ulysses")
+            ),
             "named-optimizer": Case(
-                lambda: NamedGroupsLM("gpt2", named=True), lambda: loader(hf_labels), strategy=dict(plan="ulysses")
+                lambda: NamedGroupsLM("gpt2", "named-optimizer"),
+                lambda: loader(hf_labels),
+                strategy=dict(plan="ulysses"),
             ),
             "hf-grad-ckpt": Case(
                 hf("labels-key", checkpointing={}),

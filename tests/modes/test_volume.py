@@ -153,7 +153,7 @@ def _specs(model: str) -> tuple[AttnSpec, MlpSpec, bool]:
     plain = build_model(MODELS[model])
     parallelize(plain, None)
     attn, mlp = _ops(plain)
-    return attn.spec, mlp.spec, attn.opt("bq") is not None
+    return attn.spec, mlp.spec, attn.opt("q_bias") is not None
 
 
 def _predicted(case: Case, p: int, mode: str, op: str, rc: bool) -> float:

@@ -387,3 +387,18 @@ def _state_on_one_rank(rank: int, world: int) -> str:
 def test_state_held_by_some_ranks_only_is_refused_on_every_rank() -> None:
     errors = run_distributed(_state_on_one_rank, 2, timeout=120)
     assert all("holds state for the shard of" in e and "on ranks [0] only" in e for e in errors), errors
+
+
+def test_an_optimizer_of_named_parameters_saves_the_plain_names() -> None:
+    """``AdamW(self.named_parameters())`` keeps ``param_names`` in its state dict: ours are the plain model's, in its
+    order (the rewrite's own names, ``attn.q``, ``mlp.up``, never reach a checkpoint)."""
+    plain = build_model("llama-tiny").double()
+    twin, record = _parallel_twin(plain)
+    optimizer = torch.optim.AdamW(twin.named_parameters())
+    for w in twin.parameters():
+        w.grad = torch.ones_like(w)
+    optimizer.step()
+    saved = consolidate_optimizer_state(optimizer, twin, record, None)
+    assert saved["param_groups"][0]["param_names"] == [n for n, _ in plain.named_parameters()]
+    load_optimizer_state(optimizer, twin, record, saved, None)  # the plain names do not replace this optimizer's
+    assert optimizer.param_groups[0]["param_names"] == [n for n, _ in twin.named_parameters()]
