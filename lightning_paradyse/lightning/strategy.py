@@ -434,7 +434,8 @@ class ParaDySeStrategy(ParallelStrategy):
         """Parallelise the model once where it was built (the host, usually), then move what this rank holds to its
         device; add the switcher, then set up optimizers and precision."""
         assert self.accelerator is not None
-        refuse_weight_averaging(trainer.callbacks)  # type: ignore[attr-defined]  # every rank alike, before any broadcast
+        if trainer.state.fn == TrainerFn.FITTING:  # they copy the module for a fit only
+            refuse_weight_averaging(trainer.callbacks)  # type: ignore[attr-defined]  # every rank alike, before any broadcast
         self._trainer = trainer
         self.accelerator.setup(trainer)
         comm.GRAD_REDUCE_DTYPE = torch.float32 if self.options.grad_reduce_dtype == "float32" else None

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_paradyse.distributed.comm import Group, all_gather_rows, collective_device, group_size
+from lightning_paradyse.distributed.comm import Group, all_gather_rows, collective_device, group_size, no_counting
 from lightning_paradyse.graph.dispatch import ShardSource, join_pieces
 from lightning_paradyse.runtime import parallel
 
@@ -232,15 +232,17 @@ def _check_state_everywhere(
     if p == 1 or not sharded:
         return
     flags = torch.tensor([float(i in state) for i in sharded], dtype=torch.float64, device=collective_device(group))
-    every = all_gather_rows(flags, [len(sharded)] * p, group).view(p, -1).cpu()  # [n] -> [p, n]
+    with no_counting():  # control flags, not mode traffic
+        every = all_gather_rows(flags, [len(sharded)] * p, group).view(p, -1).cpu()  # [n] -> [p, n]
     split = [i for i, column in zip(sharded, every.t()) if 0 < float(column.sum()) < p]
     if split:
         name = names[split[0]]
         holders = [r for r in range(p) if float(every[r, sharded.index(split[0])]) > 0]
         raise RuntimeError(
             f"the optimizer holds state for the shard of {targets[name][0]} on ranks {holders} only (and for "
-            f"{len(split) - 1} more such parameters): the checkpoint cannot be consolidated; this is a bug of "
-            f"ParaDySeStrategy, please report it (a parameter the optimizer should skip on every rank, or on none)"
+            f"{len(split) - 1} more such parameters): the checkpoint cannot be consolidated. A step that leaves a "
+            f"parameter without a gradient must do so on every rank (manual optimization: set gradients to None "
+            f"alike everywhere); otherwise this is a bug of ParaDySeStrategy, please report it"
         )
 
 
@@ -317,13 +319,15 @@ def _check_groups(saved: Mapping[str, Any], order: list[list[str]]) -> None:
 
 
 def _local(value: Any, ref: parallel.ShardRef | None, shape: torch.Size, param: Tensor, group: Group, what: str) -> Any:
-    """This rank's part of a plain state value: for a sharded parameter, the shard of a tensor shaped like it; a tensor
-    of its own in any case (the pieces of one fused plain weight, q, k and v of GPT-2's ``c_attn``, must not share
-    the ``step`` tensor Adam increments in place: it would count each step once per piece)."""
+    """This rank's part of a plain state value: for a sharded parameter, the shard of a tensor shaped like it; a scalar
+    of its own (the pieces of one fused plain weight, q, k and v of GPT-2's ``c_attn``, must not share the ``step``
+    tensor Adam increments in place: it would count each step once per piece)."""
     if not isinstance(value, Tensor):
         return value
-    if ref is None or value.dim() == 0:
+    if value.dim() == 0:
         return value.clone()
+    if ref is None:
+        return value
     if value.shape != shape:
         raise ValueError(
             f"the checkpoint's optimizer state {what} has shape {tuple(value.shape)}, neither the plain parameter's "
