@@ -749,11 +749,16 @@ class ReplicatedGrads:
             at += n
 
 
+def _opaque_ops(module: nn.Module) -> list[OpaqueDispatch]:
+    """Every mixture of experts run whole (:class:`~.graph.dispatch.OpaqueDispatch`) in ``module``."""
+    return [op for _, op in dispatchers(module) if isinstance(op, OpaqueDispatch)]
+
+
 def settle_opaque_grads(module: nn.Module, group: Group) -> None:
     """The shards of a mixture of experts that no rank's tokens used lose their (zero) gradient
     (:meth:`~.graph.dispatch.OpaqueDispatch.settle`): every such op's flags in one small all-reduce and one read on
     the host, nothing for other models."""
-    ops = [op for _, op in dispatchers(module) if isinstance(op, OpaqueDispatch)]
+    ops = _opaque_ops(module)
     if not ops:
         return
     flags = [op.used_flags() for op in ops]
@@ -770,11 +775,10 @@ def settle_opaque_grads(module: nn.Module, group: Group) -> None:
 
 
 def opaque_parameters(module: nn.Module) -> Iterator[nn.Parameter]:
-    """The shards of every mixture of experts run whole (:class:`~.graph.dispatch.OpaqueDispatch`): after each
-    backward, those no rank's tokens used lose their gradient (:func:`settle_opaque_grads`)."""
-    for _, op in dispatchers(module):
-        if isinstance(op, OpaqueDispatch):
-            yield from op.parameters()
+    """The shards of every mixture of experts run whole: after each backward, those no rank's tokens used lose their
+    gradient (:func:`settle_opaque_grads`)."""
+    for op in _opaque_ops(module):
+        yield from op.parameters()
 
 
 def reduce_replicated_grads(module: nn.Module, group: Group) -> None:

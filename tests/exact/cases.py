@@ -168,9 +168,10 @@ class TinyLM(pl.LightningModule):
         clip_in_hook: float | None = None,
         scheduler: bool = False,
         clip_by_total: bool = False,
+        built: bool = True,
     ):
         super().__init__()
-        self.model = build_model("llama-tiny")
+        self.model: Any = build_model("llama-tiny") if built else None  # else in configure_model
         self.optimizer, self.clip_in_hook, self.scheduler = optimizer, clip_in_hook, scheduler
         self.clip_by_total = clip_by_total
 
@@ -221,9 +222,7 @@ class ConfiguredLM(TinyLM):
     each process at setup, as Lightning's DDP does, so draws made in ``__init__`` would shift the hook's."""
 
     def __init__(self) -> None:
-        pl.LightningModule.__init__(self)
-        self.model: Any = None
-        self.optimizer, self.clip_in_hook, self.scheduler, self.clip_by_total = "adamw", None, False, False
+        super().__init__(built=False)
 
     @override
     def configure_model(self) -> None:
@@ -408,14 +407,20 @@ class HFModule(pl.LightningModule):
     batch), ``shift-labels`` (``shift_labels=batch["shift_labels"]``), ``masked`` (``attention_mask`` too).
     Its steps log their loss with ``self.log``, as users do.
     ``checkpointing``: the keyword arguments of ``model.gradient_checkpointing_enable(...)``, called here as users
-    do (``None``: not called).
+    do (``None``: not called). ``family``: a family of :data:`~tests.support.families.HF_FAMILIES` instead of Llama
+    (Qwen3-MoE: a top-k router over experts run whole on each rank's tokens; Qwen3: per-head ``q_norm``, ``k_norm``).
     """
 
     def __init__(
-        self, call: str, tied: bool = False, n_kv_heads: int = 4, checkpointing: dict[str, Any] | None = None
+        self,
+        call: str,
+        tied: bool = False,
+        n_kv_heads: int = 4,
+        checkpointing: dict[str, Any] | None = None,
+        family: str | None = None,
     ) -> None:
         super().__init__()
-        self.model = hf_llama(n_kv_heads=n_kv_heads)
+        self.model = hf_llama(n_kv_heads=n_kv_heads) if family is None else hf_family(family)
         if tied:
             self.model.config.tie_word_embeddings = True
             self.model.lm_head.weight = self.model.model.embed_tokens.weight
@@ -455,28 +460,7 @@ class HFModule(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.1)
 
 
-class FamilyLM(pl.LightningModule):
-    """A Hugging Face causal LM of a family of :data:`~tests.support.families.HF_FAMILIES` (Qwen3-MoE: a top-k router
-    over experts run whole on each rank's tokens; Qwen3: per-head ``q_norm`` and ``k_norm``), called with
-    ``labels=``, as their documentation shows, and AdamW."""
-
-    def __init__(self, family: str) -> None:
-        super().__init__()
-        self.model = hf_family(family)
-        self.model.loss_function = causal_lm_loss  # HF's own, without its float32 upcast: compared in float64
-
-    @override
-    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        loss = self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
-        self.log("train_loss", loss)
-        return loss  # type: ignore[no-any-return]
-
-    @override
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.1)
-
-
-class NamedGroupsLM(FamilyLM):
+class NamedGroupsLM(HFModule):
     """Parameter groups by name, as common recipes make them (no weight decay for biases and norms).
 
     ``recipe``: ``names`` (substrings of ``named_parameters()`` names, as Hugging Face's examples do), ``hf-trainer``
@@ -485,7 +469,7 @@ class NamedGroupsLM(FamilyLM):
     """
 
     def __init__(self, family: str, recipe: str = "names") -> None:
-        super().__init__(family)
+        super().__init__("labels-key", family=family)
         self.recipe = recipe
 
     @override
@@ -506,12 +490,12 @@ class NamedGroupsLM(FamilyLM):
         return torch.optim.AdamW(groups, lr=3e-3)
 
 
-class FrozenLM(FamilyLM):
+class FrozenLM(HFModule):
     """Fine-tuning: the embeddings and the first layer's attention frozen (``requires_grad_(False)``), the optimizer
     over the trainable rest."""
 
     def __init__(self, family: str) -> None:
-        super().__init__(family)
+        super().__init__("labels-key", family=family)
         for name, param in self.model.named_parameters():
             if any(k in name for k in ("embed", "wte", "layers.0.self_attn", "h.0.attn")):
                 param.requires_grad_(False)
@@ -531,7 +515,7 @@ def family_cases() -> dict[str, Case]:
     AdamW: the checkpoint's weights and optimizer state, in the plain order."""
     return {
         f"family-{family}": Case(
-            lambda family=family: FamilyLM(family),
+            lambda family=family: HFModule("labels-key", family=family),
             lambda: loader(hf_labels, rows=3),
             strategy=dict(plan="ulysses", groups=True, check_step=False),
             splits=SPLITS_2,
@@ -646,7 +630,7 @@ def cases_p2() -> dict[str, Case]:
             "hf-pad-left": Case(hf("masked"), lambda: loader(padded("left")), refused="left padding"),
             "hf-bert-mlm": Case(MaskedLM, lambda: loader(mlm_labels), strategy=dict(plan=MIXED_BIDIRECTIONAL)),
             "hf-moe": Case(  # the step check and the checkpoint's optimizer state of experts and per-head norms
-                lambda: FamilyLM("qwen3moe"),
+                lambda: HFModule("labels-key", family="qwen3moe"),
                 lambda: loader(hf_labels),
                 strategy=dict(plan=["ulysses", {"attention": "tp_sp", "mlp": "ring"}]),
             ),
@@ -843,7 +827,7 @@ def cases_p4() -> dict[str, Case]:
     """Groups of different sizes on 4 ranks; a mixture of experts with fewer experts than ranks."""
     return group_cases(4) | {
         "moe-empty-shards": Case(  # 3 experts over 4 ranks: one rank holds none (an empty shard gets an empty gradient)
-            lambda: FamilyLM("qwen3moe"),
+            lambda: HFModule("labels-key", family="qwen3moe"),
             lambda: loader(hf_labels, rows=3),
             strategy=dict(plan="ulysses", groups=True, check_step=False),
             splits=((2, 2), (1, 1, 1, 1)),
