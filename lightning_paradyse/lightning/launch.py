@@ -26,6 +26,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_paradyse.runtime import hf_checkpointing
+from lightning_paradyse.runtime.exactness import host_rng_state
 
 
 def stop_workers(procs: list[Any], grace: float = 5.0) -> list[int]:
@@ -52,15 +53,21 @@ def stop_workers(procs: list[Any], grace: float = 5.0) -> list[int]:
 
 
 class SpawnLauncher(_MultiProcessingLauncher):
-    """The spawn launcher: the module made picklable first (Hugging Face gradient checkpointing); rank 0's
-    *consolidated* weights handed back (the strategy keeps them in ``final_state_dict`` at teardown)."""
+    """The spawn launcher: the module made picklable first (Hugging Face gradient checkpointing); this process's
+    random streams carried into every worker (``launch_rng``: any start method; Lightning carries them for
+    ``spawn`` only); rank 0's *consolidated* weights handed back (the strategy keeps them in ``final_state_dict`` at
+    teardown)."""
 
     @override
     def launch(self, function: Callable[..., Any], *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         module = self._strategy.lightning_module
         if module is not None:  # spawn and forkserver pickle it into every worker
             hf_checkpointing.prepare_for_launch(module)
-        return super().launch(function, *args, trainer=trainer, **kwargs)
+        self._strategy.launch_rng = host_rng_state()  # type: ignore[attr-defined]  # pickled with the strategy
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        finally:
+            self._strategy.launch_rng = None  # type: ignore[attr-defined]
 
     @override
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:

@@ -100,7 +100,13 @@ from lightning_paradyse.runtime.checkpoint import (
     load_optimizer_state,
     recorded,
 )
-from lightning_paradyse.runtime.exactness import ClipInterception, check_optimizers, rank_rng
+from lightning_paradyse.runtime.exactness import (
+    ClipInterception,
+    check_optimizers,
+    kept_rng,
+    rank_rng,
+    set_host_rng_state,
+)
 from lightning_paradyse.runtime.slicing import BatchInfo
 
 _PLAIN_MODELS: weakref.WeakKeyDictionary[torch.nn.Module, PlainModel] = weakref.WeakKeyDictionary()
@@ -249,6 +255,9 @@ class ParaDySeStrategy(ParallelStrategy):
         self.planner: Planner | None = None
         self.final_state_dict: dict[str, Tensor] | None = None
         """Rank 0's consolidated weights at the end of a spawned fit (handed back to the launching process)."""
+        self.launch_rng: dict[str, Any] | None = None
+        """The launching process's host random streams, carried into the workers the spawn launcher starts
+        (:meth:`setup_environment` sets them)."""
         self.num_nodes = 1
         self._exchange_s: float | None = None
         """Measured seconds of the largest weight exchange, kept with the machine measured at setup (or ``None``)."""
@@ -393,9 +402,18 @@ class ParaDySeStrategy(ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        """Select the device, then create the process group of the whole world (with a timeout)."""
+        """Select the device, then create the process group of the whole world (with a timeout).
+
+        No rank is re-seeded as Lightning's DDP re-seeds each from ``seed_everything``'s seed: every rank draws on
+        from the host streams of the process that called ``fit`` (a worker the spawn launcher started gets them
+        from it, ``launch_rng``; a script or ``torchrun`` re-runs the same code), so ``configure_model`` and a
+        shuffling sampler draw what one process draws, after whatever ``__init__`` drew. (A started worker's GPU
+        stream is seeded from ``seed_everything``'s seed, as that process would seed it when CUDA starts.)"""
         super().setup_environment()
-        reset_seed()
+        carried, self.launch_rng = self.launch_rng, None
+        if carried is not None:  # a worker the spawn launcher started
+            reset_seed()  # the GPU's stream (and the host's, which the carried streams replace)
+            set_host_rng_state(carried)
         self.set_world_ranks()
         self._check_profile_device()  # on every rank, before the process group exists
         if self.world_size == 1:
@@ -441,35 +459,8 @@ class ParaDySeStrategy(ParallelStrategy):
         comm.GRAD_REDUCE_DTYPE = torch.float32 if self.options.grad_reduce_dtype == "float32" else None
         comm.HOST_SPIN_S = comm.host_spin_seconds(self.root_device, self.num_processes)  # reset at teardown
         self.precision_plugin.convert_module(self._module)
-        self._parallelize()  # rank 0's weights broadcast bucket by bucket, then each rank keeps its shards
-        self.model_to_device()  # only the shards and the replicated parameters reach the GPU
-        parallel.forget_walks()  # a model fitted before may hold other parameters now
-        self.planner = self._make_planner()
-        self.cycle.bind(self._module, self._group, self.global_rank, self.planner, self._block_names)
-        if self.groups and group_size(self._group) > 1:
-            try:
-                exchange = self.cycle.runner.setup(self._module, self._group, self.planner, self._exchange_s)
-            except ValueError as err:  # raised alike on every rank, before any collective
-                if self.options.groups_asked:
-                    raise ValueError(f"ParaDySeStrategy(groups=True) cannot run this model: {err}") from None
-                rank_zero_info(f"[paradyse] groups: off for this model ({err}); every batch runs on one group")
-                exchange = None
-            if exchange is not None:
-                rank_zero_info(
-                    f"[paradyse] groups: exchanging the weights takes {exchange[0] * 1e3:.1f} ms (predicted "
-                    f"{exchange[1] * 1e3:.1f} ms); the group cost uses the measurement"
-                )
-            planned, seconds = self.cycle.runner.warmed
-            if planned:
-                rank_zero_info(f"[paradyse] groups: {planned} batch shapes planned ahead in {seconds:.2f} s")
-            world = group_size(self._group)
-            least = smallest_group(world)
-            if least > 1:
-                rest = f"; the {world % least} ranks left over in smaller groups" if world % least else ""
-                rank_zero_info(
-                    f"[paradyse] groups: at most {MAX_GROUPS} groups of at least {least} ranks a step on {world} "
-                    f"ranks (data parallelism runs on groups of {least}){rest}"
-                )
+        with kept_rng(self.root_device):  # what the set-up draws (probes, measurements) leaves the user's streams
+            self._setup_parallel()
         _ensure_switcher(trainer)
         self._result_cls = _report_loss(trainer, self.cycle)
         self.cycle.reports_loss = self._result_cls is not None
@@ -490,6 +481,41 @@ class ParaDySeStrategy(ParallelStrategy):
         # once: left to Python, it came in one rank's first steps (200 ms on a 2-core machine) while the others
         # waited for that rank in the step's next collective
         gc.collect()
+
+    def _setup_parallel(self) -> None:
+        """Parallelise the model (rank 0's weights broadcast bucket by bucket, then each rank keeps its shards), move
+        what this rank holds to its device, make the planner and, with groups, the group runner (its exchange
+        measured, batch shapes planned ahead)."""
+        self._parallelize()
+        self.model_to_device()  # only the shards and the replicated parameters reach the GPU
+        parallel.forget_walks()  # a model fitted before may hold other parameters now
+        self.planner = self._make_planner()
+        self.cycle.bind(self._module, self._group, self.global_rank, self.planner, self._block_names)
+        if not (self.groups and group_size(self._group) > 1):
+            return
+        try:
+            exchange = self.cycle.runner.setup(self._module, self._group, self.planner, self._exchange_s)
+        except ValueError as err:  # raised alike on every rank, before any collective
+            if self.options.groups_asked:
+                raise ValueError(f"ParaDySeStrategy(groups=True) cannot run this model: {err}") from None
+            rank_zero_info(f"[paradyse] groups: off for this model ({err}); every batch runs on one group")
+            exchange = None
+        if exchange is not None:
+            rank_zero_info(
+                f"[paradyse] groups: exchanging the weights takes {exchange[0] * 1e3:.1f} ms (predicted "
+                f"{exchange[1] * 1e3:.1f} ms); the group cost uses the measurement"
+            )
+        planned, seconds = self.cycle.runner.warmed
+        if planned:
+            rank_zero_info(f"[paradyse] groups: {planned} batch shapes planned ahead in {seconds:.2f} s")
+        world = group_size(self._group)
+        least = smallest_group(world)
+        if least > 1:
+            rest = f"; the {world % least} ranks left over in smaller groups" if world % least else ""
+            rank_zero_info(
+                f"[paradyse] groups: at most {MAX_GROUPS} groups of at least {least} ranks a step on {world} "
+                f"ranks (data parallelism runs on groups of {least}){rest}"
+            )
 
     @override
     def model_to_device(self) -> None:

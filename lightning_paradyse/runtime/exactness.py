@@ -27,6 +27,7 @@ collective whose result every rank sees).
 from __future__ import annotations
 
 import contextlib
+import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -36,6 +37,11 @@ from torch.optim import Optimizer
 
 from lightning_paradyse.distributed.comm import Group
 from lightning_paradyse.runtime import parallel
+
+try:
+    import numpy
+except ImportError:  # torch runs without NumPy
+    numpy = None  # type: ignore[assignment]
 
 ELEMENTWISE_OPTIMIZERS: tuple[type[Optimizer], ...] = (
     torch.optim.SGD,
@@ -207,6 +213,40 @@ def rank_rng(seed: int, rank: int, step: int, device: torch.device) -> Iterator[
         for index in devices:  # device type, a tenth of a millisecond per call)
             torch.cuda.default_generators[index].manual_seed(derived)
         yield
+
+
+def host_rng_state() -> dict[str, Any]:
+    """The process's host random streams: torch's, Python's ``random`` and NumPy's (a launcher carries them into its
+    workers: :func:`set_host_rng_state`)."""
+    return {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": None if numpy is None else numpy.random.get_state(),
+    }
+
+
+def set_host_rng_state(state: Mapping[str, Any]) -> None:
+    """Set the streams :func:`host_rng_state` returned."""
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if numpy is not None and state["numpy"] is not None:
+        numpy.random.set_state(state["numpy"])
+
+
+@contextlib.contextmanager
+def kept_rng(device: torch.device) -> Iterator[None]:
+    """Random numbers drawn inside (the strategy's own set-up: tracing, probing, measuring) leave the process's
+    streams as they were: the host's (:func:`host_rng_state`) and ``device``'s. What the user's code draws next (a
+    shuffling sampler's order, a ``DataLoader`` worker's seed) is then what one process draws."""
+    devices = []
+    if device.type == "cuda":
+        devices = [device.index if device.index is not None else torch.cuda.current_device()]
+    host = host_rng_state()
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            set_host_rng_state(host)
 
 
 def _call_dependent(rope_type: str) -> bool:

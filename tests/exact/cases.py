@@ -218,8 +218,7 @@ class TinyLM(pl.LightningModule):
 
 class ConfiguredLM(TinyLM):
     """A :class:`TinyLM` whose model is built in ``configure_model``, as Lightning recommends for large models (the
-    strategy parallelises what the hook built). Nothing draws random numbers before the hook: the strategy re-seeds
-    each process at setup, as Lightning's DDP does, so draws made in ``__init__`` would shift the hook's."""
+    strategy parallelises what the hook built)."""
 
     def __init__(self) -> None:
         super().__init__(built=False)
@@ -228,6 +227,22 @@ class ConfiguredLM(TinyLM):
     def configure_model(self) -> None:
         if self.model is None:
             self.model = build_model("llama-tiny")
+
+
+class DrawsFirstLM(ConfiguredLM):
+    """A :class:`ConfiguredLM` that draws random numbers in ``__init__`` first (a buffer of its own): the hook's
+    weights are what one process draws next only if no rank is re-seeded between the two (Lightning's DDP re-seeds
+    at setup)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("noise", torch.randn(5))
+
+
+def shuffled(make: Callable[[Tensor], dict[str, Tensor]], rows: int = 2) -> DataLoader[Any]:
+    """:func:`loader` with ``shuffle=True``: every epoch's order drawn from torch's global stream when the epoch
+    starts, as one process draws it only if the strategy's set-up draws nothing from it (and no rank is re-seeded)."""
+    return DataLoader(Batches(make, LENGTHS[:4], rows), batch_size=None, shuffle=True)
 
 
 class NudgedLM(TinyLM):
@@ -683,6 +698,12 @@ def cases_p2() -> dict[str, Case]:
             ),
             "manual-optimization": Case(ManualLM, lambda: loader(shifted_targets), strategy=dict(plan=MIXED)),
             "configure-model": Case(ConfiguredLM, lambda: loader(shifted_targets, rows=3), strategy=dict(plan=MIXED)),
+            "configure-model-after-draws": Case(
+                DrawsFirstLM, lambda: loader(shifted_targets, rows=3), strategy=dict(plan=MIXED)
+            ),
+            "shuffle": Case(  # on groups (rows), two epochs: the order of each
+                tiny(), lambda: shuffled(ragged("targets"), rows=3), trainer=dict(max_steps=-1, max_epochs=2)
+            ),
             "two-val-loaders": Case(
                 TwoValLM,
                 _two_val_data,
@@ -841,7 +862,7 @@ GRAD_CKPT_EVERY_2 = {"every_n_layers": 2, "gradient_checkpointing_kwargs": {"use
 
 def cases_launched() -> dict[str, Case]:
     """Paths through the strategy's own launcher (its default start method pickles the module into the workers):
-    Hugging Face gradient checkpointing enabled in the module's ``__init__``, as users do."""
+    Hugging Face gradient checkpointing enabled in the module's ``__init__``, as users do; a shuffling loader."""
     hf = lambda **kw: lambda: HFModule("labels-key", **kw)  # noqa: E731
     data = lambda: loader(hf_labels, LENGTHS[:3])  # noqa: E731
     return {
@@ -853,6 +874,12 @@ def cases_launched() -> dict[str, Case]:
             plans=("ring+rc,ring+rc | ring+rc,ring+rc",) * 3,
         ),
         "hf-grad-ckpt-offload": Case(hf(checkpointing={"offload": True}), data, refused="offload=True"),
+        "shuffle-launched": Case(  # the launching process's streams carried into the workers
+            TinyLM,
+            lambda: shuffled(shifted_targets),
+            trainer=dict(max_steps=-1, max_epochs=2),
+            strategy=dict(plan=MIXED),
+        ),
     }
 
 
