@@ -18,6 +18,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+import torchmetrics
 from lightning.pytorch.callbacks import EarlyStopping, EMAWeightAveraging, StochasticWeightAveraging
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
@@ -313,6 +314,40 @@ class ManualTwiceLM(_Manual):
         optimizer.step()  # type: ignore[union-attr]
         optimizer.zero_grad()  # type: ignore[union-attr]
         return first
+
+
+class NormLoggingLM(TinyLM):
+    """Logs the whole model's gradient norm before each optimizer step, as recipes watch it
+    (``torch.nn.utils.get_total_norm`` of every gradient: the norm over the ranks' shards, as one process's)."""
+
+    @override
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        self.log("grad_norm", torch.nn.utils.get_total_norm(grads))
+
+
+class AccuracyLM(TinyLM):
+    """Token accuracy in ``torchmetrics`` metrics, updated from each step's logits and logged as metric objects (their
+    counts summed over the ranks when computed: each token is on one rank, so the sums are one process's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        accuracy = lambda: torchmetrics.classification.MulticlassAccuracy(128, average="micro", ignore_index=-100)  # noqa: E731
+        self.train_acc, self.val_acc = accuracy(), accuracy()
+
+    def _step(self, batch: dict[str, Tensor], metric: torchmetrics.Metric, name: str) -> Tensor:
+        logits = self.model(batch["input_ids"])  # [b, s, vocab]
+        metric.update(logits.argmax(-1), batch["targets"])
+        self.log(name, metric, on_step=False, on_epoch=True)
+        return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten())
+
+    @override
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        return self._step(batch, self.train_acc, "train_acc")
+
+    @override
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        return self._step(batch, self.val_acc, "val_acc")
 
 
 class TwoValLM(TinyLM):
@@ -651,6 +686,12 @@ def cases_p2() -> dict[str, Case]:
             ),
             "moe-manual-accumulate": Case(
                 ListMoEAccumulateLM, lambda: loader(shifted_targets, (12, 10, 12, 10)), strategy=dict(plan="ulysses")
+            ),
+            "grad-norm-logged": Case(NormLoggingLM, lambda: loader(ragged("targets"), rows=3)),
+            "torchmetrics-accuracy": Case(  # on groups (training) and one group (validation)
+                AccuracyLM,
+                lambda: (loader(ragged("targets"), rows=3), loader(ragged("targets"), (35, 52), rows=3)),
+                trainer=dict(val_check_interval=2, limit_val_batches=2, max_steps=-1, max_epochs=1),
             ),
             "frozen-groups": Case(  # frozen shards of a fused projection, on groups
                 lambda: FrozenLM("gpt2"),
