@@ -674,6 +674,7 @@ class ParaDySeStrategy(ParallelStrategy):
             output = step(*args, **kwargs)
         result = self.cycle.global_output(output, info)
         self.cycle.logged(output, result)  # what the step logged, its loss as the global one
+        parallel.unconfigure(self._module)  # a call of the model after it (an epoch-end hook) raises, naming why
         return result
 
     @override

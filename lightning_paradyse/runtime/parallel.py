@@ -313,6 +313,11 @@ def _install_hooks(module: nn.Module, block_names: list[str], state: StepState) 
     chain = [owner_path]
     while chain[-1]:
         chain.append(chain[-1].rsplit(".", 1)[0] if "." in chain[-1] else "")
+    for path in chain:  # first: a call with a cache is refused before any other hook reads it
+        owner = module.get_submodule(path) if path else module
+        if _parameters(owner.forward) & set(CACHE_ARGS):
+            owner.register_forward_pre_hook(_cache_hook, with_kwargs=True)
+            break
     for path in chain:
         owner = module.get_submodule(path) if path else module
         arg = next((a for a in ("positions", "position_ids") if _accepts(owner.forward, a)), None)
@@ -329,6 +334,27 @@ def _install_hooks(module: nn.Module, block_names: list[str], state: StepState) 
         if "attention_mask" in _parameters(owner.forward):
             owner.register_forward_pre_hook(_StepHook(state, _mask_hook), with_kwargs=True)
             break
+
+
+CACHE_REFUSAL = (
+    "decoding with a key/value cache (model.generate(), or a cache passed to a call) is not supported under "
+    "ParaDySeStrategy: each rank holds a slice of the sequence and of the weights, and the rewritten attention keeps "
+    "no cache; generate in one plain process from a checkpoint of this run (LightningModule.load_from_checkpoint), "
+    "or call the model on the step's batch without a cache"
+)
+
+
+CACHE_ARGS = ("past_key_values", "cache")
+"""The names of a Hugging Face model's key/value cache argument (``cache`` in recent ``transformers``)."""
+
+
+def _cache_hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Refuse a call with a key/value cache (Hugging Face's ``generate`` passes one from its first call): the same
+    call on every rank, so every rank raises here, before any collective of the call."""
+    call = _Call(mod, args, kwargs)
+    given = next((name for name in CACHE_ARGS if call.get(name) is not None), None)
+    if given is not None:
+        raise ValueError(f"{type(mod).__name__} called with {given}=: {CACHE_REFUSAL}")
 
 
 def _shifts_labels(owner: nn.Module) -> bool:
@@ -650,6 +676,14 @@ def configure(module: nn.Module, ctx: SeqContext, plan: Plan) -> None:
     for _, op in dispatchers(module):
         layer = plan.layers[op.layer]
         op.configure(ctx, layer.attention if isinstance(op, AttentionDispatch) else layer.mlp)
+
+
+def unconfigure(module: nn.Module) -> None:
+    """End a step: no layout or plan on the hooks and dispatch modules until the next :func:`configure`, so that a
+    call of the model between steps raises, naming why, instead of running on the last step's layout."""
+    step_state(module).ctx = None
+    for _, op in dispatchers(module):
+        op.unconfigure()
 
 
 def set_step_sources(module: nn.Module, sources: tuple[BatchSource, ...], padding: torch.Tensor | None = None) -> None:

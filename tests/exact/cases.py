@@ -510,6 +510,37 @@ class HFModule(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.1)
 
 
+class GeneratingLM(HFModule):
+    """Generates a few tokens from the start of each validation batch with ``model.generate`` (``at_epoch_end``: from
+    the last batch's, in ``on_validation_epoch_end``), as recipes log samples; ``forward_only``: calls the model on
+    them there instead (no cache)."""
+
+    def __init__(self, at_epoch_end: bool = False, forward_only: bool = False) -> None:
+        super().__init__("labels-key")
+        self.at_epoch_end, self.forward_only = at_epoch_end, forward_only
+        self.prompt: Tensor | None = None
+
+    @override
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        self.prompt = batch["input_ids"][:, :6]
+        if not self.at_epoch_end:
+            self._sample()
+        return super().validation_step(batch, batch_idx)
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        if self.at_epoch_end:
+            self._sample()
+
+    def _sample(self) -> None:
+        assert self.prompt is not None
+        if self.forward_only:
+            self.log("sample_logits", self.model(self.prompt).logits.sum())
+            return
+        tokens = self.model.generate(self.prompt, max_new_tokens=3, do_sample=False, pad_token_id=0)
+        self.log("sample_sum", tokens.double().sum())
+
+
 class NamedGroupsLM(HFModule):
     """Parameter groups by name, as common recipes make them (no weight decay for biases and norms).
 
@@ -678,6 +709,21 @@ def cases_p2() -> dict[str, Case]:
             "hf-tied": Case(hf("labels-key", tied=True), lambda: loader(hf_labels), strategy=dict(plan="metp")),
             "hf-pad-right": Case(hf("masked"), lambda: loader(padded("right")), strategy=dict(plan=MIXED)),
             "hf-pad-left": Case(hf("masked"), lambda: loader(padded("left")), refused="left padding"),
+            "generate-in-step": Case(
+                GeneratingLM, lambda: (loader(hf_labels), loader(hf_labels, (35,))), trainer=val, refused="generate()"
+            ),
+            "generate-after-validation": Case(
+                lambda: GeneratingLM(at_epoch_end=True),
+                lambda: (loader(hf_labels), loader(hf_labels, (35,))),
+                trainer=val,
+                refused="generate()",
+            ),
+            "forward-after-validation": Case(  # not on the last validation batch's layout: refused, naming why
+                lambda: GeneratingLM(at_epoch_end=True, forward_only=True),
+                lambda: (loader(hf_labels), loader(hf_labels, (35,))),
+                trainer=val,
+                refused="ran outside a step the strategy configured",
+            ),
             "hf-bert-mlm": Case(MaskedLM, lambda: loader(mlm_labels), strategy=dict(plan=MIXED_BIDIRECTIONAL)),
             "hf-moe": Case(  # the step check and the checkpoint's optimizer state of experts and per-head norms
                 lambda: HFModule("labels-key", family="qwen3moe"),
