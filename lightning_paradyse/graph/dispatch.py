@@ -205,12 +205,12 @@ class OpDispatch(nn.Module):
         """The error of a call outside a configured step."""
         return RuntimeError(
             f"{self.core_path} (layer {self.layer}) ran outside a step the strategy configured: in a hook or callback "
-            "after an evaluation step (e.g. on_validation_epoch_end), before the first batch, or after a training "
-            "step on groups returned its gradients (a second forward in one training step, as two manual_backward "
-            "calls in one step make; use ParaDySeStrategy(groups=False) for such steps). Each rank holds a slice of "
-            "the weights, so the model runs inside the steps, each rank on its part of the batch; to use it whole "
-            "(samples to log, generation), load a checkpoint of this run in one plain process "
-            "(LightningModule.load_from_checkpoint)"
+            "between steps (e.g. on_train_batch_end, on_before_optimizer_step, on_validation_epoch_end), before the "
+            "first batch, or after a training step on groups returned its gradients (a second forward in one training "
+            "step, as two manual_backward calls in one step make; use ParaDySeStrategy(groups=False) for such steps). "
+            "Each rank holds a slice of the weights, so the model runs inside the steps, each rank on its part of "
+            "the batch; to use it whole (samples to log, generation), load a checkpoint of this run in one plain "
+            "process (LightningModule.load_from_checkpoint)"
         )
 
     def set_group_shards(self, shards: dict[str, torch.Tensor] | None) -> None:

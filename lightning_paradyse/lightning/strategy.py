@@ -652,6 +652,8 @@ class ParaDySeStrategy(ParallelStrategy):
         cycle.after_step(output, self._accumulating())
         result = cycle.global_output(output, info, defer=self._steps_now())
         cycle.logged(output, result)  # what the step logged, its loss as the global one (now or once settled)
+        if not module.automatic_optimization:  # its backwards ran in the step: it ends here
+            parallel.unconfigure(module)
         return result
 
     @override
@@ -701,9 +703,14 @@ class ParaDySeStrategy(ParallelStrategy):
         :meth:`~lightning_paradyse.lightning.cycle.StepCycle.after_backward`).
 
         With gradient accumulation (automatic optimization) the sum waits for the micro-batch that steps, as
-        DDP's ``no_sync`` does; with manual optimization it follows every backward.
+        DDP's ``no_sync`` does; with manual optimization it follows every backward. A step of automatic optimization
+        ends here (:func:`~lightning_paradyse.runtime.parallel.unconfigure`): a call of the model after it raises,
+        naming why, instead of running on this step's layout.
         """
         self.cycle.after_backward(self._accumulating())
+        module = self.lightning_module
+        if module is not None and module.automatic_optimization:
+            parallel.unconfigure(module)
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:

@@ -541,6 +541,25 @@ class GeneratingLM(HFModule):
         self.log("sample_sum", tokens.double().sum())
 
 
+class ForwardAfterStepLM(HFModule):
+    """Calls the model on the start of each training batch in ``on_train_batch_end`` (after the step, as a recipe's
+    sample logging may): refused under the strategy, naming why, whether the step ran on one group or on groups."""
+
+    def __init__(self) -> None:
+        super().__init__("labels-key")
+        self.prompt: Tensor | None = None
+
+    @override
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        self.prompt = batch["input_ids"][:, :6]
+        return super().training_step(batch, batch_idx)
+
+    @override
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        assert self.prompt is not None
+        self.log("sample_logits", self.model(self.prompt).logits.sum())
+
+
 class NamedGroupsLM(HFModule):
     """Parameter groups by name, as common recipes make them (no weight decay for biases and norms).
 
@@ -717,6 +736,9 @@ def cases_p2() -> dict[str, Case]:
                 lambda: (loader(hf_labels), loader(hf_labels, (35,))),
                 trainer=val,
                 refused="generate()",
+            ),
+            "forward-after-training-step": Case(
+                ForwardAfterStepLM, lambda: loader(hf_labels), strategy=dict(plan=MIXED), refused="outside a step"
             ),
             "forward-after-validation": Case(  # not on the last validation batch's layout: refused, naming why
                 lambda: GeneratingLM(at_epoch_end=True, forward_only=True),
