@@ -197,8 +197,9 @@ class OpDispatch(nn.Module):
         self.__dict__.update(ctx=ctx, op_plan=op_plan)  # plain attributes: what nn.Module's __setattr__ ends in
 
     def unconfigure(self) -> None:
-        """No variant until the strategy configures the next step: a step on groups returned its gradients and
-        dropped its ``1/g`` shards, so a call now could only be wrong (it raises :meth:`unconfigured`)."""
+        """No variant until the strategy configures the next step: the step ended (a step on groups also returned
+        its gradients and dropped its ``1/g`` shards), so a call now could only be wrong (it raises
+        :meth:`unconfigured`)."""
         self.__dict__.update(ctx=None, op_plan=None)
 
     def unconfigured(self) -> RuntimeError:

@@ -86,7 +86,9 @@ def side_effects_undone(trainer: Any, module: nn.Module, device: torch.device | 
     trainer.barebones = True  # self.log() warns and returns
     modes = {m: m.training for m in module.modules()}
     module.eval()
-    devices = [device.index or 0] if device is not None and device.type == "cuda" else []
+    devices = []
+    if device is not None and device.type == "cuda":
+        devices = [device.index if device.index is not None else torch.cuda.current_device()]
     try:
         with warnings.catch_warnings(), torch.random.fork_rng(devices=devices):
             warnings.simplefilter("ignore")

@@ -54,7 +54,6 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.init import _EmptyInit
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.loops.optimization.automatic import ClosureResult
@@ -408,12 +407,13 @@ class ParaDySeStrategy(ParallelStrategy):
         from the host streams of the process that called ``fit`` (a worker the spawn launcher started gets them
         from it, ``launch_rng``; a script or ``torchrun`` re-runs the same code), so ``configure_model`` and a
         shuffling sampler draw what one process draws, after whatever ``__init__`` drew. (A started worker's GPU
-        stream is seeded from ``seed_everything``'s seed, as that process would seed it when CUDA starts.)"""
+        stream is seeded with that process's seed, as ``torch.manual_seed`` or ``seed_everything`` seeds a GPU.)"""
         super().setup_environment()
         carried, self.launch_rng = self.launch_rng, None
         if carried is not None:  # a worker the spawn launcher started
-            reset_seed()  # the GPU's stream (and the host's, which the carried streams replace)
             set_host_rng_state(carried)
+            if self.root_device.type == "cuda":
+                torch.cuda.manual_seed_all(torch.initial_seed())  # the carried state's seed (restored with it)
         self.set_world_ranks()
         self._check_profile_device()  # on every rank, before the process group exists
         if self.world_size == 1:
@@ -906,9 +906,7 @@ class ParaDySeStrategy(ParallelStrategy):
         """
         module = self.lightning_module
         if module is not None and parallel.is_parallelized(module):
-            parallel.step_state(module).ctx = None
-            for _, op in parallel.dispatchers(module):
-                op.ctx = None
+            parallel.unconfigure(module)
         world = None if self._group is None else weakref.ref(self._group)
         self._group = None
         self.cycle.teardown()  # the groups' process groups

@@ -31,17 +31,13 @@ import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+import numpy
 import torch
 import torch.nn as nn
 from torch.optim import Optimizer
 
 from lightning_paradyse.distributed.comm import Group
 from lightning_paradyse.runtime import parallel
-
-try:
-    import numpy
-except ImportError:  # torch runs without NumPy
-    numpy = None  # type: ignore[assignment]
 
 ELEMENTWISE_OPTIMIZERS: tuple[type[Optimizer], ...] = (
     torch.optim.SGD,
@@ -221,7 +217,7 @@ def host_rng_state() -> dict[str, Any]:
     return {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),
-        "numpy": None if numpy is None else numpy.random.get_state(),
+        "numpy": numpy.random.get_state(),
     }
 
 
@@ -229,8 +225,7 @@ def set_host_rng_state(state: Mapping[str, Any]) -> None:
     """Set the streams :func:`host_rng_state` returned."""
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    if numpy is not None and state["numpy"] is not None:
-        numpy.random.set_state(state["numpy"])
+    numpy.random.set_state(state["numpy"])
 
 
 @contextlib.contextmanager

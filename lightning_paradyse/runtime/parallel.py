@@ -270,11 +270,9 @@ def _anchor(state: StepState, mod: nn.Module, args: tuple[Any, ...]) -> None:
 def _grid_before(first: bool) -> Any:
     def hook(state: StepState, block: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         grid, ctx = state.grid, state.ctx
-        if grid is None or ctx is None:
-            raise RuntimeError(
-                "the grid model ran before lightning_paradyse.runtime.parallel.configure() set its layout"
-            )
         attn = next(m for m in block.modules() if isinstance(m, AttentionDispatch))
+        if grid is None or ctx is None:
+            raise attn.unconfigured()  # between steps, or before the first
         switch = attn.op_plan is not None and attn.op_plan.mode == "dsp" and attn.attend_axis == grid.sharded
         return (grid.enter(args[0], switch, first, ctx.p, ctx.group), *args[1:])
 
@@ -313,10 +311,10 @@ def _install_hooks(module: nn.Module, block_names: list[str], state: StepState) 
     chain = [owner_path]
     while chain[-1]:
         chain.append(chain[-1].rsplit(".", 1)[0] if "." in chain[-1] else "")
-    for path in chain:  # first: a call with a cache is refused before any other hook reads it
+    for path in reversed(chain):  # the outermost owner, before its other hooks: a cache is refused before any reads
         owner = module.get_submodule(path) if path else module
         if _parameters(owner.forward) & set(CACHE_ARGS):
-            owner.register_forward_pre_hook(_cache_hook, with_kwargs=True)
+            owner.register_forward_pre_hook(_cache_hook, with_kwargs=True, prepend=True)
             break
     for path in chain:
         owner = module.get_submodule(path) if path else module
@@ -352,9 +350,14 @@ def _cache_hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     """Refuse a call with a key/value cache (Hugging Face's ``generate`` passes one from its first call): the same
     call on every rank, so every rank raises here, before any collective of the call."""
     call = _Call(mod, args, kwargs)
-    given = next((name for name in CACHE_ARGS if call.get(name) is not None), None)
+    given = next((name for name in CACHE_ARGS if _is_cache(call.get(name))), None)
     if given is not None:
         raise ValueError(f"{type(mod).__name__} called with {given}=: {CACHE_REFUSAL}")
+
+
+def _is_cache(value: Any) -> bool:
+    """Whether a call's cache argument holds a cache (not ``None``, nor a flag of a model's own by that name)."""
+    return value is not None and not isinstance(value, bool)
 
 
 def _shifts_labels(owner: nn.Module) -> bool:
