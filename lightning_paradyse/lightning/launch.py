@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
@@ -54,20 +55,21 @@ def stop_workers(procs: list[Any], grace: float = 5.0) -> list[int]:
 
 class SpawnLauncher(_MultiProcessingLauncher):
     """The spawn launcher: the module made picklable first (Hugging Face gradient checkpointing); this process's
-    random streams carried into every worker (``launch_rng``: any start method; Lightning carries them for
-    ``spawn`` only); rank 0's *consolidated* weights handed back (the strategy keeps them in ``final_state_dict`` at
-    teardown)."""
+    random streams and default dtype carried into every worker (``launched_from``, any start method: Lightning
+    carries the streams for ``spawn`` only, the dtype never); rank 0's *consolidated* weights handed back (the
+    strategy keeps them in ``final_state_dict`` at teardown)."""
 
     @override
     def launch(self, function: Callable[..., Any], *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         module = self._strategy.lightning_module
         if module is not None:  # spawn and forkserver pickle it into every worker
             hf_checkpointing.prepare_for_launch(module)
-        self._strategy.launch_rng = host_rng_state()  # type: ignore[attr-defined]  # pickled with the strategy
+        launching = {"rng": host_rng_state(), "default_dtype": torch.get_default_dtype()}
+        self._strategy.launched_from = launching  # type: ignore[attr-defined]  # pickled with the strategy
         try:
             return super().launch(function, *args, trainer=trainer, **kwargs)
         finally:
-            self._strategy.launch_rng = None  # type: ignore[attr-defined]
+            self._strategy.launched_from = None  # type: ignore[attr-defined]
 
     @override
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:

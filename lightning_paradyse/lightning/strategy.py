@@ -36,7 +36,9 @@ consolidated optimizer state, so a run can resume with another plan, mode set or
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
+import os
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -54,6 +56,7 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.init import _EmptyInit
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import pl_worker_init_function
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.loops.optimization.automatic import ClosureResult
@@ -254,9 +257,9 @@ class ParaDySeStrategy(ParallelStrategy):
         self.planner: Planner | None = None
         self.final_state_dict: dict[str, Tensor] | None = None
         """Rank 0's consolidated weights at the end of a spawned fit (handed back to the launching process)."""
-        self.launch_rng: dict[str, Any] | None = None
-        """The launching process's host random streams, carried into the workers the spawn launcher starts
-        (:meth:`setup_environment` sets them)."""
+        self.launched_from: dict[str, Any] | None = None
+        """The launching process's host random streams and default dtype, carried into the workers the spawn
+        launcher starts (:meth:`setup_environment` sets them)."""
         self.num_nodes = 1
         self._exchange_s: float | None = None
         """Measured seconds of the largest weight exchange, kept with the machine measured at setup (or ``None``)."""
@@ -405,13 +408,15 @@ class ParaDySeStrategy(ParallelStrategy):
 
         No rank is re-seeded as Lightning's DDP re-seeds each from ``seed_everything``'s seed: every rank draws on
         from the host streams of the process that called ``fit`` (a worker the spawn launcher started gets them
-        from it, ``launch_rng``; a script or ``torchrun`` re-runs the same code), so ``configure_model`` and a
-        shuffling sampler draw what one process draws, after whatever ``__init__`` drew. (A started worker's GPU
-        stream is seeded with that process's seed, as ``torch.manual_seed`` or ``seed_everything`` seeds a GPU.)"""
+        from it, ``launched_from``, with its default dtype; a script or ``torchrun`` re-runs the same code), so
+        ``configure_model``, a shuffling sampler and a loader's workers draw what one process draws, after whatever
+        ``__init__`` drew. (A started worker's GPU stream is seeded with that process's seed, as
+        ``torch.manual_seed`` or ``seed_everything`` seeds a GPU.)"""
         super().setup_environment()
-        carried, self.launch_rng = self.launch_rng, None
+        carried, self.launched_from = self.launched_from, None
         if carried is not None:  # a worker the spawn launcher started
-            set_host_rng_state(carried)
+            set_host_rng_state(carried["rng"])
+            torch.set_default_dtype(carried["default_dtype"])  # e.g. float64: what the loader's workers draw
             if self.root_device.type == "cuda":
                 torch.cuda.manual_seed_all(torch.initial_seed())  # the carried state's seed (restored with it)
         self.set_world_ranks()
@@ -446,6 +451,15 @@ class ParaDySeStrategy(ParallelStrategy):
         moves only this rank's shards and the replicated parameters to the GPU."""
         with _EmptyInit(enabled=bool(empty_init)), torch.device("cpu"), self.precision_plugin.tensor_init_context():
             yield
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Every rank's loader workers seeded as one process's: with ``seed_everything(workers=True)`` Lightning
+        seeds each worker from the rank too, so the ranks' workers would draw apart (random masking or augmentation
+        in the loader) and hold different batches; rank 0's seeding, what one process does, on every rank instead."""
+        if int(os.environ.get("PL_SEED_WORKERS", 0)) and getattr(dataloader, "worker_init_fn", False) is None:
+            dataloader.worker_init_fn = functools.partial(pl_worker_init_function, rank=0)  # type: ignore[attr-defined]
+        return dataloader
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

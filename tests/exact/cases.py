@@ -246,6 +246,22 @@ def shuffled(make: Callable[[Tensor], dict[str, Tensor]], rows: int = 2) -> Data
     return DataLoader(Batches(make, LENGTHS[:4], rows), batch_size=None, shuffle=True)
 
 
+def masked_at_random(item: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A loader's collate that hides a random fifth of the targets (drawn where the loader runs, in its workers;
+    float32 draws whatever the default dtype)."""
+    targets = item["targets"].clone()
+    targets[torch.rand(targets.shape, dtype=torch.float32) < 0.2] = -100
+    return {"input_ids": item["input_ids"], "targets": targets}
+
+
+def seeded_workers() -> DataLoader[Any]:
+    """Two loader workers masking at random, seeded by ``seed_everything(workers=True)`` as Lightning documents it
+    (each worker's seed then depends on the rank: the strategy gives every rank one process's, rank 0's)."""
+    pl.seed_everything(0, workers=True, verbose=False)
+    batches = Batches(shifted_targets, LENGTHS[:4])
+    return DataLoader(batches, batch_size=None, shuffle=True, num_workers=2, collate_fn=masked_at_random)
+
+
 class NudgedLM(TinyLM):
     """Weights scaled in place between two micro-batches of one optimizer step (an EMA-like hook a recipe may
     have): shards kept from the first micro-batch are stale for the second."""
@@ -971,7 +987,8 @@ GRAD_CKPT_EVERY_2 = {"every_n_layers": 2, "gradient_checkpointing_kwargs": {"use
 
 def cases_launched() -> dict[str, Case]:
     """Paths through the strategy's own launcher (its default start method pickles the module into the workers):
-    Hugging Face gradient checkpointing enabled in the module's ``__init__``, as users do; a shuffling loader."""
+    Hugging Face gradient checkpointing enabled in the module's ``__init__``, as users do; shuffling loaders, one
+    with workers that draw at random."""
     hf = lambda **kw: lambda: HFModule("labels-key", **kw)  # noqa: E731
     data = lambda: loader(hf_labels, LENGTHS[:3])  # noqa: E731
     return {
@@ -983,6 +1000,7 @@ def cases_launched() -> dict[str, Case]:
             plans=("ring+rc,ring+rc | ring+rc,ring+rc",) * 3,
         ),
         "hf-grad-ckpt-offload": Case(hf(checkpointing={"offload": True}), data, refused="offload=True"),
+        "loader-workers-seeded": Case(TinyLM, seeded_workers, strategy=dict(plan=MIXED)),
         "shuffle-launched": Case(  # the launching process's streams carried into the workers
             TinyLM,
             lambda: shuffled(shifted_targets),
