@@ -559,7 +559,7 @@ class GeneratingLM(HFModule):
 
 class ForwardAfterStepLM(HFModule):
     """Calls the model on the start of each training batch in ``on_train_batch_end`` (after the step, as a recipe's
-    sample logging may): refused under the strategy, naming why, whether the step ran on one group or on groups."""
+    sample logging may): refused under the strategy, naming why."""
 
     def __init__(self) -> None:
         super().__init__("labels-key")
