@@ -29,6 +29,7 @@ from lightning_paradyse.lightning.summary import whole_sizes
 from lightning_paradyse.modes.plan import LayerPlan, OpPlan, Plan
 from lightning_paradyse.modes.specs import SeqContext
 from lightning_paradyse.runtime import parallel
+from lightning_paradyse.runtime.exactness import kept_rng
 from lightning_paradyse.runtime.slicing import describe_batch, shard_batch
 
 ATTEMPTS = 8
@@ -76,8 +77,9 @@ def step_check_tolerance(dtype: torch.dtype, precision: str | None) -> float:
 @contextlib.contextmanager
 def side_effects_undone(trainer: Any, module: nn.Module, device: torch.device | None = None) -> Iterator[None]:
     """Run extra calls of the user's step without trace: in eval mode (no dropout: both calls must compute the
-    same function), logging off (Lightning's barebones switch), the random streams (CPU and ``device``) and every
-    torchmetrics state restored afterwards. Attributes the step changes by hand are not restored."""
+    same function), logging off (Lightning's barebones switch), the random streams (the host's and ``device``'s,
+    :func:`~lightning_paradyse.runtime.exactness.kept_rng`) and every torchmetrics state restored afterwards.
+    Attributes the step changes by hand are not restored."""
     metrics: list[Any] = [m for m in module.modules() if hasattr(m, "_defaults") and hasattr(m, "_update_count")]
     saved = [
         ({name: copy.deepcopy(getattr(m, name)) for name in m._defaults}, m._update_count, m._computed) for m in metrics
@@ -86,11 +88,8 @@ def side_effects_undone(trainer: Any, module: nn.Module, device: torch.device | 
     trainer.barebones = True  # self.log() warns and returns
     modes = {m: m.training for m in module.modules()}
     module.eval()
-    devices = []
-    if device is not None and device.type == "cuda":
-        devices = [device.index if device.index is not None else torch.cuda.current_device()]
     try:
-        with warnings.catch_warnings(), torch.random.fork_rng(devices=devices):
+        with warnings.catch_warnings(), kept_rng(device):
             warnings.simplefilter("ignore")
             yield
     finally:

@@ -196,13 +196,18 @@ def replica_check_due(step: int, every: int) -> bool:
     return every > 0 and (step <= 3 or step % every == 0)
 
 
+def _cuda_indices(device: torch.device | None) -> list[int]:
+    """The GPU whose random stream ``torch.random.fork_rng`` must keep for ``device`` (none on the host)."""
+    if device is None or device.type != "cuda":
+        return []
+    return [device.index if device.index is not None else torch.cuda.current_device()]
+
+
 @contextlib.contextmanager
 def rank_rng(seed: int, rank: int, step: int, device: torch.device) -> Iterator[None]:
     """Random numbers of one step drawn from a stream of this rank's own, derived from the run's seed, the step
     and the rank (reproducible on resume); the global stream is restored afterwards."""
-    devices = []
-    if device.type == "cuda":
-        devices = [device.index if device.index is not None else torch.cuda.current_device()]
+    devices = _cuda_indices(device)
     with torch.random.fork_rng(devices=devices):
         derived = (seed * 1_000_003 + step * 8_191 + rank + 1) % (2**63)
         torch.default_generator.manual_seed(derived)  # the forked streams only (torch.manual_seed visits every
@@ -229,15 +234,12 @@ def set_host_rng_state(state: Mapping[str, Any]) -> None:
 
 
 @contextlib.contextmanager
-def kept_rng(device: torch.device) -> Iterator[None]:
+def kept_rng(device: torch.device | None) -> Iterator[None]:
     """Random numbers drawn inside (the strategy's own set-up: tracing, probing, measuring) leave the process's
     streams as they were: the host's (:func:`host_rng_state`) and ``device``'s. What the user's code draws next (a
     shuffling sampler's order, a ``DataLoader`` worker's seed) is then what one process draws."""
-    devices = []
-    if device.type == "cuda":
-        devices = [device.index if device.index is not None else torch.cuda.current_device()]
     host = host_rng_state()
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=_cuda_indices(device)):
         try:
             yield
         finally:
