@@ -34,6 +34,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch.utils._pytree import tree_map
 
 from lightning_paradyse.graph.trace import ArgRef, BlockTrace, ModuleCall, _getitem
@@ -98,9 +99,40 @@ class Program:
         # every step's arguments as fillers, made once (a plain attribute: no field, pickled with the program)
         binds = tuple((_Fill(step.args, self.dtype), _Fill(step.kwargs or {}, self.dtype)) for step in self.steps)
         object.__setattr__(self, "_binds", binds)
+        object.__setattr__(self, "_compiled", _compile(self))  # made here, never inside a torch.compile trace
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled and copied without its compiled form (:meth:`__setstate__` makes it again)."""
+        state = dict(self.__dict__)
+        state.pop("_compiled", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        object.__setattr__(self, "_compiled", _compile(self))
 
     def run(self, inputs: Sequence[torch.Tensor], values: Sequence[Any], owner: nn.Module) -> tuple[Any, ...]:
-        """Replay on this call's ``inputs``; ``owner`` holds the modules and parameters (by relative path)."""
+        """Replay on this call's ``inputs``; ``owner`` holds the modules and parameters (by relative path).
+
+        Runs the program compiled into one Python function (:func:`_compile`: the same calls on the same
+        arguments, without filling each step's arguments in from a list); a program whose arguments hold other
+        containers than tuples, lists and dicts, or a call with other numbers of inputs, is interpreted
+        (:meth:`interpret`)."""
+        compiled: Callable[..., tuple[Any, ...]] | None = self.__dict__["_compiled"]
+        if compiled is None or len(inputs) != self.n_inputs or len(values) != self.n_values:
+            return self.interpret(inputs, values, owner)
+        return compiled(self, inputs, values, owner)
+
+    def constant(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """The traced constant ``name`` where ``like`` (the call's first input) is, in its dtype when it was traced in
+        the program's (:attr:`dtype`)."""
+        const = self.constants[name]
+        if const.device != like.device:  # moved once to where the block runs (it may move after install)
+            const = self.constants[name] = const.to(like.device)
+        return const.to(dtype=like.dtype if const.dtype is self.dtype else const.dtype)
+
+    def interpret(self, inputs: Sequence[torch.Tensor], values: Sequence[Any], owner: nn.Module) -> tuple[Any, ...]:
+        """:meth:`run`, step by step."""
         q = inputs[0]
         dtype = q.dtype
         env: list[Any] = [*inputs, *values]
@@ -114,10 +146,7 @@ class Program:
             elif step.kind == "param":
                 out = _attr(owner, step.target)
             elif step.kind == "const":
-                const = self.constants[step.target]
-                if const.device != q.device:  # moved once to where the block runs (it may move after install)
-                    const = self.constants[step.target] = const.to(q.device)
-                out = const.to(dtype=dtype if const.dtype is self.dtype else const.dtype)
+                out = self.constant(step.target, q)
             else:
                 args = bind_args.fill(env, dtype)
                 if step.shapes is not None:
@@ -157,6 +186,85 @@ class _Fill:
         return tuple(out) if type(tree) is tuple else out
 
 
+def _compile(program: Program) -> Callable[..., tuple[Any, ...]] | None:
+    """``program`` as one Python function ``(program, inputs, values, owner) -> outputs`` that makes the calls
+    :meth:`Program.interpret` makes, in order, on the same arguments (``None``: arguments hold other containers than
+    tuples, lists and dicts, which only the interpreter fills in)."""
+    source = _Source(program.dtype, program.heads)
+    n_in = program.n_inputs
+    lines = ["def run(program, inputs, values, owner):"]
+    lines += [f"    v{i} = inputs[{i}]" for i in range(n_in)]
+    lines += [f"    v{n_in + i} = values[{i}]" for i in range(program.n_values)]
+    lines.append("    dtype = v0.dtype")
+    for k, step in enumerate(program.steps):
+        call = source.call(step)
+        if call is None:
+            return None
+        lines.append(f"    v{n_in + program.n_values + k} = {call}")
+    lines.append("    return (" + "".join(f"v{i}, " for i in program.outputs) + ")")
+    code = compile("\n".join(lines), f"<program of {len(program.steps)} steps>", "exec")
+    exec(code, source.names)  # code made here, of the traced program's own steps
+    return source.names["run"]  # type: ignore[no-any-return]
+
+
+class _Source:
+    """What :func:`_compile` writes: a step's call as an expression, its objects named in :attr:`names` (the
+    function's globals). ``v<i>`` is slot ``i``; ``dtype`` the call's projections' (the traced ``dtype`` stands for
+    it, as :class:`_Fill` fills it in)."""
+
+    def __init__(self, traced: torch.dtype, heads: tuple[int, int]) -> None:
+        self.traced, self.heads = traced, heads
+        self.names: dict[str, Any] = {"_attr": _attr}
+
+    def name(self, value: Any) -> str:
+        key = f"_k{len(self.names)}"
+        self.names[key] = value
+        return key
+
+    def expr(self, tree: Any) -> str | None:
+        """``tree`` (a step's arguments) as an expression; ``None`` for a container only pytree walks."""
+        kind = type(tree)
+        if kind is _Slot:
+            return f"v{tree.index}"
+        if tree is self.traced:
+            return "dtype"
+        if kind in _LEAVES:
+            return self.name(tree)
+        if kind in (dict, immutable_dict):  # fx's own containers made again as they are (pytree maps them alike)
+            items = [(self.name(k), self.expr(v)) for k, v in tree.items()]
+            made = "{" + "".join(f"{k}: {v}, " for k, v in items) + "}"
+            made = made if kind is dict else f"{self.name(kind)}({made})"
+            return None if any(v is None for _, v in items) else made
+        if kind in (tuple, list, immutable_list):
+            parts = [self.expr(x) for x in tree]
+            inner = "".join(f"{p}, " for p in parts)
+            made = f"({inner})" if kind is tuple else f"[{inner}]" if kind is list else f"{self.name(kind)}([{inner}])"
+            return None if any(p is None for p in parts) else made
+        return None
+
+    def call(self, step: Step) -> str | None:
+        """The expression of ``step``'s call, as :meth:`Program.interpret` makes it."""
+        plain = {k: v for k, v in (step.kwargs or {}).items() if not (step.kind == "dropout" and k == "training")}
+        args, kwargs = self.expr(tuple(step.args)), self.expr(plain)
+        if args is None or kwargs is None:
+            return None
+        target = self.name(step.target)
+        if step.kind == "dropout":  # trained as the owner is (HF passes self.training)
+            return f"{target}(*{args}, **{kwargs}, training=owner.training)"
+        if step.kind == "module":
+            return f"owner.get_submodule({target})(*{args}, **{kwargs})"
+        if step.kind == "param":
+            return f"_attr(owner, {target})"
+        if step.kind == "const":
+            return f"program.constant({target}, v0)"
+        if step.shapes is not None:  # a reshape: the example's shapes mapped onto the call's (:func:`_call_shape`)
+            first = self.expr(step.args[0])
+            k, middle, m = _shape_template(*step.shapes, self.heads)
+            kept = f"*{first}.shape[-{m}:]" if m else ""
+            return f"{target}({first}, (*{first}.shape[:{k}], *{self.name(middle)}, {kept}), **{kwargs})"
+        return f"{target}(*{args}, **{kwargs})"
+
+
 def _attr(owner: nn.Module, path: str) -> torch.Tensor:
     module, _, name = path.rpartition(".")
     value = getattr(owner.get_submodule(module) if module else owner, name)
@@ -191,8 +299,18 @@ def _call_shape(
     """The shape a reshape of ``actual_in`` means, given what it did to the example (``example_in -> example_out``).
 
     Leading and trailing dimensions the reshape keeps are the call's; of those it splits or merges, the example's
-    head count becomes ``-1`` (the call holds its own number of heads), the rest (the head width) stay.
+    head count becomes ``-1`` (the call holds its own number of heads), the rest (the head width) stay
+    (:func:`_shape_template`).
     """
+    k, middle, m = _shape_template(example_in, example_out, heads)
+    return (*actual_in[:k], *middle, *actual_in[len(actual_in) - m :])
+
+
+def _shape_template(
+    example_in: tuple[int, ...], example_out: tuple[int, ...], heads: tuple[int, int]
+) -> tuple[int, tuple[int, ...], int]:
+    """What of a call's reshape the example fixes: ``(k, middle, m)``, the call's shape being its input's first ``k``
+    dimensions, ``middle``, then its input's last ``m`` (see :func:`_call_shape`)."""
     k = 0
     while k < min(len(example_in), len(example_out)) and example_in[k] == example_out[k]:
         k += 1
@@ -208,7 +326,7 @@ def _call_shape(
         middle[free[0]] = -1
     elif len(middle) == 1:
         middle[0] = -1
-    return (*actual_in[:k], *middle, *actual_in[len(actual_in) - m :])
+    return k, tuple(middle), m
 
 
 def _attention_input(node: fx.Node, shape: tuple[int, ...]) -> fx.Node:

@@ -488,15 +488,14 @@ def unpack_float64(packed: torch.Tensor) -> torch.Tensor:
 def _foldable(module: nn.Module, world: Group, dtype: torch.dtype, p: int) -> ReplicatedGrads | None:
     """This rank's replicated gradients when they can ride on the return in ``dtype`` (their own dtype, so the values
     travel exactly) at no more than :data:`FOLD_BYTES` extra per rank; else ``None``."""
-    params = [w for w in replicated_parameters(module) if w.requires_grad]
+    params = tuple(w for w in replicated_parameters(module) if w.requires_grad)
     if not params or any(w.dtype != dtype for w in params):
         return None
     numel = sum(w.numel() for w in params) + len(params)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    extra_bytes = ((p - 1) - 2 * (p - 1) / p) * numel * itemsize  # all-to-all of copies against a ring all-reduce
+    extra_bytes = ((p - 1) - 2 * (p - 1) / p) * numel * dtype.itemsize  # all-to-all of copies against a ring all-reduce
     if extra_bytes > FOLD_BYTES:
         return None
-    return ReplicatedGrads.of(module)  # the replicated parameters only: settling the shards waits for the return
+    return ReplicatedGrads.of(module, params)  # the replicated ones only: the shards settle after the return
 
 
 def drop_group(module: nn.Module) -> None:

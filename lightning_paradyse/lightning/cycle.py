@@ -68,22 +68,22 @@ from lightning_paradyse.runtime.slicing import BatchInfo, describe_batch, find_t
 
 
 class GlobalLoss(torch.autograd.Function):
-    """Forward: the sum of every rank's ``local`` (all-reduce), or ``local`` itself when the sum is settled later
-    (``reduce=False``); backward: the gradient, unchanged.
+    """Forward: the sum of every rank's ``local`` (all-reduce); backward: the gradient, unchanged.
 
     Each rank returns ``w_r * local_r``; the sum is the global loss on every rank, and since each
     rank's contribution enters the sum with coefficient 1, the identity backward gives every rank the
     gradient of its own contribution, which the modes' collectives and the replicated-gradient
-    all-reduce then combine into the exact gradient of the global loss.
+    all-reduce then combine into the exact gradient of the global loss. (A loss settled later, on the gradient
+    return, is this rank's share itself: :meth:`StepCycle.global_loss`.)
     """
 
     @staticmethod
-    def forward(ctx: Any, local: Tensor, group: Group, reduce: bool = True) -> Tensor:
-        return all_reduce_sum(local, group) if reduce and group_size(group) > 1 else local.clone()
+    def forward(ctx: Any, local: Tensor, group: Group) -> Tensor:
+        return all_reduce_sum(local, group) if group_size(group) > 1 else local.clone()
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        return grad, None, None
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
 
 
 def reporting_result(cycle: StepCycle, base: type[ClosureResult] = ClosureResult) -> type[ClosureResult]:
@@ -455,7 +455,9 @@ class StepCycle:
         step = self.runner.step
         deferred = defer and self.reports_loss and step is not None and not step.whole
         self._share, self._reported = (share.detach(), None) if deferred else (None, None)
-        return GlobalLoss.apply(share, self._group, not deferred)  # type: ignore[no-any-return]  # over every rank
+        if deferred:  # this rank's share: Lightning backs it, the gradient return sums the global loss
+            return share
+        return GlobalLoss.apply(share, self._group)  # type: ignore[no-any-return]  # over every rank
 
     def logged(self, output: Any, result: Any) -> None:
         """Log what the module's step logged (:attr:`logs`) with the global loss in place of the step's own loss:

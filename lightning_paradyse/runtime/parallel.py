@@ -756,11 +756,14 @@ class ReplicatedGrads:
     """This rank's presence flags, on the host (the message's last ``n`` values)."""
 
     @staticmethod
-    def of(module: nn.Module) -> ReplicatedGrads:
-        params = tuple(w for w in replicated_parameters(module) if w.requires_grad)
+    def of(module: nn.Module, params: tuple[nn.Parameter, ...] | None = None) -> ReplicatedGrads:
+        """The message of ``module``'s replicated parameters that require a gradient (``params``: those, listed by
+        the caller)."""
+        if params is None:
+            params = tuple(w for w in replicated_parameters(module) if w.requires_grad)
         if not params:
             return ReplicatedGrads((), torch.zeros(0))
-        dtype = functools.reduce(torch.promote_types, [w.dtype for w in params], torch.float32)  # bf16 sums in fp32
+        dtype = functools.reduce(torch.promote_types, {w.dtype for w in params}, torch.float32)  # bf16 sums in fp32
         own = tuple(w.grad is not None for w in params)
         with torch.no_grad():
             present = to_device(torch.tensor(own, dtype=dtype), params[0].device)  # [n]

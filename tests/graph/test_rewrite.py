@@ -93,7 +93,7 @@ def test_mlp_roles_of_each_family() -> None:
         trace = _trace(block)
         mlp = find_mlp(trace, find_attention(trace))
         assert (mlp.core, mlp.up, mlp.gate, mlp.down) == expected
-        x = torch.randn(5)
+        x = torch.linspace(-2.0, 2.0, 5)  # negative values too: a ReLU is not the identity on them
         assert not torch.equal(mlp.act(x), x)  # an activation, not the identity
 
 
