@@ -115,8 +115,8 @@ class Program:
         """Replay on this call's ``inputs``; ``owner`` holds the modules and parameters (by relative path).
 
         Runs the program compiled into one Python function (:func:`_compile`: the same calls on the same
-        arguments, without filling each step's arguments in from a list); a program whose arguments hold other
-        containers than tuples, lists and dicts, or a call with other numbers of inputs, is interpreted
+        arguments, without filling each step's arguments in from a list); a program whose arguments
+        :meth:`_Source.expr` cannot write, or a call with other numbers of inputs or values, is interpreted
         (:meth:`interpret`)."""
         compiled: Callable[..., tuple[Any, ...]] | None = self.__dict__["_compiled"]
         if compiled is None or len(inputs) != self.n_inputs or len(values) != self.n_values:
@@ -188,8 +188,8 @@ class _Fill:
 
 def _compile(program: Program) -> Callable[..., tuple[Any, ...]] | None:
     """``program`` as one Python function ``(program, inputs, values, owner) -> outputs`` that makes the calls
-    :meth:`Program.interpret` makes, in order, on the same arguments (``None``: arguments hold other containers than
-    tuples, lists and dicts, which only the interpreter fills in)."""
+    :meth:`Program.interpret` makes, in order, on the same arguments (``None``: a step's arguments hold what
+    :meth:`_Source.expr` cannot write, which only the interpreter fills in)."""
     source = _Source(program.dtype, program.heads)
     n_in = program.n_inputs
     lines = ["def run(program, inputs, values, owner):"]
@@ -222,7 +222,9 @@ class _Source:
         return key
 
     def expr(self, tree: Any) -> str | None:
-        """``tree`` (a step's arguments) as an expression; ``None`` for a container only pytree walks."""
+        """``tree`` (a step's arguments) as an expression: slots, the traced dtype, the leaves of :data:`_LEAVES`
+        (named), in tuples, lists, dicts and fx's immutable lists and dicts; ``None`` for anything else (another
+        container, which only pytree walks, or another leaf: the program is then interpreted)."""
         kind = type(tree)
         if kind is _Slot:
             return f"v{tree.index}"
@@ -260,7 +262,7 @@ class _Source:
         if step.shapes is not None:  # a reshape: the example's shapes mapped onto the call's (:func:`_call_shape`)
             first = self.expr(step.args[0])
             k, middle, m = _shape_template(*step.shapes, self.heads)
-            kept = f"*{first}.shape[-{m}:]" if m else ""
+            kept = f"*{first}.shape[len({first}.shape) - {m} :]" if m else ""  # as _call_shape slices it
             return f"{target}({first}, (*{first}.shape[:{k}], *{self.name(middle)}, {kept}), **{kwargs})"
         return f"{target}(*{args}, **{kwargs})"
 

@@ -10,7 +10,7 @@ The order is fixed and each step is a small function:
    (:func:`~lightning_paradyse.graph.program.probe`).
 Steps 2-4 run on a copy of the block on the host, in float64 (float32 where its kernels have no float64), made
 tensor by tensor (:func:`host_copy`): a GPU never holds a second copy, and nothing made during the checks meets the
-block's device (the replayed code's constants move to it on first use, :meth:`~.program.Program.run`).
+block's device (the replayed code's constants move to it on first use, :meth:`~.program.Program.constant`).
 
 4. :func:`verify`: on a copy, install the dispatch modules for a group of one and check that
    every mode reproduces the block's own output on the example (a block we misunderstood is
@@ -419,7 +419,7 @@ def rewrite_block(
         stage = "checking the rewritten block against the original (float64, float32 for MoE grouped GEMMs)"
         verify(traced, name, attention, mlp, example, axes)
         stage = "installing the dispatch modules"
-        ops = install(block, attention, mlp, layer, group)  # program constants follow the block (Program.run)
+        ops = install(block, attention, mlp, layer, group)  # program constants follow the block (Program.constant)
         for op in ops:
             if isinstance(op, AttentionDispatch):
                 op.attend_axis = axis

@@ -449,8 +449,9 @@ class StepCycle:
                 w.grad = grad if w.grad is None else grad + w.grad
 
     def global_loss(self, local: Tensor, info: BatchInfo, defer: bool = False) -> Tensor:
-        """``GlobalLoss(local * w_r)``: the exact single-process loss on every rank (settled after the backward when
-        deferred)."""
+        """``GlobalLoss(local * w_r)``: the exact single-process loss on every rank; deferred, this rank's share
+        ``local * w_r`` itself, whose global value :meth:`settle_loss` writes into the loss Lightning keeps once the
+        gradient return has summed every rank's."""
         share = self.share(local, info)
         step = self.runner.step
         deferred = defer and self.reports_loss and step is not None and not step.whole

@@ -38,11 +38,12 @@ def _programs(model: torch.nn.Module) -> list[Program]:
 @pytest.mark.parametrize("kind", [*FAMILIES, "bert"])
 def test_programs_compile_and_match_the_interpreter(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
-    run = Program.run
 
     def both(self: Program, inputs: Any, values: Any, owner: Any) -> tuple[Any, ...]:
-        compiled = run(self, inputs, values, owner)
-        assert self.__dict__["_compiled"] is not None, "the program fell back to the interpreter"
+        made = self.__dict__["_compiled"]
+        assert made is not None, "the program fell back to the interpreter"
+        assert (len(inputs), len(values)) == (self.n_inputs, self.n_values)  # run() takes the compiled function
+        compiled = made(self, inputs, values, owner)
         interpreted = self.interpret(inputs, values, owner)
         assert len(compiled) == len(interpreted)
         for a, b in zip(compiled, interpreted):
