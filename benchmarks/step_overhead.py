@@ -1,7 +1,7 @@
 """What a data-parallel step costs against DDP's: wall and CPU time per step of many identical short batches.
 
     python benchmarks/step_overhead.py [--devices 2] [--steps 60] [--repeats 3] [--layers N] [--vary] [--profile DIR]
-                                       [--calls]
+                                       [--calls] [--no-poll]
 
 Every spawned process trains the quick preset's model (:meth:`benchmarks.settings.BenchSettings.quick`) for
 ``--steps`` steps on global batches of ``--rows`` rows of ``--length`` tokens, alternately with
@@ -22,6 +22,11 @@ every fit), as real data does: each batch is then a first sight for whatever the
 ``--profile DIR`` first runs one more fit of each, left out of the timings, and writes rank 0's ``cProfile`` of its
 steps after the warm-up (``DIR/<run>.prof``; read with ``python -m pstats``): where the difference goes. The
 profiler slows Python-heavy code most.
+
+It also prints each part's median CPU time of the main thread (the thread clock): what the rank computed there. Our
+step's exchanges wait by polling where each rank has a core (:func:`~lightning_paradyse.distributed.comm.polled`), so
+their waits count as CPU; ``--no-poll`` makes them block as DDP's do, which shows what each part computes (and slows
+our steps: compare the wall times without it).
 
 ``--calls`` first runs one more fit of each, left out of the timings, and prints how many Python and C function calls
 rank 0's main thread makes per step, in each part of the step (a ``sys.setprofile`` hook): a count that, unlike a
@@ -81,15 +86,20 @@ class StepClock(pl.Callback):
         self.marks: list[list[float]] = []
         """Per step: the wall clock at its start, before and after the backward, before the optimizer step, at its
         end."""
+        self.thread: list[float] = []
+        self.thread_marks: list[list[float]] = []
+        """:attr:`marks` on the main thread's clock (its CPU time)."""
         self.splits: list[tuple[int, ...]] = []
         """Every step's group sizes (``()``: one group of every rank, or not a ParaDySe run)."""
 
     def _tick(self) -> None:
         self.wall.append(time.perf_counter())
         self.cpu.append(time.process_time())
+        self.thread.append(time.thread_time())
 
     def _mark(self) -> None:
         self.marks[-1].append(time.perf_counter())
+        self.thread_marks[-1].append(time.thread_time())
         self._phase = len(self.marks[-1]) - 1  # the part of the step that starts here
 
     def _count(self, frame: Any, event: str, arg: Any) -> None:
@@ -99,6 +109,7 @@ class StepClock(pl.Callback):
     def on_train_batch_start(self, *args: Any) -> None:
         self._tick()
         self.marks.append([self.wall[-1]])
+        self.thread_marks.append([self.thread[-1]])
         self._phase = 0
         if self.profiler is not None and len(self.wall) == self.warmup + 1:
             self.profiler.enable()
@@ -140,10 +151,11 @@ class StepClock(pl.Callback):
             statistics.median(b - a for a, b in itertools.pairwise(cpu)),
         )
 
-    def phases(self) -> list[float]:
+    def phases(self, cpu: bool = False) -> list[float]:
         """Median seconds of each of :data:`PHASES` over the steps after the warm-up that stepped the optimizer (a
-        skipped step has no ``on_before_optimizer_step``)."""
-        steps = [(m, nxt) for m, nxt in zip(self.marks[self.warmup :], self.wall[self.warmup + 1 :]) if len(m) == 5]
+        skipped step has no ``on_before_optimizer_step``); with ``cpu`` the main thread's CPU seconds."""
+        marks, ends = (self.thread_marks, self.thread) if cpu else (self.marks, self.wall)
+        steps = [(m, nxt) for m, nxt in zip(marks[self.warmup :], ends[self.warmup + 1 :]) if len(m) == 5]
         if not steps:  # every timed step skipped its optimizer step (no plan fitted): nothing to part
             return [math.nan] * len(PHASES)
         return [statistics.median([*m, nxt][i + 1] - [*m, nxt][i] for m, nxt in steps) for i in range(len(PHASES))]
@@ -202,11 +214,15 @@ def _fit(
         dist.destroy_process_group()
     if calls:
         return clock.calls_per_step()
-    return (*clock.medians(), clock.splits[args.warmup :], clock.phases())
+    return (*clock.medians(), clock.splits[args.warmup :], clock.phases(), clock.phases(cpu=True))
 
 
 def _worker(rank: int, world: int, args: argparse.Namespace, store_dir: str) -> dict[str, list[Any]]:
     dist.destroy_process_group()  # the harness's group: every fit makes its own
+    if args.no_poll:  # the step's exchanges block in gloo's wait (read by the strategy's setup)
+        from lightning_paradyse.distributed import comm
+
+        comm.SPIN_LIMIT_S = 0.0
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")  # never used: the group exists before Lightning looks
     from benchmarks.worker import quiet
@@ -237,6 +253,7 @@ def main() -> None:
     parser.add_argument("--vary", action="store_true", help="every step its own length (see the docstring)")
     parser.add_argument("--profile", default=None, help="a folder for rank 0's cProfile of one more fit of each run")
     parser.add_argument("--calls", action="store_true", help="count rank 0's calls per step part in one more fit each")
+    parser.add_argument("--no-poll", action="store_true", help="our step's exchanges block instead of polling")
     args = parser.parse_args()
     if args.rows % args.devices:
         parser.error("--rows must be a multiple of --devices (DDP gives every rank the same share)")
@@ -258,7 +275,7 @@ def main() -> None:
         medians[run] = statistics.median(wall for wall, *_ in fits)
         cells = "  ".join(f"{1e3 * wall:5.1f} / {1e3 * cpu:5.1f}" for wall, cpu, *_ in fits)
         splits = collections.Counter(
-            "+".join(map(str, s)) or "all" for _, _, steps, _ in per_rank[0][run] for s in steps
+            "+".join(map(str, s)) or "all" for _, _, steps, *_ in per_rank[0][run] for s in steps
         )
         shown = ", ".join(f"{split}: {n}" for split, n in splits.most_common()) if run == "paradyse" else ""
         print(f"  {run:9s} {cells}" + (f"   (timed steps per split: {shown})" if shown else ""))
@@ -268,6 +285,13 @@ def main() -> None:
     for run in RUNS:
         fits = [fit[3] for rank in per_rank for fit in rank[run]]
         parts = [statistics.median(fit[i] for fit in fits) for i in range(len(PHASES))]  # nan: no step to part
+        print(f"    {run:9s}" + "".join(f"{1e3 * part:18.2f}" for part in parts))
+    polling = "blocking in its exchanges: --no-poll" if args.no_poll else "polling in its exchanges, counted"
+    print(f"  median CPU ms of the main thread per part (ours {polling}):")
+    print("    " + " " * 9 + "".join(f"{phase:>18s}" for phase in PHASES))
+    for run in RUNS:
+        fits = [fit[4] for rank in per_rank for fit in rank[run]]
+        parts = [statistics.median(fit[i] for fit in fits) for i in range(len(PHASES))]
         print(f"    {run:9s}" + "".join(f"{1e3 * part:18.2f}" for part in parts))
     if args.calls:
         print("  Python and C calls per step on rank 0's main thread, per part (one more fit each, counted):")

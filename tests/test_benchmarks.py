@@ -266,17 +266,21 @@ def test_decision_times_replay_a_trace_as_a_fit_decides_it() -> None:
 @pytest.mark.dist
 def test_step_overhead_times_both_runs_and_names_the_split() -> None:
     """The splits are the planner's, which weighs measured times (data parallel on an idle machine, maybe not on a
-    loaded one): counted and printed, not asserted; then a time for every part of the step of both runs, and with
-    ``--calls`` the calls made in each part."""
-    args = ["--steps", "8", "--warmup", "2", "--repeats", "1", "--calls"]
+    loaded one): counted and printed, not asserted; then a time and the main thread's CPU time for every part of the
+    step of both runs (``--no-poll``: ours blocking in its exchanges), and with ``--calls`` the calls made in each
+    part."""
+    args = ["--steps", "8", "--warmup", "2", "--repeats", "1", "--calls", "--no-poll"]
     lines = run_script("benchmarks/step_overhead.py", *args, timeout=200)
     times, calls = lines[:-4], lines[-4:]
-    assert times[-7].split()[0] == "paradyse" and "(timed steps per split: " in times[-7], lines
-    assert sum(int(n) for n in re.findall(r": (\d+)", times[-7].split("split:")[1])) == 8 - 2, lines  # every step
-    assert times[-6].split()[0] == "ddp" and times[-5].startswith("  DDP / ours"), lines
-    assert times[-3].split() == " ".join(PHASES).split(), lines
-    for line, run in zip(times[-2:], ("paradyse", "ddp")):
-        assert line.split()[0] == run and len(line.split()) == 6 and all(float(x) >= 0 for x in line.split()[1:]), lines
+    assert times[-11].split()[0] == "paradyse" and "(timed steps per split: " in times[-11], lines
+    assert sum(int(n) for n in re.findall(r": (\d+)", times[-11].split("split:")[1])) == 8 - 2, lines  # every step
+    assert times[-10].split()[0] == "ddp" and times[-9].startswith("  DDP / ours"), lines
+    assert "CPU" in times[-4] and "blocking in its exchanges" in times[-4], lines
+    for table in (times[-7:-4], times[-3:]):  # wall, then CPU
+        assert table[0].split() == " ".join(PHASES).split(), lines
+        for line, run in zip(table[1:], ("paradyse", "ddp")):
+            assert line.split()[0] == run and len(line.split()) == 6, lines
+            assert all(float(x) >= 0 for x in line.split()[1:]), lines
     # --calls: every part of a step makes calls, and a step is their sum
     assert calls[1].split() == [*" ".join(PHASES).split(), "step"], lines
     for line, run in zip(calls[2:], ("paradyse", "ddp")):
