@@ -246,19 +246,19 @@ class _Source:
 
     def call(self, step: Step) -> str | None:
         """The expression of ``step``'s call, as :meth:`Program.interpret` makes it."""
+        target = self.name(step.target)
+        if step.kind == "param":  # no arguments to fill in
+            return f"_attr(owner, {target})"
+        if step.kind == "const":
+            return f"program.constant({target}, v0)"
         plain = {k: v for k, v in (step.kwargs or {}).items() if not (step.kind == "dropout" and k == "training")}
         args, kwargs = self.expr(tuple(step.args)), self.expr(plain)
         if args is None or kwargs is None:
             return None
-        target = self.name(step.target)
         if step.kind == "dropout":  # trained as the owner is (HF passes self.training)
             return f"{target}(*{args}, **{kwargs}, training=owner.training)"
         if step.kind == "module":
             return f"owner.get_submodule({target})(*{args}, **{kwargs})"
-        if step.kind == "param":
-            return f"_attr(owner, {target})"
-        if step.kind == "const":
-            return f"program.constant({target}, v0)"
         if step.shapes is not None:  # a reshape: the example's shapes mapped onto the call's (:func:`_call_shape`)
             first = self.expr(step.args[0])
             k, middle, m = _shape_template(*step.shapes, self.heads)
