@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -160,6 +161,10 @@ WARM_BUCKETS = 16
 """Setup plans ahead, for every group size, the shapes of up to this many length buckets' worth of tokens
 (``plan_bucket`` tokens each: 8,192 by default) as rows of every power-of-two length up to ``plan_bucket``."""
 
+DECISIONS_KEPT = 256
+"""The splits of this many distinct batches (their units' lengths) a run keeps (:meth:`GroupRunner._assign`); a
+longer tail is searched again."""
+
 
 def group_sizes(world: int) -> list[int]:
     """The sizes a group of ``world`` ranks can have: those of :func:`~lightning_paradyse.groups.solver.splits` (every
@@ -189,6 +194,8 @@ class GroupRunner:
         self._planners: dict[int, Planner] = {}
         self._runs: dict[tuple[int, Plan], bool] = {}
         self._costs: dict[tuple[bool, bool, bool], Any] = {}
+        self._found: OrderedDict[tuple[bool, tuple[int, ...]], Assignment | None] = OrderedDict()
+        """The last :data:`DECISIONS_KEPT` splits the solver found, by the batch's units (:meth:`_assign`)."""
         self.exchange_scale = 1.0
         """Measured over predicted seconds of the weight exchange (measured once at setup)."""
         self.step: GroupStep | None = None
@@ -277,6 +284,7 @@ class GroupRunner:
             drop_group(self._module)
         self.kept, self._versions, self._whole, self._gather_next, self._whole_ok = None, [], None, False, None
         self._set, self.step, self._planners, self._runs, self._costs = None, None, {}, {}, {}
+        self._found.clear()
         self._world, self._module, self._planner = None, None, None
 
     def planner_for(self, g: int) -> Planner:
@@ -340,16 +348,19 @@ class GroupRunner:
                 return rows(max(lengths), len(lengths), g)
             return packed(lengths, g) if self._runs_on(g, sum(lengths), 1) else None
 
-        # rows may leave a group idle (a placeholder step of weight 0, priced as a step); packed documents keep every
-        # group busy
-        found = solver.assign(
-            units.lengths,
-            p,
-            cost,
-            all_busy=units.packed,
-            shape=None if units.packed else rows,
-            idle=None if units.packed else placeholder_cost(rows, units.lengths),
-        )
+        def solve() -> Assignment | None:
+            # rows may leave a group idle (a placeholder step of weight 0, priced as a step); packed documents keep
+            # every group busy
+            return solver.assign(
+                units.lengths,
+                p,
+                cost,
+                all_busy=units.packed,
+                shape=None if units.packed else rows,
+                idle=None if units.packed else placeholder_cost(rows, units.lengths),
+            )
+
+        found = self._assign(units, solve)
         if found is None and self.on_infeasible == "skip":
             return None
         if found is None:
@@ -407,6 +418,19 @@ class GroupRunner:
             reuse,
             model_metrics=model_metrics,
         )
+
+    def _assign(self, units: Units, solve: Callable[[], Assignment | None]) -> Assignment | None:
+        """The solver's split of ``units`` (``solve()``), kept for the last :data:`DECISIONS_KEPT` batches' units: the
+        costs it reads are made once per run (:meth:`_cost`), so a batch whose units were seen before (fixed-length
+        rows: every step) gets the same split without a search."""
+        key = (units.packed, units.lengths)
+        if key in self._found:
+            self._found.move_to_end(key)
+            return self._found[key]
+        found = self._found[key] = solve()
+        if len(self._found) > DECISIONS_KEPT:
+            self._found.popitem(last=False)
+        return found
 
     def _cost(self, packed: bool, exchange: bool, shaped: bool = False) -> Any:
         """The group cost (:func:`~lightning_paradyse.groups.cost.group_cost`, or for rows with ``shaped`` its
@@ -572,4 +596,4 @@ class GroupRunner:
         return any(w._version != version for w, version in self._versions)
 
 
-__all__ = ["WARM_BUCKETS", "GroupRunner", "GroupStep", "group_sizes", "imbalance", "plan_predictions"]
+__all__ = ["DECISIONS_KEPT", "WARM_BUCKETS", "GroupRunner", "GroupStep", "group_sizes", "imbalance", "plan_predictions"]

@@ -218,3 +218,38 @@ def test_groups_of_different_sizes_train_like_one_process(reference: dict[str, d
     (lines,) = runs[0]["dealt-accumulate"]["logged"]  # micro-batches share a global step: written once
     steps = grouped_steps(lines)
     assert steps == sorted(set(steps)) and 2 in steps, steps
+
+
+def test_a_batch_seen_before_takes_its_kept_split() -> None:
+    """The solver runs once per distinct batch (its units' lengths, packed or not); the run keeps the last
+    :data:`DECISIONS_KEPT` and searches the older ones again."""
+    from lightning_paradyse.groups import runner as runner_module
+    from lightning_paradyse.groups.runner import GroupRunner
+    from lightning_paradyse.groups.units import Units
+
+    runner = GroupRunner(plan_bucket=512, on_infeasible="raise")
+    solved: list[tuple[bool, tuple[int, ...]]] = []
+
+    def units(lengths: tuple[int, ...], packed: bool = False) -> Units:
+        return Units(packed, lengths, tuple((0, n) for n in lengths), len(lengths), max(lengths))
+
+    def solver_for(u: Units) -> Any:
+        def solve() -> Assignment:
+            solved.append((u.packed, u.lengths))
+            return Assignment((1, 1), ((0,), tuple(range(1, len(u.lengths)))), (1.0, 1.0))
+
+        return solve
+
+    first = units((5, 3, 3))
+    found = runner._assign(first, solver_for(first))
+    assert runner._assign(units((5, 3, 3)), solver_for(first)) is found  # seen before: kept
+    runner._assign(units((5, 3, 3), packed=True), solver_for(units((5, 3, 3), packed=True)))
+    runner._assign(units((3, 5, 3)), solver_for(units((3, 5, 3))))  # another order: other indices
+    assert solved == [(False, (5, 3, 3)), (True, (5, 3, 3)), (False, (3, 5, 3))]
+    for n in range(runner_module.DECISIONS_KEPT):  # the first batch falls out of the kept ones
+        runner._assign(units((n + 10,)), solver_for(units((n + 10,))))
+    solved.clear()
+    runner._assign(first, solver_for(first))
+    assert solved == [(False, (5, 3, 3))]
+    runner.teardown()
+    assert not runner._found
