@@ -1,7 +1,7 @@
 """What a data-parallel step costs against DDP's: wall and CPU time per step of many identical short batches.
 
     python benchmarks/step_overhead.py [--devices 2] [--steps 60] [--repeats 3] [--layers N] [--vary] [--profile DIR]
-                                       [--calls] [--no-poll]
+                                       [--calls] [--no-poll] [--logged]
 
 Every spawned process trains the quick preset's model (:meth:`benchmarks.settings.BenchSettings.quick`) for
 ``--steps`` steps on global batches of ``--rows`` rows of ``--length`` tokens, alternately with
@@ -27,6 +27,10 @@ It also prints each part's median CPU time of the main thread (the thread clock)
 step's exchanges wait by polling where each rank has a core (:func:`~lightning_paradyse.distributed.comm.polled`), so
 their waits count as CPU; ``--no-poll`` makes them block as DDP's do, which shows what each part computes (and slows
 our steps: compare the wall times without it).
+
+``--logged`` logs every step (``log_every_n_steps=1``) and gives ours the ``ParaDySeSwitcher``, as the quick preset's
+trainer does (:func:`benchmarks.worker.make_trainer`): a logged step is a timed one (its priced part and group times
+measured, :mod:`~lightning_paradyse.lightning.fixed_cost`), and the switcher records it.
 
 ``--calls`` first runs one more fit of each, left out of the timings, and prints how many Python and C function calls
 rank 0's main thread makes per step, in each part of the step (a ``sys.setprofile`` hook): a count that, unlike a
@@ -194,6 +198,11 @@ def _fit(
         rows = args.rows // world  # each rank its share
     profiler = cProfile.Profile() if profile is not None and rank == 0 else None
     clock = StepClock(args.warmup, profiler, count_calls=calls and rank == 0)
+    callbacks: list[pl.Callback] = [clock]
+    if args.logged and run == "paradyse":  # as the quick preset's trainer: the switcher records every step
+        from lightning_paradyse import ParaDySeSwitcher
+
+        callbacks.append(ParaDySeSwitcher(log_plan=False, plot=False))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world,
@@ -203,7 +212,8 @@ def _fit(
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,
-        callbacks=[clock],
+        callbacks=callbacks,
+        log_every_n_steps=1 if args.logged else 50,
     )
     made = Varied if args.vary else Tokens
     data = made(args.length, args.steps, config.vocab_size, rows)  # the same batches on every rank
@@ -254,6 +264,9 @@ def main() -> None:
     parser.add_argument("--profile", default=None, help="a folder for rank 0's cProfile of one more fit of each run")
     parser.add_argument("--calls", action="store_true", help="count rank 0's calls per step part in one more fit each")
     parser.add_argument("--no-poll", action="store_true", help="our step's exchanges block instead of polling")
+    parser.add_argument(
+        "--logged", action="store_true", help="every step logged, ours with the ParaDySeSwitcher (the quick preset's)"
+    )
     args = parser.parse_args()
     if args.rows % args.devices:
         parser.error("--rows must be a multiple of --devices (DDP gives every rank the same share)")

@@ -267,9 +267,9 @@ def test_decision_times_replay_a_trace_as_a_fit_decides_it() -> None:
 def test_step_overhead_times_both_runs_and_names_the_split() -> None:
     """The splits are the planner's, which weighs measured times (data parallel on an idle machine, maybe not on a
     loaded one): counted and printed, not asserted; then a time and the main thread's CPU time for every part of the
-    step of both runs (``--no-poll``: ours blocking in its exchanges), and with ``--calls`` the calls made in each
-    part."""
-    args = ["--steps", "8", "--warmup", "2", "--repeats", "1", "--calls", "--no-poll"]
+    step of both runs (``--no-poll``: ours blocking in its exchanges; ``--logged``: every step logged, ours with the
+    switcher), and with ``--calls`` the calls made in each part."""
+    args = ["--steps", "8", "--warmup", "2", "--repeats", "1", "--calls", "--no-poll", "--logged"]
     lines = run_script("benchmarks/step_overhead.py", *args, timeout=200)
     times, calls = lines[:-4], lines[-4:]
     assert times[-11].split()[0] == "paradyse" and "(timed steps per split: " in times[-11], lines
