@@ -3,17 +3,19 @@
     python benchmarks/decision_time.py [--world 2 4 8] [--rows 8 32 173]
     python benchmarks/decision_time.py --traces [--world 8]   # every step of the full benchmark's traces
 
-For the benchmark's model (:class:`benchmarks.settings.ModelSettings`) on a cluster file's cost model, with a
-64 MiB per-rank budget, it times :func:`lightning_paradyse.groups.solver.assign` on the rows of one ordinary
-batch (random lengths under a 4,096-token budget, as the benchmark's global batches hold them), the way
-:class:`~lightning_paradyse.groups.GroupRunner` calls it: *cold* (fresh planners: every bucket the decision
-touches is searched once), *after the setup's warm-up* (fresh planners that planned ahead the short batches'
-buckets, as the strategy's setup does: what the first steps of a fit pay), and *warm* (the same decision again:
-what a shape seen before pays), with the warm-up's own time (paid once, at setup). Prints one line per world size
-and row count. ``--traces`` replays the full benchmark's traces instead, batch by batch as one fit decides them,
-and prints each trace's mean, median and largest decision time a step, and how much of all of it Python's garbage
-collector took (a full collection walks every object of the process: 50-200 ms on this repository's CPU machine).
-The setup's objects meet one full collection before the first decision, as the strategy's setup ends.
+For the benchmark's model (:class:`benchmarks.settings.ModelSettings`) on a cluster file's cost model, with a 64 MiB
+per-rank budget, it times :func:`lightning_paradyse.groups.solver.assign` on the rows of one ordinary batch (random
+lengths under a 4,096-token budget, as the benchmark's global batches hold them), the way
+:class:`~lightning_paradyse.groups.GroupRunner` calls it: *cold* (fresh planners: every bucket the decision touches
+is searched once), *after the setup's warm-up* (fresh planners that planned ahead the short batches' buckets, as the
+strategy's setup does: what the first steps of a fit pay), and *warm* (the same decision again: what a new batch of
+shapes seen before pays; a batch seen before keeps its split in a fit, without a search:
+:meth:`~lightning_paradyse.groups.GroupRunner._assign`), with the warm-up's own time (paid once, at setup). Prints
+one line per world size and row count. ``--traces`` replays the full benchmark's traces instead, batch by batch as
+one fit decides them, and prints each trace's mean, median and largest decision time a step, and how much of all of
+it Python's garbage collector took (a full collection walks every object of the process: 50-200 ms on this
+repository's CPU machine). The setup's objects meet one full collection before the first decision, as the strategy's
+setup ends.
 """
 
 from __future__ import annotations
