@@ -211,8 +211,10 @@ def _worker(rank: int, world: int, make: Callable[[], dict[str, Case]], store_pa
 
 @contextlib.contextmanager
 def dealt_splits(splits: tuple[tuple[int, ...], ...] | None) -> Iterator[None]:
-    """Within the block, grouped steps split the ranks as ``splits`` say, in turn, the units dealt round robin."""
-    from lightning_paradyse.groups import solver
+    """Within the block, grouped steps split the ranks as ``splits`` say, in turn, the units dealt round robin (every
+    step dealt anew: no split kept for a batch seen before,
+    :data:`~lightning_paradyse.groups.runner.DECISIONS_KEPT`)."""
+    from lightning_paradyse.groups import runner, solver
 
     if splits is None:
         yield
@@ -228,12 +230,12 @@ def dealt_splits(splits: tuple[tuple[int, ...], ...] | None) -> Iterator[None]:
         times = tuple(float(cost(tuple(lengths[i] for i in m), g) or 0.0) if m else 0.0 for m, g in zip(members, sizes))
         return solver.Assignment(sizes, tuple(tuple(m) for m in members), times)
 
-    real = solver.assign
-    solver.assign = deal  # type: ignore[assignment]
+    real, kept = solver.assign, runner.DECISIONS_KEPT
+    solver.assign, runner.DECISIONS_KEPT = deal, 0  # type: ignore[assignment]
     try:
         yield
     finally:
-        solver.assign = real
+        solver.assign, runner.DECISIONS_KEPT = real, kept
 
 
 def _portable(result: Result) -> Result:

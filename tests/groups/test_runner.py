@@ -147,8 +147,10 @@ def worker(rank: int, world: int, ports: tuple[int, ...]) -> bytes:
     out = {}
     os.environ["MASTER_PORT"] = str(ports[0])  # one free port per Trainer (each creates and destroys a group)
     out["solver"] = fit(world, True)
-    real = solver.assign
-    solver.assign = dealt  # type: ignore[assignment]
+    from lightning_paradyse.groups import runner as runner_module
+
+    real, kept = solver.assign, runner_module.DECISIONS_KEPT
+    solver.assign, runner_module.DECISIONS_KEPT = dealt, 0  # type: ignore[assignment]  # every step dealt anew
     try:
         os.environ["MASTER_PORT"] = str(ports[1])
         out["dealt"] = fit(world, True)
@@ -158,7 +160,7 @@ def worker(rank: int, world: int, ports: tuple[int, ...]) -> bytes:
         os.environ["MASTER_PORT"] = str(ports[3])
         out["kept-accumulate"] = fit(world, True, accumulate=2)
     finally:
-        solver.assign = real
+        solver.assign, runner_module.DECISIONS_KEPT = real, kept
         dealt.splits = SPLITS  # type: ignore[attr-defined]
     buffer = io.BytesIO()
     torch.save(out, buffer)
