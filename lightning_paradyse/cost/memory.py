@@ -470,12 +470,43 @@ def segment_memory(
     ``[b, heads, chunk, chunk]`` score tile is ever held; the explicit implementation materialises it.
     ``window``: the layer's causal sliding window (``None``: the whole sequence; the MLP ignores it).
     """
+    return segment_memories(mode, op, seq_len, batch, p, dims, flash, window, (recompute,))[0]
+
+
+def segment_memories(
+    mode: str,
+    op: str,
+    seq_len: int,
+    batch: int,
+    p: int,
+    dims: ModelDims,
+    flash: bool = False,
+    window: int | None = None,
+    recompute: tuple[bool, ...] = (False, True),
+) -> tuple[SegmentMemory, ...]:
+    """:func:`segment_memory` for every flag of ``recompute``, in order: the shape, the core's formula and the norm
+    worked out once for all of them (the planner prices both of every mode's variants)."""
     formula = _CORES.get((mode, op))
     if formula is None:
         raise ValueError(f"no memory formula for mode {mode!r}, op {op!r}")
     c = _Shape(dims, seq_len, batch, p, flash, window if op == "attention" else None)
     core = formula(c)
     norm_saved, norm_alloc = _norm(c)
+    return tuple(_segment(mode, op, rc, p, dims, c, core, norm_saved, norm_alloc) for rc in recompute)
+
+
+def _segment(
+    mode: str,
+    op: str,
+    recompute: bool,
+    p: int,
+    dims: ModelDims,
+    c: _Shape,
+    core: _Core,
+    norm_saved: float,
+    norm_alloc: float,
+) -> SegmentMemory:
+    """One variant's bytes from the segment's shape ``c``, its core and its norm (:func:`segment_memories`)."""
     before = Mem(0.0, norm_alloc)
     inputs, cast_in, dx, kept = 1, Mem(), Mem(), Mem()
     if dims.autocast:

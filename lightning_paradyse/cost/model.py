@@ -48,11 +48,11 @@ from lightning_paradyse.cost.memory import (
     op_grad_bytes,
     outer_grad_bytes,
     param_bytes,
-    segment_memory,
+    segment_memories,
     stream_bytes,
 )
 from lightning_paradyse.cost.search import Choice, PlanProblem, evaluate
-from lightning_paradyse.cost.time import Machine, head_time, op_time
+from lightning_paradyse.cost.time import Machine, head_time, op_times
 from lightning_paradyse.modes import MODES, get_mode
 from lightning_paradyse.modes.plan import OPS, Plan
 
@@ -143,13 +143,29 @@ class CostModel:
     ) -> OpCost:
         """Time and memory of one segment (the op and the norm before it); ``window``: the causal sliding window
         of the layer's attention (``None``: the whole sequence)."""
-        cal = self._cal(calibration_key(mode, op, recompute))
+        return self.op_costs(mode, op, seq_len, batch, window, (recompute,))[0]
+
+    def op_costs(
+        self,
+        mode: str,
+        op: str,
+        seq_len: int,
+        batch: int,
+        window: int | None = None,
+        recompute: tuple[bool, ...] = (False, True),
+    ) -> tuple[OpCost, ...]:
+        """:meth:`op_cost` for every flag of ``recompute``, in order (what the variants share worked out once:
+        :func:`~.memory.segment_memories`, :func:`~.time.op_times`)."""
         window = window if op == "attention" else None
         flash = self.machine.flash_tiles
-        mem = segment_memory(mode, op, recompute, seq_len, batch, self.p, self.dims, flash, window)
-        timing = op_time(mode, op, recompute, seq_len, batch, self.p, self.dims, self.machine, window)
-        time_s = cal.time_fixed + timing.total(cal.time_scale)
-        return OpCost(time_s, _bytes(mem.saved, cal.saved), _bytes(mem.fwd, cal.fwd), _bytes(mem.bwd, cal.bwd))
+        mems = segment_memories(mode, op, seq_len, batch, self.p, self.dims, flash, window, recompute)
+        timings = op_times(mode, op, seq_len, batch, self.p, self.dims, self.machine, window, recompute)
+        out = []
+        for rc, mem, timing in zip(recompute, mems, timings):
+            cal = self._cal(calibration_key(mode, op, rc))
+            time_s = cal.time_fixed + timing.total(cal.time_scale)
+            out.append(OpCost(time_s, _bytes(mem.saved, cal.saved), _bytes(mem.fwd, cal.fwd), _bytes(mem.bwd, cal.bwd)))
+        return tuple(out)
 
     def head_cost(self, seq_len: int, batch: int) -> OpCost:
         """The final norm, LM head and loss, like a segment."""
@@ -207,13 +223,18 @@ class CostModel:
         C, R = len(choices), len(rows)
         tables = {name: np.zeros((R, C), dtype=np.int64) for name in ("saved", "fwd", "bwd")}
         times = np.zeros((R, C))
+        flags = tuple(recompute)
         for o, (op, window) in enumerate(rows):
-            for c, ch in enumerate(choices):
-                if ch.mode not in allowed[OP_TYPES[op]]:
+            for mode in dict.fromkeys(modes):  # a mode's variants priced together (what they share once)
+                if mode not in allowed[OP_TYPES[op]]:
                     continue
-                cost = self.op_cost(ch.mode, op, ch.recompute, seq_len, batch, window)
-                times[o, c] = cost.time_s * self.step_scale()
-                tables["saved"][o, c], tables["fwd"][o, c], tables["bwd"][o, c] = cost.saved, cost.fwd, cost.bwd
+                costs = dict(zip(flags, self.op_costs(mode, op, seq_len, batch, window, flags)))
+                for c, ch in enumerate(choices):
+                    if ch.mode != mode:
+                        continue
+                    cost = costs[ch.recompute]
+                    times[o, c] = cost.time_s * self.step_scale()
+                    tables["saved"][o, c], tables["fwd"][o, c], tables["bwd"][o, c] = cost.saved, cost.fwd, cost.bwd
         allowed_idx = tuple(
             tuple(c for c, ch in enumerate(choices) if ch.mode in allowed[OP_TYPES[op]]) for op, _ in rows
         )

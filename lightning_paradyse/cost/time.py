@@ -497,9 +497,25 @@ def op_time(
 ) -> OpTime:
     """Modelled time of one op of one layer for one step (forward + backward [+ recomputation]); ``window``: the
     layer's causal sliding window (it changes the attention's work, not its traffic)."""
+    return op_times(mode, op, seq_len, batch, p, dims, machine, window, (recompute,))[0]
+
+
+def op_times(
+    mode: str,
+    op: str,
+    seq_len: int,
+    batch: int,
+    p: int,
+    dims: ModelDims,
+    machine: Machine,
+    window: int | None = None,
+    recompute: tuple[bool, ...] = (False, True),
+) -> tuple[OpTime, ...]:
+    """:func:`op_time` for every flag of ``recompute``, in order: the work, the collectives and the forward's and
+    backward's seconds worked out once for all of them (a recomputing op adds one phase)."""
     work = op_work(mode, op, seq_len, batch, p, dims, window)
     colls = op_collectives(mode, op, seq_len, batch, p, dims)
-    names = ("forward", "backward", "recompute") if recompute else ("forward", "backward")
+    names = ("forward", "backward", "recompute") if any(recompute) else ("forward", "backward")
     phases = []
     for phase in names:
         w = work[phase]
@@ -508,7 +524,7 @@ def op_time(
         hide_gemm, hide_attn = (gemm if w.hidden == "gemm" else 0.0), (attn if w.hidden == "attn" else 0.0)
         exposed, overlapped = comm_time(colls[phase], p, machine)
         phases.append(PhaseTime(gemm - hide_gemm, attn - hide_attn, hide_gemm, hide_attn, exposed, overlapped))
-    return OpTime(tuple(phases), machine.overlap)
+    return tuple(OpTime(tuple(phases if rc else phases[:2]), machine.overlap) for rc in recompute)
 
 
 def head_work(seq_len: int, batch: int, p: int, dims: ModelDims) -> float:
@@ -535,6 +551,7 @@ __all__ = [
     "attn_seconds",
     "kernel_rate",
     "op_time",
+    "op_times",
     "op_work",
     "ring_pairs",
     "ring_tile_pairs",

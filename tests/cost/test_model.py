@@ -673,3 +673,18 @@ def test_autocast_traffic_is_what_the_ranks_send() -> None:
             phases = op_collectives(mode, op, length, batch, p, dims)
             want = sum(phase_bytes(phases[ph]) for ph in ("forward", "backward", *(("recompute",) if rc else ())))
             assert got == pytest.approx(want, rel=1e-9), (name, mode, op, rc)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_modes_variants_priced_together_are_each_priced_alone(name: str) -> None:
+    """The planner prices both variants of a mode in one go (:meth:`CostModel.op_costs`, sharing the shape, the core's
+    bytes and the forward's and backward's seconds): the same numbers, bit for bit, as each variant alone."""
+    dims = dims_from_config(CONFIGS[name])
+    for p, compute in itertools.product((1, 2, 8), (None, 2)):
+        model = CostModel(dataclasses.replace(dims, compute_bytes=compute), p, CLUSTER.machine())
+        for mode, op, (s, b) in itertools.product(MODES, OPS, ((64, 3), (513, 1))):
+            if not _feasible(mode, op, model.dims, p):
+                continue
+            together = model.op_costs(mode, op, s, b)
+            assert together == tuple(model.op_cost(mode, op, rc, s, b) for rc in (False, True))
+            assert model.op_costs(mode, op, s, b, recompute=(True,)) == together[1:]
