@@ -7,7 +7,8 @@ collective; ``--iters`` times per collective. Prints, per collective, the median
 after the first tenth of the iterations. The sizes are the quick preset's model
 (:meth:`benchmarks.settings.BenchSettings.quick`), ``N`` bytes of float32 weights: DDP's step meets once for an
 all-reduce of ``N`` (the gradients) and once for Lightning's broadcast of one flag; ParaDySe's data-parallel step
-once for an all-gather of ``N / P`` a rank (the weights, the batch digest with them) and once for an all-to-all of
+once for an all-gather of ``N / P`` a rank (the weights, the batch digest with them; on gloo one all-to-all of the
+shard repeated ``P`` times, "at once", which the all-gather's ring is timed against) and once for an all-to-all of
 ``N`` (the gradients back to their owners). Last, the all-gather back to back with no compute between (what timing
 collectives in a loop sees). The step's own meetings cost more than these: the ranks reach them apart
 (``benchmarks/step_overhead.py`` times the step's parts).
@@ -47,6 +48,8 @@ def _meet(name: str, numel: int, world: int) -> Callable[[], None]:
         out = torch.empty(numel)
         return lambda: dist.all_to_all_single(out, x)
     gathered = torch.empty(numel * world)  # all-gather: [numel] a rank -> [world * numel]
+    if name == "all-gather at once":  # what the step's weight gather runs on gloo (comm.all_gather_rows(at_once=True))
+        return lambda: dist.all_to_all_single(gathered, torch.cat([x] * world))  # [world * numel] both sides
     return lambda: dist.all_gather_single(gathered, x)
 
 
@@ -61,7 +64,8 @@ def _worker(rank: int, world: int, args: argparse.Namespace, numel: int) -> list
     cases = [
         ("broadcast", 2, True),  # Lightning's flag (one int64)
         ("all-reduce", numel, True),  # DDP's gradients
-        ("all-gather", numel // world, True),  # the weights' shards
+        ("all-gather", numel // world, True),  # the weights' shards, in gloo's ring
+        ("all-gather at once", numel // world, True),  # the same as one all-to-all: what the step runs on gloo
         ("all-to-all", numel, True),  # the gradients back
         ("all-gather", numel // world, False),  # back to back
     ]
@@ -75,7 +79,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, numel: int) -> list
             meet()
             times.append(time.perf_counter() - start)
         label = name if computing else f"{name}, back to back"
-        nbytes = 4 * (n * world if name == "all-gather" else n)  # what the call's result holds
+        nbytes = 4 * (n * world if name.startswith("all-gather") else n)  # what the call's result holds
         out.append((label, nbytes, statistics.median(times[args.iters // 10 :])))
     return out + _overlap(compute, numel, args)
 

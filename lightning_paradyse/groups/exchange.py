@@ -316,6 +316,10 @@ def gather_whole(module: nn.Module, world: Group, header: torch.Tensor) -> tuple
     ``header``: ``[k]`` int64 (e.g. the step's digest), its bits packed into the weights' dtype. Returns every
     rank's, ``[P, k]`` int64 on the host, and the whole weights (:func:`enter_group` cuts any split's ``1/g``
     shards out of them without a collective). Needs :func:`whole_dtype`.
+
+    On a gloo group of host tensors the all-gather is one all-to-all (``all_gather_rows(at_once=True)``): every
+    pair at once where gloo's ring takes ``P - 1`` dependent hops. Its ``[P n]`` send buffer is as large as the
+    flat buffer gloo's own all-gather allocates and copies out of, so the memory is the same either way.
     """
     p, rank = group_size(world), group_rank(world)
     routes = _routes(module, p, (1,) * p, rank)
@@ -329,7 +333,7 @@ def gather_whole(module: nn.Module, world: Group, header: torch.Tensor) -> tuple
         message = torch._utils._flatten_dense_tensors([packed, *bucket.params])  # [t + numel/P]: model order
         sizes = [t + n for n in bucket.received]  # rank i's header and shards
         with polled():  # every rank reaches it together
-            got = all_gather_rows(message, sizes, world)  # [t + numel/P] -> [P t + numel]
+            got = all_gather_rows(message, sizes, world, at_once=True)  # [t + numel/P] -> [P t + numel]
         if len(set(sizes)) == 1:  # every rank's shards alike (rows divisible by P): one copy per piece
             rows = got.view(p, sizes[0])  # [P t + numel] -> [P, t + numel/P]
             headers = rows[:, :t].contiguous().view(torch.uint8).view(torch.int64)  # [P, k]
