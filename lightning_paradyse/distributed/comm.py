@@ -28,8 +28,10 @@ at once (2-4x faster at 4 ranks on 2 cores; sums are then added in rank order, t
 ones keep the backend's: the all-to-all needs a ``[p n]`` buffer beside the result, which the memory model does not
 count. The one exception is the data-parallel step's weight gather (``all_gather_rows(at_once=True)``), made before
 any activation lives: gloo's all-gather allocates a flat ``[p n]`` buffer of its own and copies out of it, so the
-all-to-all's send buffer costs no more memory, and its pairs do not wait on each other (at 4 and 8 ranks on 2 cores,
-45,000 floats: 1.2-2x faster; at 2 ranks and 4 million floats, 1.4x).
+all-to-all's send buffer costs no more memory, and its pairs do not wait on each other (ranks started together, 45,000
+floats a rank: 1.2-2x faster at 4 and 8 ranks on 2 cores; 4 million floats at 2 ranks: 1.4x). It runs so where the
+step's exchanges poll (every rank has a core): with more ranks than cores every pair's transfer wants a core at once,
+and the quick preset at 4 ranks on 2 cores was no faster (0.75-0.84x DDP against the ring's 0.77-0.99x).
 
 A data-parallel step's exchanges (the weight gather, the gradient return, the agreement), which every rank reaches
 together, wait by polling on the host (:func:`polled`, :data:`HOST_SPIN_S`) where every rank has a core of its own:
@@ -218,14 +220,15 @@ def _nbytes(numel: int, dtype: torch.dtype) -> int:
 def all_gather_rows(x: torch.Tensor, sizes: Sequence[int], group: Group, at_once: bool = False) -> torch.Tensor:
     """Concatenate every rank's ``x`` along dim 0: ``[sizes[r], ...] -> [sum(sizes), ...]``.
 
-    ``at_once``: on a gloo group of host tensors, one all-to-all whatever the size (:func:`_gather_at_once`)."""
+    ``at_once``: inside :func:`polled` where every rank has a core (:data:`HOST_SPIN_S` set), on a gloo group of host
+    tensors, one all-to-all whatever the size (:func:`_gather_at_once`)."""
     p = group_size(group)
     if p == 1:
         return x
     rank = group_rank(group)
     if x.shape[0] != sizes[rank]:
         raise ValueError(f"rank {rank} holds {x.shape[0]} rows but the layout says {sizes[rank]}")
-    if at_once and _pairwise(x, group, 0):
+    if at_once and _polling and HOST_SPIN_S > 0 and _pairwise(x, group, 0):
         return _gather_at_once(x, sizes, group)
     width = max(sizes)
     padded = x if x.shape[0] == width else torch.cat([x, x.new_zeros((width - x.shape[0], *x.shape[1:]))])
