@@ -79,8 +79,9 @@ class Count(pl.Callback):
         self.timed_syncs: list[str] = []
         """The same for the step after it, one the logger logs (:data:`TIMED_STEP`)."""
         self.backend = ""
-        self.gather_at_once = False
         """The world's backend during the counted step (gloo where ranks share a GPU, NCCL on GPUs of their own)."""
+        self.gather_at_once = False
+        """Whether the counted step's weight gather was an all-to-all (gloo's host tensors, every rank on a core)."""
         self._values: DeviceValues | None = None
         self.validated: list[int] = []
         """The optimizer steps done when each validation batch ended."""
