@@ -28,8 +28,8 @@ at once (2-4x faster at 4 ranks on 2 cores; sums are then added in rank order, t
 ones keep the backend's: the all-to-all needs a ``[p n]`` buffer beside the result, which the memory model does not
 count. The one exception is the data-parallel step's weight gather (``all_gather_rows(at_once=True)``), made before
 any activation lives: gloo's all-gather allocates a flat ``[p n]`` buffer of its own and copies out of it, so the
-all-to-all's send buffer costs no more memory, and its pairs do not wait on each other (ranks started together, 45,000
-floats a rank: 1.2-2x faster at 4 and 8 ranks on 2 cores; 4 million floats at 2 ranks: 1.4x). It runs so where the
+all-to-all's send buffer costs no more memory, and its pairs do not wait on each other (``benchmarks/meetings.py
+--compute-ms 0``, the quick preset's weights: 2.6-3x faster at 8 ranks on 2 cores, 1.4x at 4). It runs so where the
 step's exchanges poll (every rank has a core): with more ranks than cores every pair's transfer wants a core at once,
 and the quick preset at 4 ranks on 2 cores was no faster (0.75-0.84x DDP against the ring's 0.77-0.99x).
 
