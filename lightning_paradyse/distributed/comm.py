@@ -30,8 +30,9 @@ count. The one exception is the data-parallel step's weight gather (``all_gather
 any activation lives: gloo's all-gather allocates a flat ``[p n]`` buffer of its own and copies out of it, so the
 all-to-all's send buffer costs no more memory, and its pairs do not wait on each other (``benchmarks/meetings.py
 --compute-ms 0``, the quick preset's weights: 2.6-3x faster at 8 ranks on 2 cores, 1.4x at 4). It runs so where the
-step's exchanges poll (every rank has a core): with more ranks than cores every pair's transfer wants a core at once,
-and the quick preset at 4 ranks on 2 cores was no faster (0.75-0.84x DDP against the ring's 0.77-0.99x).
+step's exchanges poll on every rank (:data:`GATHER_AT_ONCE`: every rank has a core): with more ranks than cores every
+pair's transfer wants a core at once, and the quick preset at 4 ranks on 2 cores was no faster (0.75-0.84x DDP against
+the ring's 0.77-0.99x).
 
 A data-parallel step's exchanges (the weight gather, the gradient return, the agreement), which every rank reaches
 together, wait by polling on the host (:func:`polled`, :data:`HOST_SPIN_S`) where every rank has a core of its own:
@@ -139,6 +140,24 @@ def host_spin_seconds(device: torch.device, local_ranks: int) -> float:
     return SPIN_LIMIT_S if local_ranks <= cores else 0.0
 
 
+GATHER_AT_ONCE = False
+"""Whether ``all_gather_rows(at_once=True)`` (the data-parallel step's weight gather) runs as one all-to-all on a
+gloo group of host tensors. The strategy sets it for a fit from every rank's :data:`HOST_SPIN_S`
+(:func:`gather_at_once`: the same on every rank, as the ranks must call the same collective) and back to ``False`` at
+teardown."""
+
+
+def gather_at_once(group: Group) -> bool:
+    """Whether every rank of ``group``, a gloo group, polls on the host (:data:`HOST_SPIN_S` set: each has a core of
+    its own): one all-gather of a flag per rank (every rank calls it alike; ``False`` without one on a group of one or
+    another backend)."""
+    p = group_size(group)
+    if p == 1 or dist.get_backend(group) != "gloo":
+        return False
+    mine = torch.tensor([1 if HOST_SPIN_S > 0 else 0], dtype=torch.int64)
+    return bool(all_gather_rows(mine, [1] * p, group).min() > 0)  # [1] -> [p]: every rank's flag
+
+
 @contextmanager
 def polled() -> Iterator[None]:
     """Collectives of host tensors inside wait by polling for at most :data:`HOST_SPIN_S` (the step's exchanges, which
@@ -220,15 +239,15 @@ def _nbytes(numel: int, dtype: torch.dtype) -> int:
 def all_gather_rows(x: torch.Tensor, sizes: Sequence[int], group: Group, at_once: bool = False) -> torch.Tensor:
     """Concatenate every rank's ``x`` along dim 0: ``[sizes[r], ...] -> [sum(sizes), ...]``.
 
-    ``at_once``: inside :func:`polled` where every rank has a core (:data:`HOST_SPIN_S` set), on a gloo group of host
-    tensors, one all-to-all whatever the size (:func:`_gather_at_once`)."""
+    ``at_once``: where :data:`GATHER_AT_ONCE` is set (the same on every rank), on a gloo group of host tensors, one
+    all-to-all whatever the size (:func:`_gather_at_once`)."""
     p = group_size(group)
     if p == 1:
         return x
     rank = group_rank(group)
     if x.shape[0] != sizes[rank]:
         raise ValueError(f"rank {rank} holds {x.shape[0]} rows but the layout says {sizes[rank]}")
-    if at_once and _polling and HOST_SPIN_S > 0 and _pairwise(x, group, 0):
+    if at_once and GATHER_AT_ONCE and _pairwise(x, group, 0):
         return _gather_at_once(x, sizes, group)
     width = max(sizes)
     padded = x if x.shape[0] == width else torch.cat([x, x.new_zeros((width - x.shape[0], *x.shape[1:]))])

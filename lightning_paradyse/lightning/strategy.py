@@ -475,6 +475,7 @@ class ParaDySeStrategy(ParallelStrategy):
         self.precision_plugin.convert_module(self._module)
         with kept_rng(self.root_device):  # what the set-up draws (probes, measurements) leaves the user's streams
             self._setup_parallel()
+        comm.GATHER_AT_ONCE = comm.gather_at_once(self._group)  # agreed: the ranks' collectives must match
         _ensure_switcher(trainer)
         self._result_cls = _report_loss(trainer, self.cycle)
         self.cycle.reports_loss = self._result_cls is not None
@@ -904,7 +905,7 @@ class ParaDySeStrategy(ParallelStrategy):
         self.cycle.reports_loss, self._result_cls = False, None
         super().teardown()
         comm.GRAD_REDUCE_DTYPE = torch.float32  # the process-wide default again (set from the option at setup)
-        comm.HOST_SPIN_S = 0.0
+        comm.HOST_SPIN_S, comm.GATHER_AT_ONCE = 0.0, False
         self._destroy_group()
 
     def _destroy_group(self) -> None:

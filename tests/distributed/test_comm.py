@@ -298,13 +298,26 @@ def _check_reductions(chk: Checks, rank: int, p: int, group: Any) -> None:
     off = _offsets(tuple(sizes))
     full = _rand(1350, 2 * p + 1, 2)
     chk.equal(all_gather_rows(full[off[rank] : off[rank + 1]], sizes, group), full, "all_gather_rows uneven")
-    for at_once_sizes in (sizes, [0 if r == p - 1 else 2 for r in range(p)]):  # uneven, and one rank sending nothing
-        bounds = _offsets(tuple(at_once_sizes))
-        whole = full[: bounds[p]]
-        mine = whole[bounds[rank] : bounds[rank + 1]]
-        got = all_gather_rows(mine, at_once_sizes, group, at_once=True)
-        chk.equal(got, whole, f"all_gather_rows at once {at_once_sizes}")
-        chk.true(p == 1 or got.data_ptr() != mine.data_ptr(), "all_gather_rows at once returned its input")
+    for agreed in (False, True):  # the ring, then one all-to-all (comm.GATHER_AT_ONCE, set alike on every rank)
+        comm.GATHER_AT_ONCE = agreed
+        try:
+            for at_once_sizes in (sizes, [0 if r == p - 1 else 2 for r in range(p)]):  # uneven; a rank sending nothing
+                bounds = _offsets(tuple(at_once_sizes))
+                whole = full[: bounds[p]]
+                mine = whole[bounds[rank] : bounds[rank + 1]]
+                got = all_gather_rows(mine, at_once_sizes, group, at_once=True)
+                chk.equal(got, whole, f"all_gather_rows at once {at_once_sizes} (agreed: {agreed})")
+                chk.true(p == 1 or got.data_ptr() != mine.data_ptr(), "all_gather_rows at once returned its input")
+        finally:
+            comm.GATHER_AT_ONCE = False
+    # the gather at once is agreed: only where every rank polls (one rank that does not turns it off everywhere)
+    spin = comm.HOST_SPIN_S
+    for spinning, expected in (([True] * p, p > 1), ([r != p - 1 for r in range(p)], False)):
+        comm.HOST_SPIN_S = comm.SPIN_LIMIT_S if spinning[rank] else 0.0
+        try:
+            chk.true(comm.gather_at_once(group) == expected, f"gather_at_once with polling {spinning}")
+        finally:
+            comm.HOST_SPIN_S = spin
     parts = [_rand(1360 + q, 2 * p + 1, 2) for q in range(p)]
     got = reduce_scatter_rows(parts[rank], sizes, group)
     chk.close(got, sum(parts)[off[rank] : off[rank + 1]], "reduce_scatter_rows uneven")

@@ -150,7 +150,7 @@ class Count(pl.Callback):
             self.collectives, self._mode = self._mode.calls, None
             self.backend = str(torch.distributed.get_backend())
             host = next(pl_module.parameters()).device.type == "cpu"  # gloo of host tensors, every rank on a core
-            self.gather_at_once = host and self.backend == "gloo" and comm.HOST_SPIN_S > 0
+            self.gather_at_once = host and comm.GATHER_AT_ONCE
         if self._copies is not None:
             self._copies.__exit__(None, None, None)
             self.copies, self._copies = self._copies.sites, None
