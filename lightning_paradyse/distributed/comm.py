@@ -28,11 +28,12 @@ at once (2-4x faster at 4 ranks on 2 cores; sums are then added in rank order, t
 ones keep the backend's: the all-to-all needs a ``[p n]`` buffer beside the result, which the memory model does not
 count. The one exception is the data-parallel step's weight gather (``all_gather_rows(at_once=True)``), made before
 any activation lives: gloo's all-gather allocates a flat ``[p n]`` buffer of its own and copies out of it, so the
-all-to-all's send buffer costs no more memory, and its pairs do not wait on each other (``benchmarks/meetings.py
---compute-ms 0``, the quick preset's weights: 2.6-3x faster at 8 ranks on 2 cores, 1.4x at 4). It runs so where the
-step's exchanges poll on every rank (:data:`GATHER_AT_ONCE`: every rank has a core): with more ranks than cores every
-pair's transfer wants a core at once, and the quick preset at 4 ranks on 2 cores was no faster (0.75-0.84x DDP against
-the ring's 0.77-0.99x).
+all-to-all's send buffer costs no more memory, and its pairs do not wait on each other. It runs so only where the
+step's exchanges poll on every rank (:data:`GATHER_AT_ONCE`: every rank has a core). Measured on 2 cores: the gather
+alone 2.6-3x faster at 8 ranks and 1.4x at 4 (``benchmarks/meetings.py --compute-ms 0``, the quick preset's weights),
+but there ranks outnumber cores, every pair's transfer wants a core at once, and the quick preset at 4 ranks was no
+faster (0.75-0.84x DDP against the ring's 0.77-0.99x): off there. At 2 ranks, where it runs, 0.69 ms against the
+ring's 0.75 (one hop either way); 8 ranks with a core each are not measured yet.
 
 A data-parallel step's exchanges (the weight gather, the gradient return, the agreement), which every rank reaches
 together, wait by polling on the host (:func:`polled`, :data:`HOST_SPIN_S`) where every rank has a core of its own:
@@ -142,7 +143,7 @@ def host_spin_seconds(device: torch.device, local_ranks: int) -> float:
 
 GATHER_AT_ONCE = False
 """Whether ``all_gather_rows(at_once=True)`` (the data-parallel step's weight gather) runs as one all-to-all on a
-gloo group of host tensors. The strategy sets it for a fit from every rank's :data:`HOST_SPIN_S`
+gloo group of host tensors. The strategy sets it at every setup from every rank's :data:`HOST_SPIN_S`
 (:func:`gather_at_once`: the same on every rank, as the ranks must call the same collective) and back to ``False`` at
 teardown."""
 
@@ -239,8 +240,9 @@ def _nbytes(numel: int, dtype: torch.dtype) -> int:
 def all_gather_rows(x: torch.Tensor, sizes: Sequence[int], group: Group, at_once: bool = False) -> torch.Tensor:
     """Concatenate every rank's ``x`` along dim 0: ``[sizes[r], ...] -> [sum(sizes), ...]``.
 
-    ``at_once``: where :data:`GATHER_AT_ONCE` is set (the same on every rank), on a gloo group of host tensors, one
-    all-to-all whatever the size (:func:`_gather_at_once`)."""
+    ``at_once``: where :data:`GATHER_AT_ONCE` is set (the same on every rank), on a gloo group of host tensors (or
+    wherever :data:`PAIRWISE` forces the pairwise path; never where it forces it off), one all-to-all whatever the size
+    (:func:`_gather_at_once`)."""
     p = group_size(group)
     if p == 1:
         return x
@@ -263,7 +265,7 @@ def _gather_at_once(x: torch.Tensor, sizes: Sequence[int], group: Group) -> torc
     """:func:`all_gather_rows` as one all-to-all, every pair at once, uneven sizes unpadded."""
     p, rank = group_size(group), group_rank(group)
     out = x.new_empty((sum(sizes), *x.shape[1:]))  # [sum(sizes), ...]
-    repeated = torch.cat([x.contiguous()] * p)  # [n_r, ...] -> [p n_r, ...]: one copy to every rank
+    repeated = torch.cat([x] * p)  # [n_r, ...] -> [p n_r, ...]: one copy to every rank
     work = dist.all_to_all_single(out, repeated, list(sizes), [x.shape[0]] * p, group=group, async_op=True)
     _settle(work, out)
     _record("all_gather", _nbytes(_row_numel(x) * (sum(sizes) - sizes[rank]), x.dtype))

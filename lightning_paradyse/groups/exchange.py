@@ -317,10 +317,10 @@ def gather_whole(module: nn.Module, world: Group, header: torch.Tensor) -> tuple
     rank's, ``[P, k]`` int64 on the host, and the whole weights (:func:`enter_group` cuts any split's ``1/g``
     shards out of them without a collective). Needs :func:`whole_dtype`.
 
-    On a gloo group of host tensors where every rank has a core the all-gather is one all-to-all
-    (``all_gather_rows(at_once=True)``): every pair at once where gloo's ring takes ``P - 1`` dependent hops. Its
-    ``[P n]`` send buffer is as large as the flat buffer gloo's own all-gather allocates and copies out of, so the
-    memory is the same either way.
+    Where ``comm.GATHER_AT_ONCE`` is set (agreed at the strategy's setup: every rank polls, a core each), on a gloo
+    group of host tensors, the all-gather is one all-to-all (``all_gather_rows(at_once=True)``): every pair at once
+    where gloo's ring takes ``P - 1`` dependent hops. Its ``[P n]`` send buffer is as large as the flat buffer gloo's
+    own all-gather allocates and copies out of, so the memory is the same either way.
     """
     p, rank = group_size(world), group_rank(world)
     routes = _routes(module, p, (1,) * p, rank)

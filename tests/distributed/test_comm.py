@@ -298,18 +298,25 @@ def _check_reductions(chk: Checks, rank: int, p: int, group: Any) -> None:
     off = _offsets(tuple(sizes))
     full = _rand(1350, 2 * p + 1, 2)
     chk.equal(all_gather_rows(full[off[rank] : off[rank + 1]], sizes, group), full, "all_gather_rows uneven")
-    for agreed in (False, True):  # the ring, then one all-to-all (comm.GATHER_AT_ONCE, set alike on every rank)
-        comm.GATHER_AT_ONCE = agreed
-        try:
+    # all_gather_rows(at_once=True): rows wide enough for gloo's own all-gather (past PAIRWISE_BYTES), then one
+    # all-to-all where comm.GATHER_AT_ONCE is set (alike on every rank) and the pairwise path is not forced off
+    wide = _rand(1355, 2 * p + 1, comm.PAIRWISE_BYTES // 8 + 1)  # [2p + 1, k] float64: a row is 4 KiB and more
+    at_once, before = [], (comm.GATHER_AT_ONCE, comm._gather_at_once)
+    comm._gather_at_once = lambda *args: at_once.append(1) or before[1](*args)  # counts the calls
+    try:
+        for agreed in (False, True):
+            comm.GATHER_AT_ONCE = agreed
             for at_once_sizes in (sizes, [0 if r == p - 1 else 2 for r in range(p)]):  # uneven; a rank sending nothing
                 bounds = _offsets(tuple(at_once_sizes))
-                whole = full[: bounds[p]]
+                whole = wide[: bounds[p]]
                 mine = whole[bounds[rank] : bounds[rank + 1]]
                 got = all_gather_rows(mine, at_once_sizes, group, at_once=True)
                 chk.equal(got, whole, f"all_gather_rows at once {at_once_sizes} (agreed: {agreed})")
                 chk.true(p == 1 or got.data_ptr() != mine.data_ptr(), "all_gather_rows at once returned its input")
-        finally:
-            comm.GATHER_AT_ONCE = False
+    finally:
+        comm.GATHER_AT_ONCE, comm._gather_at_once = before
+    runs = 2 if p > 1 and comm.PAIRWISE is not False else 0  # the agreed pass's two gathers; none forced ringed
+    chk.true(len(at_once) == runs, f"all_gather_rows ran {len(at_once)} gathers at once, not {runs}")
     # the gather at once is agreed: only where every rank polls (one rank that does not turns it off everywhere)
     spin = comm.HOST_SPIN_S
     for spinning, expected in (([True] * p, p > 1), ([r != p - 1 for r in range(p)], False)):

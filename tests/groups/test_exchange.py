@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from lightning_paradyse.distributed import comm
 from lightning_paradyse.distributed.comm import all_reduce_sum
 from lightning_paradyse.distributed.layout import SeqLayout
 from lightning_paradyse.groups import GroupSet, blocks, check_sizes, enter_group, exit_group
@@ -190,20 +191,22 @@ def _gather_worker(rank: int, world: int, dtype: torch.dtype) -> list[str]:
     assert whole_dtype(model, group) == dtype
     splits = [s for s, _ in STEPS] + [(1, 1, 1, 1)] if world == 4 else [(2, 1), (1, 1, 1)]  # 3: uneven shards
     wrong = []
-    for sizes in splits:
+    for sizes, at_once in [(s, False) for s in splits] + [(s, True) for s in splits]:  # gloo's ring, one all-to-all
+        comm.GATHER_AT_ONCE = at_once  # alike on every rank, as the strategy's setup agrees it
         enter_group(model, group, sizes)
         moved = {(name, key): w.clone() for name, op in dispatchers(model) for key, w in op.group_shards.items()}
         drop_group(model)
         every, whole = gather_whole(model, group, torch.tensor(_header(rank)))
+        comm.GATHER_AT_ONCE = False
         if every.tolist() != [_header(r) for r in range(world)]:
-            wrong.append(f"{sizes}: headers {every.tolist()}")
+            wrong.append(f"{sizes} (at once: {at_once}): headers {every.tolist()}")
         enter_group(model, group, sizes, whole)
         cut = {(name, key): w for name, op in dispatchers(model) for key, w in op.group_shards.items()}
         drop_group(model)
         if cut.keys() != moved.keys():
-            wrong.append(f"{sizes}: pieces {sorted(cut)} against {sorted(moved)}")
+            wrong.append(f"{sizes} (at once: {at_once}): pieces {sorted(cut)} against {sorted(moved)}")
         wrong += [
-            f"{sizes}: {key}"
+            f"{sizes} (at once: {at_once}): {key}"
             for key in moved
             if key in cut
             and not (torch.equal(cut[key], moved[key]) and cut[key].requires_grad == moved[key].requires_grad)
