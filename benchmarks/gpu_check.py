@@ -23,6 +23,8 @@ Rows (each passes or fails on its own; ``--only NAME,...`` runs some):
   benchmarks/run.py --quick --devices 8 --repeats 1``): its adaptive/DDP ratio, which issue 24 asks at 8
   processes on at least 8 cores (only the GPU machine has them; a few minutes: it runs only when ``--only`` names
   it).
+* ``step-p8-cpu``: ``benchmarks/step_overhead.py --devices 8`` there too (a minute; only when ``--only`` names it):
+  a data-parallel step's wall time against DDP's and the part before the loss, where the weight gather is.
 
 ``--device cpu`` runs the same rows on the host (a dry run of this script: memory rows report no CUDA peak).
 """
@@ -285,6 +287,25 @@ def _quick_cpu(devices: int, timeout: float) -> Row:
     return Row(f"quick-p{devices}-cpu", ok, measured, "runs (>= 1.0x asked)", time.perf_counter() - start)
 
 
+def _step_cpu(devices: int, timeout: float) -> Row:
+    """``benchmarks/step_overhead.py`` at ``devices`` processes on the host's cores (the GPU hidden): a
+    data-parallel step's wall time against DDP's and its part before the loss (the decision and the weight gather,
+    one all-to-all where every rank has a core), both runs'. A row that fails only when the script does."""
+    name, start = f"step-p{devices}-cpu", time.perf_counter()
+    if (os.cpu_count() or 1) < devices:
+        return Row(name, False, f"{os.cpu_count()} cores", f">= {devices} cores", 0.0)
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "step_overhead.py"), "--devices", str(devices), "--repeats", "1"]
+    out, ok = _run(cmd, ROOT, timeout, {"CUDA_VISIBLE_DEVICES": ""})
+    _log(name, out)
+    ratio = re.findall(r"DDP / ours \(median wall step\): ([0-9.]+x)", out)
+    parts = re.findall(r"^\s+(paradyse|ddp)\s+([0-9.]+)\s+[0-9.]+\s", out, re.MULTILINE)  # the parts: to the loss
+    if not ok:
+        print(f"--- {name} ---\n{out[-6000:]}", flush=True)
+    loss = ", ".join(f"{run} {ms} ms" for run, ms in parts[:2])
+    measured = f"DDP/ours {ratio[-1]}; to the loss {loss}" if ratio else "no ratio"
+    return Row(name, ok, measured, "runs (the step's parts)", time.perf_counter() - start)
+
+
 EXACT = "tests/exact/test_exact.py::"
 FAMILIES = "tests/graph/test_families.py::"
 PYTEST_ROWS: dict[str, tuple[list[str], float]] = {
@@ -298,8 +319,8 @@ PYTEST_ROWS: dict[str, tuple[list[str], float]] = {
 }
 """Rows that run tests of the suite on the device: targets and the time limit (seconds)."""
 CLI_ROWS = {"main-job": "configs/cpu_2proc.yaml", "hf-yaml": "configs/hf_llama_cpu.yaml"}
-OPT_IN = {"quick-p8-cpu"}
-"""Rows that run only when ``--only`` names them (a CPU benchmark of a few minutes, not a check of the GPU path)."""
+OPT_IN = {"quick-p8-cpu", "step-p8-cpu"}
+"""Rows that run only when ``--only`` names them (CPU benchmarks of a few minutes, not checks of the GPU path)."""
 MEMORY_MODES = ("tp_sp", "ulysses", "ring", "metp")
 
 
@@ -307,7 +328,7 @@ def rows(device: str, only: list[str] | None) -> list[Row]:
     """Every row (or those ``only`` names, in its order)."""
     accelerator = "gpu" if device == "cuda" else "cpu"
     env = {"PARADYSE_TEST_ACCELERATOR": accelerator, "PARADYSE_TEST_DEVICE": device}
-    names = [*PYTEST_ROWS, *CLI_ROWS, *(f"memory-{m}" for m in MEMORY_MODES), "profile", "quick-p8-cpu"]
+    names = [*PYTEST_ROWS, *CLI_ROWS, *(f"memory-{m}" for m in MEMORY_MODES), "profile", *sorted(OPT_IN)]
     unknown = sorted(set(only or ()) - set(names))
     if unknown:
         raise SystemExit(f"unknown row(s) {unknown}; the rows are {names}")
@@ -322,6 +343,8 @@ def rows(device: str, only: list[str] | None) -> list[Row]:
             out.append(_memory(name.removeprefix("memory-"), accelerator))
         elif name == "quick-p8-cpu":
             out.append(_quick_cpu(8, 560))
+        elif name == "step-p8-cpu":
+            out.append(_step_cpu(8, 240))
         else:
             out.append(_profile(device, 400))
         r = out[-1]

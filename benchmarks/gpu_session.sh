@@ -23,10 +23,10 @@ chain() {  # chain NAME CORES ARGS...: one check, its output and its exit status
   check "${@:2}" >>"$logs/chain-$1.txt" 2>&1
   echo "exit $? (${*:3})" >>"$logs/chain-$1.status"
 }
-# the CPU benchmark first on its 8 cores (about 3 minutes), then two short GPU rows there (the profile's GPU timings
+# the CPU benchmarks first on its 8 cores (about 4 minutes), then two short GPU rows there (the profile's GPU timings
 # then share the GPU with the other chains: the row checks that it runs, not its numbers)
 pids=()
-(chain cpu 8-15 --device cpu --only quick-p8-cpu; chain cpu 8-15 --only main-job,profile) &
+(chain cpu 8-15 --device cpu --only quick-p8-cpu,step-p8-cpu; chain cpu 8-15 --only main-job,profile) &
 pids+=($!)
 chain a 0-3 --only host-syncs,exact-p2,exact-p4,exact-shared &
 pids+=($!)
