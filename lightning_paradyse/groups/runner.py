@@ -374,12 +374,13 @@ class GroupRunner:
         checked: dict[tuple[int, int, int], Plan] = {}  # groups of one shape (data parallelism: often all) planned once
         for g, members in zip(found.sizes, found.groups):  # every group's plan checked on every rank
             s_b = (units.length(members), len(members) if not units.packed else 1) if members else (g, 1)
-            if (g, *s_b) in checked:
-                plans.append(checked[(g, *s_b)])
+            group_shape = (g, *s_b)
+            if group_shape in checked:
+                plans.append(checked[group_shape])
                 continue
             planner = self.planner_for(g)
             planned = planner.plan(*s_b)
-            plan = checked[(g, *s_b)] = finish_plan(planned)
+            plan = checked[group_shape] = finish_plan(planned)
             parallel.check_plan(self._module, plan, g)
             plans.append(plan)
             if g == p and plan == planned:  # one group of every rank: the cost model's numbers of its whole step
