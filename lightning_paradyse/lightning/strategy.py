@@ -85,6 +85,7 @@ from lightning_paradyse.distributed.devices import (
 )
 from lightning_paradyse.groups.exchange import measure_regroup
 from lightning_paradyse.groups.solver import MAX_GROUPS, smallest_group
+from lightning_paradyse.lightning import collection
 from lightning_paradyse.lightning.callbacks import ParaDySeSwitcher, logs_step
 from lightning_paradyse.lightning.cycle import StepCycle, reporting_result
 from lightning_paradyse.lightning.launch import SpawnLauncher, make_launcher, stop_workers
@@ -267,6 +268,7 @@ class ParaDySeStrategy(ParallelStrategy):
         self._sharded_ids: set[int] = set()
         self._clip: ClipInterception | None = None
         self._result_cls: type[ClosureResult] | None = None
+        self._frozen = False  # the objects alive after the setup's collection kept out of later ones (collection.py)
         self._plain_model: PlainModel | None = None
         """What the plain model's checkpoints hold (parameter order, state dict keys, tied names), recorded once
         before the rewrite."""
@@ -494,8 +496,10 @@ class ParaDySeStrategy(ParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         # the setup's objects (rewritten graphs, plans made ahead) met by one full collection here, on every rank at
         # once: left to Python, it came in one rank's first steps (200 ms on a 2-core machine) while the others
-        # waited for that rank in the step's next collective
+        # waited for that rank in the step's next collective; the survivors then frozen: later collections, Python's
+        # and the teardown's, scan only what the fit makes
         gc.collect()
+        self._frozen = self._frozen or collection.freeze()
 
     def _setup_parallel(self) -> None:
         """Parallelise the model (rank 0's weights broadcast bucket by bucket, then each rank keeps its shards), move
@@ -926,6 +930,8 @@ class ParaDySeStrategy(ParallelStrategy):
         self._group = None
         self.cycle.teardown()  # the groups' process groups
         gc.collect()  # e.g. a step's autograd graph (its nodes keep the group) left in a reference cycle
+        collection.thaw(self._frozen)  # after it: that collection scanned only what the fit made
+        self._frozen = False
         if _distributed_is_initialized():
             dist.destroy_process_group()
         if world is not None and world() is not None:

@@ -534,6 +534,23 @@ def test_setup_ends_with_a_full_collection(monkeypatch: pytest.MonkeyPatch) -> N
     assert seen[:1] == ["setup"] and "steps" not in seen[:-1], seen  # the teardown's own collection comes last
 
 
+def test_a_fit_freezes_its_survivors_and_thaws_them() -> None:
+    """After the setup's collection the objects alive are frozen for the fit (later collections skip them), and
+    thawed by the teardown (lightning/collection.py)."""
+    counts: list[int] = []
+
+    class Count(pl.Callback):
+        def on_train_batch_start(self, *args: Any) -> None:
+            counts.append(gc.get_freeze_count())
+
+    gc.unfreeze()
+    pl.seed_everything(0, verbose=False)
+    trainer = quiet_trainer(1, ParaDySeStrategy(plan="tp_sp", timeout=60), [Count()], max_steps=2)
+    trainer.fit(TinyLM("llama-tiny", "adamw", "mean"), train_dataloaders=loader())
+    assert len(counts) == 2 and all(n > 0 for n in counts), counts
+    assert gc.get_freeze_count() == 0
+
+
 # ---------------------------------------------------------------------------------------------- multi-process tests
 
 
