@@ -1,7 +1,7 @@
 """What a data-parallel step costs against DDP's: wall and CPU time per step of many identical short batches.
 
     python benchmarks/step_overhead.py [--devices 2] [--steps 60] [--repeats 3] [--layers N] [--vary] [--profile DIR]
-                                       [--calls] [--no-poll] [--logged]
+                                       [--calls] [--functions] [--no-poll] [--logged]
 
 Every spawned process trains the quick preset's model (:meth:`benchmarks.settings.BenchSettings.quick`) for
 ``--steps`` steps on global batches of ``--rows`` rows of ``--length`` tokens, alternately with
@@ -36,6 +36,11 @@ measured, :mod:`~lightning_paradyse.lightning.fixed_cost`), and the switcher rec
 rank 0's main thread makes per step, in each part of the step (a ``sys.setprofile`` hook): a count that, unlike a
 time on a loaded machine, does not move between invocations (what a change of the step's Python saves shows here
 when the times cannot resolve it).
+
+``--functions`` then runs one more fit of each, left out of the timings, and prints the main thread's CPU time and
+the wall time per call of the step's own functions (:data:`FUNCTIONS`: ours, the agreement, the gather, the
+decision, the return, their collectives, and the model's forward in both runs) on rank 0, after the warm-up: each
+wrapped by a clock, which adds about a microsecond a call, where a profiler slows every Python call.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
+import functools
+import importlib
 import itertools
 import math
 import os
@@ -75,12 +82,77 @@ and slicing, the forward) -> ``on_after_backward`` (DDP's all-reduce inside) -> 
 gradient return) -> batch end -> the next batch's start (Lightning's loop)."""
 
 
+FUNCTIONS = (
+    ("lightning_paradyse.lightning.cycle", "StepCycle.begin"),
+    ("lightning_paradyse.lightning.cycle", "StepCycle.inspect"),
+    ("lightning_paradyse.groups.runner", "GroupRunner.decide"),
+    ("lightning_paradyse.lightning.cycle", "StepCycle.agree"),
+    ("lightning_paradyse.groups.exchange", "gather_whole"),
+    ("lightning_paradyse.distributed.comm", "all_gather_rows"),
+    ("lightning_paradyse.groups.runner", "GroupRunner.enter"),
+    ("lightning_paradyse.lightning.language_model", "LanguageModel.forward"),
+    ("lightning_paradyse.lightning.cycle", "StepCycle.after_backward"),
+    ("lightning_paradyse.groups.exchange", "exit_group"),
+    ("lightning_paradyse.distributed.comm", "all_to_all_rows"),
+)
+"""What ``--functions`` times: ``(module, name in it)``; a module-level function is rebound too where another module
+of the package imported it by name."""
+
+
+class FunctionClock:
+    """Calls, wall and main-thread CPU seconds of every function of :data:`FUNCTIONS` while :attr:`on`."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.totals: dict[str, list[float]] = {}
+
+    def install(self) -> None:
+        for module_name, qualname in FUNCTIONS:
+            module = importlib.import_module(module_name)
+            *path, name = qualname.split(".")
+            owner: Any = functools.reduce(getattr, path, module)
+            original = getattr(owner, name)
+            timed = self._timed(qualname, original)
+            setattr(owner, name, timed)
+            if path:
+                continue
+            for other in list(sys.modules.values()):  # ``from ... import name`` elsewhere in the package
+                if vars(other).get(name) is original and other.__name__.startswith("lightning_paradyse"):
+                    setattr(other, name, timed)
+
+    def _timed(self, qualname: str, fn: Any) -> Any:
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self.on:
+                return fn(*args, **kwargs)
+            wall, cpu = time.perf_counter(), time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                total = self.totals.setdefault(qualname, [0, 0.0, 0.0])
+                total[0] += 1
+                total[1] += time.perf_counter() - wall
+                total[2] += time.thread_time() - cpu
+
+        return timed
+
+    def per_call(self, steps: int) -> dict[str, tuple[float, float, float]]:
+        """Per function called: calls per step, wall and CPU seconds per call."""
+        return {k: (n / max(1, steps), w / n, c / n) for k, (n, w, c) in self.totals.items()}
+
+
 class StepClock(pl.Callback):
     """Wall and process CPU time at every batch start and at the end of training, the wall clock at the hooks that
     part a step (:data:`PHASES`); profiles the steps after ``warmup`` when given a profiler."""
 
-    def __init__(self, warmup: int, profiler: cProfile.Profile | None, count_calls: bool = False) -> None:
-        self.warmup, self.profiler, self.count_calls = warmup, profiler, count_calls
+    def __init__(
+        self,
+        warmup: int,
+        profiler: cProfile.Profile | None,
+        count_calls: bool = False,
+        functions: FunctionClock | None = None,
+    ) -> None:
+        self.warmup, self.profiler, self.count_calls, self.functions = warmup, profiler, count_calls, functions
         self.calls = [0] * len(PHASES)
         """With ``count_calls``: the Python and C calls of the main thread in each part of the steps after the
         warm-up (:meth:`calls_per_step`)."""
@@ -119,6 +191,8 @@ class StepClock(pl.Callback):
             self.profiler.enable()
         if self.count_calls and len(self.wall) == self.warmup + 1:
             sys.setprofile(self._count)
+        if self.functions is not None and len(self.wall) == self.warmup + 1:
+            self.functions.on = True
 
     def on_before_backward(self, *args: Any) -> None:
         self._mark()
@@ -140,6 +214,8 @@ class StepClock(pl.Callback):
             self.profiler.disable()
         if self.count_calls:
             sys.setprofile(None)
+        if self.functions is not None:
+            self.functions.on = False
 
     def calls_per_step(self) -> list[float]:
         """The mean calls per step after the warm-up in each of :data:`PHASES` (the last step's "between steps" is
@@ -177,7 +253,14 @@ class Varied(Tokens):
 
 
 def _fit(
-    run: str, args: argparse.Namespace, rank: int, world: int, store: str, profile: Path | None, calls: bool = False
+    run: str,
+    args: argparse.Namespace,
+    rank: int,
+    world: int,
+    store: str,
+    profile: Path | None,
+    calls: bool = False,
+    functions: FunctionClock | None = None,
 ) -> Any:
     from lightning.pytorch.strategies import DDPStrategy
 
@@ -197,7 +280,7 @@ def _fit(
         strategy = DDPStrategy(gradient_as_bucket_view=True, timeout=timedelta(seconds=120))
         rows = args.rows // world  # each rank its share
     profiler = cProfile.Profile() if profile is not None and rank == 0 else None
-    clock = StepClock(args.warmup, profiler, count_calls=calls and rank == 0)
+    clock = StepClock(args.warmup, profiler, count_calls=calls and rank == 0, functions=functions)
     callbacks: list[pl.Callback] = [clock]
     if args.logged and run == "paradyse":  # as the quick preset's trainer: the switcher records every step
         from lightning_paradyse import ParaDySeSwitcher
@@ -224,6 +307,8 @@ def _fit(
         dist.destroy_process_group()
     if calls:
         return clock.calls_per_step()
+    if functions is not None:
+        return functions.per_call(len(clock.wall) - 1 - args.warmup)
     return (*clock.medians(), clock.splits[args.warmup :], clock.phases(), clock.phases(cpu=True))
 
 
@@ -248,6 +333,13 @@ def _worker(rank: int, world: int, args: argparse.Namespace, store_dir: str) -> 
             fit = _fit(run, args, rank, world, os.path.join(store_dir, f"pg-{k}-{run}"), profile)
             if k >= 0:
                 out[run].append(fit)
+    if args.functions:  # one more fit of each after them, its functions timed, left out of the timings
+        functions = FunctionClock()
+        functions.install()
+        for run in RUNS:
+            functions.totals = {}
+            store = os.path.join(store_dir, f"functions-{run}")
+            out[f"{run} functions"] = [_fit(run, args, rank, world, store, None, functions=functions)]
     return out
 
 
@@ -263,6 +355,9 @@ def main() -> None:
     parser.add_argument("--vary", action="store_true", help="every step its own length (see the docstring)")
     parser.add_argument("--profile", default=None, help="a folder for rank 0's cProfile of one more fit of each run")
     parser.add_argument("--calls", action="store_true", help="count rank 0's calls per step part in one more fit each")
+    parser.add_argument(
+        "--functions", action="store_true", help="time rank 0's calls of the step's own functions in one more fit each"
+    )
     parser.add_argument("--no-poll", action="store_true", help="our step's exchanges block instead of polling")
     parser.add_argument(
         "--logged", action="store_true", help="every step logged, ours with the ParaDySeSwitcher (the quick preset's)"
@@ -312,6 +407,12 @@ def main() -> None:
         for run in RUNS:
             counts = per_rank[0][f"{run} calls"][0]
             print(f"    {run:9s}" + "".join(f"{n:18.0f}" for n in counts) + f"{sum(counts):10.0f}")
+    if args.functions:
+        print("  rank 0's functions after the warm-up (one more fit each, each call timed): calls a step, ms a call")
+        print(f"    {'function':32s} {'run':9s} {'calls':>6s} {'wall':>8s} {'CPU':>8s}")
+        for run in RUNS:
+            for name, (n, wall, cpu) in per_rank[0][f"{run} functions"][0].items():
+                print(f"    {name:32s} {run:9s} {n:6.1f} {1e3 * wall:8.3f} {1e3 * cpu:8.3f}")
 
 
 if __name__ == "__main__":

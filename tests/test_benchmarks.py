@@ -25,7 +25,7 @@ from benchmarks.report import best, model_flops
 from benchmarks.run import QUICK_RESULTS, RESULTS, output_path, parse_args, settings_from
 from benchmarks.runs import BenchLM, run_spec
 from benchmarks.settings import QUICK_RUNS, BenchSettings, ModelSettings
-from benchmarks.step_overhead import PHASES
+from benchmarks.step_overhead import FUNCTIONS, PHASES
 from benchmarks.sync_readme import sync
 from benchmarks.worker import rotated
 
@@ -268,9 +268,12 @@ def test_step_overhead_times_both_runs_and_names_the_split() -> None:
     """The splits are the planner's, which weighs measured times (data parallel on an idle machine, maybe not on a
     loaded one): counted and printed, not asserted; then a time and the main thread's CPU time for every part of the
     step of both runs (``--no-poll``: ours blocking in its exchanges; ``--logged``: every step logged, ours with the
-    switcher), and with ``--calls`` the calls made in each part."""
-    args = ["--steps", "8", "--warmup", "2", "--repeats", "1", "--calls", "--no-poll", "--logged"]
+    switcher), with ``--calls`` the calls made in each part, and with ``--functions`` the time a call of the step's
+    own functions takes."""
+    args = ["--steps", "8", "--warmup", "2", "--repeats", "1", "--calls", "--functions", "--no-poll", "--logged"]
     lines = run_script("benchmarks/step_overhead.py", *args, timeout=200)
+    at = next(i for i, line in enumerate(lines) if line.startswith("  rank 0's functions"))
+    lines, functions = lines[:at], lines[at + 2 :]
     times, calls = lines[:-4], lines[-4:]
     assert times[-11].split()[0] == "paradyse" and "(timed steps per split: " in times[-11], lines
     assert sum(int(n) for n in re.findall(r": (\d+)", times[-11].split("split:")[1])) == 8 - 2, lines  # every step
@@ -287,6 +290,14 @@ def test_step_overhead_times_both_runs_and_names_the_split() -> None:
         counts = [float(x) for x in line.split()[1:]]
         assert line.split()[0] == run and len(counts) == 6 and all(n > 0 for n in counts), lines
         assert abs(sum(counts[:-1]) - counts[-1]) <= len(PHASES), lines  # each rounded
+    # --functions: ours runs its step's own functions once a step, the model's forward in both runs
+    rows = {(line.split()[0], line.split()[1]): [float(x) for x in line.split()[2:]] for line in functions}
+    named = {name.split(".")[-1] for _, name in FUNCTIONS}
+    assert {name.split(".")[-1] for name, _ in rows} <= named, functions
+    for name in ("StepCycle.begin", "GroupRunner.decide", "StepCycle.after_backward", "LanguageModel.forward"):
+        n, wall, cpu = rows[(name, "paradyse")]
+        assert n == 1.0 and wall > 0 and cpu > 0, functions
+    assert rows[("LanguageModel.forward", "ddp")][0] == 1.0, functions
 
 
 @pytest.mark.dist
