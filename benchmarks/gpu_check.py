@@ -290,19 +290,24 @@ def _quick_cpu(devices: int, timeout: float) -> Row:
 def _step_cpu(devices: int, timeout: float) -> Row:
     """``benchmarks/step_overhead.py`` at ``devices`` processes on the host's cores (the GPU hidden): a
     data-parallel step's wall time against DDP's and its part before the loss (the decision and the weight gather,
-    one all-to-all where every rank has a core), both runs'. A row that fails only when the script does."""
+    one all-to-all where every rank has a core), both runs', and the wall time of our step's begin and gradient return
+    (``--functions``: every function's in the log). A row that fails only when the script does."""
     name, start = f"step-p{devices}-cpu", time.perf_counter()
     if (os.cpu_count() or 1) < devices:
         return Row(name, False, f"{os.cpu_count()} cores", f">= {devices} cores", 0.0)
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "step_overhead.py"), "--devices", str(devices), "--repeats", "1"]
+    script = str(ROOT / "benchmarks" / "step_overhead.py")
+    cmd = [sys.executable, script, "--devices", str(devices), "--repeats", "1", "--functions"]
     out, ok = _run(cmd, ROOT, timeout, {"CUDA_VISIBLE_DEVICES": ""})
     _log(name, out)
     ratio = re.findall(r"DDP / ours \(median wall step\): ([0-9.]+x)", out)
     parts = re.findall(r"^\s+(paradyse|ddp)\s+([0-9.]+)\s+[0-9.]+\s", out, re.MULTILINE)  # the parts: to the loss
+    ours = dict(re.findall(r"^\s+(StepCycle\.\w+)\s+paradyse\s+[0-9.]+\s+([0-9.]+)\s", out, re.MULTILINE))  # wall
     if not ok:
         print(f"--- {name} ---\n{out[-6000:]}", flush=True)
     loss = ", ".join(f"{run} {ms} ms" for run, ms in parts[:2])
     measured = f"DDP/ours {ratio[-1]}; to the loss {loss}" if ratio else "no ratio"
+    if "StepCycle.begin" in ours and "StepCycle.after_backward" in ours:
+        measured += f"; our begin {ours['StepCycle.begin']} ms, return {ours['StepCycle.after_backward']} ms"
     return Row(name, ok, measured, "runs (the step's parts)", time.perf_counter() - start)
 
 
