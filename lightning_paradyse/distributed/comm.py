@@ -143,7 +143,7 @@ def host_spin_seconds(device: torch.device, local_ranks: int) -> float:
 
 GATHER_AT_ONCE = False
 """Whether ``all_gather_rows(at_once=True)`` (the data-parallel step's weight gather) runs as one all-to-all on a
-gloo group of host tensors. The strategy sets it at every setup from every rank's :data:`HOST_SPIN_S`
+gloo group of host tensors. The strategy sets it at every fit's setup from every rank's :data:`HOST_SPIN_S`
 (:func:`gather_at_once`: the same on every rank, as the ranks must call the same collective) and back to ``False`` at
 teardown."""
 

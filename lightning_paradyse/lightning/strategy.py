@@ -468,7 +468,8 @@ class ParaDySeStrategy(ParallelStrategy):
         """Parallelise the model once where it was built (the host, usually), then move what this rank holds to its
         device; add the switcher, then set up optimizers and precision."""
         assert self.accelerator is not None
-        if trainer.state.fn == TrainerFn.FITTING:  # they copy the module for a fit only
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:  # they copy the module for a fit only
             refuse_weight_averaging(trainer.callbacks)  # type: ignore[attr-defined]  # every rank alike, before any broadcast
         self._trainer = trainer
         self.accelerator.setup(trainer)
@@ -476,14 +477,15 @@ class ParaDySeStrategy(ParallelStrategy):
         comm.HOST_SPIN_S = comm.host_spin_seconds(self.root_device, self.num_processes)  # reset at teardown
         self.precision_plugin.convert_module(self._module)
         with kept_rng(self.root_device):  # what the set-up draws (probes, measurements) leaves the user's streams
-            self._setup_parallel()
-        comm.GATHER_AT_ONCE = comm.gather_at_once(self._group)  # agreed: the ranks' collectives must match
+            self._setup_parallel(fitting)
+        if fitting:  # the weight gather of data-parallel training steps; agreed: the ranks' collectives must match
+            comm.GATHER_AT_ONCE = comm.gather_at_once(self._group)
         _ensure_switcher(trainer)
         self._result_cls = _report_loss(trainer, self.cycle)
         self.cycle.reports_loss = self._result_cls is not None
         summarize_whole_model(trainer.callbacks)  # type: ignore[attr-defined]  # whole parameter counts, not shards
         _keep_user_samplers(trainer)
-        if trainer.state.fn == TrainerFn.FITTING:
+        if fitting:
             self.setup_optimizers(trainer)
             check_optimizers(self.optimizers, self.options.elementwise_optimizers)
             if group_size(self._group) > 1:  # rank 0's SIGTERM flag rides each training batch's agreement
@@ -492,7 +494,7 @@ class ParaDySeStrategy(ParallelStrategy):
         self._clip = self._clip or ClipInterception(self._sharded, self._process_group, self._sharded_grads)
         self._clip.start()  # clip_grad_norm_ on shards: the whole model's norm (Lightning's clipping and the user's)
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
         # the setup's objects (rewritten graphs, plans made ahead) met by one full collection here, on every rank at
         # once: left to Python, it came in one rank's first steps (200 ms on a 2-core machine) while the others
@@ -501,16 +503,16 @@ class ParaDySeStrategy(ParallelStrategy):
         gc.collect()
         self._frozen = self._frozen or collection.freeze()
 
-    def _setup_parallel(self) -> None:
+    def _setup_parallel(self, fitting: bool) -> None:
         """Parallelise the model (rank 0's weights broadcast bucket by bucket, then each rank keeps its shards), move
-        what this rank holds to its device, make the planner and, with groups, the group runner (its exchange
-        measured, batch shapes planned ahead)."""
+        what this rank holds to its device, make the planner and, with groups and for a fit (only training batches
+        run on groups), the group runner (its exchange measured, batch shapes planned ahead)."""
         self._parallelize()
         self.model_to_device()  # only the shards and the replicated parameters reach the GPU
         parallel.forget_walks()  # a model fitted before may hold other parameters now
         self.planner = self._make_planner()
         self.cycle.bind(self._module, self._group, self.global_rank, self.planner, self._block_names)
-        if not (self.groups and group_size(self._group) > 1):
+        if not (fitting and self.groups and group_size(self._group) > 1):
             return
         try:
             exchange = self.cycle.runner.setup(self._module, self._group, self.planner, self._exchange_s)

@@ -554,6 +554,54 @@ def test_a_fit_freezes_its_survivors_and_thaws_them() -> None:
 # ---------------------------------------------------------------------------------------------- multi-process tests
 
 
+class GroupsReady(pl.Callback):
+    """Whether the group runner was set up, seen at every training and validation batch."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, bool, bool]] = []
+
+    def _see(self, trainer: pl.Trainer, stage: str) -> None:
+        strategy = trainer.strategy
+        assert isinstance(strategy, ParaDySeStrategy)
+        self.seen.append((stage, strategy.cycle.runner.ready, strategy_module.comm.GATHER_AT_ONCE))
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._see(trainer, "train")
+
+    @override
+    def on_validation_batch_start(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+        self._see(trainer, "validate")
+
+
+def fit_then_validate_worker(rank: int, world: int, base_port: int) -> list[tuple[str, bool, bool]]:
+    """A fit on groups, then ``trainer.validate`` with the same Trainer (each its own process group)."""
+    strategy_environment(rank, world)
+    os.environ["MASTER_PORT"] = str(base_port)
+    pl.seed_everything(0, verbose=False)
+    seen = GroupsReady()
+    strategy = ParaDySeStrategy(plan="auto", groups=True, thresholds=THRESHOLDS, timeout=60)
+    trainer = quiet_trainer(world, strategy, [seen], max_steps=2, num_sanity_val_steps=0, limit_val_batches=0)
+    module = TinyLM()
+    trainer.fit(module, train_dataloaders=loader((40, 60)))
+    os.environ["MASTER_PORT"] = str(base_port + 1)
+    trainer.limit_val_batches = 1.0
+    trainer.validate(module, loader((40,)), verbose=False)
+    return seen.seen
+
+
+@pytest.mark.dist
+def test_validate_alone_sets_up_no_groups() -> None:
+    """Only training batches run on groups: ``trainer.validate`` (and ``test``) sets up no group runner (its
+    process groups, exchange measurement and plans made ahead: about a quarter of a second) and does not agree on
+    the training steps' weight gather (one collective)."""
+    seen = run_distributed(fit_then_validate_worker, 2, free_port(), timeout=120)
+    for rank_seen in seen:
+        assert [stage for stage, _, _ in rank_seen] == ["train", "train", "validate"], rank_seen
+        assert all(ready for stage, ready, _ in rank_seen if stage == "train"), rank_seen
+        assert rank_seen[-1][1:] == (False, False), rank_seen
+
+
 @pytest.mark.dist
 def test_spawn_launcher_matches_single_process(tmp_path: Path, plain_reference: dict[str, Any]) -> None:
     """``Trainer(devices=2, strategy=ParaDySeStrategy(plan="auto"))`` from a notebook or a test: spawn launcher."""
