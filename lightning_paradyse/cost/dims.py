@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lightning_paradyse.distributed.comm import gqa_kv_index
-from lightning_paradyse.graph.dispatch import AttentionDispatch, MlpDispatch, OpaqueDispatch
+from lightning_paradyse.graph.dispatch import AttentionDispatch, ColumnDispatch, MlpDispatch, OpaqueDispatch
 from lightning_paradyse.models import GPTConfig, LlamaConfig
 from lightning_paradyse.modes.specs import AttnSpec, MlpSpec
 from lightning_paradyse.runtime.parallel import dispatchers, n_layers
@@ -67,6 +67,10 @@ class ModelDims:
     windows: tuple[int | None, ...] = ()
     """Per layer, the causal sliding window of its attention in tokens (a query attends its ``window`` most recent
     keys, itself included), ``None`` for a layer attending the whole causal sequence; empty: no layer has one."""
+    inline_mlp: bool = False
+    """The block computes its MLP itself (``nn.TransformerEncoderLayer``): its two linears are rewritten one by one and
+    the activation between them is the block's code, so recomputing the linears keeps what the activation saves
+    (:meth:`~lightning_paradyse.cost.model.CostModel.op_costs` prices that recomputation no cheaper in memory)."""
 
     def __post_init__(self) -> None:
         if self.norm not in ("rms", "layer"):
@@ -186,14 +190,20 @@ def dims_from_config(config: LlamaConfig | GPTConfig, dtype_bytes: int = 4) -> M
     )
 
 
-def _ops(module: nn.Module) -> tuple[Any, Any]:
-
+def _ops(module: nn.Module) -> tuple[AttentionDispatch, MlpSpec, bool]:
+    """The first attention dispatch module, the MLP's spec and whether the blocks compute the MLP inline (its up
+    projection a :class:`~lightning_paradyse.graph.dispatch.ColumnDispatch`; gated ones are refused by the rewrite)."""
     ops = [op for _, op in dispatchers(module)]
     attn = next((op for op in ops if isinstance(op, AttentionDispatch)), None)
     mlp = next((op for op in ops if isinstance(op, (MlpDispatch, OpaqueDispatch))), None)
-    if attn is None or mlp is None:
+    up = next((op for op in ops if isinstance(op, ColumnDispatch)), None)
+    if attn is None or (mlp is None and up is None):
         raise ValueError("the cost model needs a parallelized module with attention and MLP dispatch modules")
-    return attn, mlp
+    if mlp is not None:
+        return attn, mlp.spec, False
+    assert up is not None
+    hidden = int(up.req("weight").shape[1])  # the up projection's shard: [f/p, h]
+    return attn, MlpSpec(hidden, up.rows, F.gelu, gated=False), True  # the activation does not matter to the cost
 
 
 def dims_from_module(module: nn.Module, vocab: int | None = None) -> ModelDims:
@@ -205,13 +215,13 @@ def dims_from_module(module: nn.Module, vocab: int | None = None) -> ModelDims:
     full layers is priced per layer.
     """
 
-    attn, mlp = _ops(module)
+    attn, m, inline = _ops(module)
     layers = n_layers(module)
     windows: list[int | None] = [None] * layers
     for _, op in dispatchers(module):
         if isinstance(op, AttentionDispatch) and op.layer < layers:
             windows[op.layer] = op.spec.window
-    a, m = attn.spec, mlp.spec
+    a = attn.spec
     if vocab is None:
         sizes = [e.num_embeddings for e in module.modules() if isinstance(e, nn.Embedding)]
         vocab = max(sizes, default=1)
@@ -232,6 +242,7 @@ def dims_from_module(module: nn.Module, vocab: int | None = None) -> ModelDims:
         norm="rms" if rms else "layer",
         dtype_bytes=dtype_bytes,
         windows=tuple(windows),
+        inline_mlp=inline,
     )
 
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -158,14 +158,24 @@ class CostModel:
         :func:`~.memory.segment_memories`, :func:`~.time.op_times`)."""
         window = window if op == "attention" else None
         flash = self.machine.flash_tiles
-        mems = segment_memories(mode, op, seq_len, batch, self.p, self.dims, flash, window, recompute)
-        timings = op_times(mode, op, seq_len, batch, self.p, self.dims, self.machine, window, recompute)
+        inline = op == "mlp" and self.dims.inline_mlp and True in recompute
+        flags = (*recompute, False) if inline and False not in recompute else recompute
+        mems = segment_memories(mode, op, seq_len, batch, self.p, self.dims, flash, window, flags)
+        timings = op_times(mode, op, seq_len, batch, self.p, self.dims, self.machine, window, flags)
         out = []
-        for rc, mem, timing in zip(recompute, mems, timings):
+        for rc, mem, timing in zip(flags, mems, timings):
             cal = self._cal(calibration_key(mode, op, rc))
             time_s = cal.time_fixed + timing.total(cal.time_scale)
             out.append(OpCost(time_s, _bytes(mem.saved, cal.saved), _bytes(mem.fwd, cal.fwd), _bytes(mem.bwd, cal.bwd)))
-        return tuple(out)
+        if inline:  # the block's activation between the recomputed linears keeps its tensors: no memory saved
+            kept = out[flags.index(False)]
+            out = [
+                replace(c, saved=max(c.saved, kept.saved), fwd=max(c.fwd, kept.fwd), bwd=max(c.bwd, kept.bwd))
+                if rc
+                else c
+                for rc, c in zip(flags, out)
+            ]
+        return tuple(out[: len(recompute)])
 
     def head_cost(self, seq_len: int, batch: int) -> OpCost:
         """The final norm, LM head and loss, like a segment."""

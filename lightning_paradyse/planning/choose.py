@@ -102,6 +102,13 @@ def choose_planner(
         return ChosenPlanner(_grid_planner(module, options, group_size(group), check_plan))
     if options.profile is None and options.thresholds is not None:
         return ChosenPlanner(ThresholdPolicy(n, options.modes, options.thresholds, check=check_plan))
+    try:  # the cost model's reading of the model, alike on every rank, before any collective
+        dims = dims_from_module(module)
+    except ValueError as err:
+        raise ValueError(
+            f"ParaDySeStrategy(plan='auto') plans with the cost model, which cannot describe this model ({err}); "
+            "give a fixed plan (plan='tp_sp', or one entry per layer) or thresholds=(short_max, middle_max)"
+        ) from None
     source: Any = options.profile
     exchange_s = None
     p = group_size(group)
@@ -113,7 +120,7 @@ def choose_planner(
             return {} if seconds is None else {"exchange_s": seconds}
 
         extra = exchange if options.groups and p > 1 and measure_exchange is not None else None
-        source, extras, _ = cached_quick_machine(dims_from_module(module), p, group, device, dtype, extra)
+        source, extras, _ = cached_quick_machine(dims, p, group, device, dtype, extra)
         exchange_s = extras.get("exchange_s")
         rank_zero_info(f"[paradyse] cost model: {source.name}; run `python cli.py profile` for a calibrated one")
     planner = make_planner(

@@ -36,6 +36,7 @@ from lightning_paradyse.modes.plan import OPS, LayerPlan, OpPlan, Plan, random_p
 from lightning_paradyse.modes.volume import op_traffic
 from lightning_paradyse.runtime.parallel import parallelize
 from tests.modes.test_volume import MODELS as VOLUME_MODELS
+from tests.support.families import EncoderLM
 
 CLUSTER = load_cluster(sorted((Path(__file__).resolve().parents[2] / "configs" / "clusters").glob("*.yaml"))[0])
 MODELS = ["llama-tiny", "llama-tiny-mha", "llama-tiny-mqa", "gpt-tiny", "llama-70b"]
@@ -597,6 +598,25 @@ def test_windows_come_per_layer_from_the_dispatch_modules() -> None:
         dataclasses.replace(dims, windows=(16,))
     assert dataclasses.replace(dims, windows=[None, None]).windows == ()  # no window anywhere: the plain model
     assert ModelDims(**json.loads(json.dumps(dataclasses.asdict(dims)))) == dims  # as a profile stores them
+
+
+def test_an_mlp_the_block_computes_inline_is_priced_without_a_memory_gain_from_recomputation() -> None:
+    """``nn.TransformerEncoderLayer`` computes its MLP itself (two linears rewritten one by one): the cost model reads
+    its width from the up projection, and recomputing the linears saves none of what the block's activation between
+    them keeps (priced no cheaper in memory than not recomputing, and slower): the planner never picks it to save
+    memory."""
+    model = EncoderLM(causal=True, hidden=96)
+    parallelize(model, None)
+    dims = dims_module(model)
+    assert (dims.hidden, dims.ffn, dims.gated, dims.biases, dims.inline_mlp) == (96, 192, False, True, True)
+    cost = CostModel(dims, 2, CLUSTER.machine())
+    for mode in ("tp_sp", "ulysses", "ring"):
+        plain, recomputed = cost.op_costs(mode, "mlp", 512, 2)
+        assert recomputed.time_s > plain.time_s, mode
+        assert recomputed.saved == plain.saved and recomputed.fwd >= plain.fwd and recomputed.bwd >= plain.bwd, mode
+        assert cost.op_costs(mode, "mlp", 512, 2, recompute=(True,)) == (recomputed,)
+        own = CostModel(dataclasses.replace(dims, inline_mlp=False), 2, CLUSTER.machine())  # an MLP module of its own
+        assert own.op_cost(mode, "mlp", True, 512, 2).saved < plain.saved, mode  # there recomputing saves memory
 
 
 def test_the_kernels_only_windows_call_are_measured_for_models_with_windows() -> None:

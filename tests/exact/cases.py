@@ -28,7 +28,7 @@ from lightning_paradyse.data.batching import pack_documents
 from lightning_paradyse.lightning.language_model import LanguageModel
 from lightning_paradyse.models import build_model
 from tests.exact.harness import Case
-from tests.support.families import HF_FAMILIES, ListMoELM, hf_family, hf_llama
+from tests.support.families import HF_FAMILIES, EncoderLM, ListMoELM, hf_family, hf_llama
 from tests.support.lightning import ACCELERATOR
 
 LENGTHS = (40, 57, 33, 64, 45, 50)
@@ -228,6 +228,15 @@ class ConfiguredLM(TinyLM):
     def configure_model(self) -> None:
         if self.model is None:
             self.model = build_model("llama-tiny")
+
+
+class EncoderTinyLM(TinyLM):
+    """A :class:`TinyLM` over ``nn.TransformerEncoderLayer`` blocks, which compute their MLP inline (its two linears
+    are rewritten one by one)."""
+
+    def __init__(self) -> None:
+        super().__init__(built=False)
+        self.model = EncoderLM(causal=True)
 
 
 class DrawsFirstLM(ConfiguredLM):
@@ -863,6 +872,9 @@ def cases_p2() -> dict[str, Case]:
                 lambda: loader(shifted_targets),
                 trainer=dict(callbacks=[EMAWeightAveraging()]),
                 refused="EMAWeight",
+            ),
+            "encoder-layers-default": Case(  # the strategy's defaults: the cost planner, groups of both kinds
+                EncoderTinyLM, lambda: loader(ragged("targets"), rows=3), splits=SPLITS_2
             ),
             "dropout": Case(DropoutLM, lambda: loader(shifted_targets), strategy=dict(plan=MIXED), compare=False),
             "self-shift": Case(SelfShift, lambda: loader(tokens_only), refused="computes something across the tokens"),
