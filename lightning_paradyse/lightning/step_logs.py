@@ -15,7 +15,9 @@ The global loss is known as soon as the step returns, except on a training step 
 this rank's share until the gradient return sums every rank's (no collective of its own): its calls are replayed
 then, after the backward and before Lightning reads the step's metrics. Values the step derives from its loss
 (``torch.exp(loss)``) or from its logits stay this rank's: log them from ``on_train_batch_end`` with
-``outputs["loss"]``, the global loss, or compute them with ``sync_dist=True`` where a mean over ranks is meant.
+``outputs["loss"]``, the global loss, or compute them with ``sync_dist=True`` where a mean over ranks is meant. A step
+that returns no loss but logged such values (Lightning's own ``validation_step`` examples log the loss and return
+nothing) is told once per hook and name that they are this rank's, naming the fix: return the loss.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 _NONE = object()
 
@@ -56,6 +59,7 @@ class StepLogs:
         self._log: Any = None
         self._module: pl.LightningModule | None = None
         self._loss: torch.Tensor | None = None
+        self._warned: set[tuple[str | None, str]] = set()
 
     @contextlib.contextmanager
     def capture(self, module: pl.LightningModule) -> Iterator[None]:
@@ -95,6 +99,8 @@ class StepLogs:
         self.drop()
         if not calls or log is None or module is None:
             return
+        if local is None:  # the step returned no loss: nothing it logged can be made the global loss
+            self._warn_unreturned(calls)
         ours = None if local is None or local.numel() != 1 else local
         for call in calls:
             value = total if total is not None and ours is not None and call.is_view_of(ours) else call.value
@@ -104,6 +110,25 @@ class StepLogs:
                 log(call.name, value.detach().reshape(call.value.shape), *call.args, **call.kwargs)
             finally:
                 module._current_fx_name = previous
+
+    def _warn_unreturned(self, calls: list[_Call]) -> None:
+        """Say once per hook and name that a value logged by a step that returned no loss is this rank's (Lightning's
+        own ``validation_step`` examples log the loss and return nothing; under DDP that is a rank's mean over its
+        whole rows, here over its slice of every row, or a Hugging Face model's share of the global mean)."""
+        for call in calls:
+            key = (call.fx, call.name)
+            if key in self._warned:
+                continue
+            self._warned.add(key)
+            hook = call.fx or "the step"
+            rank_zero_warn(
+                f"[paradyse] {hook} logged {call.name!r} and returned no loss: the value logged is this rank's, "
+                "computed on its slice of every sequence (where it is a Hugging Face model's loss given labels, "
+                "its share of the global mean, a fraction of it), not the value one process logs. If it is the "
+                f"step's loss, return it from {hook} (`return loss`): the strategy then logs the global loss under "
+                "the same name. Log other values from global quantities (README: The contract with your "
+                "training_step)."
+            )
 
     def drop(self) -> None:
         """Forget the held calls (a step given up)."""

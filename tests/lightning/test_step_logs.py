@@ -6,6 +6,7 @@ The strategy's end-to-end behaviour (every logged metric equal to one plain proc
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -84,3 +85,20 @@ def test_log_is_restored_when_the_step_raises_and_stale_calls_are_dropped() -> N
         module.log("val_loss", torch.tensor(2.0))
     logs.replay(torch.tensor(0.0), torch.tensor(0.0))
     assert [(name, float(value)) for name, value, *_ in module.seen] == [("val_loss", 2.0)]
+
+
+def test_a_step_that_returns_no_loss_is_told_once_what_it_logged() -> None:
+    """Lightning's own ``validation_step`` examples log the loss and return nothing: the value stays this rank's, and
+    the strategy says so once per hook and name, naming the fix."""
+    module, logs = Module(), StepLogs()
+    module._current_fx_name = "validation_step"
+    with logs.capture(module):
+        module.log("val_loss", torch.tensor(1.5))
+    with pytest.warns(UserWarning, match=r"validation_step logged 'val_loss' and returned no loss.*`return loss`"):
+        logs.replay(None, None)
+    with logs.capture(module):
+        module.log("val_loss", torch.tensor(1.5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        logs.replay(None, None)  # said once
+    assert [(name, float(value)) for name, value, *_ in module.seen] == [("val_loss", 1.5)] * 2
