@@ -2,6 +2,8 @@
 
     python cli.py fit --config configs/cpu_2proc.yaml         # train (also: validate, test)
     python cli.py check --world-size 3 --seq-len 101 --plan random --seed 7
+    python cli.py profile --help                              # calibrate the cost model on this machine
+    python cli.py plan --help                                 # the planner's choices for lengths and a budget
 
 ``fit`` / ``validate`` / ``test`` are Lightning's ``LightningCLI`` over
 :class:`~lightning_paradyse.lightning.language_model.LanguageModel`
@@ -127,8 +129,9 @@ def enable_attribute_docstrings() -> None:
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test")
 DESCRIPTION = (
-    "Train, validate or test with Lightning and the ParaDySe strategy. "
-    "(Exactness check of the parallel modes: python cli.py check --help)"
+    "Train, validate or test with Lightning and the ParaDySe strategy. Other commands, each with its --help: "
+    "python cli.py check (the parallel modes against one process), python cli.py profile (calibrate the cost model "
+    "on this machine), python cli.py plan (the planner's choices for given lengths and budget)."
 )
 
 
@@ -159,7 +162,8 @@ def lightning_main(argv: Sequence[str] | None = None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``check`` goes to :func:`check_main`; anything else (fit, validate, test, --help) to the LightningCLI."""
+    """``check``, ``profile`` and ``plan`` go to their functions (:data:`COMMANDS`); anything else (fit, validate, test,
+    --help) to the LightningCLI."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in COMMANDS:
         return COMMANDS[args[0]](args[1:])
