@@ -201,9 +201,8 @@ def _ops(module: nn.Module) -> tuple[AttentionDispatch, MlpSpec, bool]:
         raise ValueError("the cost model needs a parallelized module with attention and MLP dispatch modules")
     if mlp is not None:
         return attn, mlp.spec, False
-    assert up is not None
-    hidden = int(up.req("weight").shape[1])  # the up projection's shard: [f/p, h]
-    return attn, MlpSpec(hidden, up.rows, F.gelu, gated=False), True  # the activation does not matter to the cost
+    assert up is not None  # its output features are the MLP's width; the activation does not matter to the cost
+    return attn, MlpSpec(attn.spec.hidden, up.rows, F.gelu, gated=False), True
 
 
 def dims_from_module(module: nn.Module, vocab: int | None = None) -> ModelDims:
