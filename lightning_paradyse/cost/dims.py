@@ -199,8 +199,8 @@ def _ops(module: nn.Module) -> tuple[AttentionDispatch, MlpSpec, bool]:
     up = next((op for op in ops if isinstance(op, ColumnDispatch)), None)
     if attn is None or (mlp is None and up is None):
         raise ValueError("the cost model needs a parallelized module with attention and MLP dispatch modules")
-    if mlp is not None:
-        return attn, mlp.spec, False
+    if mlp is not None:  # priced as inline (no memory gain from recomputing it) if any block computes it inline
+        return attn, mlp.spec, up is not None
     assert up is not None  # its output features are the MLP's width; the activation does not matter to the cost
     return attn, MlpSpec(attn.spec.hidden, up.rows, F.gelu, gated=False), True
 

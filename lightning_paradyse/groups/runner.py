@@ -243,8 +243,9 @@ class GroupRunner:
         seconds (``None`` without a cost model).
 
         Raises:
-            ValueError: For a model whose dimensions the group cost cannot read (no attention and MLP dispatch
-                modules, e.g. an MLP inlined in the block), before any collective.
+            ValueError: For a model whose dimensions the group cost cannot read (no attention dispatch module, or
+                no MLP of either kind: a dispatch module or the block's own code around rewritten linears), before
+                any collective.
         """
 
         self._dims = dims_from_module(module)  # raises (alike on every rank) for a model the cost cannot describe

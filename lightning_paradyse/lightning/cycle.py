@@ -536,7 +536,7 @@ def step_loss(output: Any) -> torch.Tensor | None:
     """The loss of a step's output (a tensor, or a mapping with ``loss``)."""
     if isinstance(output, torch.Tensor):
         return output
-    loss = output.get("loss") if isinstance(output, dict) else None
+    loss = output.get("loss") if isinstance(output, Mapping) else None
     return loss if isinstance(loss, torch.Tensor) else None
 
 

@@ -107,7 +107,8 @@ def choose_planner(
     except ValueError as err:
         raise ValueError(
             f"ParaDySeStrategy(plan='auto') plans with the cost model, which cannot describe this model ({err}); "
-            "give a fixed plan (plan='tp_sp', or one entry per layer) or thresholds=(short_max, middle_max)"
+            "give a fixed plan (plan='tp_sp', or one entry per layer), or thresholds=(short_max, middle_max) and no "
+            "profile"
         ) from None
     source: Any = options.profile
     exchange_s = None

@@ -19,6 +19,7 @@ import io
 import os
 import warnings
 from collections import Counter
+from types import MappingProxyType
 from typing import Any
 
 import lightning.pytorch as pl
@@ -33,6 +34,7 @@ from lightning_paradyse import ParaDySeStrategy, ParaDySeSwitcher
 from lightning_paradyse.distributed import comm
 from lightning_paradyse.distributed.spawn import run_distributed
 from lightning_paradyse.groups.solver import Assignment
+from lightning_paradyse.lightning.cycle import step_loss
 from lightning_paradyse.lightning.language_model import LanguageModel
 from tests.support.copies import BlockingCopies, call_sites
 from tests.support.device_values import DeviceValues
@@ -361,3 +363,12 @@ def test_a_grouped_steps_record_without_a_cost_model_logs_flops_not_seconds() ->
     metrics = cycle._record("train", info, step, 0.0).metrics
     assert metrics["groups/predicted_flops"] == found.time
     assert "groups/predicted_time_s" not in metrics and "plan/predicted_time_s" not in metrics
+
+
+def test_the_loss_of_a_steps_output() -> None:
+    """A tensor, or the ``loss`` of any mapping (Lightning accepts any ``Mapping`` as a step's output)."""
+    loss = torch.tensor(1.5)
+    assert step_loss(loss) is loss
+    assert step_loss({"loss": loss, "other": 1}) is loss
+    assert step_loss(MappingProxyType({"loss": loss})) is loss
+    assert step_loss(None) is None and step_loss({"acc": loss}) is None and step_loss({"loss": 1.5}) is None

@@ -593,8 +593,8 @@ def fit_then_validate_worker(rank: int, world: int, base_port: int) -> list[tupl
 @pytest.mark.dist
 def test_validate_alone_sets_up_no_groups() -> None:
     """Only training batches run on groups: ``trainer.validate`` (and ``test``) sets up no group runner (its
-    process groups, exchange measurement and plans made ahead: about a quarter of a second) and does not agree on
-    the training steps' weight gather (one collective)."""
+    process groups and plans made ahead, and its exchange measured where the machine's measurement did not keep
+    one) and does not agree on the training steps' weight gather (one collective)."""
     seen = run_distributed(fit_then_validate_worker, 2, free_port(), timeout=120)
     for rank_seen in seen:
         assert [stage for stage, _, _ in rank_seen] == ["train", "train", "validate"], rank_seen

@@ -34,5 +34,6 @@ def test_a_model_the_cost_model_cannot_describe_is_refused_naming_the_options(mo
     model = EncoderLM(causal=True)
     parallelize(model, None)
     monkeypatch.setattr(choose, "dims_from_module", unreadable)
-    with pytest.raises(ValueError, match=r"cannot describe this model \(no MLP\); give a fixed plan .* or thresholds="):
+    named = r"cannot describe this model \(no MLP\); give a fixed plan .* or thresholds=.* and no profile"
+    with pytest.raises(ValueError, match=named):
         _chosen(model)
