@@ -15,7 +15,9 @@ The strategy runs Lightning's lifecycle and hands each batch to its :class:`Step
 3. :meth:`StepCycle.global_output`: the loss the module returns made the global one: in a training step on groups
    every rank's share rides on the gradient return (step 4) and is written into the loss Lightning keeps
    (:func:`reporting_result`); otherwise one all-reduce. What the module's step logged is held while it runs and
-   logged with the global loss in place of the step's own (:meth:`StepCycle.logged`; :mod:`~.lightning.step_logs`);
+   logged with the global loss in place of the step's own (:meth:`StepCycle.logged`; :mod:`~.lightning.step_logs`),
+   and the loss tensor the step returned is given the global loss in place once its backward ran
+   (:func:`write_global`: a list the module keeps it in reads one process's values);
 4. :meth:`StepCycle.after_backward`: the gradients summed where they belong
    (:meth:`~lightning_paradyse.groups.runner.GroupRunner.finish`), and the deferred loss settled.
 
@@ -145,6 +147,9 @@ class StepCycle:
         """What the module's step logs, held until the step's global loss is known (the strategy captures them)."""
         self._share: Tensor | None = None
         self._reported: Tensor | None = None
+        self._returned: tuple[Tensor, Tensor] | None = None
+        """The loss tensor the module's step returned and the global loss to write into it once its backward ran
+        (:meth:`logged`)."""
         self._module: nn.Module | None = None
         self._group: Group = None
         self._rank = 0
@@ -460,14 +465,27 @@ class StepCycle:
             return share
         return GlobalLoss.apply(share, self._group)  # type: ignore[no-any-return]  # over every rank
 
-    def logged(self, output: Any, result: Any) -> None:
+    def logged(self, output: Any, result: Any, backward: bool = False) -> None:
         """Log what the module's step logged (:attr:`logs`) with the global loss in place of the step's own loss:
         now, from ``result`` (the step's output made global), or once the gradient return settles it (a deferred
-        loss)."""
+        loss).
+
+        The loss tensor the step returned is then given the global loss too, in place (:func:`write_global`), so that
+        a reference the module kept to it (``self.outs.append(loss)``, averaged at the epoch's end) reads what one
+        process's does: at once, or with ``backward`` (a training step of automatic optimization, whose backward of
+        ``result`` may still read it) after the backward (:meth:`after_backward`), or when a deferred loss settles."""
+        local = step_loss(output)
+        self._returned = None
         if self._share is not None:
-            self.logs.hold(step_loss(output))
+            self.logs.hold(local)
+            self._returned = None if local is None else (local, local)  # the global loss is written when settled
             return
-        self.logs.replay(step_loss(output), step_loss(result))
+        total = step_loss(result)
+        self.logs.replay(local, total)
+        if backward:
+            self._returned = None if local is None or total is None else (local, total.detach())
+        else:
+            write_global(local, total)
 
     def report(self, kept: Tensor) -> None:
         """The loss Lightning keeps of the step (:func:`reporting_result`): the global loss is written into it."""
@@ -491,6 +509,9 @@ class StepCycle:
         if reported is not None:  # queued onto the loss's device (a blocking copy would wait for the GPU)
             reported.copy_(to_device(total.reshape(reported.shape), reported.device))
         self.logs.replay(None, total)  # what the step logged, its loss as the global one
+        returned, self._returned = self._returned, None
+        if returned is not None:
+            write_global(returned[0], total)
 
     # ------------------------------------------------------------------ 4. after the backward
 
@@ -500,6 +521,9 @@ class StepCycle:
         (:meth:`begin`) measures its priced part and group times there; an untimed one adds nothing to the fixed
         part's estimate."""
         self.settle_loss(self.runner.finish(accumulating, self._share, self.timed))
+        returned, self._returned = self._returned, None
+        if returned is not None:  # the backward of the step's loss ran: the tensor it returned may be written
+            write_global(*returned)
         if not self.timed:
             self.fixed.exclude()
         self.fixed.leave()
@@ -517,7 +541,7 @@ class StepCycle:
     def teardown(self) -> None:
         """Drop every reference to the process groups and the batch (the strategy destroys the world group next)."""
         self.pending, self.taken, self._host_batch, self._group = None, None, None, None
-        self._share, self._reported = None, None
+        self._share, self._reported, self._returned = None, None, None
         self.logs.reset()
         self.fixed.reset()
         self.sigterm.restore()
@@ -530,6 +554,16 @@ def _scaled_plus_fixed(model_metrics: dict[str, float], scale: float, fixed: flo
     if "plan/predicted_time_s" not in model_metrics:
         return model_metrics
     return {**model_metrics, "plan/predicted_time_s": model_metrics["plan/predicted_time_s"] * scale + fixed}
+
+
+def write_global(local: Tensor | None, total: Tensor | None) -> None:
+    """Write the global loss ``total`` into ``local``, the one-number loss tensor the module's step returned, in
+    place (queued on its device; nothing read on the host): a reference the module kept to it then reads the value one
+    process's loss has. Left as it is where torch refuses to write into it (a view of a leaf that requires grad)."""
+    if local is None or total is None or local is total or local.numel() != 1 or not local.is_floating_point():
+        return
+    with torch.no_grad(), contextlib.suppress(RuntimeError):
+        local.copy_(to_device(total.detach().reshape(local.shape), local.device))
 
 
 def step_loss(output: Any) -> torch.Tensor | None:

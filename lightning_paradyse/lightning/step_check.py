@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -78,8 +79,9 @@ def step_check_tolerance(dtype: torch.dtype, precision: str | None) -> float:
 def side_effects_undone(trainer: Any, module: nn.Module, device: torch.device | None = None) -> Iterator[None]:
     """Run extra calls of the user's step without trace: in eval mode (no dropout: both calls must compute the
     same function), logging off (Lightning's barebones switch), the random streams (the host's and ``device``'s,
-    :func:`~lightning_paradyse.runtime.exactness.kept_rng`) and every torchmetrics state restored afterwards.
-    Attributes the step changes by hand are not restored."""
+    :func:`~lightning_paradyse.runtime.exactness.kept_rng`), every torchmetrics state and the module's own attributes
+    restored afterwards (:func:`kept_attributes`: a list the step appends its loss to, a counter it increments)."""
+    restore = kept_attributes(module)
     metrics: list[Any] = [m for m in module.modules() if hasattr(m, "_defaults") and hasattr(m, "_update_count")]
     saved = [
         ({name: copy.deepcopy(getattr(m, name)) for name in m._defaults}, m._update_count, m._computed) for m in metrics
@@ -100,6 +102,67 @@ def side_effects_undone(trainer: Any, module: nn.Module, device: torch.device | 
             for name, value in states.items():
                 setattr(m, name, value)
             m._update_count, m._computed = count, computed
+        restore()
+
+
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+"""What every ``nn.Module`` keeps in its ``__dict__`` (parameters, buffers, sub-modules, hooks): not the user's."""
+KEPT_TENSOR_BYTES = 1 << 16
+"""Tensor attributes up to this size are restored if the step changes them in place (an accumulator,
+``self.total += loss``); larger ones are left (a copy of each for one check would cost memory)."""
+
+
+def kept_attributes(module: nn.Module) -> Callable[[], None]:
+    """Snapshot ``module``'s own attributes (its ``__dict__`` but ``nn.Module``'s) and return the function that puts
+    them back: attributes rebound (``self.n += 1``) or added, the content of every list, deque, dict and set reachable
+    from them through such containers and tuples (``self.outs.append(loss)``, in place: references held elsewhere see
+    it too), and small tensor attributes changed in place (:data:`KEPT_TENSOR_BYTES`). Other objects' own state is
+    not restored."""
+    attrs = {k: v for k, v in vars(module).items() if k not in _MODULE_INTERNALS}
+    containers = _containers(attrs.values())
+    tensors = [
+        (v, v.detach().clone())
+        for v in attrs.values()
+        if isinstance(v, torch.Tensor) and v.numel() * v.element_size() <= KEPT_TENSOR_BYTES
+    ]
+
+    def restore() -> None:
+        for k in [k for k in vars(module) if k not in _MODULE_INTERNALS and k not in attrs]:
+            del module.__dict__[k]  # added by the step
+        module.__dict__.update(attrs)
+        for container, content in containers:
+            container.clear()
+            if isinstance(container, (dict, set)):
+                container.update(content)
+            else:
+                container.extend(content)
+        with torch.no_grad():
+            for tensor, saved in tensors:
+                tensor.copy_(saved)
+
+    return restore
+
+
+def _containers(values: Any) -> list[tuple[Any, Any]]:
+    """Every list, deque, dict and set reachable from ``values`` through such containers and tuples, each with a
+    shallow copy of its content (once each, cycles followed once)."""
+    out: list[tuple[Any, Any]] = []
+    seen: set[int] = set()
+    stack = list(values)
+    while stack:
+        value = stack.pop()
+        if id(value) in seen or not isinstance(value, (list, deque, dict, set, tuple)):
+            continue
+        seen.add(id(value))
+        if isinstance(value, dict):
+            out.append((value, dict(value)))
+            stack.extend(value.values())
+        elif isinstance(value, tuple):  # immutable itself, but may hold containers
+            stack.extend(value)
+        else:
+            out.append((value, set(value) if isinstance(value, set) else list(value)))
+            stack.extend(value)
+    return out
 
 
 def check_step_losses(sharded: float, whole: float, tol: float) -> None:

@@ -672,7 +672,7 @@ class ParaDySeStrategy(ParallelStrategy):
             output = super().training_step(*args, **kwargs)
         cycle.after_step(output, self._accumulating())
         result = cycle.global_output(output, info, defer=self._steps_now())
-        cycle.logged(output, result)  # what the step logged, its loss as the global one (now or once settled)
+        cycle.logged(output, result, backward=module.automatic_optimization)  # its loss as the global one
         if not module.automatic_optimization:  # its backwards ran in the step: it ends here
             parallel.unconfigure(module)
         return result

@@ -230,6 +230,38 @@ class ConfiguredLM(TinyLM):
             self.model = build_model("llama-tiny")
 
 
+class KeptLossesLM(TinyLM):
+    """Lightning 2's way to an epoch's mean: every step's returned loss kept in a list (the tensor itself, or a detached
+    view of it), averaged and logged at the epoch's end; the strategy writes the global loss into the tensor the step
+    returned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kept: dict[str, list[Tensor]] = {"train": [], "val": []}
+
+    @override
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.kept["train"].append(loss.detach())
+        return loss
+
+    @override
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss = self.loss(batch)
+        self.kept["val"].append(loss)
+        return loss
+
+    @override
+    def on_train_epoch_end(self) -> None:
+        self.log("train_epoch_mean", torch.stack(self.kept["train"]).mean())
+        self.kept["train"].clear()
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        self.log("val_epoch_mean", torch.stack(self.kept["val"]).mean())
+        self.kept["val"].clear()
+
+
 class EncoderTinyLM(TinyLM):
     """A :class:`TinyLM` over ``nn.TransformerEncoderLayer`` blocks, which compute their MLP inline (its two linears
     are rewritten one by one)."""
@@ -872,6 +904,17 @@ def cases_p2() -> dict[str, Case]:
                 lambda: loader(shifted_targets),
                 trainer=dict(callbacks=[EMAWeightAveraging()]),
                 refused="EMAWeight",
+            ),
+            "kept-losses-groups": Case(  # training steps on groups: the loss settles after the gradient return
+                KeptLossesLM,
+                lambda: (loader(ragged("targets"), rows=3), loader(ragged("targets"), (35, 52), rows=3)),
+                trainer=dict(val_check_interval=2, limit_val_batches=2, max_steps=-1, max_epochs=1),
+            ),
+            "kept-losses-one-group": Case(  # written after the backward of Lightning's closure
+                KeptLossesLM,
+                lambda: (loader(shifted_targets), loader(shifted_targets, (35, 52))),
+                trainer=dict(val_check_interval=2, limit_val_batches=2, max_steps=-1, max_epochs=1),
+                strategy=dict(plan=MIXED),
             ),
             "encoder-layers-default": Case(  # the strategy's defaults: the cost planner, groups of both kinds
                 EncoderTinyLM, lambda: loader(ragged("targets"), rows=3), splits=SPLITS_2

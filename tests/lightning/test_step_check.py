@@ -3,10 +3,19 @@ a step that shifts its own targets, are cases of :mod:`tests.exact.cases`)."""
 
 from __future__ import annotations
 
+from collections import deque
+
 import pytest
 import torch
+import torch.nn as nn
 
-from lightning_paradyse.lightning.step_check import check_step_losses, prefix_batch, step_check_tolerance, whole_plan
+from lightning_paradyse.lightning.step_check import (
+    check_step_losses,
+    kept_attributes,
+    prefix_batch,
+    step_check_tolerance,
+    whole_plan,
+)
 from lightning_paradyse.modes.plan import parse_plan, uniform_plan
 
 
@@ -34,3 +43,28 @@ def test_losses_that_differ_beyond_the_tolerance_name_the_fix() -> None:
     with pytest.raises(ValueError, match=named):
         check_step_losses(2.0, 2.0 * (1 + 2 * tol), tol)
     assert step_check_tolerance(torch.float32, "bf16-mixed") > step_check_tolerance(torch.float32, "32-true")
+
+
+def test_the_modules_own_attributes_are_put_back_after_the_check() -> None:
+    """What a step does to the module's own attributes leaves no trace of the check's extra calls: a list it appends
+    its loss to (Lightning 2's way to an epoch's mean), nested containers, a counter, an accumulator changed in place,
+    an attribute it adds; the containers stay the same objects (references held elsewhere see their content)."""
+    module = nn.Linear(2, 2)
+    outs: list[torch.Tensor] = [torch.tensor(1.0)]
+    kept = {"train": [1], "seen": {"a"}, "pair": ([2], 3), "last": deque([4], maxlen=2)}
+    module.outs, module.kept, module.n, module.total = outs, kept, 5, torch.zeros(())
+    restore = kept_attributes(module)
+    module.outs.append(torch.tensor(2.0))
+    module.kept["train"].append(2)
+    module.kept["seen"].add("b")
+    module.kept["pair"][0].append(9)
+    module.kept["last"].append(5)
+    module.kept["new"] = []
+    module.n += 1
+    module.total += 3.0
+    module.added = "x"
+    module.weight.data.add_(1.0)  # a parameter: the step check never changes one (no optimizer step)
+    restore()
+    assert module.outs is outs and [float(t) for t in outs] == [1.0]
+    assert module.kept is kept and kept == {"train": [1], "seen": {"a"}, "pair": ([2], 3), "last": deque([4])}
+    assert module.n == 5 and float(module.total) == 0.0 and not hasattr(module, "added")
