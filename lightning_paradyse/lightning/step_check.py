@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
-from collections import deque
+from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -108,50 +108,71 @@ def side_effects_undone(trainer: Any, module: nn.Module, device: torch.device | 
 _MODULE_INTERNALS = frozenset(vars(nn.Module()))
 """What every ``nn.Module`` keeps in its ``__dict__`` (parameters, buffers, sub-modules, hooks): not the user's."""
 KEPT_TENSOR_BYTES = 1 << 16
-"""Tensor attributes up to this size are restored if the step changes them in place (an accumulator,
+"""Tensor attributes up to this size are put back if the step rebinds them or changes them in place (an accumulator,
 ``self.total += loss``); larger ones are left (a copy of each for one check would cost memory)."""
+_CONTAINERS = (list, dict, set, deque, OrderedDict, defaultdict)
+"""The containers whose content is put back (exactly these types: a subclass may refuse ``clear`` or ``update``, as
+a Hugging Face model output does)."""
 
 
 def kept_attributes(module: nn.Module) -> Callable[[], None]:
-    """Snapshot ``module``'s own attributes (its ``__dict__`` but ``nn.Module``'s) and return the function that puts
-    them back: attributes rebound (``self.n += 1``) or added, the content of every list, deque, dict and set reachable
-    from them through such containers and tuples (``self.outs.append(loss)``, in place: references held elsewhere see
-    it too), and small tensor attributes changed in place (:data:`KEPT_TENSOR_BYTES`). Other objects' own state is
-    not restored."""
+    """Snapshot what a step commonly changes on ``module`` (its own ``__dict__``, not ``nn.Module``'s) and return the
+    function that puts it back after the check's extra calls: the content of every list, dict, set and deque reachable
+    from its attributes through such containers and tuples (``self.outs.append(loss)``; in place, so references held
+    elsewhere see it too), numbers rebound (``self.n += 1``) and small tensors rebound or changed in place
+    (:data:`KEPT_TENSOR_BYTES`). Other attributes stay as the step left them (a hook registered once and kept in an
+    attribute must not be registered again), and so does other objects' own state. What cannot be put back is named
+    in a warning."""
     attrs = {k: v for k, v in vars(module).items() if k not in _MODULE_INTERNALS}
     containers = _containers(attrs.values())
-    tensors = [
-        (v, v.detach().clone())
-        for v in attrs.values()
-        if isinstance(v, torch.Tensor) and v.numel() * v.element_size() <= KEPT_TENSOR_BYTES
-    ]
+    small = {
+        k: (v, v.detach().clone(), v._version)
+        for k, v in attrs.items()
+        if isinstance(v, torch.Tensor) and not v.is_inference() and v.numel() * v.element_size() <= KEPT_TENSOR_BYTES
+    }
+    numbers = {k: v for k, v in attrs.items() if isinstance(v, (bool, int, float))}
 
     def restore() -> None:
-        for k in [k for k in vars(module) if k not in _MODULE_INTERNALS and k not in attrs]:
-            del module.__dict__[k]  # added by the step
-        module.__dict__.update(attrs)
+        failed = []
+        for k, v in numbers.items():
+            module.__dict__[k] = v
+        for k, (tensor, saved, version) in small.items():
+            module.__dict__[k] = tensor
+            if tensor._version != version:  # changed in place
+                try:
+                    with torch.no_grad():
+                        tensor.copy_(saved)
+                except RuntimeError:
+                    failed.append(k)
         for container, content in containers:
-            container.clear()
-            if isinstance(container, (dict, set)):
-                container.update(content)
-            else:
-                container.extend(content)
-        with torch.no_grad():
-            for tensor, saved in tensors:
-                tensor.copy_(saved)
+            if not _changed(container, content):
+                continue
+            try:
+                container.clear()
+                if isinstance(container, (dict, set)):
+                    container.update(content)
+                else:
+                    container.extend(content)
+            except Exception:  # named below; the step's own error, if any, stays the one raised
+                failed.append(type(container).__name__)
+        if failed:
+            rank_zero_warn(
+                f"[paradyse] the one-time step check could not put back what the step changed in {failed}: its two "
+                "extra calls of the step may show there; ParaDySeStrategy(check_step=False) skips the check"
+            )
 
     return restore
 
 
 def _containers(values: Any) -> list[tuple[Any, Any]]:
-    """Every list, deque, dict and set reachable from ``values`` through such containers and tuples, each with a
-    shallow copy of its content (once each, cycles followed once)."""
+    """Every container of :data:`_CONTAINERS` reachable from ``values`` through such containers and tuples, each with
+    a shallow copy of its content (once each, cycles followed once)."""
     out: list[tuple[Any, Any]] = []
     seen: set[int] = set()
     stack = list(values)
     while stack:
         value = stack.pop()
-        if id(value) in seen or not isinstance(value, (list, deque, dict, set, tuple)):
+        if id(value) in seen or not (type(value) in _CONTAINERS or type(value) is tuple):
             continue
         seen.add(id(value))
         if isinstance(value, dict):
@@ -160,9 +181,20 @@ def _containers(values: Any) -> list[tuple[Any, Any]]:
         elif isinstance(value, tuple):  # immutable itself, but may hold containers
             stack.extend(value)
         else:
-            out.append((value, set(value) if isinstance(value, set) else list(value)))
+            out.append((value, list(value)))
             stack.extend(value)
     return out
+
+
+def _changed(container: Any, content: Any) -> bool:
+    """Whether ``container`` no longer holds exactly ``content`` (the same objects; for a dict, under the same keys)."""
+    if len(container) != len(content):
+        return True
+    if isinstance(container, dict):
+        return any(k not in container or container[k] is not v for k, v in content.items())
+    if isinstance(container, set):
+        return {id(x) for x in container} != {id(x) for x in content}
+    return any(a is not b for a, b in zip(container, content))
 
 
 def check_step_losses(sharded: float, whole: float, tol: float) -> None:

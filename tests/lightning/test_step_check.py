@@ -3,6 +3,7 @@ a step that shifts its own targets, are cases of :mod:`tests.exact.cases`)."""
 
 from __future__ import annotations
 
+import warnings
 from collections import deque
 
 import pytest
@@ -46,13 +47,23 @@ def test_losses_that_differ_beyond_the_tolerance_name_the_fix() -> None:
 
 
 def test_the_modules_own_attributes_are_put_back_after_the_check() -> None:
-    """What a step does to the module's own attributes leaves no trace of the check's extra calls: a list it appends
-    its loss to (Lightning 2's way to an epoch's mean), nested containers, a counter, an accumulator changed in place,
-    an attribute it adds; the containers stay the same objects (references held elsewhere see their content)."""
+    """What a step commonly does to the module's own attributes leaves no trace of the check's extra calls: a list it
+    appends its loss to (Lightning 2's way to an epoch's mean), nested containers, a counter, an accumulator changed
+    in place; the containers stay the same objects (references held elsewhere see their content). An attribute the
+    step sets once (a hook's handle) stays, and so do containers of other types (a Hugging Face output refuses
+    ``update``) and inference tensors (what validation leaves under ``inference_mode``)."""
+
+    class Frozen(dict):  # type: ignore[type-arg]
+        def update(self, *args: object, **kwargs: object) -> None:
+            raise TypeError("frozen")
+
     module = nn.Linear(2, 2)
     outs: list[torch.Tensor] = [torch.tensor(1.0)]
     kept = {"train": [1], "seen": {"a"}, "pair": ([2], 3), "last": deque([4], maxlen=2)}
-    module.outs, module.kept, module.n, module.total = outs, kept, 5, torch.zeros(())
+    with torch.inference_mode():
+        last_val = torch.tensor(7.0)
+    module.outs, module.kept, module.n, module.total, module.handle = outs, kept, 5, torch.zeros(()), None
+    module.frozen, module.last_val = Frozen(a=1), last_val
     restore = kept_attributes(module)
     module.outs.append(torch.tensor(2.0))
     module.kept["train"].append(2)
@@ -62,9 +73,19 @@ def test_the_modules_own_attributes_are_put_back_after_the_check() -> None:
     module.kept["new"] = []
     module.n += 1
     module.total += 3.0
+    module.handle = "registered"
     module.added = "x"
-    module.weight.data.add_(1.0)  # a parameter: the step check never changes one (no optimizer step)
-    restore()
+    dict.__setitem__(module.frozen, "b", 2)
+    module.last_val = torch.tensor(8.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing it tries to put back fails
+        restore()
     assert module.outs is outs and [float(t) for t in outs] == [1.0]
     assert module.kept is kept and kept == {"train": [1], "seen": {"a"}, "pair": ([2], 3), "last": deque([4])}
-    assert module.n == 5 and float(module.total) == 0.0 and not hasattr(module, "added")
+    assert module.n == 5 and float(module.total) == 0.0
+    assert (module.handle, module.added, dict(module.frozen), float(module.last_val)) == (
+        "registered",
+        "x",
+        {"a": 1, "b": 2},
+        8.0,
+    )
