@@ -147,9 +147,9 @@ class StepCycle:
         """What the module's step logs, held until the step's global loss is known (the strategy captures them)."""
         self._share: Tensor | None = None
         self._reported: Tensor | None = None
-        self._returned: tuple[Tensor, Tensor] | None = None
+        self._returned: tuple[Tensor, Tensor | None] | None = None
         """The loss tensor the module's step returned and the global loss to write into it once its backward ran
-        (:meth:`logged`)."""
+        (:meth:`logged`; ``None``: a deferred loss, written when it settles)."""
         self._module: nn.Module | None = None
         self._group: Group = None
         self._rank = 0
@@ -478,13 +478,13 @@ class StepCycle:
         self._returned = None
         if self._share is not None:
             self.logs.hold(local)
-            self._returned = None if local is None else (local, local)  # the global loss is written when settled
+            self._returned = None if local is None else (local, None)  # the global loss is written when settled
             return
         total = step_loss(result)
         self.logs.replay(local, total)
         if backward:
             self._returned = None if local is None or total is None else (local, total.detach())
-        else:
+        else:  # no backward of ``result`` to come
             write_global(local, total)
 
     def report(self, kept: Tensor) -> None:
@@ -560,7 +560,7 @@ def write_global(local: Tensor | None, total: Tensor | None) -> None:
     """Write the global loss ``total`` into ``local``, the one-number loss tensor the module's step returned, in
     place (queued on its device; nothing read on the host): a reference the module kept to it then reads the value one
     process's loss has. Left as it is where torch refuses to write into it (a view of a leaf that requires grad)."""
-    if local is None or total is None or local is total or local.numel() != 1 or not local.is_floating_point():
+    if local is None or total is None or local.numel() != 1 or not local.is_floating_point():
         return
     with torch.no_grad(), contextlib.suppress(RuntimeError):
         local.copy_(to_device(total.detach().reshape(local.shape), local.device))
