@@ -124,6 +124,21 @@ class OpDispatch(nn.Module):
         """While a step runs on a group smaller than the shard group: this rank's shards for that group,
         read instead of the parameters of the same name (see :mod:`lightning_paradyse.groups`)."""
 
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("_") or "sources" not in self.__dict__:
+                raise
+            held = ", ".join(s.name for s in self.__dict__["sources"].values()) or "none"
+            raise AttributeError(
+                f"{type(self).__name__} has no attribute {name!r}: ParaDySeStrategy rewrote the module at "
+                f"{self.__dict__['core_path']!r} of layer {self.__dict__['layer']} into this one, which holds this "
+                f"rank's shards of its weights under other names (of {held}). To read whole weights, save a "
+                "checkpoint (trainer.save_checkpoint gathers them under the model's own names) and load it in one "
+                "plain process, or reach them before the fit starts"
+            ) from None
+
     def add_shard(self, name: str, plain: torch.Tensor | None, source: ShardSource, group: Group) -> None:
         """Register this rank's rows of the piece ``source`` cuts from the plain parameter as parameter ``name``."""
         if plain is None:

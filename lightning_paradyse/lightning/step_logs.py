@@ -18,37 +18,71 @@ then, after the backward and before Lightning reads the step's metrics. Values t
 ``outputs["loss"]``, the global loss, or compute them with ``sync_dist=True`` where a mean over ranks is meant. A step
 that returns no loss but logged such values (Lightning's own ``validation_step`` examples log the loss and return
 nothing) is told once per hook and name that they are this rank's, naming the fix: return the loss.
+
+Two more kinds of calls are held and replayed in order with them:
+- a Python number equal to this rank's loss (``self.log("train_loss", loss.item())``) is logged as the global loss;
+- a torchmetrics metric (``self.log("train/loss", self.train_loss)``) is logged once the metrics the step called with
+  its loss hold the global loss (:class:`~lightning_paradyse.lightning.metric_calls.MetricCalls`). A metric logged
+  per step (``on_step``) that was not called with the loss has a step value of this rank's tokens (as under DDP, of
+  its rows): that is told once per hook and name; its epoch value counts every rank's tokens.
+
+A value logged as the global loss with ``sync_dist=True`` and ``reduce_fx="sum"`` is logged without the sum over the
+ranks (every rank holds the same global loss: the sum would count it once per rank); a mean, a max or a min over the
+ranks leave it as it is.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.trainer.connectors.logger_connector.fx_validator import _FxValidator
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_paradyse.lightning.metric_calls import MetricCalls, is_metric
+
 _NONE = object()
+_LOG = inspect.signature(pl.LightningModule.log)
+"""``LightningModule.log``'s parameters: a held call's arguments read by name."""
 
 
 @dataclass(frozen=True)
 class _Call:
-    """One held ``log`` call: the hook it was made in, its name, a copy of its value, the value itself (held, so
-    that its storage cannot be freed and handed to the loss while the step runs), the other arguments."""
+    """One held ``log`` call: the hook it was made in, its name, its value (a copy of a one-number tensor, a Python
+    number, or a metric), the tensor itself (held, so that its storage cannot be freed and handed to the loss while
+    the step runs), the other arguments."""
 
     fx: str | None
     name: str
-    value: torch.Tensor
-    alias: torch.Tensor
+    value: Any
+    alias: torch.Tensor | None
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
 
     def is_view_of(self, loss: torch.Tensor) -> bool:
         """Whether the logged value is ``loss`` or a view of its storage (both alive: the same storage)."""
-        return self.alias.device == loss.device and self.alias.data_ptr() == loss.data_ptr()
+        return self.alias is not None and self.alias.device == loss.device and self.alias.data_ptr() == loss.data_ptr()
+
+    def arguments(self) -> dict[str, Any]:
+        """The call's other arguments by name (``prog_bar`` .. ``rank_zero_only``), as given."""
+        bound = _LOG.bind_partial(None, self.name, None, *self.args, **self.kwargs).arguments
+        return {k: v for k, v in bound.items() if k not in ("self", "name", "value")}
+
+    def as_global(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The arguments for the global loss in place of the value: without ``sync_dist`` where the ranks' values
+        would be summed (every rank holds the global loss), else as given."""
+        if not self.args and not self.kwargs.get("sync_dist"):
+            return self.args, self.kwargs
+        named = self.arguments()
+        fx = named.get("reduce_fx", "mean")
+        if named.get("sync_dist") and (fx == "sum" or fx is torch.sum):
+            return (), {**named, "sync_dist": False}
+        return self.args, self.kwargs
 
 
 class StepLogs:
@@ -60,27 +94,38 @@ class StepLogs:
         self._module: pl.LightningModule | None = None
         self._loss: torch.Tensor | None = None
         self._warned: set[tuple[str | None, str]] = set()
+        self.metrics = MetricCalls()
+        """The calls of the module's metrics in the step (their loss made global with the logged one)."""
+
+    def bind(self, module: torch.nn.Module) -> None:
+        """Record the calls of ``module``'s metrics in its steps (the fit's start)."""
+        self.metrics.bind(module)
 
     @contextlib.contextmanager
     def capture(self, module: pl.LightningModule) -> Iterator[None]:
-        """Hold the one-number tensor values ``module`` logs inside the block (its ``log`` replaced on the instance,
-        restored after); calls left from a step that never settled are dropped."""
+        """Hold what ``module`` logs inside the block (its ``log`` replaced on the instance, restored after): one-number
+        tensors, Python numbers and metrics; record its metrics' calls. Calls left from a step that never settled are
+        dropped."""
         self.drop()
         log = module.log
         self._log, self._module = log, module
 
         def held(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-            if not (isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point()):
-                return log(name, value, *args, **kwargs)  # type: ignore[no-any-return]
             fx = module._current_fx_name
-            alias = value.detach()  # [] or [1]: the loss itself, or a view of it, when the step logs its loss
-            self._calls.append(_Call(fx, name, alias.clone(), alias, args, kwargs))
+            if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point():
+                alias = value.detach()  # [] or [1]: the loss itself, or a view of it, when the step logs its loss
+                self._calls.append(_Call(fx, name, alias.clone(), alias, args, kwargs))
+            elif type(value) is float or is_metric(value):  # loss.item(); a metric called with the loss, perhaps
+                self._calls.append(_Call(fx, name, value, None, args, kwargs))
+            else:
+                return log(name, value, *args, **kwargs)  # type: ignore[no-any-return]
             return None
 
         own = module.__dict__.get("log", _NONE)  # an instance attribute of the user's, kept
         module.__dict__["log"] = held  # found before the class's method (nn.Module's __setattr__ not needed)
         try:
-            yield
+            with self.metrics.capture():
+                yield
         finally:
             if own is _NONE:
                 module.__dict__.pop("log", None)  # the class's log again
@@ -93,21 +138,37 @@ class StepLogs:
 
     def replay(self, local: torch.Tensor | None, total: torch.Tensor | None) -> None:
         """Log every held call in order, in its own hook: a value whose storage is the step's returned loss
-        ``local`` (or the loss kept by :meth:`hold`) as ``total``, the global loss; the others as logged."""
+        ``local`` (or the loss kept by :meth:`hold`), or a number equal to it, as ``total``, the global loss; a
+        metric once the metrics called with ``local`` hold ``total`` (:meth:`MetricCalls.replay`); the others as
+        logged."""
         calls, log, module = self._calls, self._log, self._module
         local = self._loss if local is None else local
-        self.drop()
+        self._calls, self._loss = [], None
+        ours = None if local is None or local.numel() != 1 or not local.is_floating_point() else local
+        made_global = self.metrics.replay(ours, total)
         if not calls or log is None or module is None:
             return
         if local is None:  # the step returned no loss: nothing it logged can be made the global loss
             self._warn_unreturned(calls)
-        ours = None if local is None or local.numel() != 1 else local
+        number = None  # this rank's loss as a Python number, read once where a number was logged
         for call in calls:
-            value = total if total is not None and ours is not None and call.is_view_of(ours) else call.value
+            value, args, kwargs = call.value, call.args, call.kwargs
+            if isinstance(value, torch.Tensor):
+                if total is not None and ours is not None and call.is_view_of(ours):
+                    value = total
+                    args, kwargs = call.as_global()
+                value = value.detach().reshape(call.value.shape)
+            elif isinstance(value, float) and total is not None and ours is not None:
+                number = float(ours) if number is None else number
+                if value == number:
+                    value = float(total)
+                    args, kwargs = call.as_global()
+            elif is_metric(value) and id(value) not in made_global:
+                self._warn_rank_step_value(call)
             previous = module._current_fx_name
             module._current_fx_name = call.fx  # as Lightning sets it around its hooks
             try:
-                log(call.name, value.detach().reshape(call.value.shape), *call.args, **call.kwargs)
+                log(call.name, value, *args, **kwargs)
             finally:
                 module._current_fx_name = previous
 
@@ -117,7 +178,7 @@ class StepLogs:
         whole rows, here over its slice of every row, or a Hugging Face model's share of the global mean)."""
         for call in calls:
             key = (call.fx, call.name)
-            if key in self._warned:
+            if key in self._warned or (is_metric(call.value) and id(call.value) not in self.metrics.loss_called):
                 continue
             self._warned.add(key)
             hook = call.fx or "the step"
@@ -126,17 +187,36 @@ class StepLogs:
                 "computed on its slice of every sequence (where it is a Hugging Face model's loss given labels, "
                 "its share of the global mean, a fraction of it), not the value one process logs. If it is the "
                 f"step's loss, return it from {hook} (`return loss`): the strategy then logs the global loss under "
-                "the same name. Log other values from global quantities (README: The contract with your "
-                "training_step)."
+                "the same name (and a metric it was given, such as a MeanMetric, holds the global loss). Log other "
+                "values from global quantities (README: The contract with your training_step)."
             )
+
+    def _warn_rank_step_value(self, call: _Call) -> None:
+        """Say once per hook and name that a metric logged per step has a step value of this rank's tokens."""
+        key = (call.fx, call.name)
+        synced = getattr(call.value, "dist_sync_on_step", False)  # its step value is the whole batch's already
+        if key in self._warned or synced or call.fx not in _FxValidator.functions:
+            return
+        on_step, _ = _FxValidator.get_default_logging_levels(call.fx, call.arguments().get("on_step"), None)
+        if not on_step:
+            return
+        self._warned.add(key)
+        rank_zero_warn(
+            f"[paradyse] {call.fx} logged the metric {call.name!r} per step: its step value is computed on this "
+            "rank's tokens of the batch (under DDP, on its rows), not the whole batch's; its epoch value "
+            "(on_epoch=True) counts every rank's tokens, as one process's does. Log it with on_step=False, or set "
+            "the metric's dist_sync_on_step=True for a step value of the whole batch."
+        )
 
     def drop(self) -> None:
         """Forget the held calls (a step given up)."""
         self._calls, self._loss = [], None
+        self.metrics.drop()
 
     def reset(self) -> None:
-        """Forget the held calls and the module (the end of a fit)."""
+        """Forget the held calls and the module (the end of a fit); the metrics' own calls back."""
         self.drop()
+        self.metrics.unbind()
         self._log, self._module = None, None
 
 

@@ -55,10 +55,45 @@ def test_the_steps_loss_is_logged_as_the_global_loss_others_as_logged() -> None:
 def test_other_values_go_to_lightning_at_once() -> None:
     module, logs = Module(), StepLogs()
     with logs.capture(module):
-        module.log("number", 3.0)
+        module.log("integer", 3)
         module.log("vector", torch.ones(3))
         module.log("count", torch.tensor(4))  # an integer tensor: Lightning's own warning and conversion
-    assert [name for name, *_ in module.seen] == ["number", "vector", "count"]
+    assert [name for name, *_ in module.seen] == ["integer", "vector", "count"]
+
+
+def test_a_number_equal_to_the_loss_is_logged_as_the_global_loss() -> None:
+    """``self.log("train_loss", loss.item())``: held, and logged as the global loss; other numbers as logged."""
+    module, logs = Module(), StepLogs()
+    loss = torch.tensor(2.5, dtype=torch.float64)
+    with logs.capture(module):
+        module.log("item", loss.item(), prog_bar=True)
+        module.log("lr", 0.125)
+    assert module.seen == []
+    logs.replay(loss, torch.tensor(5.0, dtype=torch.float64))
+    assert [(name, value, kwargs) for name, value, _, kwargs in module.seen] == [
+        ("item", 5.0, {"prog_bar": True}),
+        ("lr", 0.125, {}),
+    ]
+
+
+@pytest.mark.parametrize("reduce_fx", ["sum", torch.sum])
+def test_the_global_loss_is_not_summed_over_the_ranks(reduce_fx: Any) -> None:
+    """Every rank holds the global loss: ``sync_dist=True`` with a sum would count it once per rank (a mean or a max
+    over the ranks leaves it as it is, and keeps Lightning's batch-size weighting over the ranks)."""
+    module, logs = Module(), StepLogs()
+    loss = torch.tensor(2.5)
+    with logs.capture(module):
+        module.log("summed", loss, True, None, True, True, reduce_fx, False, True)  # positional, as the signature
+        module.log("summed_item", loss.item(), sync_dist=True, reduce_fx=reduce_fx)
+        module.log("mean", loss, sync_dist=True)
+        module.log("other", torch.tensor(1.0), sync_dist=True, reduce_fx=reduce_fx)  # not the loss: summed
+    logs.replay(loss, torch.tensor(5.0))
+    seen = {name: (float(value), kwargs) for name, value, _, kwargs in module.seen}
+    assert seen["summed"][0] == 5.0 and seen["summed"][1]["sync_dist"] is False
+    assert seen["summed"][1]["prog_bar"] is True and seen["summed"][1]["reduce_fx"] is reduce_fx
+    assert seen["summed_item"] == (5.0, {"sync_dist": False, "reduce_fx": reduce_fx})
+    assert seen["mean"] == (5.0, {"sync_dist": True})
+    assert seen["other"] == (1.0, {"sync_dist": True, "reduce_fx": reduce_fx})
 
 
 def test_a_deferred_loss_is_replayed_when_settled_and_log_is_restored() -> None:
