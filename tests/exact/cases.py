@@ -407,6 +407,36 @@ class AccuracyLM(TinyLM):
         return self._step(batch, self.val_acc, "val_acc")
 
 
+class RecipeMetricsLM(TinyLM):
+    """A common recipe's logging: the step's loss kept in a ``MeanMetric`` (called with the loss, logged as the metric
+    per step and per epoch), a token accuracy per epoch, ``loss.item()`` logged, the loss summed over the ranks with
+    ``sync_dist`` (one process: no sum) and over the epoch's steps; the validation loss in a ``MeanMetric`` too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.train_loss, self.val_loss = torchmetrics.MeanMetric(), torchmetrics.MeanMetric()
+        self.train_acc = torchmetrics.classification.MulticlassAccuracy(128, average="micro", ignore_index=-100)
+
+    @override
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        logits = self.model(batch["input_ids"])  # [b, s, vocab]
+        loss = F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten())
+        self.train_loss(loss)
+        self.train_acc(logits.argmax(-1), batch["targets"])
+        self.log("train/loss", self.train_loss, on_step=True, on_epoch=True, prog_bar=True)
+        self.log("train/acc", self.train_acc, on_step=False, on_epoch=True)
+        self.log("train/loss_item", loss.item())
+        self.log("train/loss_sum", loss, on_step=False, on_epoch=True, sync_dist=True, reduce_fx="sum")
+        return loss
+
+    @override
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss = self.loss(batch)
+        self.val_loss(loss)
+        self.log("val/loss", self.val_loss, on_step=False, on_epoch=True)
+        return loss
+
+
 class TwoValLM(TinyLM):
     """Two validation (and test) loaders (``dataloader_idx``), each loss logged per loader, an early stop watching
     the first."""
@@ -817,6 +847,17 @@ def cases_p2() -> dict[str, Case]:
                 AccuracyLM,
                 lambda: (loader(ragged("targets"), rows=3), loader(ragged("targets"), (35, 52), rows=3)),
                 trainer=dict(val_check_interval=2, limit_val_batches=2, max_steps=-1, max_epochs=1),
+            ),
+            "metric-of-the-loss-groups": Case(  # training on groups: the loss settles after the gradient return
+                RecipeMetricsLM,
+                lambda: (loader(ragged("targets"), rows=3), loader(ragged("targets"), (35, 52), rows=3)),
+                trainer=dict(val_check_interval=2, limit_val_batches=2, max_steps=-1, max_epochs=1),
+            ),
+            "metric-of-the-loss-one-group": Case(
+                RecipeMetricsLM,
+                lambda: (loader(shifted_targets), loader(shifted_targets, (35, 52))),
+                trainer=dict(val_check_interval=2, limit_val_batches=2, max_steps=-1, max_epochs=1),
+                strategy=dict(plan=MIXED),
             ),
             "frozen-groups": Case(  # frozen shards of a fused projection, on groups
                 lambda: FrozenLM("gpt2"),
