@@ -12,9 +12,9 @@ in its place: its state, its step value and its epoch value are then one process
 loss, so the ranks' average is that loss). Calls with other values (logits, targets) run once, as made: each rank
 counts its own tokens, and the metric's sum over the ranks is the whole batch's.
 
-The metrics are found once, when the strategy binds the module (:meth:`MetricCalls.bind`); their ``forward`` and
-``update`` are wrapped on the instance and unwrapped at the fit's end (:meth:`MetricCalls.unbind`). Outside a step the
-wrappers only pass the call on.
+The metrics are found once, when the strategy binds the module (:meth:`MetricCalls.bind`); their ``forward`` is watched
+by hooks and their ``update`` wrapped on the instance, both undone at the fit's end (:meth:`MetricCalls.unbind`).
+Outside a step they only pass the call on.
 """
 
 from __future__ import annotations
@@ -68,45 +68,59 @@ class MetricCalls:
         self.metrics: list[nn.Module] = []
         self._records: list[_Record] = []
         self._active = False
-        self._inside = False
-        self._wrapped: list[tuple[nn.Module, dict[str, Any]]] = []
+        self._depth = 0
+        """Recorded ``forward`` calls in progress (a metric's own ``update`` inside one is not a call of its own)."""
+        self._wrapped: list[tuple[nn.Module, Any, tuple[Any, ...]]] = []
         self.loss_called: set[int] = set()
         """The ids of the metrics the last replayed step called with a one-number floating tensor (a loss,
         perhaps)."""
 
     def bind(self, module: nn.Module) -> None:
-        """Wrap the ``forward`` and ``update`` of every metric of ``module`` (once per fit; a metric of a metric
-        collection included)."""
+        """Record the calls of every metric of ``module`` (once per fit; a metric of a metric collection included):
+        ``forward`` by hooks before and after it, ``update`` by a wrapper on the instance (where torchmetrics keeps its
+        own wrapper). A copy of a metric made during the fit (``metric.clone()``, a tracker's) keeps the hooks, plain
+        functions, and records itself; its ``update`` is torchmetrics' own again (see :meth:`replay`)."""
         self.unbind()
         self.metrics = [m for m in module.modules() if is_metric(m)]
         for metric in self.metrics:
-            own: dict[str, Any] = {n: metric.__dict__[n] for n in ("forward", "update") if n in metric.__dict__}
-            for name in ("forward", "update"):
-                metric.__dict__[name] = self._wrap(metric, name, getattr(metric, name))
-            self._wrapped.append((metric, own))
+            own = metric.__dict__.get("update")
+            metric.__dict__["update"] = self._wrap_update(metric, metric.update)
+            handles = (
+                metric.register_forward_pre_hook(lambda m, a, k: self._before_forward(m, a, k), with_kwargs=True),
+                metric.register_forward_hook(lambda m, a, o: self._after_forward(), always_call=True),
+            )
+            self._wrapped.append((metric, own, handles))
 
     def unbind(self) -> None:
-        """The metrics' own ``forward`` and ``update`` back (the fit's end)."""
-        for metric, own in self._wrapped:
-            for name in ("forward", "update"):
-                if name in own:
-                    metric.__dict__[name] = own[name]
-                else:
-                    metric.__dict__.pop(name, None)
+        """The metrics' own ``update`` back, the hooks removed (the fit's end)."""
+        for metric, own, handles in self._wrapped:
+            if own is None:
+                metric.__dict__.pop("update", None)
+            else:
+                metric.__dict__["update"] = own
+            for handle in handles:
+                handle.remove()
         self._wrapped, self.metrics = [], []
         self.drop()
 
-    def _wrap(self, metric: nn.Module, kind: str, call: Any) -> Any:
+    def _record(self, metric: nn.Module, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        before = self._state(metric) if _one_numbers(args, kwargs) else None
+        self._records.append(_Record(metric, kind, args, kwargs, before))
+
+    def _before_forward(self, metric: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self._active:
+            if not self._depth:
+                self._record(metric, "forward", args, kwargs)
+            self._depth += 1
+
+    def _after_forward(self) -> None:
+        self._depth = max(self._depth - 1, 0)
+
+    def _wrap_update(self, metric: nn.Module, update: Any) -> Any:
         def recorded(*args: Any, **kwargs: Any) -> Any:
-            if not self._active or self._inside:  # outside a step, or ``update`` inside a recorded ``forward``
-                return call(*args, **kwargs)
-            before = self._state(metric) if _one_numbers(args, kwargs) else None
-            self._records.append(_Record(metric, kind, args, kwargs, before))
-            self._inside = True
-            try:
-                return call(*args, **kwargs)
-            finally:
-                self._inside = False
+            if self._active and not self._depth:
+                self._record(metric, "update", args, kwargs)
+            return update(*args, **kwargs)
 
         return recorded
 
@@ -114,51 +128,70 @@ class MetricCalls:
     def capture(self) -> Iterator[None]:
         """Record the metrics' calls made inside the block (calls left from a step that never settled dropped)."""
         self.drop()
-        self._active = bool(self.metrics)
+        self._active, self._depth = bool(self.metrics), 0
         try:
             yield
         finally:
-            self._active = False
+            self._active, self._depth = False, 0
 
     @staticmethod
     def _state(metric: nn.Module) -> dict[str, Any]:
+        """The metric's states (a tensor state copied, a list state's list: its tensors are appended, not changed) and
+        what else a call changes."""
         defaults: dict[str, Any] = metric._defaults  # type: ignore[assignment]
-        state = {name: copy.deepcopy(getattr(metric, name)) for name in defaults}
+        state = {name: _copied(getattr(metric, name)) for name in defaults}
         return state | {name: copy.copy(metric.__dict__.get(name)) for name in _KEPT}
+
+    @staticmethod
+    def _put(metric: nn.Module, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            if name in _KEPT:
+                metric.__dict__[name] = value
+            else:
+                setattr(metric, name, value)
 
     def replay(self, local: torch.Tensor | None, total: torch.Tensor | None) -> set[int]:
         """Every metric called with the step's returned loss ``local`` (or a view of it): put back as it was before
-        that call and called again from there, in order, with the global loss ``total`` in its place. Returns the
-        ids of those metrics."""
+        that call and called again from there, in order, with the global loss ``total`` in its place. A metric also
+        updated since by a call not recorded (a copy's ``update``) is left as the step left it. Returns the ids of the
+        metrics made global."""
         records = self._records
         self.drop()
         self.loss_called = {id(r.metric) for r in records if r.before is not None}
         done: set[int] = set()
         if local is None or total is None or local.numel() != 1 or not records:
             return done
+        tried: set[int] = set()
         for k, first in enumerate(records):
-            if id(first.metric) in done or first.before is None:
+            metric = first.metric
+            if id(metric) in tried or first.before is None:
                 continue
             if not any(_aliases(v, local) for v in _one_numbers(first.args, first.kwargs)):
                 continue
-            done.add(id(first.metric))
-            metric = first.metric
-            for name, value in first.before.items():
-                if name in _KEPT:
-                    metric.__dict__[name] = value
-                else:
-                    setattr(metric, name, value)
+            tried.add(id(metric))
+            now = self._state(metric)
+            self._put(metric, first.before)
             with torch.no_grad():
                 for again in records[k:]:
                     if again.metric is metric:
                         args = tuple(_global(v, local, total) for v in again.args)
                         kwargs = {key: _global(v, local, total) for key, v in again.kwargs.items()}
                         getattr(metric, again.kind)(*args, **kwargs)
+            if metric.__dict__.get("_update_count") == now["_update_count"]:
+                done.add(id(metric))
+            else:  # updated by a call not recorded here: the step's state back
+                self._put(metric, now)
         return done
 
     def drop(self) -> None:
         """Forget the recorded calls (a step given up, or settled)."""
         self._records = []
+
+
+def _copied(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    return list(value) if isinstance(value, list) else copy.deepcopy(value)
 
 
 def _global(value: Any, local: torch.Tensor, total: torch.Tensor) -> Any:

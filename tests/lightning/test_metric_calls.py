@@ -96,3 +96,24 @@ def test_step_logs_log_a_metric_after_its_loss_is_made_global_and_warn_of_a_rank
     assert len(told) == 1 and "'train/acc'" in told[0] and "dist_sync_on_step=True" in told[0]
     logs.reset()
     assert "forward" not in module.train_loss.__dict__
+
+
+def test_a_copy_made_during_the_fit_is_called_as_itself() -> None:
+    """A copy of a watched metric (``metric.clone()``, as a metric tracker makes one per epoch) is watched as itself:
+    its calls change it, not the original; one its ``update`` also changed (torchmetrics' own again on a copy, not
+    recorded) is left as the step left it."""
+    module, calls = Module(), MetricCalls()
+    calls.bind(module)
+    copied = module.train_loss.clone()
+    loss = torch.tensor(3.0)
+    with calls.capture():
+        copied(loss)
+        copied(loss)
+    assert calls.replay(loss, torch.tensor(5.0)) == {id(copied)}
+    assert float(copied.compute()) == 5.0 and copied._update_count == 2
+    assert module.train_loss._update_count == 0
+    with calls.capture():
+        copied(loss)
+        copied.update(loss)  # not recorded
+    assert calls.replay(loss, torch.tensor(5.0)) == set()
+    assert copied.compute() == torch.tensor(16.0) / 4 and copied._update_count == 4
