@@ -14,11 +14,13 @@ import importlib.util
 import sys
 from typing import Any
 
-__all__ = ["ParaDySeStrategy", "ParaDySeSwitcher"]
+__all__ = ["ParaDySeStrategy", "ParaDySeSwitcher", "gather_like_params", "shard_like_params"]
 
 _LAZY = {
     "ParaDySeStrategy": "lightning_paradyse.lightning.strategy",
     "ParaDySeSwitcher": "lightning_paradyse.lightning.callbacks",
+    "gather_like_params": "lightning_paradyse.lightning.params_like",
+    "shard_like_params": "lightning_paradyse.lightning.params_like",
 }
 _TRIGGER = "lightning.pytorch.strategies"
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
-import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
@@ -159,7 +158,6 @@ class StepCycle:
         self._host_batch: tuple[Any, Any, list[tuple[int, int]]] | None = None
         self._last_plan: Plan | None = None
         self._last_groups: Any = None
-        self._told_filled = False
 
     def bind(self, module: nn.Module, group: Group, rank: int, planner: Planner, blocks: list[str]) -> None:
         """The parallelized module, the world's group, this rank, the planner and the rewritten blocks (setup)."""
@@ -392,18 +390,7 @@ class StepCycle:
             return args, kwargs
         given = args[0] if args else kwargs["batch"]
         local, sources = shard_batch(given if step.batch is None else step.batch, info, step.rank)
-        if info.fill_target and self.logs.metrics.metrics and not self._told_filled:
-            self._told_filled = True
-            warnings.warn(  # on the rank whose slice it is (a prompt masked over its tokens)
-                f"[paradyse] rank {self._rank}: this rank's slice of a batch holds no real target (e.g. a prompt "
-                "masked with -100 over its tokens), so its first target is made real (class 0) for the step: the "
-                "module's mean loss stays finite, and the strategy weighs it by 0. A torchmetrics metric the step "
-                "updates from the targets counts that token (e.g. an accuracy), which one process does not. To keep "
-                "metrics exact on such batches, return a loss summed over the targets with "
-                "ParaDySeStrategy(loss_reduction='sum') (no target is made real then), or update them where every "
-                "rank has a real target.",
-                stacklevel=2,
-            )
+        self.logs.filled = info.fill_target  # a metric counting the targets then counts one more (told once)
         if step.shifts:  # labels are shifted over the whole batch, not the group's units
             sources = tuple(
                 replace(src, shifted=step.shifts[src.key][0], n_items=step.shifts[src.key][1])

@@ -4,17 +4,20 @@ A common recipe keeps its loss in a metric (``self.train_loss = MeanMetric()``, 
 step and ``self.log("train/loss", self.train_loss)``). Inside the step the loss is this rank's (a mean over its tokens,
 a Hugging Face model's share of the global mean); the metric would average the ranks' values, which is not the loss of
 the whole batch. So while the module's step runs, :class:`MetricCalls` records the calls of the module's metrics
-(``forward`` and ``update``); before a call whose arguments hold a one-number floating tensor it keeps the metric's
-state. Once the step's global loss is known (where :class:`~lightning_paradyse.lightning.step_logs.StepLogs` replays
-the step's ``log`` calls), a metric called with the returned loss (the same tensor, or a view of it such as
-``loss.detach()``) is put back as it was before that call and the calls are made again, in order, with the global loss
-in its place: its state, its step value and its epoch value are then one process's (every rank holds the same global
-loss, so the ranks' average is that loss). Calls with other values (logits, targets) run once, as made: each rank
-counts its own tokens, and the metric's sum over the ranks is the whole batch's.
+(``forward`` and ``update``); before a call given a one-number floating value (a tensor, or a Python number such as
+``loss.item()``) it keeps the metric's state (and its inner metrics', for a wrapper). Once the step's global loss is
+known (where :class:`~lightning_paradyse.lightning.step_logs.StepLogs` replays the step's ``log`` calls), a metric
+called with the returned loss (the same tensor, a view of it such as ``loss.detach()``, or a number equal to it) is put
+back as it was before that call and the calls are made again, in order, with the global loss in its place: its state,
+its step value (also the value its ``forward`` returned, where the step logged that) and its epoch value are then one
+process's (every rank holds the same global loss, so the ranks' average is that loss). Calls with other values
+(logits, targets) run once, as made: each rank counts its own tokens, and the metric's sum over the ranks is the whole
+batch's. A metric also changed since by a call not recorded here (a copy's ``update``) is left as the step left it.
 
 The metrics are found once, when the strategy binds the module (:meth:`MetricCalls.bind`); their ``forward`` is watched
 by hooks and their ``update`` wrapped on the instance, both undone at the fit's end (:meth:`MetricCalls.unbind`).
-Outside a step they only pass the call on.
+Outside a step they only pass the call on. A call's arguments are kept (alive until the replay, after the backward on
+groups) only from the metric's first call given a one-number value on: the logits an accuracy reads are not.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,15 +35,16 @@ _KEPT = ("_update_count", "_forward_cache", "_computed", "_cache", "_is_synced")
 """What a metric keeps besides its states that a call changes (torchmetrics ``Metric.reset`` resets these)."""
 
 
-def is_metric(module: nn.Module) -> bool:
+def is_metric(module: Any) -> bool:
     """A torchmetrics ``Metric`` (without importing torchmetrics: its state defaults and update count)."""
-    return hasattr(module, "_defaults") and hasattr(module, "_update_count")
+    return isinstance(module, nn.Module) and hasattr(module, "_defaults") and hasattr(module, "_update_count")
 
 
-def _one_numbers(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    """The one-number floating tensors among a call's arguments (a loss, where the call is given one)."""
-    values = (*args, *kwargs.values())
-    return [v for v in values if isinstance(v, torch.Tensor) and v.numel() == 1 and v.is_floating_point()]
+def _one_number(value: Any) -> bool:
+    """A one-number floating value: a loss, perhaps."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and value.is_floating_point()
+    return type(value) is float
 
 
 def _aliases(value: torch.Tensor, loss: torch.Tensor) -> bool:
@@ -51,14 +55,36 @@ def _aliases(value: torch.Tensor, loss: torch.Tensor) -> bool:
 @dataclass
 class _Record:
     """One call of a metric during the step: the metric, ``forward`` or ``update``, the arguments (held: their
-    storage cannot be handed to another tensor while the step runs), the metric's state before the call (kept only
-    where an argument is a one-number floating tensor)."""
+    storage cannot be handed to another tensor while the step runs), the state of the metric and of its inner metrics
+    before the call (kept where an argument is a one-number floating value), the output of a ``forward``."""
 
     metric: nn.Module
     kind: str
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
-    before: dict[str, Any] | None
+    before: list[tuple[nn.Module, dict[str, Any]]] | None
+    output: Any = field(default=None)
+
+
+class _Hook:
+    """A metric's forward hook: calls ``fn`` while the fit runs. A copy of the metric (``metric.clone()``) keeps this
+    very hook and records itself; a pickled metric gets a hook that does nothing."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Hook:
+        return self
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (_Hook, (_nothing,))
+
+
+def _nothing(*args: Any) -> None:
+    return None
 
 
 class MetricCalls:
@@ -66,28 +92,36 @@ class MetricCalls:
 
     def __init__(self) -> None:
         self.metrics: list[nn.Module] = []
+        self._bound: set[int] = set()
+        self._collections: list[nn.Module] = []
         self._records: list[_Record] = []
+        self._watched: set[int] = set()
+        """Metrics given a one-number value in this step: their later calls' arguments are kept."""
         self._active = False
         self._depth = 0
         """Recorded ``forward`` calls in progress (a metric's own ``update`` inside one is not a call of its own)."""
         self._wrapped: list[tuple[nn.Module, Any, tuple[Any, ...]]] = []
         self.loss_called: set[int] = set()
-        """The ids of the metrics the last replayed step called with a one-number floating tensor (a loss,
-        perhaps)."""
+        """The ids of the metrics the last replayed step called with a one-number floating value."""
+        self.counted_tokens = False
+        """Whether a metric was called in the step with a value of several numbers (logits, targets)."""
 
     def bind(self, module: nn.Module) -> None:
         """Record the calls of every metric of ``module`` (once per fit; a metric of a metric collection included):
         ``forward`` by hooks before and after it, ``update`` by a wrapper on the instance (where torchmetrics keeps its
-        own wrapper). A copy of a metric made during the fit (``metric.clone()``, a tracker's) keeps the hooks, plain
-        functions, and records itself; its ``update`` is torchmetrics' own again (see :meth:`replay`)."""
+        own wrapper). A copy of a metric made during the fit (``metric.clone()``, a tracker's) keeps the hooks and
+        records itself; its ``update`` is torchmetrics' own again (see :meth:`replay`)."""
         self.unbind()
-        self.metrics = [m for m in module.modules() if is_metric(m)]
+        found = list(module.modules())
+        self.metrics = [m for m in found if is_metric(m)]
+        self._bound = {id(m) for m in self.metrics}
+        self._collections = [m for m in found if hasattr(m, "_compute_groups_create_state_ref")]
         for metric in self.metrics:
             own = metric.__dict__.get("update")
             metric.__dict__["update"] = self._wrap_update(metric, metric.update)
             handles = (
-                metric.register_forward_pre_hook(lambda m, a, k: self._before_forward(m, a, k), with_kwargs=True),
-                metric.register_forward_hook(lambda m, a, o: self._after_forward(), always_call=True),
+                metric.register_forward_pre_hook(_Hook(self._before_forward), with_kwargs=True),
+                metric.register_forward_hook(_Hook(self._after_forward), always_call=True),
             )
             self._wrapped.append((metric, own, handles))
 
@@ -100,12 +134,23 @@ class MetricCalls:
                 metric.__dict__["update"] = own
             for handle in handles:
                 handle.remove()
-        self._wrapped, self.metrics = [], []
+        self._wrapped, self.metrics, self._bound, self._collections = [], [], set(), []
         self.drop()
 
+    def bound(self, metric: Any) -> bool:
+        """Whether ``metric``'s calls are recorded (it existed when the fit was set up)."""
+        return id(metric) in self._bound
+
     def _record(self, metric: nn.Module, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        before = self._state(metric) if _one_numbers(args, kwargs) else None
-        self._records.append(_Record(metric, kind, args, kwargs, before))
+        values = (*args, *kwargs.values())
+        loss_like = any(_one_number(v) for v in values)
+        if any(isinstance(v, torch.Tensor) and v.numel() > 1 for v in values):
+            self.counted_tokens = True
+        if loss_like:
+            self._watched.add(id(metric))
+        if id(metric) in self._watched:  # the calls a replay may make again (from the first given a loss on)
+            before = _state(metric) if loss_like else None
+            self._records.append(_Record(metric, kind, args, kwargs, before))
 
     def _before_forward(self, metric: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self._active:
@@ -113,8 +158,13 @@ class MetricCalls:
                 self._record(metric, "forward", args, kwargs)
             self._depth += 1
 
-    def _after_forward(self) -> None:
-        self._depth = max(self._depth - 1, 0)
+    def _after_forward(self, metric: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if not self._active or not self._depth:
+            return
+        self._depth -= 1
+        last = self._records[-1] if self._records else None
+        if not self._depth and last is not None and last.metric is metric and last.kind == "forward":
+            last.output = output  # the value the step may log: made the global loss's at the replay
 
     def _wrap_update(self, metric: nn.Module, update: Any) -> Any:
         def recorded(*args: Any, **kwargs: Any) -> Any:
@@ -134,58 +184,95 @@ class MetricCalls:
         finally:
             self._active, self._depth = False, 0
 
-    @staticmethod
-    def _state(metric: nn.Module) -> dict[str, Any]:
-        """The metric's states (a tensor state copied, a list state's list: its tensors are appended, not changed) and
-        what else a call changes."""
-        defaults: dict[str, Any] = metric._defaults  # type: ignore[assignment]
-        state = {name: _copied(getattr(metric, name)) for name in defaults}
-        return state | {name: copy.copy(metric.__dict__.get(name)) for name in _KEPT}
-
-    @staticmethod
-    def _put(metric: nn.Module, state: dict[str, Any]) -> None:
-        for name, value in state.items():
-            if name in _KEPT:
-                metric.__dict__[name] = value
-            else:
-                setattr(metric, name, value)
-
-    def replay(self, local: torch.Tensor | None, total: torch.Tensor | None) -> set[int]:
-        """Every metric called with the step's returned loss ``local`` (or a view of it): put back as it was before
-        that call and called again from there, in order, with the global loss ``total`` in its place. A metric also
-        updated since by a call not recorded (a copy's ``update``) is left as the step left it. Returns the ids of the
-        metrics made global."""
+    def replay(self, local: torch.Tensor | None, total: torch.Tensor | None) -> tuple[set[int], dict[int, Any]]:
+        """Every metric called with the step's returned loss ``local`` (or a view of it, or a number equal to it):
+        put back as it was before that call and called again from there, in order, with the global loss ``total`` in
+        its place. Returns the ids of the metrics made global, and their ``forward`` outputs made again by the address
+        of the output each returned in the step (what the step may have logged)."""
         records = self._records
         self.drop()
         self.loss_called = {id(r.metric) for r in records if r.before is not None}
         done: set[int] = set()
+        outputs: dict[int, Any] = {}
         if local is None or total is None or local.numel() != 1 or not records:
-            return done
+            return done, outputs
+        number: list[float] = []  # this rank's loss as a number, read once where a number was given
+
+        def is_loss(value: Any) -> bool:
+            if isinstance(value, torch.Tensor):
+                return _one_number(value) and _aliases(value, local)
+            if type(value) is float:
+                number.extend([] if number else [float(local)])
+                return value == number[0]
+            return False
+
         tried: set[int] = set()
         for k, first in enumerate(records):
             metric = first.metric
             if id(metric) in tried or first.before is None:
                 continue
-            if not any(_aliases(v, local) for v in _one_numbers(first.args, first.kwargs)):
+            if not any(is_loss(v) for v in (*first.args, *first.kwargs.values())):
                 continue
             tried.add(id(metric))
-            now = self._state(metric)
-            self._put(metric, first.before)
+            now = _state(metric)
+            _put(first.before)
+            again = [r for r in records[k:] if r.metric is metric]
+            made = []
             with torch.no_grad():
-                for again in records[k:]:
-                    if again.metric is metric:
-                        args = tuple(_global(v, local, total) for v in again.args)
-                        kwargs = {key: _global(v, local, total) for key, v in again.kwargs.items()}
-                        getattr(metric, again.kind)(*args, **kwargs)
-            if metric.__dict__.get("_update_count") == now["_update_count"]:
-                done.add(id(metric))
-            else:  # updated by a call not recorded here: the step's state back
-                self._put(metric, now)
-        return done
+                for call in again:
+                    args = tuple(_global(v, is_loss, total) for v in call.args)
+                    kwargs = {key: _global(v, is_loss, total) for key, v in call.kwargs.items()}
+                    made.append(getattr(metric, call.kind)(*args, **kwargs))
+            if not _same_counts(now, _state(metric, counts_only=True)):  # changed by a call not recorded here
+                _put(now)
+                continue
+            done.add(id(metric))
+            outputs.update(
+                {c.output.data_ptr(): out for c, out in zip(again, made) if isinstance(c.output, torch.Tensor)}
+            )
+        if done:
+            for collection in self._collections:  # the members of a compute group given the first one's states
+                copied = bool(getattr(collection, "_state_is_copy", False))  # (anew: copies too, as they were)
+                collection.__dict__["_state_is_copy"] = False
+                relink: Any = collection._compute_groups_create_state_ref
+                relink(copied)
+        return done, outputs
 
     def drop(self) -> None:
         """Forget the recorded calls (a step given up, or settled)."""
-        self._records = []
+        self._records, self._watched, self.counted_tokens = [], set(), False
+
+
+def _state(metric: nn.Module, counts_only: bool = False) -> list[tuple[nn.Module, dict[str, Any]]]:
+    """The state of ``metric`` and of every metric inside it (a wrapper's): their states (a tensor copied, a list's
+    list: its tensors are appended, not changed), the tensors they keep as plain attributes (a running min or max),
+    what else a call changes. ``counts_only``: their update counts alone."""
+    out = []
+    for m in metric.modules():
+        if not is_metric(m):
+            continue
+        if counts_only:
+            out.append((m, {"_update_count": m.__dict__.get("_update_count")}))
+            continue
+        defaults: dict[str, Any] = m._defaults  # type: ignore[assignment]
+        state = {name: _copied(getattr(m, name)) for name in defaults}
+        plain = {k: v.clone() for k, v in m.__dict__.items() if isinstance(v, torch.Tensor) and k not in defaults}
+        out.append((m, state | plain | {name: copy.copy(m.__dict__.get(name)) for name in _KEPT}))
+    return out
+
+
+def _same_counts(a: list[tuple[nn.Module, dict[str, Any]]], b: list[tuple[nn.Module, dict[str, Any]]]) -> bool:
+    return [(id(m), s["_update_count"]) for m, s in a] == [(id(m), s["_update_count"]) for m, s in b]
+
+
+def _put(saved: list[tuple[nn.Module, dict[str, Any]]]) -> None:
+    for metric, state in saved:
+        defaults: dict[str, Any] = metric._defaults  # type: ignore[assignment]
+        for name, value in state.items():
+            if name in defaults:
+                setattr(metric, name, value)
+            else:
+                metric.__dict__[name] = value
 
 
 def _copied(value: Any) -> Any:
@@ -194,12 +281,14 @@ def _copied(value: Any) -> Any:
     return list(value) if isinstance(value, list) else copy.deepcopy(value)
 
 
-def _global(value: Any, local: torch.Tensor, total: torch.Tensor) -> Any:
-    """``total`` in ``value``'s shape and dtype where ``value`` is the step's loss ``local`` (or a view of it), else
-    ``value``."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point() and _aliases(value, local):
+def _global(value: Any, is_loss: Any, total: torch.Tensor) -> Any:
+    """``total`` in ``value``'s kind where ``value`` is the step's loss (or a view of it, or a number equal to it),
+    else ``value``."""
+    if not is_loss(value):
+        return value
+    if isinstance(value, torch.Tensor):
         return total.detach().to(device=value.device, dtype=value.dtype).reshape(value.shape)
-    return value
+    return float(total)
 
 
 __all__ = ["MetricCalls", "is_metric"]

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -80,7 +81,7 @@ class _Call:
             return self.args, self.kwargs
         named = self.arguments()
         fx = named.get("reduce_fx", "mean")
-        if named.get("sync_dist") and (fx == "sum" or fx is torch.sum):
+        if named.get("sync_dist") and (fx == "sum" or fx is torch.sum or fx is sum):
             return (), {**named, "sync_dist": False}
         return self.args, self.kwargs
 
@@ -96,6 +97,9 @@ class StepLogs:
         self._warned: set[tuple[str | None, str]] = set()
         self.metrics = MetricCalls()
         """The calls of the module's metrics in the step (their loss made global with the logged one)."""
+        self.filled = False
+        """This rank's slice of the step's batch had one target made real (no real target of its own)."""
+        self._told_filled = False
 
     def bind(self, module: torch.nn.Module) -> None:
         """Record the calls of ``module``'s metrics in its steps (the fit's start)."""
@@ -139,32 +143,36 @@ class StepLogs:
     def replay(self, local: torch.Tensor | None, total: torch.Tensor | None) -> None:
         """Log every held call in order, in its own hook: a value whose storage is the step's returned loss
         ``local`` (or the loss kept by :meth:`hold`), or a number equal to it, as ``total``, the global loss; a
-        metric once the metrics called with ``local`` hold ``total`` (:meth:`MetricCalls.replay`); the others as
-        logged."""
+        metric, or the value its ``forward`` returned, once the metrics called with ``local`` hold ``total``
+        (:meth:`MetricCalls.replay`); the others as logged."""
         calls, log, module = self._calls, self._log, self._module
         local = self._loss if local is None else local
         self._calls, self._loss = [], None
         ours = None if local is None or local.numel() != 1 or not local.is_floating_point() else local
-        made_global = self.metrics.replay(ours, total)
+        if self.filled and self.metrics.counted_tokens:
+            self._warn_filled()
+        self.filled = False
+        made_global, outputs = self.metrics.replay(ours, total)
         if not calls or log is None or module is None:
             return
         if local is None:  # the step returned no loss: nothing it logged can be made the global loss
             self._warn_unreturned(calls)
-        number = None  # this rank's loss as a Python number, read once where a number was logged
         for call in calls:
             value, args, kwargs = call.value, call.args, call.kwargs
             if isinstance(value, torch.Tensor):
                 if total is not None and ours is not None and call.is_view_of(ours):
                     value = total
                     args, kwargs = call.as_global()
+                elif call.alias is not None and call.alias.data_ptr() in outputs:  # a metric's forward's value
+                    value = outputs[call.alias.data_ptr()]
                 value = value.detach().reshape(call.value.shape)
             elif isinstance(value, float) and total is not None and ours is not None:
-                number = float(ours) if number is None else number
-                if value == number:
-                    value = float(total)
-                    args, kwargs = call.as_global()
-            elif is_metric(value) and id(value) not in made_global:
-                self._warn_rank_step_value(call)
+                value, args, kwargs = self._number(call, ours, total)
+            elif is_metric(value):
+                if not self.metrics.bound(value):
+                    self._warn_unbound(call)
+                elif id(value) not in made_global:
+                    self._warn_rank_step_value(call)
             previous = module._current_fx_name
             module._current_fx_name = call.fx  # as Lightning sets it around its hooks
             try:
@@ -172,13 +180,27 @@ class StepLogs:
             finally:
                 module._current_fx_name = previous
 
+    @staticmethod
+    def _number(call: _Call, ours: torch.Tensor, total: torch.Tensor) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+        """A logged number: the global loss where it equals this rank's loss (``loss.item()``), chosen on the loss's
+        device (nothing read on the host, unless its sum over the ranks must be dropped then), else as logged."""
+        same = ours.detach().reshape(()) == call.value
+        args, kwargs = call.as_global()
+        if (args, kwargs) != (call.args, call.kwargs):  # summed over the ranks: decided on the host
+            return (float(total), args, kwargs) if bool(same) else (call.value, call.args, call.kwargs)
+        dtype = torch.get_default_dtype()  # what Lightning makes of a number
+        number = torch.tensor(call.value, dtype=dtype, device=ours.device)
+        return torch.where(same, total.detach().reshape(()).to(device=ours.device, dtype=dtype), number), args, kwargs
+
     def _warn_unreturned(self, calls: list[_Call]) -> None:
         """Say once per hook and name that a value logged by a step that returned no loss is this rank's (Lightning's
         own ``validation_step`` examples log the loss and return nothing; under DDP that is a rank's mean over its
         whole rows, here over its slice of every row, or a Hugging Face model's share of the global mean)."""
         for call in calls:
             key = (call.fx, call.name)
-            if key in self._warned or (is_metric(call.value) and id(call.value) not in self.metrics.loss_called):
+            if key in self._warned or isinstance(call.value, float):  # a number: a learning rate as likely as a loss
+                continue
+            if is_metric(call.value) and id(call.value) not in self.metrics.loss_called:
                 continue
             self._warned.add(key)
             hook = call.fx or "the step"
@@ -190,6 +212,33 @@ class StepLogs:
                 "the same name (and a metric it was given, such as a MeanMetric, holds the global loss). Log other "
                 "values from global quantities (README: The contract with your training_step)."
             )
+
+    def _warn_filled(self) -> None:
+        """Say once, on this rank, that a metric counting the targets counted the target made real."""
+        if self._told_filled:
+            return
+        self._told_filled = True
+        warnings.warn(
+            "[paradyse] this rank's slice of a batch held no real target (e.g. a prompt masked with -100 over its "
+            "tokens), so its first target was made real (class 0) for the step: the module's mean loss stays "
+            "finite, and the strategy weighs it by 0. A torchmetrics metric the step updated from the targets "
+            "counted that token (e.g. an accuracy), which one process does not. To keep such metrics exact, return "
+            "a loss summed over the targets with ParaDySeStrategy(loss_reduction='sum') (no target is made real "
+            "then).",
+            stacklevel=2,
+        )
+
+    def _warn_unbound(self, call: _Call) -> None:
+        """Say once per name that a metric made after the fit's setup is not watched."""
+        key = (call.fx, call.name)
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        rank_zero_warn(
+            f"[paradyse] {call.fx} logged the metric {call.name!r}, made after the fit was set up: the strategy does "
+            "not see its calls, so a loss it was given stays this rank's. Create metrics in the module's __init__ "
+            "(or setup/configure_model)."
+        )
 
     def _warn_rank_step_value(self, call: _Call) -> None:
         """Say once per hook and name that a metric logged per step has a step value of this rank's tokens."""

@@ -367,6 +367,11 @@ class ParaDySeStrategy(ParallelStrategy):
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
+    def plain_model(self) -> PlainModel | None:
+        """What the checkpoints know of the module before the rewrite (its parameters' order and names)."""
+        return self._plain_model
+
+    @property
     def group(self) -> Group:
         """The process group that shares each sequence (``None`` for a single process)."""
         return self._group
@@ -1036,5 +1041,6 @@ def refuse_weight_averaging(callbacks: Sequence[Any]) -> None:
             f"{found[0]} averages a copy of the whole module made before ParaDySeStrategy shards it, which it cannot "
             f"pair with the shards this rank trains; remove the callback and average the plain weights our "
             f"checkpoints hold (their state dict is the single-process model's), or keep a running average inside "
-            f"the LightningModule over self.parameters() (each rank averages its own shards)"
+            f"the LightningModule over self.named_parameters() (each rank averages its own shards) and save it whole "
+            f"with lightning_paradyse.gather_like_params in on_save_checkpoint (shard_like_params to load it)"
         )

@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import inspect
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -899,6 +899,47 @@ def consolidated(module: nn.Module, group: Group, grads: bool = False, host: boo
                 out[replicated.get(alias, alias)] = out[key]
         persistent = set(module.state_dict(keep_vars=True))
         out.update({n: place(b.detach()) for n, b in module.named_buffers() if n in persistent})
+    return out
+
+
+def consolidated_like(module: nn.Module, tensors: Mapping[str, torch.Tensor], group: Group) -> dict[str, torch.Tensor]:
+    """Tensors shaped like this rank's parameters (keyed as ``module.named_parameters()`` names them: a running
+    average the module keeps) as the plain model's: whole, under its names, in its parameters' order, on every rank
+    (a collective per shard: every rank passes the same keys). Keys that name no parameter are refused."""
+    names = [name for name, _ in module.named_parameters()]
+    unknown = sorted(set(tensors) - set(names))
+    if unknown:
+        raise KeyError(
+            f"{unknown[:3]} name no parameter of the module: pass tensors keyed as the module's named_parameters() "
+            "names them in the fit (each shaped like that parameter)"
+        )
+    shards, replicated = shard_sources(module), replicated_sources(module)
+    pieces: dict[str, list[tuple[ShardSource, torch.Tensor]]] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name in names:  # the module's order on every rank: the gathers pair
+        if name not in tensors:
+            continue
+        ref = shards.get(name)
+        if ref is None:
+            out[replicated.get(name, name)] = tensors[name]
+        else:
+            pieces.setdefault(ref.plain, []).append((ref.source, gather_param_like(tensors[name], ref, group)))
+    for plain, parts in pieces.items():
+        out[plain] = join_pieces(parts)
+    return out
+
+
+def sharded_like(module: nn.Module, tensors: Mapping[str, torch.Tensor], group: Group) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`consolidated_like`: tensors shaped like the plain model's parameters, under its names,
+    as this rank's (keyed as ``module.named_parameters()`` names them; nothing moves between ranks). A parameter whose
+    plain name (or every piece's) is absent is left out."""
+    shards, replicated = shard_sources(module), replicated_sources(module)
+    out: dict[str, torch.Tensor] = {}
+    for name, _ in module.named_parameters():
+        ref = shards.get(name)
+        plain = ref.plain if ref is not None else replicated.get(name, name)
+        if plain in tensors:
+            out[name] = tensors[plain] if ref is None else shard_param_like(tensors[plain], ref, group).clone()
     return out
 
 

@@ -24,6 +24,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
+from lightning_paradyse import gather_like_params, shard_like_params
 from lightning_paradyse.data.batching import pack_documents
 from lightning_paradyse.lightning.language_model import LanguageModel
 from lightning_paradyse.models import build_model
@@ -435,6 +436,33 @@ class RecipeMetricsLM(TinyLM):
         self.val_loss(loss)
         self.log("val/loss", self.val_loss, on_step=False, on_epoch=True)
         return loss
+
+
+class AveragedLM(TinyLM):
+    """An exponential moving average of the weights kept in the module (the strategy refuses Lightning's
+    ``EMAWeightAveraging``: it copies the module before the shards exist), saved whole in the checkpoint with
+    ``gather_like_params`` and read back with ``shard_like_params``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ema: dict[str, Tensor] | None = None
+
+    @override
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        with torch.no_grad():
+            if self.ema is None:
+                self.ema = {n: w.detach().clone() for n, w in self.named_parameters()}
+            else:
+                for n, w in self.named_parameters():
+                    self.ema[n].mul_(0.9).add_(w.detach(), alpha=0.1)
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["ema"] = gather_like_params(self, self.ema or {})
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.ema = shard_like_params(self, checkpoint["ema"])
 
 
 class TwoValLM(TinyLM):
@@ -858,6 +886,9 @@ def cases_p2() -> dict[str, Case]:
                 lambda: (loader(shifted_targets), loader(shifted_targets, (35, 52))),
                 trainer=dict(val_check_interval=2, limit_val_batches=2, max_steps=-1, max_epochs=1),
                 strategy=dict(plan=MIXED),
+            ),
+            "averaged-weights-in-checkpoint": Case(  # on groups and on one group
+                AveragedLM, lambda: loader(ragged("targets"), rows=3), splits=SPLITS_2
             ),
             "frozen-groups": Case(  # frozen shards of a fused projection, on groups
                 lambda: FrozenLM("gpt2"),

@@ -317,6 +317,29 @@ def differences(ours: Result, plain: Result, tol: float = TOL) -> list[str]:
         bad += _optimizer_differences(i, o, r, tol)
     if ours.checkpoint.get("lr_schedulers") != plain.checkpoint.get("lr_schedulers"):
         bad.append("lr scheduler states differ")
+    bad += _kept_tensor_differences(ours.checkpoint, plain.checkpoint, tol)
+    return bad
+
+
+def _kept_tensor_differences(ours: dict[str, Any], plain: dict[str, Any], tol: float) -> list[str]:
+    """The module's own dicts of tensors in the checkpoint (``on_save_checkpoint``: an average of the weights): the
+    same keys in the same order, every tensor within ``tol``."""
+    bad: list[str] = []
+    for key, ref in plain.items():
+        if key == "state_dict" or not isinstance(ref, dict) or not ref:
+            continue
+        if not all(isinstance(v, Tensor) for v in ref.values()):
+            continue
+        mine = ours.get(key, {})
+        if list(mine) != list(ref):
+            bad.append(f"checkpoint[{key!r}] keys differ (or their order): {list(mine)[:4]} against {list(ref)[:4]}")
+        for k, v in ref.items():
+            if k not in mine:
+                continue
+            if mine[k].shape != v.shape:
+                bad.append(f"checkpoint[{key!r}][{k}]: shape {tuple(mine[k].shape)} against {tuple(v.shape)}")
+            elif rel(mine[k], v) > tol:
+                bad.append(f"checkpoint[{key!r}][{k}]: {rel(mine[k], v):.2e}")
     return bad
 
 

@@ -363,6 +363,44 @@ def test_fused_and_conv1d_projections_round_trip_exactly() -> None:
     assert not bad, bad
 
 
+def _kept_round_trip(rank: int, world: int) -> list[str]:
+    """Tensors the module keeps per parameter (twice each weight, keyed by its named_parameters names in the fit):
+    gathered, the plain model's under its names; sharded again, this rank's as they were."""
+    import torch.distributed as dist
+
+    from tests.support.families import hf_family
+
+    bad = []
+    for family in ("llama", "gpt2"):
+        torch.manual_seed(0)
+        plain = hf_family(family, n_kv_heads=4).double()
+        model = copy.deepcopy(plain)
+        parallel.parallelize(model, dist.group.WORLD)
+        kept = {n: 2 * w.detach() for n, w in model.named_parameters()}
+        whole = parallel.consolidated_like(model, kept, dist.group.WORLD)
+        expected = {n: 2 * w.detach() for n, w in plain.named_parameters()}
+        if set(whole) != set(expected):
+            bad.append(f"{family}: keys {sorted(set(whole) ^ set(expected))[:4]}")
+        bad += [f"{family}: {k}" for k, v in expected.items() if k in whole and not torch.equal(whole[k], v)]
+        again = parallel.sharded_like(model, whole, dist.group.WORLD)
+        bad += [f"{family} (sharded): {k}" for k, v in kept.items() if not torch.equal(again.get(k, v + 1), v)]
+    try:
+        parallel.consolidated_like(model, {"not.a.parameter": torch.zeros(1)}, dist.group.WORLD)
+        bad.append("an unknown name was not refused")
+    except KeyError as err:
+        if "name no parameter of the module" not in str(err):
+            bad.append(str(err))
+    return bad
+
+
+@pytest.mark.dist
+def test_tensors_kept_per_parameter_round_trip_exactly() -> None:
+    """What ``gather_like_params`` / ``shard_like_params`` rest on (a running average of the weights saved whole)."""
+    pytest.importorskip("transformers")
+    bad = run_distributed(_kept_round_trip, 2, timeout=120)[0]
+    assert not bad, bad
+
+
 def _state_on_one_rank(rank: int, world: int) -> str:
     """Optimizer state for a shard on rank 0 only: the consolidation's error on every rank, before any gather."""
     import torch.distributed as dist
