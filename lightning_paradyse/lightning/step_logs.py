@@ -8,8 +8,8 @@ value when it was called (under DDP too, which users accept as an estimate; here
 placeholder's). So while the module's step runs, :class:`StepLogs` holds its ``log`` calls of one-number tensors
 (each value copied when logged, in the hook it was logged in), and replays them in order once the step's global loss
 is known: a value that is the returned loss (the same tensor, or a view of it such as ``loss.detach()``) is logged as
-the global loss, every other one as it was. Any other ``log`` call (a torchmetrics metric, a Python number, a tensor
-of several numbers) goes to Lightning at once.
+the global loss, every other one as it was (below: Python numbers and metrics are held too). Any other ``log`` call
+(an integer, a tensor of several numbers) goes to Lightning at once.
 
 The global loss is known as soon as the step returns, except on a training step on groups of ranks, whose loss is
 this rank's share until the gradient return sums every rank's (no collective of its own): its calls are replayed
@@ -21,8 +21,9 @@ nothing) is told once per hook and name that they are this rank's, naming the fi
 
 Two more kinds of calls are held and replayed in order with them:
 - a Python number equal to this rank's loss (``self.log("train_loss", loss.item())``) is logged as the global loss;
-- a torchmetrics metric (``self.log("train/loss", self.train_loss)``) is logged once the metrics the step called with
-  its loss hold the global loss (:class:`~lightning_paradyse.lightning.metric_calls.MetricCalls`). A metric logged
+- a torchmetrics metric (``self.log("train/loss", self.train_loss)``), or the value its call returned, is logged once
+  the metrics the step called with its loss hold the global loss
+  (:class:`~lightning_paradyse.lightning.metric_calls.MetricCalls`). A metric logged
   per step (``on_step``) that was not called with the loss has a step value of this rank's tokens (as under DDP, of
   its rows): that is told once per hook and name; its epoch value counts every rank's tokens.
 
