@@ -32,13 +32,13 @@ def _strategy(module: nn.Module) -> Any:
 
 
 def gather_like_params(module: nn.Module, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """``tensors`` keyed and shaped like ``module.named_parameters()`` as the plain model's: whole, under its names
-    (on every rank; call it on every rank, as Lightning calls ``on_save_checkpoint``). As they are where ``module`` is
-    not parallelized."""
+    """``tensors`` keyed and shaped like ``module.named_parameters()`` as the plain model's: whole, under its names, in
+    its parameters' order, on the host (a GPU holds one gathered tensor at a time), on every rank (call it on every
+    rank, as Lightning calls ``on_save_checkpoint``). As they are where ``module`` is not parallelized."""
     if not parallel.is_parallelized(module):
         return dict(tensors)
     strategy = _strategy(module)
-    whole = parallel.consolidated_like(module, tensors, getattr(strategy, "group", None))
+    whole = parallel.consolidated_like(module, tensors, getattr(strategy, "group", None), host=True)
     plain = getattr(strategy, "plain_model", None)
     if plain is None:
         return whole

@@ -902,10 +902,13 @@ def consolidated(module: nn.Module, group: Group, grads: bool = False, host: boo
     return out
 
 
-def consolidated_like(module: nn.Module, tensors: Mapping[str, torch.Tensor], group: Group) -> dict[str, torch.Tensor]:
+def consolidated_like(
+    module: nn.Module, tensors: Mapping[str, torch.Tensor], group: Group, host: bool = False
+) -> dict[str, torch.Tensor]:
     """Tensors shaped like this rank's parameters (keyed as ``module.named_parameters()`` names them: a running
-    average the module keeps) as the plain model's: whole, under its names, in its parameters' order, on every rank
-    (a collective per shard: every rank passes the same keys). Keys that name no parameter are refused."""
+    average the module keeps) as the plain model's: whole, under its names, on every rank (a collective per shard:
+    every rank passes the same keys). Keys that name no parameter are refused. ``host``: each gathered piece moved to
+    the host as soon as it is gathered (a GPU holds one at a time), as :func:`consolidated` does."""
     names = [name for name, _ in module.named_parameters()]
     unknown = sorted(set(tensors) - set(names))
     if unknown:
@@ -916,14 +919,16 @@ def consolidated_like(module: nn.Module, tensors: Mapping[str, torch.Tensor], gr
     shards, replicated = shard_sources(module), replicated_sources(module)
     pieces: dict[str, list[tuple[ShardSource, torch.Tensor]]] = {}
     out: dict[str, torch.Tensor] = {}
+    place = (lambda t: t.cpu()) if host else (lambda t: t)
     for name in names:  # the module's order on every rank: the gathers pair
         if name not in tensors:
             continue
         ref = shards.get(name)
         if ref is None:
-            out[replicated.get(name, name)] = tensors[name]
+            out[replicated.get(name, name)] = place(tensors[name])
         else:
-            pieces.setdefault(ref.plain, []).append((ref.source, gather_param_like(tensors[name], ref, group)))
+            piece = place(gather_param_like(tensors[name], ref, group))
+            pieces.setdefault(ref.plain, []).append((ref.source, piece))
     for plain, parts in pieces.items():
         out[plain] = join_pieces(parts)
     return out
@@ -931,15 +936,16 @@ def consolidated_like(module: nn.Module, tensors: Mapping[str, torch.Tensor], gr
 
 def sharded_like(module: nn.Module, tensors: Mapping[str, torch.Tensor], group: Group) -> dict[str, torch.Tensor]:
     """The inverse of :func:`consolidated_like`: tensors shaped like the plain model's parameters, under its names,
-    as this rank's (keyed as ``module.named_parameters()`` names them; nothing moves between ranks). A parameter whose
-    plain name (or every piece's) is absent is left out."""
+    as this rank's (keyed as ``module.named_parameters()`` names them; nothing moves between ranks), each where its
+    parameter is. A parameter whose plain tensor is absent is left out."""
     shards, replicated = shard_sources(module), replicated_sources(module)
     out: dict[str, torch.Tensor] = {}
-    for name, _ in module.named_parameters():
+    for name, param in module.named_parameters():
         ref = shards.get(name)
         plain = ref.plain if ref is not None else replicated.get(name, name)
         if plain in tensors:
-            out[name] = tensors[plain] if ref is None else shard_param_like(tensors[plain], ref, group).clone()
+            mine = tensors[plain] if ref is None else shard_param_like(tensors[plain], ref, group)
+            out[name] = mine.to(param.device, copy=True)
     return out
 
 
