@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from typing_extensions import override
 
-from lightning_paradyse import ParaDySeStrategy
+from lightning_paradyse import ParaDySeStrategy, gather_like_params, shard_like_params
 from lightning_paradyse.distributed.spawn import run_distributed
 from lightning_paradyse.graph.dispatch import cut_piece
 from lightning_paradyse.models import build_model
@@ -85,12 +85,32 @@ def param_groups(module: nn.Module) -> list[dict[str, Any]]:
 
 
 class LM(pl.LightningModule):
-    """An ordinary LightningModule: the reference Llama (gated MLP) with targets, or a tied HF Llama with labels."""
+    """An ordinary LightningModule: the reference Llama (gated MLP) with targets, or a tied HF Llama with labels. It
+    keeps a moving average of its weights, saved whole in its checkpoints (``gather_like_params``) and read back
+    (``shard_like_params``)."""
 
     def __init__(self, model: str) -> None:
         super().__init__()
         self.hf = model == "hf-tied"
         self.model = tied_llama() if self.hf else build_model("llama-tiny")
+        self.ema: dict[str, Tensor] | None = None
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:  # (a checkpoint saved at a batch's end then
+        with torch.no_grad():  # holds what a resumed run continues from: Lightning calls the callbacks' hook first)
+            if self.ema is None:
+                self.ema = {n: w.detach().clone() for n, w in self.named_parameters()}
+            for n, w in self.named_parameters():
+                self.ema[n].mul_(0.75).add_(w.detach(), alpha=0.25)
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.ema is not None:
+            checkpoint["ema"] = gather_like_params(self, self.ema)
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.ema = shard_like_params(self, checkpoint["ema"]) if "ema" in checkpoint else None
 
     @override
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
@@ -169,6 +189,10 @@ def assert_same_state(got: dict[str, Any], ref: dict[str, Any], what: str) -> No
         assert err <= TOL, f"{what}: weight {key} relative error {err:.1e}"
     for opt, ref_opt in zip(got["optimizer_states"], ref["optimizer_states"], strict=True):
         assert_same_optimizer_state(opt, ref_opt, what)
+    assert list(got.get("ema", {})) == list(ref.get("ema", {})), f"{what}: the kept average's keys differ"
+    for key, value in ref.get("ema", {}).items():
+        err = rel_err(got["ema"][key], value)
+        assert err <= TOL, f"{what}: the kept average of {key}: relative error {err:.1e}"
 
 
 def assert_same_optimizer_state(opt: dict[str, Any], ref: dict[str, Any], what: str) -> None:
