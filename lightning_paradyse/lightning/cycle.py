@@ -478,6 +478,8 @@ class StepCycle:
         ``result`` may still read it) after the backward (:meth:`after_backward`), or when a deferred loss settles."""
         local = step_loss(output)
         self._returned = None
+        if local is None:
+            self.logs.check_output(output, getattr(self.module, "_current_fx_name", None))
         if self._share is not None:
             self.logs.hold(local)
             self._returned = None if local is None else (local, None)  # the global loss is written when settled

@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -213,6 +213,25 @@ class StepLogs:
                 "the same name (and a metric it was given, such as a MeanMetric, holds the global loss). Log other "
                 "values from global quantities (README: The contract with your training_step)."
             )
+
+    def check_output(self, output: Any, fx: str | None) -> None:
+        """Say once per hook that a step returned one-number values under other keys than ``loss`` and no loss (an
+        evaluation step's ``{"val_loss": loss}``, read in ``on_validation_batch_end``): they are this rank's."""
+        if not isinstance(output, Mapping) or "loss" in output or (fx, "<output>") in self._warned:
+            return
+        keys = [
+            k for k, v in output.items() if isinstance(v, torch.Tensor) and v.numel() == 1 and v.is_floating_point()
+        ]
+        if not keys:
+            return
+        self._warned.add((fx, "<output>"))
+        hook = fx or "the step"
+        rank_zero_warn(
+            f"[paradyse] {hook} returned {keys} and no 'loss': these values are this rank's, computed on its slice of "
+            "every sequence, not what one process returns. Return the step's loss as its output, or under 'loss': "
+            "the strategy then makes it the global loss, wherever it is read (in on_validation_batch_end's outputs "
+            "too)."
+        )
 
     def _warn_filled(self) -> None:
         """Say once, on this rank, that a metric counting the targets counted the target made real."""

@@ -474,8 +474,8 @@ class ParaDySeStrategy(ParallelStrategy):
         device; add the switcher, then set up optimizers and precision."""
         assert self.accelerator is not None
         fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting:  # they copy the module for a fit only
-            refuse_weight_averaging(trainer.callbacks)  # type: ignore[attr-defined]  # every rank alike, before any broadcast
+        if fitting:  # they act in a fit only
+            refuse_callbacks(trainer.callbacks)  # type: ignore[attr-defined]  # every rank alike, before any broadcast
         self._trainer = trainer
         self.accelerator.setup(trainer)
         comm.GRAD_REDUCE_DTYPE = torch.float32 if self.options.grad_reduce_dtype == "float32" else None
@@ -1031,10 +1031,19 @@ AVERAGING_CALLBACKS = tuple(
 """Lightning's weight-averaging callbacks (``EMAWeightAveraging`` is a ``WeightAveraging``)."""
 
 
-def refuse_weight_averaging(callbacks: Sequence[Any]) -> None:
+def refuse_callbacks(callbacks: Sequence[Any]) -> None:
     """Lightning's weight-averaging callbacks copy the module when the fit is set up, before the strategy shards it,
     and then average the copy's whole parameters with this rank's shards, pairing them by position (a crash on a
-    shape mismatch, or a wrong average where shapes happen to agree): refused, naming the fix."""
+    shape mismatch, or a wrong average where shapes happen to agree): refused, naming the fix. So is the learning-rate
+    finder (``Tuner.lr_find``): it ends the fit from inside with an exception of Lightning's own, which the spawned
+    workers report as a failure without a message (under ``ddp_spawn`` too)."""
+    finders = [type(c).__name__ for c in callbacks if isinstance(c, pl_callbacks.LearningRateFinder)]
+    if finders:
+        raise ValueError(
+            f"{finders[0]} (Tuner.lr_find) is not supported with ParaDySeStrategy: it ends the fit from inside, which "
+            "the strategy's worker processes cannot report; find the learning rate with a plain Trainer(devices=1) "
+            "on the same module (the strategy changes no result of a step), then set it for the fit"
+        )
     found = [type(c).__name__ for c in callbacks if isinstance(c, AVERAGING_CALLBACKS)]
     if found:
         raise ValueError(

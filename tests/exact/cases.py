@@ -19,7 +19,12 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 import torchmetrics
-from lightning.pytorch.callbacks import EarlyStopping, EMAWeightAveraging, StochasticWeightAveraging
+from lightning.pytorch.callbacks import (
+    EarlyStopping,
+    EMAWeightAveraging,
+    LearningRateFinder,
+    StochasticWeightAveraging,
+)
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
@@ -970,6 +975,12 @@ def cases_p2() -> dict[str, Case]:
                 lambda: loader(shifted_targets),
                 trainer=dict(callbacks=[StochasticWeightAveraging(swa_lrs=1e-3)]),
                 refused="StochasticWeightAveraging averages a copy of the whole module",
+            ),
+            "lr-finder": Case(  # Tuner.lr_find's callback ends the fit from inside
+                tiny(),
+                lambda: loader(shifted_targets),
+                trainer=dict(callbacks=[LearningRateFinder(num_training_steps=2)]),
+                refused="LearningRateFinder (Tuner.lr_find) is not supported",
             ),
             "ema": Case(
                 tiny(),

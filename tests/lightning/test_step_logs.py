@@ -137,3 +137,16 @@ def test_a_step_that_returns_no_loss_is_told_once_what_it_logged() -> None:
         warnings.simplefilter("error")
         logs.replay(None, None)  # said once
     assert [(name, float(value)) for name, value, *_ in module.seen] == [("val_loss", 1.5)] * 2
+
+
+def test_an_output_without_a_loss_but_with_one_number_values_is_told_once() -> None:
+    """``validation_step`` returning ``{"val_loss": loss}`` (read in ``on_validation_batch_end``): this rank's."""
+    logs = StepLogs()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            logs.check_output({"val_loss": torch.tensor(1.0), "count": torch.tensor(3)}, "validation_step")
+        logs.check_output({"loss": torch.tensor(1.0), "other": torch.tensor(2.0)}, "test_step")  # the loss: global
+        logs.check_output({"preds": torch.ones(4)}, "test_step")  # no one-number value
+    told = [str(w.message) for w in caught if "no 'loss'" in str(w.message)]
+    assert len(told) == 1 and "validation_step returned ['val_loss']" in told[0]
