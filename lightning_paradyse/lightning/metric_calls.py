@@ -47,7 +47,7 @@ def _one_number(value: Any) -> bool:
     return type(value) is float
 
 
-def _aliases(value: torch.Tensor, loss: torch.Tensor) -> bool:
+def aliases(value: torch.Tensor, loss: torch.Tensor) -> bool:
     """Whether ``value`` is ``loss`` or a view of its storage (both alive: the same storage)."""
     return value.device == loss.device and value.data_ptr() == loss.data_ptr()
 
@@ -149,7 +149,7 @@ class MetricCalls:
         if loss_like:
             self._watched.add(id(metric))
         if id(metric) in self._watched:  # the calls a replay may make again (from the first given a loss on)
-            before = _state(metric) if loss_like else None
+            before = metric_state(metric) if loss_like else None
             self._records.append(_Record(metric, kind, args, kwargs, before))
 
     def _before_forward(self, metric: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -200,7 +200,7 @@ class MetricCalls:
 
         def is_loss(value: Any) -> bool:
             if isinstance(value, torch.Tensor):
-                return _one_number(value) and _aliases(value, local)
+                return _one_number(value) and aliases(value, local)
             if type(value) is float:
                 number.extend([] if number else [float(local)])
                 return value == number[0]
@@ -214,8 +214,8 @@ class MetricCalls:
             if not any(is_loss(v) for v in (*first.args, *first.kwargs.values())):
                 continue
             tried.add(id(metric))
-            now = _state(metric)
-            _put(first.before)
+            now = metric_state(metric)
+            put_metric_state(first.before)
             again = [r for r in records[k:] if r.metric is metric]
             made = []
             with torch.no_grad():
@@ -223,8 +223,8 @@ class MetricCalls:
                     args = tuple(_global(v, is_loss, total) for v in call.args)
                     kwargs = {key: _global(v, is_loss, total) for key, v in call.kwargs.items()}
                     made.append(getattr(metric, call.kind)(*args, **kwargs))
-            if not _same_counts(now, _state(metric, counts_only=True)):  # changed by a call not recorded here
-                _put(now)
+            if not _same_counts(now, metric_state(metric, counts_only=True)):  # changed by a call not recorded here
+                put_metric_state(now)
                 continue
             done.add(id(metric))
             outputs.update(
@@ -243,7 +243,7 @@ class MetricCalls:
         self._records, self._watched, self.counted_tokens = [], set(), False
 
 
-def _state(metric: nn.Module, counts_only: bool = False) -> list[tuple[nn.Module, dict[str, Any]]]:
+def metric_state(metric: nn.Module, counts_only: bool = False) -> list[tuple[nn.Module, dict[str, Any]]]:
     """The state of ``metric`` and of every metric inside it (a wrapper's): their states (a tensor copied, a list's
     list: its tensors are appended, not changed), the tensors they keep as plain attributes (a running min or max),
     what else a call changes. ``counts_only``: their update counts alone."""
@@ -265,7 +265,8 @@ def _same_counts(a: list[tuple[nn.Module, dict[str, Any]]], b: list[tuple[nn.Mod
     return [(id(m), s["_update_count"]) for m, s in a] == [(id(m), s["_update_count"]) for m, s in b]
 
 
-def _put(saved: list[tuple[nn.Module, dict[str, Any]]]) -> None:
+def put_metric_state(saved: list[tuple[nn.Module, dict[str, Any]]]) -> None:
+    """Put back what :func:`metric_state` kept."""
     for metric, state in saved:
         defaults: dict[str, Any] = metric._defaults  # type: ignore[assignment]
         for name, value in state.items():
@@ -291,4 +292,4 @@ def _global(value: Any, is_loss: Any, total: torch.Tensor) -> Any:
     return float(total)
 
 
-__all__ = ["MetricCalls", "is_metric"]
+__all__ = ["MetricCalls", "aliases", "is_metric", "metric_state", "put_metric_state"]

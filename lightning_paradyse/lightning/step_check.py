@@ -11,7 +11,6 @@ with the fix (:func:`check_step_losses`).
 from __future__ import annotations
 
 import contextlib
-import copy
 import warnings
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable, Iterator
@@ -26,6 +25,7 @@ from lightning_paradyse.distributed.comm import Group, all_reduce_sum, collectiv
 from lightning_paradyse.distributed.devices import gpu_free_bytes
 from lightning_paradyse.groups.exchange import drop_group, enter_group
 from lightning_paradyse.lightning.cycle import StepCycle, step_loss
+from lightning_paradyse.lightning.metric_calls import is_metric, metric_state, put_metric_state
 from lightning_paradyse.lightning.summary import whole_sizes
 from lightning_paradyse.modes.plan import LayerPlan, OpPlan, Plan
 from lightning_paradyse.modes.specs import SeqContext
@@ -82,10 +82,7 @@ def side_effects_undone(trainer: Any, module: nn.Module, device: torch.device | 
     :func:`~lightning_paradyse.runtime.exactness.kept_rng`), every torchmetrics state and the module's own attributes
     restored afterwards (:func:`kept_attributes`: a list the step appends its loss to, a counter it increments)."""
     restore = kept_attributes(module)
-    metrics: list[Any] = [m for m in module.modules() if hasattr(m, "_defaults") and hasattr(m, "_update_count")]
-    saved = [
-        ({name: copy.deepcopy(getattr(m, name)) for name in m._defaults}, m._update_count, m._computed) for m in metrics
-    ]
+    saved = [metric_state(m) for m in module.modules() if is_metric(m)]
     barebones = trainer.barebones
     trainer.barebones = True  # self.log() warns and returns
     modes = {m: m.training for m in module.modules()}
@@ -98,10 +95,8 @@ def side_effects_undone(trainer: Any, module: nn.Module, device: torch.device | 
         trainer.barebones = barebones
         for m, training in modes.items():
             m.training = training
-        for m, (states, count, computed) in zip(metrics, saved):
-            for name, value in states.items():
-                setattr(m, name, value)
-            m._update_count, m._computed = count, computed
+        for kept in saved:
+            put_metric_state(kept)
         restore()
 
 

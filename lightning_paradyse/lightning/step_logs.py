@@ -46,7 +46,7 @@ import torch
 from lightning.pytorch.trainer.connectors.logger_connector.fx_validator import _FxValidator
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_paradyse.lightning.metric_calls import MetricCalls, is_metric
+from lightning_paradyse.lightning.metric_calls import MetricCalls, aliases, is_metric
 
 _NONE = object()
 _LOG = inspect.signature(pl.LightningModule.log)
@@ -68,7 +68,7 @@ class _Call:
 
     def is_view_of(self, loss: torch.Tensor) -> bool:
         """Whether the logged value is ``loss`` or a view of its storage (both alive: the same storage)."""
-        return self.alias is not None and self.alias.device == loss.device and self.alias.data_ptr() == loss.data_ptr()
+        return self.alias is not None and aliases(self.alias, loss)
 
     def arguments(self) -> dict[str, Any]:
         """The call's other arguments by name (``prog_bar`` .. ``rank_zero_only``), as given."""

@@ -877,22 +877,11 @@ def consolidated(module: nn.Module, group: Group, grads: bool = False, host: boo
     (gradients are keyed like ``named_parameters``, tied parameters once). ``host``: every tensor on the host, each
     gathered piece moved there as soon as it is gathered (a GPU holds one gathered parameter at a time: checkpoints).
     """
-    out: dict[str, torch.Tensor] = {}
-    shards, replicated = shard_sources(module), replicated_sources(module)
-    pieces: dict[str, list[tuple[ShardSource, torch.Tensor]]] = {}
-    place = (lambda t: t.cpu()) if host else (lambda t: t)
-    for name, param in module.named_parameters():
-        value = _value(param, grads)
-        if name in shards:
-            ref = shards[name]
-            piece = place(gather_param_like(value, ref, group)) if value is not None else None
-            if piece is not None:
-                pieces.setdefault(ref.plain, []).append((ref.source, piece))
-        elif value is not None:
-            out[replicated.get(name, name)] = place(value)
-    for plain, parts in pieces.items():
-        out[plain] = join_pieces(parts)
+    values = {name: _value(param, grads) for name, param in module.named_parameters()}
+    out = consolidated_like(module, {n: v for n, v in values.items() if v is not None}, group, host=host)
     if not grads:
+        shards, replicated = shard_sources(module), replicated_sources(module)
+        place = (lambda t: t.cpu()) if host else (lambda t: t)
         for alias, name in tied_aliases(module).items():
             key = shards[name].plain if name in shards else replicated.get(name, name)
             if key in out:
