@@ -6,15 +6,22 @@ module's step runs twice on the batch's first ``8p`` tokens, with no gradient an
 on every rank (a group of one holding every weight). The two losses must agree to the precision's tolerance;
 otherwise the step computes across its slice (e.g. shifts the targets itself) and the run stops on every rank
 with the fix (:func:`check_step_losses`).
+
+What the step logs is compared on the same two calls: the sharded call's logs as the strategy makes them (its loss,
+a number equal to it and a metric given it, made global: :class:`~lightning_paradyse.lightning.step_logs.StepLogs`)
+against the whole call's. A one-number value that differs (``torch.exp(loss)``, ``loss.clone()``, a count of the
+slice's tokens) is this rank's, not what one process logs: the check names it once in a warning with the fix
+(:func:`differing_logs`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import lightning.pytorch as pl
 import torch
@@ -26,6 +33,7 @@ from lightning_paradyse.distributed.devices import gpu_free_bytes
 from lightning_paradyse.groups.exchange import drop_group, enter_group
 from lightning_paradyse.lightning.cycle import StepCycle, step_loss
 from lightning_paradyse.lightning.metric_calls import is_metric, metric_state, put_metric_state
+from lightning_paradyse.lightning.step_logs import number_dtype
 from lightning_paradyse.lightning.summary import whole_sizes
 from lightning_paradyse.modes.plan import LayerPlan, OpPlan, Plan
 from lightning_paradyse.modes.specs import SeqContext
@@ -205,6 +213,75 @@ def check_step_losses(sharded: float, whole: float, tol: float) -> None:
         )
 
 
+LoggedValues = dict[tuple[str | None, str], float]
+"""One-number values a step logged, by hook and name (the last call's)."""
+_NONE = object()
+
+
+@contextlib.contextmanager
+def recorded_logs(module: pl.LightningModule) -> Iterator[LoggedValues]:
+    """What ``module`` logs inside the block, recorded and not logged: every one-number floating value (a tensor, read
+    on the host, or a Python float) by hook and name. Other values (a metric, an integer, several numbers) are not
+    compared. ``log`` is replaced on the instance and put back after (an instance attribute of the user's too)."""
+    out: LoggedValues = {}
+
+    def record(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point():
+            out[(module._current_fx_name, name)] = float(value.detach())
+        elif type(value) is float:  # as Lightning makes it a tensor
+            out[(module._current_fx_name, name)] = float(torch.tensor(value, dtype=number_dtype()))
+
+    own = module.__dict__.get("log", _NONE)
+    module.__dict__["log"] = record
+    try:
+        yield out
+    finally:
+        if own is _NONE:
+            module.__dict__.pop("log", None)
+        else:
+            module.__dict__["log"] = own
+
+
+class LogDifference(NamedTuple):
+    """A value the step logged that differs between the sharded call and the whole one."""
+
+    fx: str | None
+    name: str
+    sharded: float
+    whole: float
+
+
+def differing_logs(sharded: LoggedValues, whole: LoggedValues, tol: float) -> list[LogDifference]:
+    """The values logged under the same hook and name by both calls that differ beyond the relative ``tol`` (two NaNs
+    agree), in the sharded call's order."""
+    out = []
+    for key, value in sharded.items():
+        other = whole.get(key)
+        if other is None or (math.isnan(value) and math.isnan(other)):
+            continue
+        if math.isnan(value) or math.isnan(other) or abs(value - other) > tol * max(abs(other), 1e-12):
+            out.append(LogDifference(key[0], key[1], value, other))
+    return out
+
+
+def warn_differing_logs(found: list[LogDifference]) -> None:
+    """Name, once, the values the step logs as this rank's where one process logs another (see the module
+    docstring), with the fix."""
+    if not found:
+        return
+    shown = ", ".join(f"{d.name!r} ({d.sharded:.6g} on rank 0, {d.whole:.6g} in one process)" for d in found[:5])
+    more = f" and {len(found) - 5} more" if len(found) > 5 else ""
+    hook = found[0].fx or "training_step"
+    rank_zero_warn(
+        f"[paradyse] {hook} logs values computed on this rank's slice of the batch, not the values one process "
+        f"logs: {shown}{more} (the one-time step check, on the first batch's first tokens). The loss the step "
+        "returns, logged as that tensor or as loss.item(), and a torchmetrics metric given it are made global; a "
+        "value derived from the loss (torch.exp(loss), loss.clone()) or from the slice's tokens is not. Log it from "
+        "on_train_batch_end, computed from outputs['loss'] (the global loss) or from the batch it is handed (the "
+        "whole batch) (README: The contract with your training_step)."
+    )
+
+
 class StepCheck:
     """The check's state (batches left) and its run. ``enabled``: ``ParaDySeStrategy(check_step=...)``."""
 
@@ -231,6 +308,7 @@ class StepCheck:
     ) -> None:
         """The check itself (see the module docstring); ``step_fn`` is the module's training step."""
         module = cycle.module
+        assert isinstance(module, pl.LightningModule), "the strategy checks its LightningModule's step"
         info, step = cycle.pending, cycle.runner.step
         assert info is not None and step is not None
         plan, rank = step.plan, step.rank
@@ -254,21 +332,29 @@ class StepCheck:
         with torch.no_grad(), side_effects_undone(trainer, module, device):
             cycle.runner.enter(cycle.runner.whole(sharded_info, plan, rank))
             a, k = cycle.shard(sharded_info, (prefix, *rest[0]), rest[1])
-            local = step_loss(step_fn(*a, **k))
-            sharded = None if local is None else float(cycle.global_loss(local, sharded_info))
+            with recorded_logs(module) as sharded_logs, cycle.logs.trial():  # logged as the strategy logs them
+                with cycle.logs.capture(module):
+                    local = step_loss(step_fn(*a, **k))
+                total = None if local is None else cycle.global_loss(local, sharded_info)
+                cycle.logs.replay(local, total)
+            sharded = None if total is None else float(total)
             enter_group(module, group, [1] * p)  # every weight on every rank: the whole step, p times
             try:
                 parallel.configure(module, SeqContext(whole_info.layout, None), whole_plan(plan))
                 piece, sources = shard_batch(prefix, whole_info, 0)  # the whole prefix, as one process holds it
                 parallel.set_step_sources(module, sources, whole_info.padding)
-                whole = step_loss(step_fn(piece, *rest[0], **rest[1]))
+                with recorded_logs(module) as whole_logs:  # logged as one process logs them
+                    whole = step_loss(step_fn(piece, *rest[0], **rest[1]))
             finally:
                 drop_group(module)
         cycle.runner.enter(step)  # the batch's own step again
         cycle.pending = info
         self.left = 0
+        dtype = whole.dtype if whole is not None else torch.get_default_dtype()
+        tol = step_check_tolerance(dtype, trainer.precision)
         if sharded is not None and whole is not None:
-            check_step_losses(sharded, float(whole), step_check_tolerance(whole.dtype, trainer.precision))
+            check_step_losses(sharded, float(whole), tol)
+        warn_differing_logs(differing_logs(sharded_logs, whole_logs, tol))
 
 
 def whole_plan(plan: Plan) -> Plan:
@@ -297,10 +383,15 @@ __all__ = [
     "LOW_PRECISION_TOLERANCE",
     "STEP_CHECK_TOLERANCE",
     "TF32_TOLERANCE",
+    "LogDifference",
+    "LoggedValues",
     "StepCheck",
     "check_step_losses",
+    "differing_logs",
     "prefix_batch",
+    "recorded_logs",
     "side_effects_undone",
     "step_check_tolerance",
+    "warn_differing_logs",
     "whole_plan",
 ]

@@ -15,7 +15,8 @@ The global loss is known as soon as the step returns, except on a training step 
 this rank's share until the gradient return sums every rank's (no collective of its own): its calls are replayed
 then, after the backward and before Lightning reads the step's metrics. Values the step derives from its loss
 (``torch.exp(loss)``) or from its logits stay this rank's: log them from ``on_train_batch_end`` with
-``outputs["loss"]``, the global loss, or compute them with ``sync_dist=True`` where a mean over ranks is meant. A step
+``outputs["loss"]``, the global loss, or compute them with ``sync_dist=True`` where a mean over ranks is meant (the
+one-time step check names those a training step logs: :mod:`~lightning_paradyse.lightning.step_check`). A step
 that returns no loss but logged such values (Lightning's own ``validation_step`` examples log the loss and return
 nothing) is told once per hook and name that they are this rank's, naming the fix: return the loss.
 
@@ -65,6 +66,9 @@ class _Call:
     alias: torch.Tensor | None
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
+    dtype: torch.dtype = torch.float32
+    """What Lightning would have made a Python number into when it was logged: the default dtype then, no lower than
+    float32 (float64 inside a ``precision="64-true"`` step; the replay may run outside it)."""
 
     def is_view_of(self, loss: torch.Tensor) -> bool:
         """Whether the logged value is ``loss`` or a view of its storage (both alive: the same storage)."""
@@ -85,6 +89,12 @@ class _Call:
         if named.get("sync_dist") and (fx == "sum" or fx is torch.sum or fx is sum):
             return (), {**named, "sync_dist": False}
         return self.args, self.kwargs
+
+
+def number_dtype() -> torch.dtype:
+    """The dtype Lightning makes a logged Python number into now: the default dtype, no lower than float32."""
+    dtype = torch.get_default_dtype()
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
 
 
 class StepLogs:
@@ -121,7 +131,7 @@ class StepLogs:
                 alias = value.detach()  # [] or [1]: the loss itself, or a view of it, when the step logs its loss
                 self._calls.append(_Call(fx, name, alias.clone(), alias, args, kwargs))
             elif type(value) is float or is_metric(value):  # loss.item(); a metric called with the loss, perhaps
-                self._calls.append(_Call(fx, name, value, None, args, kwargs))
+                self._calls.append(_Call(fx, name, value, None, args, kwargs, number_dtype()))
             else:
                 return log(name, value, *args, **kwargs)  # type: ignore[no-any-return]
             return None
@@ -167,8 +177,8 @@ class StepLogs:
                 elif call.alias is not None and call.alias.data_ptr() in outputs:  # a metric's forward's value
                     value = outputs[call.alias.data_ptr()]
                 value = value.detach().reshape(call.value.shape)
-            elif isinstance(value, float) and total is not None and ours is not None:
-                value, args, kwargs = self._number(call, ours, total)
+            elif isinstance(value, float):
+                value, args, kwargs = self._number(call, ours, total, module.device)
             elif is_metric(value):
                 if not self.metrics.bound(value):
                     self._warn_unbound(call)
@@ -182,16 +192,21 @@ class StepLogs:
                 module._current_fx_name = previous
 
     @staticmethod
-    def _number(call: _Call, ours: torch.Tensor, total: torch.Tensor) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+    def _number(
+        call: _Call, ours: torch.Tensor | None, total: torch.Tensor | None, device: torch.device
+    ) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
         """A logged number: the global loss where it equals this rank's loss (``loss.item()``), chosen on the loss's
-        device (nothing read on the host, unless its sum over the ranks must be dropped then), else as logged."""
+        device (nothing read on the host, unless its sum over the ranks must be dropped then), else as logged; in the
+        dtype Lightning made it into when it was logged (:attr:`_Call.dtype`)."""
+        if ours is None or total is None:
+            return torch.tensor(call.value, dtype=call.dtype, device=device), call.args, call.kwargs
         same = ours.detach().reshape(()) == call.value
+        number = torch.tensor(call.value, dtype=call.dtype, device=ours.device)  # what Lightning made of it
+        global_loss = total.detach().reshape(()).to(device=ours.device, dtype=call.dtype)
         args, kwargs = call.as_global()
         if (args, kwargs) != (call.args, call.kwargs):  # summed over the ranks: decided on the host
-            return (float(total), args, kwargs) if bool(same) else (call.value, call.args, call.kwargs)
-        dtype = torch.get_default_dtype()  # what Lightning makes of a number
-        number = torch.tensor(call.value, dtype=dtype, device=ours.device)
-        return torch.where(same, total.detach().reshape(()).to(device=ours.device, dtype=dtype), number), args, kwargs
+            return (global_loss, args, kwargs) if bool(same) else (number, call.args, call.kwargs)
+        return torch.where(same, global_loss, number), args, kwargs
 
     def _warn_unreturned(self, calls: list[_Call]) -> None:
         """Say once per hook and name that a value logged by a step that returned no loss is this rank's (Lightning's
@@ -277,6 +292,16 @@ class StepLogs:
             "the metric's dist_sync_on_step=True for a step value of the whole batch."
         )
 
+    @contextlib.contextmanager
+    def trial(self) -> Iterator[None]:
+        """Steps held and replayed inside the block (the one-time step check's) leave what is told once as it was:
+        a warning they would give is still given by the fit's own steps."""
+        warned, told, filled = set(self._warned), self._told_filled, self.filled
+        try:
+            yield
+        finally:
+            self._warned, self._told_filled, self.filled = warned, told, filled
+
     def drop(self) -> None:
         """Forget the held calls (a step given up)."""
         self._calls, self._loss = [], None
@@ -289,4 +314,4 @@ class StepLogs:
         self._log, self._module = None, None
 
 
-__all__ = ["StepLogs"]
+__all__ = ["StepLogs", "number_dtype"]

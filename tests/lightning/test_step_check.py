@@ -3,21 +3,32 @@ a step that shifts its own targets, are cases of :mod:`tests.exact.cases`)."""
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections import deque
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn as nn
+import torchmetrics
+from torch.utils.data import DataLoader
+from typing_extensions import override
 
+from lightning_paradyse import ParaDySeStrategy
+from lightning_paradyse.distributed.spawn import run_distributed
+from lightning_paradyse.lightning.language_model import LanguageModel
 from lightning_paradyse.lightning.step_check import (
     check_step_losses,
+    differing_logs,
     kept_attributes,
     prefix_batch,
     step_check_tolerance,
     whole_plan,
 )
 from lightning_paradyse.modes.plan import parse_plan, uniform_plan
+from tests.support.dist import free_port
+from tests.support.lightning import quiet_trainer, strategy_environment
 
 
 def test_the_whole_run_keeps_each_ops_mode_without_recomputation() -> None:
@@ -89,3 +100,61 @@ def test_the_modules_own_attributes_are_put_back_after_the_check() -> None:
         {"a": 1, "b": 2},
         8.0,
     )
+
+
+def test_logged_values_that_differ_are_named_in_the_sharded_calls_order() -> None:
+    tol = step_check_tolerance(torch.float64, "64-true")
+    sharded = {("training_step", "ppl"): 3.0, ("training_step", "loss"): 1.0, ("training_step", "nan"): float("nan")}
+    whole = {("training_step", "ppl"): 2.5, ("training_step", "loss"): 1.0 + tol / 2, ("training_step", "nan"): 1.0}
+    whole |= {("training_step", "only_whole"): 1.0}
+    assert [d.name for d in differing_logs(sharded, whole, tol)] == ["ppl", "nan"]
+    assert differing_logs({("s", "n"): float("nan")}, {("s", "n"): float("nan")}, tol) == []
+
+
+class PerplexityLM(LanguageModel):
+    """Logs what recipes log in the step: the loss (as the tensor and as a number), a MeanMetric of it and its
+    value, a learning rate, and values derived from the loss and the slice (these two are this rank's)."""
+
+    def __init__(self) -> None:
+        super().__init__("llama-tiny")
+        self.mean_loss = torchmetrics.MeanMetric()
+
+    @override
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.log("loss", loss)
+        self.log("loss_item", loss.item())
+        self.log("mean_loss", self.mean_loss(loss))
+        self.log("lr", 1e-3)
+        self.log("ppl", torch.exp(loss))
+        self.log("tokens", float(batch["input_ids"].numel()))
+        return loss
+
+
+def _warned(rank: int, world: int, port: int) -> list[str]:
+    strategy_environment(rank, world)
+    os.environ["MASTER_PORT"] = str(port)
+    pl.seed_everything(0, verbose=False)
+    gen = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(2):
+        x = torch.randint(0, 128, (2, 33), generator=gen)
+        batches.append({"input_ids": x[:, :-1], "targets": x[:, 1:]})
+    trainer = quiet_trainer(world, ParaDySeStrategy(timeout=60, plan="tp_sp"), [], max_steps=2, precision="64-true")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(PerplexityLM(), DataLoader(batches, batch_size=None))
+    return [str(w.message) for w in caught if "slice of the batch" in str(w.message)]
+
+
+def test_the_check_names_logged_values_that_are_this_ranks_own() -> None:
+    """The loss logged as the tensor or as ``loss.item()``, a MeanMetric's value of it and a constant are what one
+    process logs; ``torch.exp(loss)`` and a count of the slice's tokens are this rank's: named once, on rank 0."""
+    told = run_distributed(_warned, 2, free_port(), timeout=120)
+    assert told[1] == [], told  # rank_zero_warn
+    assert len(told[0]) == 1, told
+    message = told[0][0]
+    named = message.split("(the one-time step check")[0]
+    assert "'ppl' (" in named and "'tokens' (16 on rank 0, 32 in one process)" in named, message
+    assert not any(f"'{name}' (" in named for name in ("loss", "loss_item", "mean_loss", "lr")), message
+    assert "outputs['loss']" in message, message

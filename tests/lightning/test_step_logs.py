@@ -76,6 +76,31 @@ def test_a_number_equal_to_the_loss_is_logged_as_the_global_loss() -> None:
     ]
 
 
+@pytest.mark.parametrize("settled", [True, False])
+def test_a_number_keeps_the_dtype_lightning_made_it_into_when_it_was_logged(settled: bool) -> None:
+    """Under ``precision="64-true"`` the step runs with float64 as the default dtype (Lightning's precision context)
+    and its replay may run outside it (after the backward): a number logged there is float64, as one process logs it
+    (it was rounded to float32 until 2026-11-30: 4e-8 off ``loss.item()``, a learning rate 5e-8 off). Without a loss
+    (``settled=False``) the numbers are logged as logged, in that dtype too."""
+    module, logs = Module(), StepLogs()
+    loss = torch.tensor(2.5, dtype=torch.float64) / 3
+    total = torch.tensor(5.0, dtype=torch.float64) / 3
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with logs.capture(module):
+            module.log("item", loss.item())
+            module.log("lr", 0.001)
+    finally:
+        torch.set_default_dtype(before)
+    assert torch.get_default_dtype() == torch.float32
+    logs.replay(loss if settled else None, total if settled else None)
+    seen = {name: value for name, value, _, _ in module.seen}
+    assert all(value.dtype == torch.float64 for value in seen.values()), seen
+    assert float(seen["lr"]) == 0.001
+    assert float(seen["item"]) == (total.item() if settled else loss.item())
+
+
 @pytest.mark.parametrize("reduce_fx", ["sum", torch.sum])
 def test_the_global_loss_is_not_summed_over_the_ranks(reduce_fx: Any) -> None:
     """Every rank holds the global loss: ``sync_dist=True`` with a sum would count it once per rank (a mean or a max
