@@ -207,9 +207,11 @@ def check_step_losses(sharded: float, whole: float, tol: float) -> None:
             f"the training step computes something across the tokens of its slice: on the first batch's first "
             f"tokens its loss is {sharded:.10g} when each rank runs its slice, but {whole:.10g} when one process "
             f"runs them all. Common causes: shifting targets in the step (logits[:, :-1] against ids[:, 1:]; shift "
-            f"them in the data, or pass labels= to a Hugging Face model), a loss reduced per sequence, or a loss "
-            f"summed over the tokens (reduction='sum': tell the strategy, ParaDySeStrategy(loss_reduction='sum')). "
-            f"ParaDySeStrategy(check_step=False) turns this check off"
+            f"them in the data, or pass labels= to a Hugging Face model), a loss reduced per sequence, a loss "
+            f"summed over the tokens (reduction='sum': tell the strategy, ParaDySeStrategy(loss_reduction='sum')), "
+            f"or a term computed from self.parameters(), such as an L2 penalty (each rank holds a slice of every "
+            f"weight: use the optimizer's weight_decay, or add the penalty's gradient in on_before_optimizer_step, "
+            f"p.grad.add_(p, alpha=2 * l2), which is exact). ParaDySeStrategy(check_step=False) turns this check off"
         )
 
 

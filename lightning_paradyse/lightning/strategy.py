@@ -75,13 +75,14 @@ from typing_extensions import override
 
 from lightning_paradyse.calibration.profile import is_profile_file, load_profile
 from lightning_paradyse.distributed import comm
-from lightning_paradyse.distributed.comm import Group, all_gather_rows, group_size
+from lightning_paradyse.distributed.comm import Group, all_gather_rows, collective_device, group_size
 from lightning_paradyse.distributed.devices import (
     broadcast_module,
     check_local_gpus,
     check_profile_device,
     expand_devices,
     resolve_backend,
+    to_device,
 )
 from lightning_paradyse.groups.exchange import measure_regroup
 from lightning_paradyse.groups.solver import MAX_GROUPS, smallest_group
@@ -750,7 +751,11 @@ class ParaDySeStrategy(ParallelStrategy):
             if all(p.grad is None for group in optimizer.param_groups for p in group["params"]):
                 return loss
             return super().optimizer_step(optimizer, lambda: loss, model, **kwargs)  # earlier micro-batches' grads
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        try:
+            output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        except RuntimeError as err:
+            _explain_grad_view_error(err)
+            raise
         self.cycle.stepped()
         self._optimizer_steps += 1
         if exactness.replica_check_due(self._optimizer_steps, self.options.check_replicas_every):
@@ -844,14 +849,18 @@ class ParaDySeStrategy(ParallelStrategy):
             return super().all_gather(tensor, group, sync_grads)
         group = group if group is not None else dist.group.WORLD
         p = group_size(group)
+        _check_gathered_shapes(tensor, group, p)
         return all_gather_rows(tensor.detach().unsqueeze(0), [1] * p, group)  # [...] -> [p, ...]
 
     @override
     def reduce(
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor | Any:
+        """``tensor`` reduced over the ranks, into a copy: Lightning's DDP reduces in place, and the tensor may be (a
+        view of) the step's loss, whose value the strategy reads after the step (``strategy.reduce(loss.detach())``
+        would have made it the mean of the ranks' own losses)."""
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return _sync_ddp_if_available(tensor.clone(), group, reduce_op=reduce_op)
         return tensor
 
     # ------------------------------------------------------------------ checkpoints
@@ -1052,4 +1061,50 @@ def refuse_callbacks(callbacks: Sequence[Any]) -> None:
             f"checkpoints hold (their state dict is the single-process model's), or keep a running average inside "
             f"the LightningModule over self.named_parameters() (each rank averages its own shards) and save it whole "
             f"with lightning_paradyse.gather_like_params in on_save_checkpoint (shard_like_params to load it)"
+        )
+
+
+_GRAD_VIEW_ERRORS = (
+    "A view was created in no_grad mode and is being modified inplace",
+    "a leaf Variable that requires grad is being used in an in-place operation",
+)
+"""PyTorch's errors for a gradient that is a view of a shared buffer changed in place with an operand that requires a
+gradient, in grad mode."""
+
+
+def _explain_grad_view_error(err: RuntimeError) -> None:
+    """Raise, in place of PyTorch's ``err``, what it means when a hook before the optimizer step raised it (Lightning's
+    ``_after_closure`` runs the module's and the callbacks' ``on_before_optimizer_step``); else return."""
+    frames, tb = [], err.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    if "_after_closure" not in frames or not any(text in str(err) for text in _GRAD_VIEW_ERRORS):
+        return
+    raise RuntimeError(
+        "a hook before the optimizer step changed a gradient in place, in grad mode, with an operand that requires a "
+        "gradient (such as p.grad.add_(p, alpha=wd) in on_before_optimizer_step): under ParaDySeStrategy the "
+        "gradients are views of one buffer (as DDP's with gradient_as_bucket_view=True and FSDP2's are), which "
+        "PyTorch refuses to change that way. Change them under torch.no_grad() (with torch.no_grad(): "
+        "p.grad.add_(p, alpha=wd)), which is exact, or use the optimizer's weight_decay"
+    ) from err
+
+
+GATHERED_DIMS = 8
+"""Dimensions of a tensor :meth:`ParaDySeStrategy.all_gather` compares over the ranks before gathering it."""
+
+
+def _check_gathered_shapes(tensor: Tensor, group: Any, p: int) -> None:
+    """Raise on every rank, before the gather, when the ranks' tensors differ in shape (gloo aborts the processes,
+    NCCL hangs): one small all-gather of every rank's shape."""
+    dims = list(tensor.shape)[:GATHERED_DIMS]
+    header = torch.tensor([tensor.dim(), *dims, *[-1] * (GATHERED_DIMS - len(dims))], dtype=torch.int64)  # [1 + D]
+    every = all_gather_rows(to_device(header.view(1, -1), collective_device(group)), [1] * p, group)  # -> [p, 1 + D]
+    shapes = [tuple(row[1 : 1 + min(row[0], GATHERED_DIMS)]) for row in every.tolist()]
+    if len(set(shapes)) > 1:
+        raise ValueError(
+            f"all_gather of tensors whose shapes differ between the ranks ({shapes}, rank by rank): under "
+            "ParaDySeStrategy each rank holds a slice of every sequence (its own tokens), so values kept per token "
+            "differ in length between the ranks. Keep them in a torchmetrics metric (its state is summed over the "
+            "ranks when computed: each token counts once), or gather tensors of one shape (e.g. per-batch sums)"
         )

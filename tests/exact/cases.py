@@ -8,6 +8,7 @@ on by Trainer flags, and the optimizers and hooks of common recipes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import tempfile
 import warnings
@@ -387,6 +388,54 @@ class NormLoggingLM(TinyLM):
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         self.log("grad_norm", torch.nn.utils.get_total_norm(grads))
+
+
+class HandDecayLM(TinyLM):
+    """Weight decay added to every gradient by hand before the optimizer step, under ``torch.no_grad()`` (exact); in
+    grad mode (``grad_mode=True``, as hooks run) PyTorch refuses to change a gradient that is a view of a shared
+    buffer that way (ours are, as DDP's with ``gradient_as_bucket_view`` and FSDP2's): refused on every rank, naming
+    the fix (PyTorch's own message until 2026-11-30)."""
+
+    def __init__(self, grad_mode: bool = False) -> None:
+        super().__init__()
+        self.grad_mode = grad_mode
+
+    @override
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        with contextlib.nullcontext() if self.grad_mode else torch.no_grad():
+            for p in self.parameters():
+                if p.grad is not None:
+                    p.grad.add_(p, alpha=0.01)
+
+
+class ReducedLossLM(TinyLM):
+    """Reduces its loss over the ranks with the strategy's ``reduce``, as DDP scripts do: the loss it returns stays its
+    own (Lightning's DDP reduces in place, which made it the mean of the ranks' own losses until 2026-11-30)."""
+
+    @override
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.trainer.strategy.reduce(loss.detach(), reduce_op="mean")
+        return loss
+
+
+class GatheredTokensLM(TinyLM):
+    """Keeps every validation token's target and all-gathers them at the epoch's end (to compute a metric over the
+    epoch, as DDP scripts do): each rank holds its slice of the sequence, so the ranks' tensors differ in length, which
+    aborted the processes inside gloo until 2026-11-30; refused on every rank, naming the fix."""
+
+    @override
+    def on_validation_epoch_start(self) -> None:
+        self.kept: list[Tensor] = []
+
+    @override
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        self.kept.append(batch["targets"].flatten())
+        return super().validation_step(batch, batch_idx)
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        self.all_gather(torch.cat(self.kept))
 
 
 class AccuracyLM(TinyLM):
@@ -876,6 +925,32 @@ def cases_p2() -> dict[str, Case]:
                 ListMoEAccumulateLM, lambda: loader(shifted_targets, (12, 10, 12, 10)), strategy=dict(plan="ulysses")
             ),
             "grad-norm-logged": Case(NormLoggingLM, lambda: loader(ragged("targets"), rows=3)),
+            "grad-changed-in-hook-groups": Case(HandDecayLM, lambda: loader(ragged("targets"), rows=3)),
+            "grad-changed-in-hook-one-group": Case(
+                HandDecayLM, lambda: loader(ragged("targets"), rows=3), strategy=dict(plan="ulysses")
+            ),
+            "grad-changed-in-grad-mode-groups": Case(
+                lambda: HandDecayLM(grad_mode=True),
+                lambda: loader(ragged("targets"), rows=3),
+                refused="torch.no_grad()",
+            ),
+            "grad-changed-in-grad-mode-one-group": Case(
+                lambda: HandDecayLM(grad_mode=True),
+                lambda: loader(ragged("targets"), rows=3),
+                strategy=dict(plan="ulysses"),
+                refused="torch.no_grad()",
+            ),
+            "all-gather-uneven": Case(
+                GatheredTokensLM,
+                lambda: (loader(shifted_targets), loader(shifted_targets, (35,))),
+                trainer=dict(val_check_interval=2),
+                strategy=dict(plan="ulysses"),
+                refused="shapes differ between the ranks",
+            ),
+            "reduce-in-step-groups": Case(ReducedLossLM, lambda: loader(ragged("targets"), rows=3)),
+            "reduce-in-step-one-group": Case(
+                ReducedLossLM, lambda: loader(ragged("targets"), rows=3), strategy=dict(plan="tp_sp")
+            ),
             "torchmetrics-accuracy": Case(  # on groups (training) and one group (validation)
                 AccuracyLM,
                 lambda: (loader(ragged("targets"), rows=3), loader(ragged("targets"), (35, 52), rows=3)),
