@@ -57,7 +57,7 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.init import _EmptyInit
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import pl_worker_init_function
-from lightning.fabric.utilities.types import ReduceOp
+from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.loops.optimization.automatic import ClosureResult
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
@@ -86,7 +86,7 @@ from lightning_paradyse.distributed.devices import (
 )
 from lightning_paradyse.groups.exchange import measure_regroup
 from lightning_paradyse.groups.solver import MAX_GROUPS, smallest_group
-from lightning_paradyse.lightning import collection
+from lightning_paradyse.lightning import collection, finetuning
 from lightning_paradyse.lightning.callbacks import ParaDySeSwitcher, logs_step
 from lightning_paradyse.lightning.cycle import StepCycle, reporting_result
 from lightning_paradyse.lightning.launch import SpawnLauncher, make_launcher, stop_workers
@@ -897,8 +897,28 @@ class ParaDySeStrategy(ParallelStrategy):
         return consolidate_optimizer_state(optimizer, self._module, plain, self._group, host=True)
 
     @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """Write the checkpoint (rank 0), finetuning callbacks' param groups by plain names
+        (:mod:`~lightning_paradyse.lightning.finetuning`)."""
+        if _parallelized_blocks(self._module) is not None and self._plain_model is not None:
+            checkpoint = finetuning.to_plain(checkpoint, self._module, self._plain_model)
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """Read a checkpoint, finetuning callbacks' param groups by the rewritten model's names."""
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        if _parallelized_blocks(self._module) is not None and self._plain_model is not None:
+            checkpoint = finetuning.to_parallel(checkpoint, self._module, self._plain_model)
+        return checkpoint
+
+    @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """Load plain optimizer states (a single-process run's, or ours from any process count or plan)."""
+        """Load plain optimizer states (a single-process run's, or ours from any process count or plan), after the
+        param groups a finetuning callback restored from the checkpoint
+        (:func:`~lightning_paradyse.lightning.finetuning.restore_groups`)."""
+        if self._trainer is not None:
+            finetuning.restore_groups(self._trainer, self._module)
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             plain = recorded(self._plain_model)
             load_optimizer_state(optimizer, self._module, plain, state, self._group)

@@ -30,7 +30,7 @@ over it (all ranks call it, in the same order).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,18 +140,13 @@ def plain_order(
     in the parallel module and are put in the plain module's order (an MLP's ``gate`` before ``up``, ``q_norm``
     before ``k_norm``), as iterating the plain module lists them.
     """
-    ops = {path for path, _ in parallel.dispatchers(module)}
     order: list[list[str]] = []
     seen: set[str] = set()
     at = 0
     for group in optimizer.param_groups:
         mine = names[at : at + len(group["params"])]
         at += len(group["params"])
-        ordered: list[str] = []
-        for _, run in itertools.groupby(mine, key=lambda n: _op_of(n, ops)):
-            pieces = dict.fromkeys(targets[n][0] for n in run)  # pieces of one plain weight: once
-            ordered += sorted(pieces, key=plain.position) if len(pieces) > 1 else list(pieces)
-        ordered = list(dict.fromkeys(ordered))
+        ordered = plain_names(mine, targets, plain, module)
         twice = seen.intersection(ordered)
         if twice:
             raise ValueError(
@@ -161,6 +156,26 @@ def plain_order(
         seen.update(ordered)
         order.append(ordered)
     return order
+
+
+def plain_names(names: Sequence[str], targets: Mapping[str, Target], plain: PlainModel, module: nn.Module) -> list[str]:
+    """The plain parameters behind the parallelised ``module``'s parameters ``names`` (a list a plain optimizer
+    would hold), each once, in the order :func:`plain_order` explains."""
+    ops = {path for path, _ in parallel.dispatchers(module)}
+    ordered: list[str] = []
+    for _, run in itertools.groupby(names, key=lambda n: _op_of(n, ops)):
+        pieces = dict.fromkeys(targets[n][0] for n in run)  # pieces of one plain weight: once
+        ordered += sorted(pieces, key=plain.position) if len(pieces) > 1 else list(pieces)
+    return list(dict.fromkeys(ordered))
+
+
+def parallel_names(names: Sequence[str], targets: Mapping[str, Target]) -> list[str]:
+    """The inverse of :func:`plain_names`: the parallelised module's parameters behind the plain parameters ``names``
+    (every shard of each, in the module's order); a name that is no plain parameter is kept as it is."""
+    behind: dict[str, list[str]] = {}
+    for name, (target, _) in targets.items():
+        behind.setdefault(target, []).append(name)
+    return [mine for name in names for mine in behind.get(name, [name])]
 
 
 def _op_of(name: str, ops: set[str]) -> str:
@@ -346,7 +361,9 @@ __all__ = [
     "PlainModel",
     "consolidate_optimizer_state",
     "load_optimizer_state",
+    "parallel_names",
     "parameter_names",
+    "plain_names",
     "plain_order",
     "plain_targets",
     "recorded",
