@@ -39,7 +39,7 @@ from lightning_paradyse.modes.plan import LayerPlan, OpPlan, Plan
 from lightning_paradyse.modes.specs import SeqContext
 from lightning_paradyse.runtime import parallel
 from lightning_paradyse.runtime.exactness import kept_rng
-from lightning_paradyse.runtime.slicing import describe_batch, shard_batch
+from lightning_paradyse.runtime.slicing import IGNORE_INDEX, describe_batch, find_targets, shard_batch
 
 ATTEMPTS = 8
 """Batches on which the check may still run (it waits for a batch whose first tokens have a real target)."""
@@ -70,6 +70,28 @@ def prefix_batch(batch: Any, b: int, s: int, m: int) -> Any:
     if isinstance(batch, (list, tuple)):
         return type(batch)(cut(v) for v in batch)
     return cut(batch)
+
+
+def uneven_targets(probe: Any, batch: Any) -> Any:
+    """``probe`` with the targets of its first two positions ignored (-100) where ``batch`` ignores some of its own
+    targets already (its loss handles -100): the first rank then holds fewer real targets than the others (positions 0
+    and 1 are its own in every layout of the probe's ``8p`` tokens), so a loss averaged over anything but the real
+    targets (every position, padding included: ``reduction="none"`` then ``.mean()``, a term over all tokens) differs
+    between the sharded and the whole run, where on a probe whose targets are all real it would not. Else ``probe``."""
+    key, targets = find_targets(batch)
+    _, cut = find_targets(probe)
+    if targets is None or cut is None or cut.dim() < 2 or cut.shape[1] < 4:
+        return probe
+    if not bool((targets == IGNORE_INDEX).any()):  # read on the host once (the check's own)
+        return probe
+    masked = cut.clone()
+    masked[:, :2] = IGNORE_INDEX  # [b, m]
+    if isinstance(probe, dict) and key is not None:
+        return {**probe, key: masked}
+    if isinstance(probe, (list, tuple)):
+        items = [masked if v is cut else v for v in probe]
+        return probe._make(items) if hasattr(probe, "_fields") else type(probe)(items)  # type: ignore[union-attr]
+    return probe
 
 
 def step_check_tolerance(dtype: torch.dtype, precision: str | None) -> float:
@@ -208,6 +230,8 @@ def check_step_losses(sharded: float, whole: float, tol: float) -> None:
             f"tokens its loss is {sharded:.10g} when each rank runs its slice, but {whole:.10g} when one process "
             f"runs them all. Common causes: shifting targets in the step (logits[:, :-1] against ids[:, 1:]; shift "
             f"them in the data, or pass labels= to a Hugging Face model), a loss reduced per sequence, a loss "
+            f"averaged over every position, padding included (reduction='none' then .mean(), or a term over all "
+            f"tokens: average over the real targets, targets != -100), a loss "
             f"summed over the tokens (reduction='sum': tell the strategy, ParaDySeStrategy(loss_reduction='sum')), "
             f"or a term computed from self.parameters(), such as an L2 penalty (each rank holds a slice of every "
             f"weight: use the optimizer's weight_decay, or add the penalty's gradient in on_before_optimizer_step, "
@@ -318,7 +342,7 @@ class StepCheck:
         cycle.fixed.exclude()  # the check's forward passes are no part of this step's costs
         batch = args[0] if args else kwargs.get("batch")
         p = group_size(group)
-        prefix = prefix_batch(batch, info.batch, info.seq_len, min(info.seq_len, 8 * p))
+        prefix = uneven_targets(prefix_batch(batch, info.batch, info.seq_len, min(info.seq_len, 8 * p)), batch)
         rest = (args[1:], {k: v for k, v in kwargs.items() if k != "batch"})
         try:
             sharded_info = cycle.inspect(prefix)
@@ -394,6 +418,7 @@ __all__ = [
     "recorded_logs",
     "side_effects_undone",
     "step_check_tolerance",
+    "uneven_targets",
     "warn_differing_logs",
     "whole_plan",
 ]

@@ -390,6 +390,19 @@ class NormLoggingLM(TinyLM):
         self.log("grad_norm", torch.nn.utils.get_total_norm(grads))
 
 
+class EveryPositionMeanLM(TinyLM):
+    """Its loss averages the token losses over every position, padding included (``reduction="none"`` then
+    ``.mean()``): not a mean over the real targets, so each rank's share cannot be weighed into one process's loss.
+    Refused by the one-time step check on a batch with padding (its probe then ignores the first targets, so the
+    ranks hold different numbers of real targets); silently inexact until 2026-11-30, where the batch's first tokens
+    were all real."""
+
+    @override
+    def loss(self, batch: dict[str, Tensor]) -> Tensor:
+        logits = self.model(batch["input_ids"])  # [b, s, vocab]
+        return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(), reduction="none").mean()
+
+
 class HandDecayLM(TinyLM):
     """Weight decay added to every gradient by hand before the optimizer step, under ``torch.no_grad()`` (exact); in
     grad mode (``grad_mode=True``, as hooks run) PyTorch refuses to change a gradient that is a view of a shared
@@ -925,6 +938,12 @@ def cases_p2() -> dict[str, Case]:
                 ListMoEAccumulateLM, lambda: loader(shifted_targets, (12, 10, 12, 10)), strategy=dict(plan="ulysses")
             ),
             "grad-norm-logged": Case(NormLoggingLM, lambda: loader(ragged("targets"), rows=3)),
+            "loss-over-every-position": Case(
+                EveryPositionMeanLM,
+                lambda: loader(ragged("targets"), rows=3),
+                strategy=dict(plan="ulysses"),
+                refused="averaged over every position",
+            ),
             "grad-changed-in-hook-groups": Case(HandDecayLM, lambda: loader(ragged("targets"), rows=3)),
             "grad-changed-in-hook-one-group": Case(
                 HandDecayLM, lambda: loader(ragged("targets"), rows=3), strategy=dict(plan="ulysses")
