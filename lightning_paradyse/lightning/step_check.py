@@ -12,6 +12,11 @@ a number equal to it and a metric given it, made global: :class:`~lightning_para
 against the whole call's. A one-number value that differs (``torch.exp(loss)``, ``loss.clone()``, a count of the
 slice's tokens) is this rank's, not what one process logs: the check names it once in a warning with the fix
 (:func:`differing_logs`).
+
+Where the batch ignores some of its targets, the probe ignores its first two too (:func:`uneven_targets`), so that a
+loss averaged over anything but the real targets differs between the two calls. ``validation_step`` and
+``test_step`` are checked alike on their first batch (``StepCheck(training=False)``: their loss where they return
+one, and what they log).
 """
 
 from __future__ import annotations
@@ -222,11 +227,11 @@ def _changed(container: Any, content: Any) -> bool:
     return any(a is not b for a, b in zip(container, content))
 
 
-def check_step_losses(sharded: float, whole: float, tol: float) -> None:
+def check_step_losses(sharded: float, whole: float, tol: float, hook: str = "training_step") -> None:
     """Raise when the sharded step's loss on the probe differs from the whole step's (the same on every rank)."""
     if abs(sharded - whole) > tol * max(abs(whole), 1e-12):
         raise ValueError(
-            f"the training step computes something across the tokens of its slice: on the first batch's first "
+            f"the {hook} computes something across the tokens of its slice: on the first batch's first "
             f"tokens its loss is {sharded:.10g} when each rank runs its slice, but {whole:.10g} when one process "
             f"runs them all. Common causes: shifting targets in the step (logits[:, :-1] against ids[:, 1:]; shift "
             f"them in the data, or pass labels= to a Hugging Face model), a loss reduced per sequence, a loss "
@@ -298,29 +303,42 @@ def warn_differing_logs(found: list[LogDifference]) -> None:
     shown = ", ".join(f"{d.name!r} ({d.sharded:.6g} on rank 0, {d.whole:.6g} in one process)" for d in found[:5])
     more = f" and {len(found) - 5} more" if len(found) > 5 else ""
     hook = found[0].fx or "training_step"
+    end = _BATCH_END.get(hook, "on_train_batch_end")
     rank_zero_warn(
         f"[paradyse] {hook} logs values computed on this rank's slice of the batch, not the values one process "
         f"logs: {shown}{more} (the one-time step check, on the first batch's first tokens). The loss the step "
         "returns, logged as that tensor or as loss.item(), and a torchmetrics metric given it are made global; a "
         "value derived from the loss (torch.exp(loss), loss.clone()) or from the slice's tokens is not. Log it from "
-        "on_train_batch_end, computed from outputs['loss'] (the global loss) or from the batch it is handed (the "
-        "whole batch) (README: The contract with your training_step)."
+        f"{end}, computed from its outputs (the step's global loss) or from the batch it is handed (the whole "
+        "batch) (README: The contract with your training_step)."
     )
 
 
-class StepCheck:
-    """The check's state (batches left) and its run. ``enabled``: ``ParaDySeStrategy(check_step=...)``."""
+_BATCH_END = {
+    "training_step": "on_train_batch_end",
+    "validation_step": "on_validation_batch_end",
+    "test_step": "on_test_batch_end",
+}
+"""The hook after each step, where its outputs hold the global loss."""
 
-    def __init__(self, enabled: bool) -> None:
+
+class StepCheck:
+    """The check's state (batches left) and its run. ``enabled``: ``ParaDySeStrategy(check_step=...)``.
+    ``training``: it checks the training step (else an evaluation step: ``validation_step``, ``test_step``, whose first
+    batch is checked alike, its loss if it returns one and what it logs)."""
+
+    def __init__(self, enabled: bool, training: bool = True) -> None:
         self.left = ATTEMPTS if enabled else 0
+        self.training = training
 
     def due(self, cycle: StepCycle, module: pl.LightningModule, world: int, axes: int) -> bool:
-        """Whether the batch begun is checked: a plain batch (no documents, one group, not skipped) of a module
-        with automatic optimization, on several ranks, while attempts are left."""
+        """Whether the batch begun is checked: a plain batch (no documents, one group, not skipped), of a module
+        with automatic optimization for a training step, on several ranks, while attempts are left."""
         pending, step = cycle.pending, cycle.runner.step
         if self.left <= 0 or world == 1 or pending is None or step is None or not step.whole:
             return False
-        return pending.doc_ids is None and axes == 1 and not pending.skip and module.automatic_optimization
+        automatic = module.automatic_optimization or not self.training
+        return pending.doc_ids is None and axes == 1 and not pending.skip and automatic
 
     def run(
         self,
@@ -332,14 +350,15 @@ class StepCheck:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> None:
-        """The check itself (see the module docstring); ``step_fn`` is the module's training step."""
+        """The check itself (see the module docstring); ``step_fn`` is the module's step."""
         module = cycle.module
         assert isinstance(module, pl.LightningModule), "the strategy checks its LightningModule's step"
         info, step = cycle.pending, cycle.runner.step
         assert info is not None and step is not None
         plan, rank = step.plan, step.rank
         self.left -= 1
-        cycle.fixed.exclude()  # the check's forward passes are no part of this step's costs
+        if self.training:
+            cycle.fixed.exclude()  # the check's forward passes are no part of this step's costs
         batch = args[0] if args else kwargs.get("batch")
         p = group_size(group)
         prefix = uneven_targets(prefix_batch(batch, info.batch, info.seq_len, min(info.seq_len, 8 * p)), batch)
@@ -378,8 +397,9 @@ class StepCheck:
         self.left = 0
         dtype = whole.dtype if whole is not None else torch.get_default_dtype()
         tol = step_check_tolerance(dtype, trainer.precision)
+        hook = module._current_fx_name or ("training_step" if self.training else "evaluation step")
         if sharded is not None and whole is not None:
-            check_step_losses(sharded, float(whole), tol)
+            check_step_losses(sharded, float(whole), tol, hook)
         warn_differing_logs(differing_logs(sharded_logs, whole_logs, tol))
 
 

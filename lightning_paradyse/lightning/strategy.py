@@ -256,6 +256,8 @@ class ParaDySeStrategy(ParallelStrategy):
         self.cycle = StepCycle(self.options, self.check_plan)
         """The per-batch cycle: every batch's state (:class:`~lightning_paradyse.lightning.cycle.StepCycle`)."""
         self._step_check = StepCheck(self.options.check_step)
+        self._eval_checks = {s: StepCheck(self.options.check_step, training=False) for s in ("validate", "test")}
+        """The one-time check of the evaluation steps (their first batch): their loss and what they log."""
         self.planner: Planner | None = None
         self.final_state_dict: dict[str, Tensor] | None = None
         """Rank 0's consolidated weights at the end of a spawned fit (handed back to the launching process)."""
@@ -695,6 +697,10 @@ class ParaDySeStrategy(ParallelStrategy):
 
     def _evaluation_step(self, stage: str, step: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.begin_batch(args[0] if args else kwargs.get("batch"), stage)
+        check = self._eval_checks[stage]
+        if check.due(self.cycle, self._module, self.world_size, self.options.axes):
+            assert self._trainer is not None
+            check.run(self.cycle, self._trainer, self._group, self.root_device, step, args, kwargs)
         info = self.cycle.take(f"{stage}_step")
         if info.skip:
             return None  # Lightning skips the optimizer step of a None loss

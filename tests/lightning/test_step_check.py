@@ -148,6 +148,13 @@ class PerplexityLM(LanguageModel):
         self.log("tokens", float(batch["input_ids"].numel()))
         return loss
 
+    @override
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.log("val_loss", loss)
+        self.log("val_ppl", torch.exp(loss))
+        return loss
+
 
 def _warned(rank: int, world: int, port: int) -> list[str]:
     strategy_environment(rank, world)
@@ -158,21 +165,27 @@ def _warned(rank: int, world: int, port: int) -> list[str]:
     for _ in range(2):
         x = torch.randint(0, 128, (2, 33), generator=gen)
         batches.append({"input_ids": x[:, :-1], "targets": x[:, 1:]})
-    trainer = quiet_trainer(world, ParaDySeStrategy(timeout=60, plan="tp_sp"), [], max_steps=2, precision="64-true")
+    strategy = ParaDySeStrategy(timeout=60, plan="tp_sp")
+    settings = dict(max_steps=2, precision="64-true", val_check_interval=1, limit_val_batches=1)
+    trainer = quiet_trainer(world, strategy, [], num_sanity_val_steps=0, **settings)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(PerplexityLM(), DataLoader(batches, batch_size=None))
+        trainer.fit(PerplexityLM(), DataLoader(batches, batch_size=None), DataLoader(batches[:1], batch_size=None))
     return [str(w.message) for w in caught if "slice of the batch" in str(w.message)]
 
 
 def test_the_check_names_logged_values_that_are_this_ranks_own() -> None:
     """The loss logged as the tensor or as ``loss.item()``, a MeanMetric's value of it and a constant are what one
-    process logs; ``torch.exp(loss)`` and a count of the slice's tokens are this rank's: named once, on rank 0."""
+    process logs; ``torch.exp(loss)`` and a count of the slice's tokens are this rank's: named once per step hook, on
+    rank 0 (the validation step's on its first batch)."""
     told = run_distributed(_warned, 2, free_port(), timeout=120)
     assert told[1] == [], told  # rank_zero_warn
-    assert len(told[0]) == 1, told
-    message = told[0][0]
-    named = message.split("(the one-time step check")[0]
-    assert "'ppl' (" in named and "'tokens' (16 on rank 0, 32 in one process)" in named, message
-    assert not any(f"'{name}' (" in named for name in ("loss", "loss_item", "mean_loss", "lr")), message
-    assert "outputs['loss']" in message, message
+    assert len(told[0]) == 2, told
+    training, validation = sorted(told[0], key=lambda m: "validation_step" in m)
+    named = training.split("(the one-time step check")[0]
+    assert "'ppl' (" in named and "'tokens' (16 on rank 0, 32 in one process)" in named, training
+    assert not any(f"'{name}' (" in named for name in ("loss", "loss_item", "mean_loss", "lr")), training
+    assert "on_train_batch_end" in training, training
+    named = validation.split("(the one-time step check")[0]
+    assert "'val_ppl' (" in named and "'val_loss' (" not in named, validation
+    assert "on_validation_batch_end" in validation, validation
