@@ -14,6 +14,9 @@ teardown); each hook delegates to a collaborator in a few lines:
 * :class:`~lightning_paradyse.lightning.step_check.StepCheck`: the one-time check that the module's step does not
   compute across the tokens of its slice;
 * :mod:`~lightning_paradyse.lightning.launch`: how the processes start;
+* :mod:`~lightning_paradyse.lightning.refusals`: what it refuses outside a step (callbacks it cannot run, an
+  ``all_gather`` of tensors whose shapes differ, a gradient changed in a way PyTorch refuses on its gradients), and
+  :mod:`~lightning_paradyse.lightning.finetuning`: Lightning's finetuning callbacks through checkpoints;
 * the planner of the run (made at setup: fixed, thresholds, the cost model's, or the grid's).
 
 Every rank's slice of a batch is cut with :meth:`SeqLayout.shard` (lengths need not be padded to a multiple of
@@ -46,7 +49,6 @@ from datetime import timedelta
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-import lightning.pytorch.callbacks as pl_callbacks
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import (
@@ -75,14 +77,13 @@ from typing_extensions import override
 
 from lightning_paradyse.calibration.profile import is_profile_file, load_profile
 from lightning_paradyse.distributed import comm
-from lightning_paradyse.distributed.comm import Group, all_gather_rows, collective_device, group_size
+from lightning_paradyse.distributed.comm import Group, all_gather_rows, group_size
 from lightning_paradyse.distributed.devices import (
     broadcast_module,
     check_local_gpus,
     check_profile_device,
     expand_devices,
     resolve_backend,
-    to_device,
 )
 from lightning_paradyse.groups.exchange import measure_regroup
 from lightning_paradyse.groups.solver import MAX_GROUPS, smallest_group
@@ -92,6 +93,7 @@ from lightning_paradyse.lightning.cycle import StepCycle, reporting_result
 from lightning_paradyse.lightning.launch import SpawnLauncher, make_launcher, stop_workers
 from lightning_paradyse.lightning.options import StrategyOptions
 from lightning_paradyse.lightning.records import StepRecord
+from lightning_paradyse.lightning.refusals import check_gathered_shapes, explain_grad_view_error, refuse_callbacks
 from lightning_paradyse.lightning.step_check import StepCheck
 from lightning_paradyse.lightning.summary import summarize_whole_model
 from lightning_paradyse.modes.plan import Plan
@@ -760,7 +762,7 @@ class ParaDySeStrategy(ParallelStrategy):
         try:
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
         except RuntimeError as err:
-            _explain_grad_view_error(err)
+            explain_grad_view_error(err)
             raise
         self.cycle.stepped()
         self._optimizer_steps += 1
@@ -855,7 +857,7 @@ class ParaDySeStrategy(ParallelStrategy):
             return super().all_gather(tensor, group, sync_grads)
         group = group if group is not None else dist.group.WORLD
         p = group_size(group)
-        _check_gathered_shapes(tensor, group, p)
+        check_gathered_shapes(tensor, group, p)
         return all_gather_rows(tensor.detach().unsqueeze(0), [1] * p, group)  # [...] -> [p, ...]
 
     @override
@@ -1058,79 +1060,3 @@ def _keep_user_samplers(trainer: pl.Trainer) -> None:
     kept instead, and :meth:`ParaDySeStrategy.begin_batch` checks that every rank holds the same batch.
     """
     trainer._accelerator_connector.use_distributed_sampler = False
-
-
-AVERAGING_CALLBACKS = tuple(
-    c for c in (getattr(pl_callbacks, n, None) for n in ("StochasticWeightAveraging", "WeightAveraging")) if c
-)
-"""Lightning's weight-averaging callbacks (``EMAWeightAveraging`` is a ``WeightAveraging``)."""
-
-
-def refuse_callbacks(callbacks: Sequence[Any]) -> None:
-    """Lightning's weight-averaging callbacks copy the module when the fit is set up, before the strategy shards it,
-    and then average the copy's whole parameters with this rank's shards, pairing them by position (a crash on a
-    shape mismatch, or a wrong average where shapes happen to agree): refused, naming the fix. So is the learning-rate
-    finder (``Tuner.lr_find``): it ends the fit from inside with an exception of Lightning's own, which the spawned
-    workers report as a failure without a message (under ``ddp_spawn`` too)."""
-    finders = [type(c).__name__ for c in callbacks if isinstance(c, pl_callbacks.LearningRateFinder)]
-    if finders:
-        raise ValueError(
-            f"{finders[0]} (Tuner.lr_find) is not supported with ParaDySeStrategy: it ends the fit from inside, which "
-            "the strategy's worker processes cannot report; find the learning rate with a plain Trainer(devices=1) "
-            "on the same module (the strategy changes no result of a step), then set it for the fit"
-        )
-    found = [type(c).__name__ for c in callbacks if isinstance(c, AVERAGING_CALLBACKS)]
-    if found:
-        raise ValueError(
-            f"{found[0]} averages a copy of the whole module made before ParaDySeStrategy shards it, which it cannot "
-            f"pair with the shards this rank trains; remove the callback and average the plain weights our "
-            f"checkpoints hold (their state dict is the single-process model's), or keep a running average inside "
-            f"the LightningModule over self.named_parameters() (each rank averages its own shards) and save it whole "
-            f"with lightning_paradyse.gather_like_params in on_save_checkpoint (shard_like_params to load it)"
-        )
-
-
-_GRAD_VIEW_ERRORS = (
-    "A view was created in no_grad mode and is being modified inplace",
-    "a leaf Variable that requires grad is being used in an in-place operation",
-)
-"""PyTorch's errors for a gradient that is a view of a shared buffer changed in place with an operand that requires a
-gradient, in grad mode."""
-
-
-def _explain_grad_view_error(err: RuntimeError) -> None:
-    """Raise, in place of PyTorch's ``err``, what it means when a hook before the optimizer step raised it (Lightning's
-    ``_after_closure`` runs the module's and the callbacks' ``on_before_optimizer_step``); else return."""
-    frames, tb = [], err.__traceback__
-    while tb is not None:
-        frames.append(tb.tb_frame.f_code.co_name)
-        tb = tb.tb_next
-    if "_after_closure" not in frames or not any(text in str(err) for text in _GRAD_VIEW_ERRORS):
-        return
-    raise RuntimeError(
-        "a hook before the optimizer step changed a gradient in place, in grad mode, with an operand that requires a "
-        "gradient (such as p.grad.add_(p, alpha=wd) in on_before_optimizer_step): under ParaDySeStrategy the "
-        "gradients are views of one buffer (as DDP's with gradient_as_bucket_view=True and FSDP2's are), which "
-        "PyTorch refuses to change that way. Change them under torch.no_grad() (with torch.no_grad(): "
-        "p.grad.add_(p, alpha=wd)), which is exact, or use the optimizer's weight_decay"
-    ) from err
-
-
-GATHERED_DIMS = 8
-"""Dimensions of a tensor :meth:`ParaDySeStrategy.all_gather` compares over the ranks before gathering it."""
-
-
-def _check_gathered_shapes(tensor: Tensor, group: Any, p: int) -> None:
-    """Raise on every rank, before the gather, when the ranks' tensors differ in shape (gloo aborts the processes,
-    NCCL hangs): one small all-gather of every rank's shape."""
-    dims = list(tensor.shape)[:GATHERED_DIMS]
-    header = torch.tensor([tensor.dim(), *dims, *[-1] * (GATHERED_DIMS - len(dims))], dtype=torch.int64)  # [1 + D]
-    every = all_gather_rows(to_device(header.view(1, -1), collective_device(group)), [1] * p, group)  # -> [p, 1 + D]
-    shapes = [tuple(row[1 : 1 + min(row[0], GATHERED_DIMS)]) for row in every.tolist()]
-    if len(set(shapes)) > 1:
-        raise ValueError(
-            f"all_gather of tensors whose shapes differ between the ranks ({shapes}, rank by rank): under "
-            "ParaDySeStrategy each rank holds a slice of every sequence (its own tokens), so values kept per token "
-            "differ in length between the ranks. Keep them in a torchmetrics metric (its state is summed over the "
-            "ranks when computed: each token counts once), or gather tensors of one shape (e.g. per-batch sums)"
-        )

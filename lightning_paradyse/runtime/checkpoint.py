@@ -160,11 +160,12 @@ def plain_order(
 
 def plain_names(names: Sequence[str], targets: Mapping[str, Target], plain: PlainModel, module: nn.Module) -> list[str]:
     """The plain parameters behind the parallelised ``module``'s parameters ``names`` (a list a plain optimizer
-    would hold), each once, in the order :func:`plain_order` explains."""
+    would hold), each once, in the order :func:`plain_order` explains; a name that is no parameter of ``module`` is
+    kept as it is."""
     ops = {path for path, _ in parallel.dispatchers(module)}
     ordered: list[str] = []
     for _, run in itertools.groupby(names, key=lambda n: _op_of(n, ops)):
-        pieces = dict.fromkeys(targets[n][0] for n in run)  # pieces of one plain weight: once
+        pieces = dict.fromkeys(targets[n][0] if n in targets else n for n in run)  # pieces of one plain weight: once
         ordered += sorted(pieces, key=plain.position) if len(pieces) > 1 else list(pieces)
     return list(dict.fromkeys(ordered))
 

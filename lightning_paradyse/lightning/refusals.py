@@ -1,0 +1,100 @@
+"""What the strategy refuses outside a step, each on every rank and naming the fix: Lightning callbacks it cannot run
+(weight averaging, the learning-rate finder), an ``all_gather`` of tensors whose shapes differ between the ranks,
+and a hook that changes a gradient in a way PyTorch refuses on the strategy's gradients (PyTorch's own error,
+explained)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import lightning.pytorch.callbacks as pl_callbacks
+import torch
+from torch import Tensor
+
+from lightning_paradyse.distributed.comm import all_gather_rows, collective_device
+from lightning_paradyse.distributed.devices import to_device
+
+AVERAGING_CALLBACKS = tuple(
+    c for c in (getattr(pl_callbacks, n, None) for n in ("StochasticWeightAveraging", "WeightAveraging")) if c
+)
+"""Lightning's weight-averaging callbacks (``EMAWeightAveraging`` is a ``WeightAveraging``)."""
+
+
+def refuse_callbacks(callbacks: Sequence[Any]) -> None:
+    """Lightning's weight-averaging callbacks copy the module when the fit is set up, before the strategy shards it,
+    and then average the copy's whole parameters with this rank's shards, pairing them by position (a crash on a
+    shape mismatch, or a wrong average where shapes happen to agree): refused, naming the fix. So is the learning-rate
+    finder (``Tuner.lr_find``): it ends the fit from inside with an exception of Lightning's own, which the spawned
+    workers report as a failure without a message (under ``ddp_spawn`` too)."""
+    finders = [type(c).__name__ for c in callbacks if isinstance(c, pl_callbacks.LearningRateFinder)]
+    if finders:
+        raise ValueError(
+            f"{finders[0]} (Tuner.lr_find) is not supported with ParaDySeStrategy: it ends the fit from inside, which "
+            "the strategy's worker processes cannot report; find the learning rate with a plain Trainer(devices=1) "
+            "on the same module (the strategy changes no result of a step), then set it for the fit"
+        )
+    found = [type(c).__name__ for c in callbacks if isinstance(c, AVERAGING_CALLBACKS)]
+    if found:
+        raise ValueError(
+            f"{found[0]} averages a copy of the whole module made before ParaDySeStrategy shards it, which it cannot "
+            f"pair with the shards this rank trains; remove the callback and average the plain weights our "
+            f"checkpoints hold (their state dict is the single-process model's), or keep a running average inside "
+            f"the LightningModule over self.named_parameters() (each rank averages its own shards) and save it whole "
+            f"with lightning_paradyse.gather_like_params in on_save_checkpoint (shard_like_params to load it)"
+        )
+
+
+_GRAD_VIEW_ERRORS = (
+    "A view was created in no_grad mode and is being modified inplace",
+    "a leaf Variable that requires grad is being used in an in-place operation",
+)
+"""PyTorch's errors for a gradient that is a view of a shared buffer changed in place with an operand that requires a
+gradient, in grad mode."""
+
+
+def explain_grad_view_error(err: RuntimeError) -> None:
+    """Raise, in place of PyTorch's ``err``, what it means when a hook before the optimizer step raised it (Lightning's
+    ``_after_closure`` runs the module's and the callbacks' ``on_before_optimizer_step``); else return."""
+    frames, tb = [], err.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    if "_after_closure" not in frames or not any(text in str(err) for text in _GRAD_VIEW_ERRORS):
+        return
+    raise RuntimeError(
+        "a hook before the optimizer step changed a gradient in place, in grad mode, with an operand that requires a "
+        "gradient (such as p.grad.add_(p, alpha=wd) in on_before_optimizer_step): under ParaDySeStrategy the "
+        "gradients are views of one buffer (as DDP's with gradient_as_bucket_view=True and FSDP2's are), which "
+        "PyTorch refuses to change that way. Change them under torch.no_grad() (with torch.no_grad(): "
+        "p.grad.add_(p, alpha=wd)), which is exact, or use the optimizer's weight_decay"
+    ) from err
+
+
+GATHERED_DIMS = 8
+"""Dimensions of a tensor :meth:`ParaDySeStrategy.all_gather` compares over the ranks before gathering it."""
+
+
+def check_gathered_shapes(tensor: Tensor, group: Any, p: int) -> None:
+    """Raise on every rank, before the gather, when the ranks' tensors differ in shape (gloo aborts the processes,
+    NCCL hangs): one small all-gather of every rank's shape."""
+    dims = list(tensor.shape)[:GATHERED_DIMS]
+    header = torch.tensor([tensor.dim(), *dims, *[-1] * (GATHERED_DIMS - len(dims))], dtype=torch.int64)  # [1 + D]
+    every = all_gather_rows(to_device(header.view(1, -1), collective_device(group)), [1] * p, group)  # -> [p, 1 + D]
+    shapes = [tuple(row[1 : 1 + min(row[0], GATHERED_DIMS)]) for row in every.tolist()]
+    if len(set(shapes)) > 1:
+        raise ValueError(
+            f"all_gather of tensors whose shapes differ between the ranks ({shapes}, rank by rank): under "
+            "ParaDySeStrategy each rank holds a slice of every sequence (its own tokens), so values kept per token "
+            "differ in length between the ranks. Keep them in a torchmetrics metric (its state is summed over the "
+            "ranks when computed: each token counts once), or gather tensors of one shape (e.g. per-batch sums)"
+        )
+
+
+__all__ = [
+    "AVERAGING_CALLBACKS",
+    "GATHERED_DIMS",
+    "check_gathered_shapes",
+    "explain_grad_view_error",
+    "refuse_callbacks",
+]

@@ -1,0 +1,34 @@
+"""The refusals outside a step: PyTorch's error for a gradient view changed in grad mode, explained where a hook
+before the optimizer step raised it (the whole path, on 2 ranks, is ``tests/exact`` cases
+``grad-changed-in-grad-mode-*``; the uneven ``all_gather`` is case ``all-gather-uneven``; the refused callbacks cases
+``swa``, ``ema``, ``lr-finder``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_paradyse.lightning.refusals import explain_grad_view_error
+
+
+def _after_closure() -> None:  # named as Lightning's function that runs the hooks before the optimizer step
+    p = torch.nn.Parameter(torch.ones(4))
+    flat = torch.zeros(8)
+    with torch.no_grad():
+        p.grad = flat[:4]  # a view made in no-grad mode, as the strategy's gradients are
+    p.grad.add_(p)  # grad mode: PyTorch refuses
+
+
+def test_a_hook_changing_a_gradient_view_in_grad_mode_is_told_the_fix() -> None:
+    with pytest.raises(RuntimeError) as caught:
+        _after_closure()
+    with pytest.raises(RuntimeError, match=r"torch.no_grad\(\).*weight_decay") as told:
+        explain_grad_view_error(caught.value)
+    assert told.value.__cause__ is caught.value
+
+
+def test_the_same_error_elsewhere_is_left_as_it_is() -> None:
+    p = torch.nn.Parameter(torch.ones(4))
+    with pytest.raises(RuntimeError) as caught:
+        p.add_(1.0)  # a leaf that requires grad changed in place, in the step itself
+    explain_grad_view_error(caught.value)  # returns: not a hook's
