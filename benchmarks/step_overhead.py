@@ -79,8 +79,9 @@ RUNS = ("paradyse", "ddp")
 
 PHASES = ("to the loss", "backward", "to the optimizer", "optimizer", "between steps")
 """A step's parts, between Lightning's hooks: batch start -> ``on_before_backward`` (the batch's agreement, decision
-and slicing, the forward) -> ``on_after_backward`` (DDP's all-reduce inside) -> ``on_before_optimizer_step`` (the
-gradient return) -> batch end -> the next batch's start (Lightning's loop)."""
+and slicing, the forward) -> ``on_after_backward`` (DDP's all-reduce inside, and our gradient return, which comes
+before that hook since 2026-11-30 as DDP's does) -> ``on_before_optimizer_step`` -> batch end -> the next batch's
+start (Lightning's loop)."""
 
 
 FUNCTIONS = (

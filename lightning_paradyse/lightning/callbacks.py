@@ -62,7 +62,7 @@ class _Timed:
 
 def logs_step(trainer: Any, step: int) -> bool:
     """Whether the switcher logs global step ``step`` (every ``log_every_n_steps`` steps; 0: never): the steps the
-    strategy also measures (:meth:`~lightning_paradyse.lightning.strategy.ParaDySeStrategy.post_backward`)."""
+    strategy also measures (:meth:`~lightning_paradyse.lightning.cycle.StepCycle.after_backward`)."""
     every = int(getattr(trainer, "log_every_n_steps", 1))  # set by the Trainer's logger connector
     return every > 0 and step % every == 0
 

@@ -403,6 +403,21 @@ class EveryPositionMeanLM(TinyLM):
         return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(), reduction="none").mean()
 
 
+class AfterBackwardLM(TinyLM):
+    """Reads and changes the gradients in ``on_after_backward``, as recipes do: logs the whole model's gradient norm,
+    clips it, zeroes the first block's gradients by name. The hook reads what one process holds (the gradients summed
+    over the ranks and groups: until 2026-11-30 it ran before the sum and changed this rank's partial gradients)."""
+
+    @override
+    def on_after_backward(self) -> None:
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        self.log("grad_norm", torch.nn.utils.get_total_norm(grads))
+        torch.nn.utils.clip_grad_norm_(self.parameters(), 0.05)
+        for name, p in self.named_parameters():
+            if name.startswith("model.layers.0.") and p.grad is not None:
+                p.grad.zero_()
+
+
 class HandDecayLM(TinyLM):
     """Weight decay added to every gradient by hand before the optimizer step, under ``torch.no_grad()`` (exact); in
     grad mode (``grad_mode=True``, as hooks run) PyTorch refuses to change a gradient that is a view of a shared
@@ -938,6 +953,10 @@ def cases_p2() -> dict[str, Case]:
                 ListMoEAccumulateLM, lambda: loader(shifted_targets, (12, 10, 12, 10)), strategy=dict(plan="ulysses")
             ),
             "grad-norm-logged": Case(NormLoggingLM, lambda: loader(ragged("targets"), rows=3)),
+            "grads-after-backward-groups": Case(AfterBackwardLM, lambda: loader(ragged("targets"), rows=3)),
+            "grads-after-backward-one-group": Case(
+                AfterBackwardLM, lambda: loader(ragged("targets"), rows=3), strategy=dict(plan="ring")
+            ),
             "loss-over-every-position": Case(
                 EveryPositionMeanLM,
                 lambda: loader(ragged("targets"), rows=3),
