@@ -22,6 +22,7 @@ one, and what they log).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import warnings
 from collections import OrderedDict, defaultdict, deque
@@ -247,20 +248,28 @@ def check_step_losses(sharded: float, whole: float, tol: float, hook: str = "tra
 LoggedValues = dict[tuple[str | None, str], float]
 """One-number values a step logged, by hook and name (the last call's)."""
 _NONE = object()
+_LOG = inspect.signature(pl.LightningModule.log)
 
 
 @contextlib.contextmanager
 def recorded_logs(module: pl.LightningModule) -> Iterator[LoggedValues]:
-    """What ``module`` logs inside the block, recorded and not logged: every one-number floating value (a tensor, read
-    on the host, or a Python float) by hook and name. Other values (a metric, an integer, several numbers) are not
+    """What ``module`` logs inside the block, recorded and not logged: every one-number value (a tensor, read on the
+    host, or a Python number) by hook and name, and the ``batch_size`` given with it (under the name followed by
+    ``" batch_size"``: Lightning weighs an epoch's mean by it). Other values (a metric, several numbers) are not
     compared. ``log`` is replaced on the instance and put back after (an instance attribute of the user's too)."""
     out: LoggedValues = {}
 
     def record(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point():
-            out[(module._current_fx_name, name)] = float(value.detach())
+        fx = module._current_fx_name
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype != torch.bool:
+            out[(fx, name)] = float(value.detach())
         elif type(value) is float:  # as Lightning makes it a tensor
-            out[(module._current_fx_name, name)] = float(torch.tensor(value, dtype=number_dtype()))
+            out[(fx, name)] = float(torch.tensor(value, dtype=number_dtype()))
+        elif type(value) is int:
+            out[(fx, name)] = float(value)
+        size = _LOG.bind_partial(module, name, value, *args, **kwargs).arguments.get("batch_size")
+        if isinstance(size, (int, torch.Tensor)) and not isinstance(size, bool):
+            out[(fx, f"{name} batch_size")] = float(size)
 
     own = module.__dict__.get("log", _NONE)
     module.__dict__["log"] = record
@@ -308,7 +317,8 @@ def warn_differing_logs(found: list[LogDifference]) -> None:
         f"[paradyse] {hook} logs values computed on this rank's slice of the batch, not the values one process "
         f"logs: {shown}{more} (the one-time step check, on the first batch's first tokens). The loss the step "
         "returns, logged as that tensor or as loss.item(), and a torchmetrics metric given it are made global; a "
-        "value derived from the loss (torch.exp(loss), loss.clone()) or from the slice's tokens is not. Log it from "
+        "value derived from the loss (torch.exp(loss), loss.clone()) or from the slice's tokens (a count, a "
+        "batch_size= of its rows or targets) is not. Log it from "
         f"{end}, computed from its outputs (the step's global loss) or from the batch it is handed (the whole "
         "batch) (README: The contract with your training_step)."
     )

@@ -274,6 +274,7 @@ class ParaDySeStrategy(ParallelStrategy):
         self._clip: ClipInterception | None = None
         self._result_cls: type[ClosureResult] | None = None
         self._frozen = False  # the objects alive after the setup's collection kept out of later ones (collection.py)
+        self._failed = False  # the fit ends with an exception (whose traceback's frames may still hold the group)
         self._plain_model: PlainModel | None = None
         """What the plain model's checkpoints hold (parameter order, state dict keys, tied names), recorded once
         before the rewrite."""
@@ -647,6 +648,7 @@ class ParaDySeStrategy(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        self._failed = True
         if self._clip is not None:
             self._clip.stop()
         launcher = self._launcher
@@ -989,7 +991,8 @@ class ParaDySeStrategy(ParallelStrategy):
         self._frozen = False
         if _distributed_is_initialized():
             dist.destroy_process_group()
-        if world is not None and world() is not None:
+        failed, self._failed = self._failed, False
+        if world is not None and world() is not None and not failed:  # else the exception's frames hold it: no news
             rank_zero_warn(
                 "[paradyse] the process group is still referenced after teardown (kept by your code?): its gloo "
                 "threads live until the interpreter exits, which can then abort (terminate called without an "

@@ -146,6 +146,9 @@ class PerplexityLM(LanguageModel):
         self.log("lr", 1e-3)
         self.log("ppl", torch.exp(loss))
         self.log("tokens", float(batch["input_ids"].numel()))
+        self.log("targets", (batch["targets"] != -100).sum())  # an integer tensor
+        self.log("rows", loss, batch_size=batch["input_ids"].shape[0])  # the rows: alike on one group
+        self.log("real", loss, batch_size=int((batch["targets"] != -100).sum()))  # the slice's targets
         return loss
 
     @override
@@ -184,7 +187,10 @@ def test_the_check_names_logged_values_that_are_this_ranks_own() -> None:
     training, validation = sorted(told[0], key=lambda m: "validation_step" in m)
     named = training.split("(the one-time step check")[0]
     assert "'ppl' (" in named and "'tokens' (16 on rank 0, 32 in one process)" in named, training
-    assert not any(f"'{name}' (" in named for name in ("loss", "loss_item", "mean_loss", "lr")), training
+    assert "'targets' (16 on rank 0, 32 in one process)" in named, training
+    assert "'real batch_size' (16 on rank 0, 32 in one process)" in named, training
+    names = ("loss", "loss_item", "mean_loss", "lr", "rows", "rows batch_size", "real")
+    assert not any(f"'{name}' (" in named for name in names), training
     assert "on_train_batch_end" in training, training
     named = validation.split("(the one-time step check")[0]
     assert "'val_ppl' (" in named and "'val_loss' (" not in named, validation
