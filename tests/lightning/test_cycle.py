@@ -228,12 +228,12 @@ def worker(rank: int, world: int, ports: tuple[int, ...], packing: bool) -> byte
         val_check_interval=COUNTED_STEP,  # a validation batch between step 2 and the counted step
         log_every_n_steps=TIMED_STEP + 1,  # the optimizer step that ends TIMED_STEP: global step TIMED_STEP + 1
         limit_val_batches=1,
-        num_sanity_val_steps=0,
+        num_sanity_val_steps=1,  # the one-time check of the validation step runs there, before the counted batch
     )
     loader = DataLoader(batches(TIMED_STEP + 1), batch_size=None)
     trainer.fit(LanguageModel("llama-tiny"), loader, DataLoader(batches(1), batch_size=None))
     assert trainer.strategy.step_record.split == (() if packing else (1,) * world)  # type: ignore[attr-defined]
-    assert count.validated[0] == COUNTED_STEP, count.validated  # before the counted step
+    assert count.validated == [0, COUNTED_STEP], count.validated  # the sanity check's, then before the counted step
     buffer = io.BytesIO()
     record = {
         "collectives": dict(count.collectives),
