@@ -13,10 +13,8 @@ against the whole call's. A one-number value that differs (``torch.exp(loss)``, 
 slice's tokens) is this rank's, not what one process logs: the check names it once in a warning with the fix
 (:func:`differing_logs`).
 
-Where the batch ignores some of its targets, the probe ignores its first two too (:func:`uneven_targets`), so that a
-loss averaged over anything but the real targets differs between the two calls. ``validation_step`` and
-``test_step`` are checked alike on their first batch (``StepCheck(training=False)``: their loss where they return
-one, and what they log).
+``validation_step`` and ``test_step`` are checked alike on their first batch (``StepCheck(training=False)``: their
+loss where they return one, and what they log).
 """
 
 from __future__ import annotations
@@ -45,7 +43,7 @@ from lightning_paradyse.modes.plan import LayerPlan, OpPlan, Plan
 from lightning_paradyse.modes.specs import SeqContext
 from lightning_paradyse.runtime import parallel
 from lightning_paradyse.runtime.exactness import kept_rng
-from lightning_paradyse.runtime.slicing import IGNORE_INDEX, describe_batch, find_targets, shard_batch
+from lightning_paradyse.runtime.slicing import describe_batch, shard_batch
 
 ATTEMPTS = 8
 """Batches on which the check may still run (it waits for a batch whose first tokens have a real target)."""
@@ -76,28 +74,6 @@ def prefix_batch(batch: Any, b: int, s: int, m: int) -> Any:
     if isinstance(batch, (list, tuple)):
         return type(batch)(cut(v) for v in batch)
     return cut(batch)
-
-
-def uneven_targets(probe: Any, batch: Any) -> Any:
-    """``probe`` with the targets of its first two positions ignored (-100) where ``batch`` ignores some of its own
-    targets already (its loss handles -100): the first rank then holds fewer real targets than the others (positions 0
-    and 1 are its own in every layout of the probe's ``8p`` tokens), so a loss averaged over anything but the real
-    targets (every position, padding included: ``reduction="none"`` then ``.mean()``, a term over all tokens) differs
-    between the sharded and the whole run, where on a probe whose targets are all real it would not. Else ``probe``."""
-    key, targets = find_targets(batch)
-    _, cut = find_targets(probe)
-    if targets is None or cut is None or cut.dim() < 2 or cut.shape[1] < 4:
-        return probe
-    if not bool((targets == IGNORE_INDEX).any()):  # read on the host once (the check's own)
-        return probe
-    masked = cut.clone()
-    masked[:, :2] = IGNORE_INDEX  # [b, m]
-    if isinstance(probe, dict) and key is not None:
-        return {**probe, key: masked}
-    if isinstance(probe, (list, tuple)):
-        items = [masked if v is cut else v for v in probe]
-        return probe._make(items) if hasattr(probe, "_fields") else type(probe)(items)  # type: ignore[union-attr]
-    return probe
 
 
 def step_check_tolerance(dtype: torch.dtype, precision: str | None) -> float:
@@ -153,13 +129,21 @@ def kept_attributes(module: nn.Module) -> Callable[[], None]:
     elsewhere see it too), numbers rebound (``self.n += 1``) and small tensors rebound or changed in place
     (:data:`KEPT_TENSOR_BYTES`). Other attributes stay as the step left them (a hook registered once and kept in an
     attribute must not be registered again), and so does other objects' own state. What cannot be put back is named
-    in a warning."""
+    in a warning.
+
+    Inference tensors (an evaluation epoch's accumulator made under ``torch.inference_mode``, as Lightning runs
+    evaluation on NCCL) keep no version counter: inside inference mode (the evaluation steps' check there) they are
+    snapshotted too and always copied back; outside it they cannot change in place and are left (until 2026-11-30
+    they were left inside it too, and an evaluation epoch's accumulator kept the check's two extra calls)."""
     attrs = {k: v for k, v in vars(module).items() if k not in _MODULE_INTERNALS}
     containers = _containers(attrs.values())
+    inside = torch.is_inference_mode_enabled()
     small = {
-        k: (v, v.detach().clone(), v._version)
+        k: (v, v.detach().clone(), None if v.is_inference() else v._version)
         for k, v in attrs.items()
-        if isinstance(v, torch.Tensor) and not v.is_inference() and v.numel() * v.element_size() <= KEPT_TENSOR_BYTES
+        if isinstance(v, torch.Tensor)
+        and (inside or not v.is_inference())
+        and v.numel() * v.element_size() <= KEPT_TENSOR_BYTES
     }
     numbers = {k: v for k, v in attrs.items() if isinstance(v, (bool, int, float))}
 
@@ -169,7 +153,9 @@ def kept_attributes(module: nn.Module) -> Callable[[], None]:
             module.__dict__[k] = v
         for k, (tensor, saved, version) in small.items():
             module.__dict__[k] = tensor
-            if tensor._version != version:  # changed in place
+            if version is None:  # an inference tensor, inside inference mode: no counter to tell a change
+                tensor.copy_(saved)
+            elif tensor._version != version:  # changed in place
                 try:
                     with torch.no_grad():
                         tensor.copy_(saved)
@@ -371,7 +357,7 @@ class StepCheck:
             cycle.fixed.exclude()  # the check's forward passes are no part of this step's costs
         batch = args[0] if args else kwargs.get("batch")
         p = group_size(group)
-        prefix = uneven_targets(prefix_batch(batch, info.batch, info.seq_len, min(info.seq_len, 8 * p)), batch)
+        prefix = prefix_batch(batch, info.batch, info.seq_len, min(info.seq_len, 8 * p))
         rest = (args[1:], {k: v for k, v in kwargs.items() if k != "batch"})
         try:
             sharded_info = cycle.inspect(prefix)
@@ -448,7 +434,6 @@ __all__ = [
     "recorded_logs",
     "side_effects_undone",
     "step_check_tolerance",
-    "uneven_targets",
     "warn_differing_logs",
     "whole_plan",
 ]

@@ -390,19 +390,6 @@ class NormLoggingLM(TinyLM):
         self.log("grad_norm", torch.nn.utils.get_total_norm(grads))
 
 
-class EveryPositionMeanLM(TinyLM):
-    """Its loss averages the token losses over every position, padding included (``reduction="none"`` then
-    ``.mean()``): not a mean over the real targets, so each rank's share cannot be weighed into one process's loss.
-    Refused by the one-time step check on a batch with padding (its probe then ignores the first targets, so the
-    ranks hold different numbers of real targets); silently inexact until 2026-11-30, where the batch's first tokens
-    were all real."""
-
-    @override
-    def loss(self, batch: dict[str, Tensor]) -> Tensor:
-        logits = self.model(batch["input_ids"])  # [b, s, vocab]
-        return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(), reduction="none").mean()
-
-
 class AfterBackwardLM(TinyLM):
     """Reads and changes the gradients in ``on_after_backward``, as recipes do: logs the whole model's gradient norm,
     clips it, zeroes the first block's gradients by name. The hook reads what one process holds (the gradients summed
@@ -956,12 +943,6 @@ def cases_p2() -> dict[str, Case]:
             "grads-after-backward-groups": Case(AfterBackwardLM, lambda: loader(ragged("targets"), rows=3)),
             "grads-after-backward-one-group": Case(
                 AfterBackwardLM, lambda: loader(ragged("targets"), rows=3), strategy=dict(plan="ring")
-            ),
-            "loss-over-every-position": Case(
-                EveryPositionMeanLM,
-                lambda: loader(ragged("targets"), rows=3),
-                strategy=dict(plan="ulysses"),
-                refused="averaged over every position",
             ),
             "grad-changed-in-hook-groups": Case(HandDecayLM, lambda: loader(ragged("targets"), rows=3)),
             "grad-changed-in-hook-one-group": Case(

@@ -24,7 +24,6 @@ from lightning_paradyse.lightning.step_check import (
     kept_attributes,
     prefix_batch,
     step_check_tolerance,
-    uneven_targets,
     whole_plan,
 )
 from lightning_paradyse.modes.plan import parse_plan, uniform_plan
@@ -47,23 +46,6 @@ def test_the_probe_is_every_tensors_first_tokens() -> None:
     assert cut["positions"].tolist() == [0, 1, 2, 3]
     assert cut["scale"] is batch["scale"]  # not per token: untouched
     assert prefix_batch((batch["input_ids"],), 2, 6, 2)[0].shape == (2, 2)
-
-
-def test_the_probe_ignores_its_first_targets_where_the_batch_ignores_some() -> None:
-    """A batch with ignored targets (padding): the probe's first two positions (the first rank's) are ignored too, so
-    the ranks hold different numbers of real targets; a batch whose targets are all real keeps its probe (its loss may
-    not handle -100)."""
-    targets = torch.arange(16).view(2, 8)
-    padded = targets.clone()
-    padded[1, 6:] = -100
-    probe = prefix_batch({"input_ids": targets, "targets": padded}, 2, 8, 4)
-    made = uneven_targets(probe, {"input_ids": targets, "targets": padded})
-    assert made["targets"].tolist() == [[-100, -100, 2, 3], [-100, -100, 10, 11]]
-    assert made["input_ids"] is probe["input_ids"] and probe["targets"].tolist() == [[0, 1, 2, 3], [8, 9, 10, 11]]
-    whole = {"input_ids": targets, "targets": targets}
-    assert uneven_targets(prefix_batch(whole, 2, 8, 4), whole)["targets"].tolist() == [[0, 1, 2, 3], [8, 9, 10, 11]]
-    pair = uneven_targets((targets[:, :4], padded[:, :4]), (targets, padded))
-    assert isinstance(pair, tuple) and pair[1][:, :2].eq(-100).all() and pair[0] is not pair[1]
 
 
 def test_losses_that_differ_beyond_the_tolerance_name_the_fix() -> None:
@@ -118,6 +100,21 @@ def test_the_modules_own_attributes_are_put_back_after_the_check() -> None:
         {"a": 1, "b": 2},
         8.0,
     )
+
+
+def test_inference_tensors_are_put_back_inside_inference_mode() -> None:
+    """An evaluation epoch's accumulator made under ``torch.inference_mode`` (Lightning's evaluation on NCCL), changed
+    in place or rebound by the evaluation step's check inside that mode, is put back: it counts the real step alone."""
+    module = nn.Linear(2, 2)
+    with torch.inference_mode():
+        module.acc = torch.zeros(())  # an inference tensor
+        module.rebound = torch.zeros(())
+        acc = module.acc
+        restore = kept_attributes(module)
+        module.acc += 1.0
+        module.rebound = module.rebound + 1.0
+        restore()
+        assert module.acc is acc and float(acc) == 0.0 and float(module.rebound) == 0.0
 
 
 def test_logged_values_that_differ_are_named_in_the_sharded_calls_order() -> None:
