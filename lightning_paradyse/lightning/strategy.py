@@ -90,6 +90,7 @@ from lightning_paradyse.groups.solver import MAX_GROUPS, smallest_group
 from lightning_paradyse.lightning import collection, finetuning
 from lightning_paradyse.lightning.callbacks import ParaDySeSwitcher, logs_step
 from lightning_paradyse.lightning.cycle import StepCycle, reporting_result
+from lightning_paradyse.lightning.grad_scaler import agree_scaler
 from lightning_paradyse.lightning.launch import SpawnLauncher, make_launcher, stop_workers
 from lightning_paradyse.lightning.options import StrategyOptions
 from lightning_paradyse.lightning.records import StepRecord
@@ -506,6 +507,7 @@ class ParaDySeStrategy(ParallelStrategy):
         self._clip.start()  # clip_grad_norm_ on shards: the whole model's norm (Lightning's clipping and the user's)
         self.setup_precision_plugin()
         if fitting:
+            agree_scaler(self.precision_plugin, self._group)  # 16-mixed: every rank skips an overflowing step
             _optimizers_to_device(self.optimizers, self.root_device)
         # the setup's objects (rewritten graphs, plans made ahead) met by one full collection here, on every rank at
         # once: left to Python, it came in one rank's first steps (200 ms on a 2-core machine) while the others
