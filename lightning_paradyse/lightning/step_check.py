@@ -20,7 +20,6 @@ loss where they return one, and what they log).
 from __future__ import annotations
 
 import contextlib
-import inspect
 import math
 import warnings
 from collections import OrderedDict, defaultdict, deque
@@ -37,7 +36,7 @@ from lightning_paradyse.distributed.devices import gpu_free_bytes
 from lightning_paradyse.groups.exchange import drop_group, enter_group
 from lightning_paradyse.lightning.cycle import StepCycle, step_loss
 from lightning_paradyse.lightning.metric_calls import is_metric, metric_state, put_metric_state
-from lightning_paradyse.lightning.step_logs import number_dtype
+from lightning_paradyse.lightning.step_logs import log_arguments, log_replaced, number_dtype
 from lightning_paradyse.lightning.summary import whole_sizes
 from lightning_paradyse.modes.plan import LayerPlan, OpPlan, Plan
 from lightning_paradyse.modes.specs import SeqContext
@@ -233,8 +232,6 @@ def check_step_losses(sharded: float, whole: float, tol: float, hook: str = "tra
 
 LoggedValues = dict[tuple[str | None, str], float]
 """One-number values a step logged, by hook and name (the last call's)."""
-_NONE = object()
-_LOG = inspect.signature(pl.LightningModule.log)
 
 
 @contextlib.contextmanager
@@ -253,19 +250,12 @@ def recorded_logs(module: pl.LightningModule) -> Iterator[LoggedValues]:
             out[(fx, name)] = float(torch.tensor(value, dtype=number_dtype()))
         elif type(value) is int:
             out[(fx, name)] = float(value)
-        size = _LOG.bind_partial(module, name, value, *args, **kwargs).arguments.get("batch_size")
+        size = log_arguments(name, args, kwargs).get("batch_size")
         if isinstance(size, (int, torch.Tensor)) and not isinstance(size, bool):
             out[(fx, f"{name} batch_size")] = float(size)
 
-    own = module.__dict__.get("log", _NONE)
-    module.__dict__["log"] = record
-    try:
+    with log_replaced(module, record):
         yield out
-    finally:
-        if own is _NONE:
-            module.__dict__.pop("log", None)
-        else:
-            module.__dict__["log"] = own
 
 
 class LogDifference(NamedTuple):

@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,8 +76,7 @@ class _Call:
 
     def arguments(self) -> dict[str, Any]:
         """The call's other arguments by name (``prog_bar`` .. ``rank_zero_only``), as given."""
-        bound = _LOG.bind_partial(None, self.name, None, *self.args, **self.kwargs).arguments
-        return {k: v for k, v in bound.items() if k not in ("self", "name", "value")}
+        return log_arguments(self.name, self.args, self.kwargs)
 
     def as_global(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The arguments for the global loss in place of the value: without ``sync_dist`` where the ranks' values
@@ -89,6 +88,28 @@ class _Call:
         if named.get("sync_dist") and (fx == "sum" or fx is torch.sum or fx is sum):
             return (), {**named, "sync_dist": False}
         return self.args, self.kwargs
+
+
+def log_arguments(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A ``log(name, value, *args, **kwargs)`` call's other arguments by name (``prog_bar`` .. ``rank_zero_only``),
+    as given."""
+    bound = _LOG.bind_partial(None, name, None, *args, **kwargs).arguments
+    return {k: v for k, v in bound.items() if k not in ("self", "name", "value")}
+
+
+@contextlib.contextmanager
+def log_replaced(module: pl.LightningModule, log: Callable[..., Any]) -> Iterator[None]:
+    """``module.log`` is ``log`` inside the block: set on the instance, found before the class's method (nn.Module's
+    ``__setattr__`` not needed), and taken away after, or an instance attribute of the user's put back."""
+    own = module.__dict__.get("log", _NONE)
+    module.__dict__["log"] = log
+    try:
+        yield
+    finally:
+        if own is _NONE:
+            module.__dict__.pop("log", None)  # the class's log again
+        else:
+            module.__dict__["log"] = own
 
 
 def number_dtype() -> torch.dtype:
@@ -136,16 +157,8 @@ class StepLogs:
                 return log(name, value, *args, **kwargs)  # type: ignore[no-any-return]
             return None
 
-        own = module.__dict__.get("log", _NONE)  # an instance attribute of the user's, kept
-        module.__dict__["log"] = held  # found before the class's method (nn.Module's __setattr__ not needed)
-        try:
-            with self.metrics.capture():
-                yield
-        finally:
-            if own is _NONE:
-                module.__dict__.pop("log", None)  # the class's log again
-            else:
-                module.__dict__["log"] = own
+        with log_replaced(module, held), self.metrics.capture():
+            yield
 
     def hold(self, loss: torch.Tensor | None) -> None:
         """The step's loss is settled later (:meth:`replay` with the global loss then): keep its local tensor."""
