@@ -87,7 +87,7 @@ from lightning_paradyse.distributed.devices import (
 )
 from lightning_paradyse.groups.exchange import measure_regroup
 from lightning_paradyse.groups.solver import MAX_GROUPS, smallest_group
-from lightning_paradyse.lightning import collection, finetuning
+from lightning_paradyse.lightning import collection, finetuning, optimizer_settings
 from lightning_paradyse.lightning.callbacks import ParaDySeSwitcher, logs_step
 from lightning_paradyse.lightning.cycle import StepCycle, reporting_result
 from lightning_paradyse.lightning.grad_scaler import agree_scaler
@@ -488,6 +488,8 @@ class ParaDySeStrategy(ParallelStrategy):
         comm.GRAD_REDUCE_DTYPE = torch.float32 if self.options.grad_reduce_dtype == "float32" else None
         comm.HOST_SPIN_S = comm.host_spin_seconds(self.root_device, self.num_processes)  # reset at teardown
         self.precision_plugin.convert_module(self._module)
+        first = fitting and _parallelized_blocks(self._module) is None
+        plain = optimizer_settings.plain_settings(self._module) if first else None  # before the rewrite
         with kept_rng(self.root_device):  # what the set-up draws (probes, measurements) leaves the user's streams
             self._setup_parallel(fitting)
         if fitting:  # the weight gather of data-parallel training steps; agreed: the ranks' collectives must match
@@ -500,6 +502,9 @@ class ParaDySeStrategy(ParallelStrategy):
         if fitting:
             self.setup_optimizers(trainer)
             check_optimizers(self.optimizers, self.options.elementwise_optimizers)
+            if plain is not None and self._plain_model is not None:  # the settings one process's call gives
+                ids = optimizer_settings.plain_ids(self._module, self._plain_model)
+                optimizer_settings.check_settings(self.optimizers, ids, plain)
             if group_size(self._group) > 1:  # rank 0's SIGTERM flag rides each training batch's agreement
                 self.cycle.sigterm.install(trainer)
         self._sharded_ids = parallel.sharded_parameter_ids(self._module)

@@ -744,6 +744,21 @@ class ForwardAfterStepLM(HFModule):
         self.log("sample_logits", self.model(self.prompt).logits.sum())
 
 
+class TypeRuleLM(TinyLM):
+    """minGPT's weight-decay rule: the weights of ``nn.Linear`` modules decayed, every other parameter not. The
+    rewritten projections are no ``nn.Linear``: refused (one process decays them)."""
+
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        decayed = {id(m.weight) for m in self.modules() if isinstance(m, torch.nn.Linear)}
+        params = list(self.parameters())
+        groups = [
+            {"params": [p for p in params if id(p) in decayed], "weight_decay": 0.1},
+            {"params": [p for p in params if id(p) not in decayed], "weight_decay": 0.0},
+        ]
+        return torch.optim.AdamW(groups, lr=3e-3)
+
+
 class NamedGroupsLM(HFModule):
     """Parameter groups by name, as common recipes make them (no weight decay for biases and norms).
 
@@ -994,6 +1009,9 @@ def cases_p2() -> dict[str, Case]:
                 lambda: loader(hf_labels, rows=3),
                 strategy=dict(plan="ulysses", groups=True, check_step=False),
                 splits=SPLITS_2,
+            ),
+            "groups-by-module-type": Case(
+                TypeRuleLM, lambda: loader(shifted_targets), refused="isinstance(m, nn.Linear)"
             ),
             "named-groups": Case(  # by name: the shards of GPT-2's fused c_attn bias are biases too
                 lambda: NamedGroupsLM("gpt2"), lambda: loader(hf_labels), strategy=dict(plan="ulysses")
