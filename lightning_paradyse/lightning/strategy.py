@@ -737,24 +737,28 @@ class ParaDySeStrategy(ParallelStrategy):
         the step's output was made (:meth:`training_step`), and accumulates as DDP's ``no_sync`` does."""
         module = self.lightning_module
         if module is None or module.automatic_optimization:
-            return self._backward(closure_loss, optimizer, *args, **kwargs)
-        with self.cycle.apart():
-            return self._backward(self.cycle.manual_share(closure_loss), optimizer, *args, **kwargs)
+            return self._backward(closure_loss, optimizer, False, *args, **kwargs)
+        return self._backward(self.cycle.manual_share(closure_loss), optimizer, True, *args, **kwargs)
 
-    def _backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+    def _backward(
+        self, closure_loss: Tensor, optimizer: Optimizer | None, manual: bool, *args: Any, **kwargs: Any
+    ) -> Tensor:
         """Lightning's ``Strategy.backward`` with the gradients summed over the group between the backward and the
         ``on_after_backward`` hooks (:meth:`~lightning_paradyse.lightning.cycle.StepCycle.after_backward`), which then
         read and change the gradients one process holds, as under DDP, whose backward sums them (the hooks ran before
         the sum until 2026-11-30: a ``clip_grad_norm_`` there clipped this rank's partial gradients).
 
         With gradient accumulation (automatic optimization) the sum waits for the micro-batch that steps, as
-        DDP's ``no_sync`` does; with manual optimization it follows every backward."""
+        DDP's ``no_sync`` does; with manual optimization it follows every backward, the earlier backwards' gradients
+        kept apart from its sum and added back before the hooks (which read the step's gradients so far, as one
+        process's; until 2026-11-30 a replicated parameter's held this backward's alone there)."""
         module = self.lightning_module
         assert module is not None
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
-        self.cycle.after_backward(self._accumulating())
+        with self.cycle.apart() if manual else contextlib.nullcontext():
+            self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+            self.cycle.after_backward(self._accumulating())
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)  # the on_after_backward hooks
         self.post_backward(closure_loss)
         return closure_loss

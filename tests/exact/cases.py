@@ -380,6 +380,20 @@ class ManualTwiceLM(_Manual):
         return first
 
 
+class ManualTwiceHookLM(ManualTwiceLM):
+    """:class:`ManualTwiceLM` whose ``on_after_backward`` logs the whole model's gradient norm after each backward:
+    after the second, the sum of both backwards' gradients, as one process's (until 2026-11-30 the replicated
+    parameters held the second backward's alone there)."""
+
+    backwards = 0
+
+    @override
+    def on_after_backward(self) -> None:
+        self.backwards += 1
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        self.log(f"grad_norm_{self.backwards % 2}", torch.nn.utils.get_total_norm(grads))
+
+
 class NormLoggingLM(TinyLM):
     """Logs the whole model's gradient norm before each optimizer step, as recipes watch it
     (``torch.nn.utils.get_total_norm`` of every gradient: the norm over the ranks' shards, as one process's)."""
@@ -1068,6 +1082,7 @@ def cases_p2() -> dict[str, Case]:
             ),
             "manual-accumulate": Case(ManualAccumulateLM, lambda: loader(shifted_targets), strategy=dict(plan=MIXED)),
             "manual-twice": Case(ManualTwiceLM, lambda: loader(shifted_targets), strategy=dict(plan=MIXED)),
+            "manual-twice-hook": Case(ManualTwiceHookLM, lambda: loader(shifted_targets), strategy=dict(plan=MIXED)),
             "sgd": Case(tiny(optimizer="sgd"), lambda: loader(shifted_targets), strategy=dict(plan="tp_sp")),
             "adam": Case(tiny(optimizer="adam"), lambda: loader(shifted_targets), strategy=dict(plan="ring")),
             "rmsprop": Case(tiny(optimizer="rmsprop"), lambda: loader(shifted_targets), strategy=dict(plan="ulysses")),
