@@ -11,11 +11,18 @@ So the strategy calls ``configure_optimizers`` once more, on the plain model bef
 parameter, the settings of its group (every key but the parameters: learning rate, weight decay, betas, ...) and the
 optimizer it is in with what Lightning's own call gave the shards (:func:`check_settings`). A difference is refused
 on every rank alike, before the first step, naming the parameters and the fix.
+
+The extra call runs as Lightning's would (after the strategy kept the loaders' samplers, so that a
+``self.trainer.estimated_stepping_batches`` there sets the loaders up as they will run), and leaves no trace: the
+module's attributes are put back afterwards (a tensor learning rate ``self.lr`` that a scheduler's constructor fills in
+place; :func:`~lightning_paradyse.lightning.step_check.kept_attributes`). Settings that choose an implementation, not
+the arithmetic (``fused``, ``foreach``, ``capturable``: a recipe picks them by ``self.device``, the host before the
+rewrite), are not compared. The comparison is made where the fit rewrites the module: a module validated, tested or
+fitted before under the strategy has no plain model left to call it on.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -25,13 +32,17 @@ from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_paradyse.lightning.step_check import kept_attributes
 from lightning_paradyse.runtime.checkpoint import PlainModel, plain_targets
 
-Settings = dict[str, tuple[int, dict[str, Any]]]
-"""Plain parameter name -> (index of its optimizer, its param group's settings)."""
+Entry = tuple[int, dict[str, Any]]
+"""(Index of an optimizer, the settings of the param group a parameter is in there)."""
+Settings = dict[str, list[Entry]]
+"""Plain parameter name -> its entries, one per optimizer it is in (one process may put it in several)."""
 
-_NOT_SETTINGS = frozenset({"params", "param_names"})
-"""Group keys that list the parameters (``param_names``: an optimizer built from ``named_parameters()``)."""
+_NOT_SETTINGS = frozenset({"params", "param_names", "fused", "foreach", "capturable"})
+"""Group keys not compared: those that list the parameters (``param_names``: an optimizer built from
+``named_parameters()``), and those that choose an implementation (see the module docstring)."""
 
 SHOWN = 4
 """The most parameters an error names."""
@@ -47,18 +58,20 @@ def settings_of(optimizers: Sequence[Optimizer], names: Mapping[int, str]) -> Se
             for param in group["params"]:
                 name = names.get(id(param))
                 if name is not None:
-                    out.setdefault(name, (i, settings))
+                    out.setdefault(name, []).append((i, settings))  # a shard per entry, on the rewritten model
     return out
 
 
 def plain_settings(module: pl.LightningModule) -> Settings:
-    """Call ``module.configure_optimizers`` as Lightning does (its warnings silenced: Lightning's own call warns) and
-    return each parameter's settings by name; the optimizers and schedulers made are dropped."""
+    """Call ``module.configure_optimizers`` as Lightning does and return each parameter's settings by name; the
+    optimizers and schedulers made are dropped, and the module's attributes put back (see the module docstring)."""
     names = {id(p): n for n, p in module.named_parameters()}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    restore = kept_attributes(module)
+    try:
         optimizers, _ = _init_optimizers_and_lr_schedulers(module)
-    return settings_of(optimizers, names)
+        return settings_of(optimizers, names)
+    finally:
+        restore()
 
 
 def plain_ids(module: nn.Module, plain: PlainModel) -> dict[int, str]:
@@ -71,21 +84,14 @@ def check_settings(optimizers: Sequence[Optimizer], plain_names: Mapping[int, st
     """Refuse optimizers whose settings for a plain parameter differ from ``plain``'s (:func:`plain_settings` of the
     plain model). ``plain_names``: each parameter's id in the rewritten model -> the plain parameter it is (a shard of).
     Raises the same error on every rank (every rank computes both sides alike)."""
-    mine: dict[str, list[tuple[int, dict[str, Any]]]] = {}
-    for i, optimizer in enumerate(optimizers):
-        for group in optimizer.param_groups:
-            settings = {k: v for k, v in group.items() if k not in _NOT_SETTINGS}
-            for param in group["params"]:
-                name = plain_names.get(id(param))
-                if name is not None:
-                    mine.setdefault(name, []).append((i, settings))
+    mine = settings_of(optimizers, plain_names)
     differing = []
     for name in sorted(set(plain) | set(mine)):
-        want = plain.get(name)
-        for got in mine.get(name, [None]):  # type: ignore[list-item]
-            if not _same(want, got):
-                differing.append((name, _describe(want, got)))
-                break
+        want = {i: settings for i, settings in plain.get(name, [])}
+        got = mine.get(name, [])
+        how = _difference(want, got)
+        if how is not None:
+            differing.append((name, how))
     if differing:
         shown = "; ".join(f"{name}: {how}" for name, how in differing[:SHOWN])
         more = f" (and {len(differing) - SHOWN} more)" if len(differing) > SHOWN else ""
@@ -99,31 +105,32 @@ def check_settings(optimizers: Sequence[Optimizer], plain_names: Mapping[int, st
         )
 
 
-def _same(a: tuple[int, dict[str, Any]] | None, b: tuple[int, dict[str, Any]] | None) -> bool:
-    if a is None or b is None:
-        return a is b
-    if a[0] != b[0] or a[1].keys() != b[1].keys():
-        return False
-    return all(_equal(a[1][k], b[1][k]) for k in a[1])
+def _difference(want: dict[int, dict[str, Any]], got: list[Entry]) -> str | None:
+    """How the entries of a plain parameter's shards ``got`` differ from one process's, by optimizer, ``want``;
+    ``None`` if they do not."""
+    if not want and got:
+        return "in no optimizer on one process, optimized here"
+    if want and not got:
+        return "optimized on one process, in no optimizer here"
+    if set(want) != {i for i, _ in got}:
+        return f"in optimizer(s) {sorted(want)} on one process, {sorted({i for i, _ in got})} here"
+    for i, settings in got:
+        keys = [k for k in sorted(set(want[i]) | set(settings)) if not _equal(want[i].get(k), settings.get(k))]
+        if keys:
+            return ", ".join(f"{k}={settings.get(k)!r} here, {want[i].get(k)!r} on one process" for k in keys)
+    return None
+
+
+_VALUES = (bool, int, float, complex, str, bytes, type(None))
 
 
 def _equal(x: Any, y: Any) -> bool:
+    """Whether two group settings are equal: tensors by value, sequences item by item, numbers and text by value;
+    other objects (a callable, a config) cannot be told apart from another call's and count as equal if of one type."""
     if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
         return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x.cpu(), y.cpu())
     if isinstance(x, (tuple, list)) and isinstance(y, (tuple, list)):
         return len(x) == len(y) and all(_equal(u, v) for u, v in zip(x, y))
-    try:
+    if isinstance(x, _VALUES) or isinstance(y, _VALUES):
         return bool(x == y)
-    except Exception:  # an object without a plain truth value: its text
-        return repr(x) == repr(y)
-
-
-def _describe(want: tuple[int, dict[str, Any]] | None, got: tuple[int, dict[str, Any]] | None) -> str:
-    if want is None:
-        return "in no optimizer on one process, optimized here"
-    if got is None:
-        return "optimized on one process, in no optimizer here"
-    if want[0] != got[0]:
-        return f"in optimizer {want[0]} on one process, {got[0]} here"
-    keys = [k for k in sorted(set(want[1]) | set(got[1])) if not _equal(want[1].get(k), got[1].get(k))]
-    return ", ".join(f"{k}={got[1].get(k)!r} here, {want[1].get(k)!r} on one process" for k in keys)
+    return type(x) is type(y)

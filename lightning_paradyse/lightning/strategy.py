@@ -488,9 +488,10 @@ class ParaDySeStrategy(ParallelStrategy):
         comm.GRAD_REDUCE_DTYPE = torch.float32 if self.options.grad_reduce_dtype == "float32" else None
         comm.HOST_SPIN_S = comm.host_spin_seconds(self.root_device, self.num_processes)  # reset at teardown
         self.precision_plugin.convert_module(self._module)
+        _keep_user_samplers(trainer)  # before anything sets the loaders up (a configure_optimizers may)
         first = fitting and _parallelized_blocks(self._module) is None
-        plain = optimizer_settings.plain_settings(self._module) if first else None  # before the rewrite
         with kept_rng(self.root_device):  # what the set-up draws (probes, measurements) leaves the user's streams
+            plain = optimizer_settings.plain_settings(self._module) if first else None  # before the rewrite
             self._setup_parallel(fitting)
         if fitting:  # the weight gather of data-parallel training steps; agreed: the ranks' collectives must match
             comm.GATHER_AT_ONCE = comm.gather_at_once(self._group)
@@ -498,7 +499,6 @@ class ParaDySeStrategy(ParallelStrategy):
         self._result_cls = _report_loss(trainer, self.cycle)
         self.cycle.reports_loss = self._result_cls is not None
         summarize_whole_model(trainer.callbacks)  # type: ignore[attr-defined]  # whole parameter counts, not shards
-        _keep_user_samplers(trainer)
         if fitting:
             self.setup_optimizers(trainer)
             check_optimizers(self.optimizers, self.options.elementwise_optimizers)

@@ -1,7 +1,10 @@
 """``precision="16-mixed"``: every rank skips the step one rank's shards overflow (``lightning/grad_scaler.py``).
 
-* The scaler alone, on 2 gloo ranks: an infinity in one rank's gradient makes both ranks skip the step and halve the
-  scale, through Lightning's explicit ``unscale_`` and through ``step`` alone (an optimizer that unscales in its step).
+* The scaler alone, on 2 gloo ranks: an infinity in one rank's gradient (or in both ranks') makes both ranks skip the
+  step and halve the scale, through Lightning's explicit ``unscale_`` and through ``step`` alone with fused optimizers
+  (which unscale in their step and skip only for a flag of ``1.0``: a count of ranks wrote infinities and NaNs into
+  the weights, and took 2 off Adam's step count, until the review of 2026-11-30). The user's scaler is kept: the same
+  object, its class's overrides, settings and state.
 * The user's path: the package's ``LanguageModel`` (``llama-tiny``, plan ``tp_sp``) trained 3 steps in ``16-mixed``
   on 2 processes with an initial scale (6e5) at which one process's first step overflows in one element of a weight
   gradient that ``tp_sp`` shards. Before the fix one rank skipped and the other stepped (the replica check then
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 from typing import Any
 
 import lightning.pytorch as pl
@@ -33,41 +37,63 @@ INIT_SCALE = 6e5
 """The scale at which one process's first ``llama-tiny`` step overflows in float16 (measured: 1.5e5 and 3e5 do not)."""
 
 
-def _scaler_worker(rank: int, world: int) -> list[tuple[float, float]]:
-    """Two steps of one parameter whose gradient is infinite on rank 1 only: (weight, scale) after each."""
+def _scaler_worker(rank: int, world: int) -> list[tuple[float, float, float]]:
+    """Steps of one parameter whose scaled gradient is infinite on rank 1 only, or on both ranks; through Lightning's
+    explicit ``unscale_``, or ``step`` alone with fused optimizers (which unscale in their step): (the weight, the
+    scale, Adam's step count or 0) after each."""
     out = []
-    for explicit in (True, False):
+    for explicit, fused, both in [(True, False, False), (False, True, False), (False, True, True), (True, True, True)]:
         p = torch.nn.Parameter(torch.ones(2))
-        optimizer = torch.optim.SGD([p], lr=0.5)
-        scaler = AgreedGradScaler(dist.group.WORLD, device="cpu", init_scale=4.0)
+        sgd = torch.optim.SGD([p], lr=0.5, fused=fused)
+        q = torch.nn.Parameter(torch.ones(2))
+        adam = torch.optim.AdamW([q], lr=0.5, fused=fused)
+
+        class Plugin:
+            scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+
+        agree_scaler(Plugin, dist.group.WORLD)
+        scaler = Plugin.scaler
         scaler.scale(torch.ones(()))  # the loss's: the scale is made
-        p.grad = torch.tensor([float("inf") if rank == 1 else 1.0, 1.0])  # a scaled gradient
-        if explicit:
-            scaler.unscale_(optimizer)  # Lightning's, before clipping
-        scaler.step(optimizer)
+        inf = float("inf") if rank == 1 or both else 1.0
+        p.grad, q.grad = torch.tensor([inf, 1.0]), torch.tensor([inf, 1.0])  # scaled gradients
+        for optimizer in (sgd, adam):
+            if explicit:
+                scaler.unscale_(optimizer)  # Lightning's, before clipping
+            scaler.step(optimizer)
         scaler.update()
-        out.append((float(p.detach()[1]), scaler.get_scale()))
+        step = float(adam.state[q]["step"]) if adam.state.get(q) else 0.0
+        out.append((float(p.detach()[1]), float(q.detach()[1]), scaler.get_scale(), step))
     return out
 
 
 def test_every_rank_skips_a_step_whose_infinity_one_rank_holds() -> None:
     for per_rank in run_distributed(_scaler_worker, 2, timeout=60):
-        assert per_rank == [(1.0, 2.0), (1.0, 2.0)]  # not stepped, scale halved: on both ranks, both paths
+        for weight, adam_weight, scale, step in per_rank:  # not stepped, scale halved: on both ranks, every path
+            assert (weight, adam_weight, scale, step) == (1.0, 1.0, 2.0, 0.0), per_rank
 
 
-def test_the_scaler_keeps_the_users_settings_and_state() -> None:
-    user = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_factor=3.0, backoff_factor=0.25, growth_interval=7)
+def test_the_users_scaler_is_kept() -> None:
+    """The same object, of a subclass of the user's class (its own overrides kept), its settings and state kept;
+    a second fit changes only the group; it can still be pickled."""
+
+    class Mine(torch.amp.GradScaler):
+        def helper(self) -> str:
+            return "kept"
+
+    user = Mine("cpu", init_scale=1024.0, growth_factor=3.0, backoff_factor=0.25, growth_interval=7)
+    state = user.state_dict()
 
     class Plugin:
         scaler = user
 
-    plugin = Plugin()
-    agree_scaler(plugin, None)
-    assert isinstance(plugin.scaler, AgreedGradScaler) and plugin.scaler.state_dict() == user.state_dict()
-    kept = plugin.scaler
-    agree_scaler(plugin, None)  # a second fit: the same scaler
-    assert plugin.scaler is kept
-    assert not AgreedGradScaler.like(torch.amp.GradScaler("cpu", enabled=False), None).is_enabled()
+    agree_scaler(Plugin, None)
+    assert Plugin.scaler is user and isinstance(user, AgreedGradScaler) and isinstance(user, Mine)
+    assert user.helper() == "kept" and user.state_dict() == state
+    kind = type(user)
+    agree_scaler(Plugin, None)  # a second fit: the same class
+    assert type(user) is kind
+    again = pickle.loads(pickle.dumps(user))
+    assert type(again) is kind and again.state_dict() == state
 
 
 class Recorder(pl.Callback):

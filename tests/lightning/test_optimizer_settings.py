@@ -7,10 +7,13 @@ rule, refused) and the cases that group by name or build from ``named_parameters
 
 from __future__ import annotations
 
+from typing import Any
+
+import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_paradyse.lightning.optimizer_settings import check_settings, settings_of
+from lightning_paradyse.lightning.optimizer_settings import check_settings, plain_settings, settings_of
 
 
 def _params(n: int) -> list[torch.nn.Parameter]:
@@ -46,7 +49,7 @@ def test_a_parameter_left_out_or_in_another_optimizer_is_refused() -> None:
     with pytest.raises(ValueError, match="n: optimized on one process, in no optimizer here"):
         check_settings([_adamw([a], [])], {id(a): "w", id(b): "n"}, plain)
     two = [_adamw([a], []), _adamw([], [b])]
-    with pytest.raises(ValueError, match="n: in optimizer 0 on one process, 1 here"):
+    with pytest.raises(ValueError, match=r"n: in optimizer\(s\) \[0\] on one process, \[1\] here"):
         check_settings(two, {id(a): "w", id(b): "n"}, plain)
 
 
@@ -56,3 +59,33 @@ def test_the_names_of_a_named_optimizer_are_no_setting() -> None:
     q = _params(1)[0]
     mine = torch.optim.AdamW([("model.self_attn.q", q)], lr=1e-3)  # a group's param_names differ; its settings not
     check_settings([mine], {id(q): "model.q_proj.weight"}, plain)
+
+
+def test_a_parameter_in_two_optimizers_and_implementation_flags_pass() -> None:
+    w = _params(1)[0]
+    one = [torch.optim.SGD([w], lr=0.1, foreach=False), torch.optim.SGD([w], lr=0.2)]
+    plain = settings_of(one, {id(w): "w"})
+    a, b = _params(2)  # two shards; fused picked by the device (the GPU here, the host before the rewrite)
+    mine = [torch.optim.SGD([a, b], lr=0.1, foreach=True), torch.optim.SGD([a, b], lr=0.2)]
+    check_settings(mine, {id(a): "w", id(b): "w"}, plain)
+
+
+class _TensorLr(pl.LightningModule):
+    """A tensor learning rate kept on the module, which a scheduler's constructor fills in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 2)
+        self.lr = torch.tensor(1e-3)
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr)
+        return [optimizer], [torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1)]
+
+
+def test_the_extra_call_leaves_the_module_as_it_was() -> None:
+    module = _TensorLr()
+    module.trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
+    plain = plain_settings(module)
+    assert module.lr == torch.tensor(1e-3)  # the scheduler filled it with 1e-4 in the extra call: put back
+    assert {name for name in plain} == {"layer.weight", "layer.bias"}
