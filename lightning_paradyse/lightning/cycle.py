@@ -35,7 +35,7 @@ import contextlib
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -148,6 +148,8 @@ class StepCycle:
         self._share: Tensor | None = None
         self._reported: Tensor | None = None
         self._returned: tuple[Tensor, Tensor | None] | None = None
+        self._aside: list[tuple[Tensor, Tensor]] | None = None
+        """Gradients summed before the backward in flight (:meth:`set_aside`); ``None`` outside one."""
         """The loss tensor the module's step returned and the global loss to write into it once its backward ran
         (:meth:`logged`; ``None``: a deferred loss, written when it settles)."""
         self._module: nn.Module | None = None
@@ -437,23 +439,28 @@ class StepCycle:
             return loss
         return self.share(loss, info)
 
-    @contextlib.contextmanager
-    def apart(self) -> Iterator[None]:
-        """Around a manual optimization step's backward: the replicated parameters' gradients it finds (earlier
-        backwards' since the last ``zero_grad``, already summed over the ranks) set aside, so that the gradient return
-        sums this backward's alone, then added back (``earlier + new``, as one process's backward accumulates). So are
-        the experts' shards of a mixture of experts: the return leaves an expert this backward's tokens did not visit
-        without a gradient, which must not drop an earlier backward's."""
-        earlier = []
+    def set_aside(self) -> None:
+        """Before a backward: the replicated parameters' gradients it finds, already summed over the ranks (an
+        earlier step's that no ``zero_grad`` cleared, an earlier ``manual_backward``'s), set aside until the gradient
+        return after it has summed the new ones (:meth:`put_back`), so that they are not summed again (they were counted
+        once per rank until 2026-11-30 in automatic optimization). So are the experts' shards of a mixture of experts:
+        the return leaves an expert the new tokens did not visit without a gradient, which must not drop an earlier
+        one. Inside a window of accumulated micro-batches (:meth:`after_backward` waits for its last), only its first
+        backward sets aside: the later ones find this window's own unsummed gradients."""
+        if self._aside is not None:
+            return
+        self._aside = []
         for w in itertools.chain(parallel.replicated_parameters(self.module), parallel.opaque_parameters(self.module)):
             if w.grad is not None:
-                earlier.append((w, w.grad))
+                self._aside.append((w, w.grad))
                 w.grad = None
-        try:
-            yield
-        finally:
-            for w, grad in earlier:
-                w.grad = grad if w.grad is None else grad + w.grad
+
+    def put_back(self) -> None:
+        """After a gradient return: the gradients :meth:`set_aside` kept added to the new sums (``earlier + new``, as
+        one process's backward accumulates)."""
+        aside, self._aside = self._aside, None
+        for w, grad in aside or ():
+            w.grad = grad if w.grad is None else grad + w.grad
 
     def global_loss(self, local: Tensor, info: BatchInfo, defer: bool = False) -> Tensor:
         """``GlobalLoss(local * w_r)``: the exact single-process loss on every rank; deferred, this rank's share
@@ -541,11 +548,13 @@ class StepCycle:
         step = self.runner.step
         if step is not None and not step.whole and step_loss(output) is None:
             self.runner.finish(accumulating, timed=self.timed)
+            if not accumulating:
+                self.put_back()
 
     def teardown(self) -> None:
         """Drop every reference to the process groups and the batch (the strategy destroys the world group next)."""
         self.pending, self.taken, self._host_batch, self._group = None, None, None, None
-        self._share, self._reported, self._returned = None, None, None
+        self._share, self._reported, self._returned, self._aside = None, None, None, None
         self.logs.reset()
         self.fixed.reset()
         self.sigterm.restore()

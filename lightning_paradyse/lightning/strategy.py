@@ -731,34 +731,34 @@ class ParaDySeStrategy(ParallelStrategy):
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         """Lightning's backward; with manual optimization (the step's ``manual_backward``) of the loss weighed as
         this rank's part of the global loss (:meth:`~lightning_paradyse.lightning.cycle.StepCycle.manual_share`): the
-        step computed it on this rank's tokens; and the replicated gradients of earlier backwards (accumulated by the
-        step, summed over the ranks already) kept apart from this one's sum
-        (:meth:`~lightning_paradyse.lightning.cycle.StepCycle.apart`). Automatic optimization backs the global loss
+        step computed it on this rank's tokens. Automatic optimization backs the global loss
         the step's output was made (:meth:`training_step`), and accumulates as DDP's ``no_sync`` does."""
         module = self.lightning_module
         if module is None or module.automatic_optimization:
-            return self._backward(closure_loss, optimizer, False, *args, **kwargs)
-        return self._backward(self.cycle.manual_share(closure_loss), optimizer, True, *args, **kwargs)
+            return self._backward(closure_loss, optimizer, *args, **kwargs)
+        return self._backward(self.cycle.manual_share(closure_loss), optimizer, *args, **kwargs)
 
-    def _backward(
-        self, closure_loss: Tensor, optimizer: Optimizer | None, manual: bool, *args: Any, **kwargs: Any
-    ) -> Tensor:
+    def _backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         """Lightning's ``Strategy.backward`` with the gradients summed over the group between the backward and the
         ``on_after_backward`` hooks (:meth:`~lightning_paradyse.lightning.cycle.StepCycle.after_backward`), which then
         read and change the gradients one process holds, as under DDP, whose backward sums them (the hooks ran before
         the sum until 2026-11-30: a ``clip_grad_norm_`` there clipped this rank's partial gradients).
 
         With gradient accumulation (automatic optimization) the sum waits for the micro-batch that steps, as
-        DDP's ``no_sync`` does; with manual optimization it follows every backward, the earlier backwards' gradients
-        kept apart from its sum and added back before the hooks (which read the step's gradients so far, as one
-        process's; until 2026-11-30 a replicated parameter's held this backward's alone there)."""
+        DDP's ``no_sync`` does; with manual optimization it follows every backward. Gradients summed already (an
+        earlier step's no ``zero_grad`` cleared, an earlier ``manual_backward``'s) are kept apart from the sum and
+        added back before the hooks (:meth:`~lightning_paradyse.lightning.cycle.StepCycle.set_aside`), which read the
+        gradients one process holds then."""
         module = self.lightning_module
         assert module is not None
+        accumulating = self._accumulating()
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        with self.cycle.apart() if manual else contextlib.nullcontext():
-            self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
-            self.cycle.after_backward(self._accumulating())
+        self.cycle.set_aside()
+        self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+        self.cycle.after_backward(accumulating)
+        if not accumulating:
+            self.cycle.put_back()
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)  # the on_after_backward hooks
         self.post_backward(closure_loss)
         return closure_loss

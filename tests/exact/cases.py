@@ -419,6 +419,22 @@ class AfterBackwardLM(TinyLM):
                 p.grad.zero_()
 
 
+class SkippedZeroGradLM(TinyLM):
+    """Clears the gradients only before every ``every``-th batch (a hand-made accumulation over steps; Lightning asks
+    at the first micro-batch of each window): the other steps add to the gradients the step before applied, as one
+    process's do (until 2026-11-30 those, summed over the ranks already, were summed again: each replicated
+    parameter's counted once per rank)."""
+
+    def __init__(self, every: int = 2) -> None:
+        super().__init__()
+        self.every = every
+
+    @override
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
+        if batch_idx % self.every == 0:
+            optimizer.zero_grad(set_to_none=(batch_idx // self.every) % 2 == 0)  # None, or zeros: both
+
+
 class HandDecayLM(TinyLM):
     """Weight decay added to every gradient by hand before the optimizer step, under ``torch.no_grad()`` (exact); in
     grad mode (``grad_mode=True``, as hooks run) PyTorch refuses to change a gradient that is a view of a shared
@@ -972,6 +988,15 @@ def cases_p2() -> dict[str, Case]:
             "grads-after-backward-groups": Case(AfterBackwardLM, lambda: loader(ragged("targets"), rows=3)),
             "grads-after-backward-one-group": Case(
                 AfterBackwardLM, lambda: loader(ragged("targets"), rows=3), strategy=dict(plan="ring")
+            ),
+            "zero-grad-skipped-groups": Case(
+                SkippedZeroGradLM, lambda: loader(ragged("targets"), rows=3), trainer=dict(max_steps=6)
+            ),
+            "zero-grad-skipped-accumulated": Case(  # the gradients left over wait through a window of micro-batches
+                lambda: SkippedZeroGradLM(every=4),
+                lambda: loader(ragged("targets"), rows=3),
+                trainer=dict(max_steps=3, accumulate_grad_batches=2),
+                strategy=dict(plan="ring"),
             ),
             "grad-changed-in-hook-groups": Case(HandDecayLM, lambda: loader(ragged("targets"), rows=3)),
             "grad-changed-in-hook-one-group": Case(
