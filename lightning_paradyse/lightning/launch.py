@@ -11,6 +11,7 @@ When a fit fails, the script launcher's rank 0 stops the workers it started that
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import tempfile
@@ -27,7 +28,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_paradyse.runtime import hf_checkpointing
-from lightning_paradyse.runtime.exactness import host_rng_state
+from lightning_paradyse.runtime.exactness import host_rng_state, set_host_rng_state
 
 
 def stop_workers(procs: list[Any], grace: float = 5.0) -> list[int]:
@@ -57,7 +58,11 @@ class SpawnLauncher(_MultiProcessingLauncher):
     """The spawn launcher: the module made picklable first (Hugging Face gradient checkpointing); this process's
     random streams and default dtype carried into every worker (``launched_from``, any start method: Lightning
     carries the streams for ``spawn`` only, the dtype never); rank 0's *consolidated* weights handed back (the
-    strategy keeps them in ``final_state_dict`` at teardown)."""
+    strategy keeps them in ``final_state_dict`` at teardown) into this process's module converted as the workers'
+    was (``precision="64-true"``: float64, as one process leaves it; Lightning loads them into the module's dtype
+    before the fit, float32, rounded), and rank 0's random streams at the end handed back too (a second fit, or the
+    draws after the fit, continue from them as one process's do; Lightning leaves this process's where they were, so a
+    second fit repeated the first one's shuffled order). Both until 2026-11-30."""
 
     @override
     def launch(self, function: Callable[..., Any], *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
@@ -84,6 +89,25 @@ class SpawnLauncher(_MultiProcessingLauncher):
             weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
             strategy.checkpoint_io.save_checkpoint(final, weights_path)
         return _WorkerOutput(best, weights_path, trainer.state, results, self.get_extra_results(trainer))
+
+    @override
+    def get_extra_results(self, trainer: pl.Trainer) -> dict[str, Any]:
+        buffer = io.BytesIO()  # as bytes: a tensor in the queue would be shared memory the exiting worker takes along
+        torch.save(host_rng_state(), buffer)  # rank 0's streams at the end
+        return {**super().get_extra_results(trainer), "rng_bytes": buffer.getvalue()}
+
+    @override
+    def _recover_results_in_main_process(self, worker_output: _WorkerOutput, trainer: pl.Trainer) -> None:
+        module = trainer.lightning_module
+        if module is not None:  # the dtype the workers' module had (64-true: float64), before their weights load
+            self._strategy.precision_plugin.convert_module(module)
+        super()._recover_results_in_main_process(worker_output, trainer)
+
+    @override
+    def update_main_process_results(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
+        super().update_main_process_results(trainer, extra)
+        if "rng_bytes" in extra:
+            set_host_rng_state(torch.load(io.BytesIO(extra["rng_bytes"]), weights_only=False))
 
 
 def make_launcher(strategy: Any, start_method: str) -> _Launcher | None:

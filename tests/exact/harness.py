@@ -83,6 +83,10 @@ class Result:
     error: str | None = None
     world_size: int = 0
     """Ranks that trained (under the strategy: the group's size)."""
+    caller: dict[str, Any] = field(default_factory=dict)
+    """What the process that called ``fit`` holds after it, where that process trained or launched the workers
+    (:func:`run_plain`, :func:`run_launched`): its module's weights (``weights``, their dtypes included: a second fit
+    continues from them) and its torch stream (``rng``: a second fit or a later draw continues from it)."""
 
 
 OWN_METRICS = ("plan", "groups/")
@@ -157,8 +161,11 @@ def _loaders(data: Any) -> tuple[Any, Any]:
     return data if isinstance(data, tuple) else (data, None)
 
 
-def run(case: Case, devices: int, strategy: Any, port: Callable[[str], int] | None = None) -> Result:
-    """Train ``case`` with ``strategy`` (``"auto"`` for plain Lightning); the result as rank 0 sees it."""
+def run(
+    case: Case, devices: int, strategy: Any, port: Callable[[str], int] | None = None, caller: bool = False
+) -> Result:
+    """Train ``case`` with ``strategy`` (``"auto"`` for plain Lightning); the result as rank 0 sees it (``caller``:
+    and as the calling process holds it, :attr:`Result.caller`)."""
     result = Result()
     # the default dtype is left float32, as a user's script leaves it: precision="64-true" makes the run float64 (a
     # float64 default here hid a replay outside Lightning's precision context until 2026-11-30)
@@ -174,6 +181,9 @@ def run(case: Case, devices: int, strategy: Any, port: Callable[[str], int] | No
             callbacks = [_Record(result, path), *settings.pop("callbacks", [])]  # the case's own after ours
             trainer = quiet_trainer(devices, strategy, callbacks, **settings)
             trainer.fit(module, train, val)
+            if caller:
+                state = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+                result.caller = {"weights": state, "rng": torch.get_rng_state()}
             if case.test and val is not None:
                 if port is not None:  # under the strategy (the plain run has no port and needs none)
                     os.environ["MASTER_PORT"] = str(port("test"))
@@ -273,7 +283,7 @@ def run_launched(case: Case, devices: int) -> Result:
     module is pickled into ``devices`` fresh workers); rank 0's losses and checkpoint (not test losses)."""
     _clear_distributed_environment()
     try:
-        return run(case, devices, ParaDySeStrategy(**({"timeout": 60.0} | case.strategy)))
+        return run(case, devices, ParaDySeStrategy(**({"timeout": 60.0} | case.strategy)), caller=True)
     finally:
         _clear_distributed_environment()  # the launcher exports its port here
 
@@ -286,7 +296,7 @@ def _clear_distributed_environment() -> None:
 def run_plain(case: Case) -> Result:
     """The case in one plain Lightning process (``devices=1``, no strategy)."""
     _clear_distributed_environment()
-    return run(case, 1, "auto")
+    return run(case, 1, "auto", caller=True)
 
 
 def rel(a: Tensor, b: Tensor) -> float:
@@ -320,6 +330,22 @@ def differences(ours: Result, plain: Result, tol: float = TOL) -> list[str]:
     if ours.checkpoint.get("lr_schedulers") != plain.checkpoint.get("lr_schedulers"):
         bad.append("lr scheduler states differ")
     bad += _kept_tensor_differences(ours.checkpoint, plain.checkpoint, tol)
+    if ours.caller and plain.caller:
+        bad += _caller_differences(ours.caller, plain.caller, tol)
+    return bad
+
+
+def _caller_differences(ours: dict[str, Any], plain: dict[str, Any], tol: float) -> list[str]:
+    """The calling process's module and stream after the fit (:attr:`Result.caller`): the same dtypes, weights
+    within ``tol``, the same stream (the launcher hands back rank 0's weights and streams: until 2026-11-30 the module
+    kept its float32 and the stream stayed where it was before the fit)."""
+    mine, ref = ours["weights"], plain["weights"]
+    if list(mine) != list(ref):
+        return [f"the caller's module holds other weights: {sorted(set(mine) ^ set(ref))[:4]}"]
+    bad = [f"the caller's {k}: {mine[k].dtype} against {v.dtype}" for k, v in ref.items() if mine[k].dtype != v.dtype]
+    bad += [f"the caller's {k}: {rel(mine[k], v):.2e}" for k, v in ref.items() if rel(mine[k], v) > tol]
+    if not torch.equal(ours["rng"], plain["rng"]):
+        bad.append("the caller's torch stream after the fit differs from one process's")
     return bad
 
 
