@@ -23,7 +23,7 @@ import contextlib
 import math
 import warnings
 from collections import OrderedDict, defaultdict, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import lightning.pytorch as pl
@@ -35,7 +35,7 @@ from lightning_paradyse.distributed.comm import Group, all_reduce_sum, collectiv
 from lightning_paradyse.distributed.devices import gpu_free_bytes
 from lightning_paradyse.groups.exchange import drop_group, enter_group
 from lightning_paradyse.lightning.cycle import StepCycle, step_loss
-from lightning_paradyse.lightning.metric_calls import is_metric, metric_state, put_metric_state
+from lightning_paradyse.lightning.metric_calls import aliases, is_metric, metric_state, put_metric_state
 from lightning_paradyse.lightning.step_logs import log_arguments, log_replaced, number_dtype
 from lightning_paradyse.lightning.summary import whole_sizes
 from lightning_paradyse.modes.plan import LayerPlan, OpPlan, Plan
@@ -300,6 +300,39 @@ def warn_differing_logs(found: list[LogDifference]) -> None:
     )
 
 
+def returned_values(output: Any, loss: torch.Tensor | None) -> LoggedValues:
+    """The one-number values a step returns beside its loss (a mapping's other entries: tensors read on the host,
+    Python numbers), by ``(None, key)``; a tensor of the loss's storage (``loss.detach()``) is left out: the strategy
+    writes the global loss into it."""
+    out: LoggedValues = {}
+    if not isinstance(output, Mapping) or loss is None:  # no loss returned: the strategy warns about that already
+        return out
+    for key, value in output.items():
+        if key == "loss":
+            continue
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype != torch.bool:
+            if not aliases(value, loss):
+                out[(None, str(key))] = float(value.detach())
+        elif type(value) in (int, float):
+            out[(None, str(key))] = float(value)
+    return out
+
+
+def warn_differing_returns(found: list[LogDifference], hook: str) -> None:
+    """Name, once, the values the step returns beside its loss as this rank's where one process returns another."""
+    if not found:
+        return
+    shown = ", ".join(f"{d.name!r} ({d.sharded:.6g} on rank 0, {d.whole:.6g} in one process)" for d in found[:5])
+    more = f" and {len(found) - 5} more" if len(found) > 5 else ""
+    rank_zero_warn(
+        f"[paradyse] {hook} returns values beside its loss computed on this rank's slice of the batch, not the values "
+        f"one process returns: {shown}{more} (the one-time step check, on the first batch's first tokens). Only the "
+        f"loss (and a view of it, such as loss.detach()) is made global; {_BATCH_END.get(hook, 'on_train_batch_end')} "
+        "and the callbacks read the others as this rank's. Compute them there from outputs['loss'] (the global "
+        "loss) or from the batch it is handed (the whole batch) (README: The contract with your training_step)."
+    )
+
+
 _BATCH_END = {
     "training_step": "on_train_batch_end",
     "validation_step": "on_validation_batch_end",
@@ -365,7 +398,9 @@ class StepCheck:
             a, k = cycle.shard(sharded_info, (prefix, *rest[0]), rest[1])
             with recorded_logs(module) as sharded_logs, cycle.logs.trial():  # logged as the strategy logs them
                 with cycle.logs.capture(module):
-                    local = step_loss(step_fn(*a, **k))
+                    output = step_fn(*a, **k)
+                    local = step_loss(output)
+                sharded_returns = returned_values(output, local)
                 total = None if local is None else cycle.global_loss(local, sharded_info)
                 cycle.logs.replay(local, total)
             sharded = None if total is None else float(total)
@@ -375,7 +410,9 @@ class StepCheck:
                 piece, sources = shard_batch(prefix, whole_info, 0)  # the whole prefix, as one process holds it
                 parallel.set_step_sources(module, sources, whole_info.padding)
                 with recorded_logs(module) as whole_logs:  # logged as one process logs them
-                    whole = step_loss(step_fn(piece, *rest[0], **rest[1]))
+                    output = step_fn(piece, *rest[0], **rest[1])
+                    whole = step_loss(output)
+                whole_returns = returned_values(output, whole)
             finally:
                 drop_group(module)
         cycle.runner.enter(step)  # the batch's own step again
@@ -387,6 +424,7 @@ class StepCheck:
         if sharded is not None and whole is not None:
             check_step_losses(sharded, float(whole), tol, hook)
         warn_differing_logs(differing_logs(sharded_logs, whole_logs, tol))
+        warn_differing_returns(differing_logs(sharded_returns, whole_returns, tol), hook)
 
 
 def whole_plan(plan: Plan) -> Plan:

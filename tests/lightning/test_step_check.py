@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections import deque
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
@@ -135,7 +136,7 @@ class PerplexityLM(LanguageModel):
         self.mean_loss = torchmetrics.MeanMetric()
 
     @override
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, Any]:
         loss = self.loss(batch)
         self.log("loss", loss)
         self.log("loss_item", loss.item())
@@ -146,7 +147,8 @@ class PerplexityLM(LanguageModel):
         self.log("targets", (batch["targets"] != -100).sum())  # an integer tensor
         self.log("rows", loss, batch_size=batch["input_ids"].shape[0])  # the rows: alike on one group
         self.log("real", loss, batch_size=int((batch["targets"] != -100).sum()))  # the slice's targets
-        return loss
+        tokens = int(batch["input_ids"].numel())
+        return {"loss": loss, "same": loss.detach(), "extra": loss.detach() * 2, "count": tokens}  # read at batch end
 
     @override
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -177,11 +179,16 @@ def _warned(rank: int, world: int, port: int) -> list[str]:
 def test_the_check_names_logged_values_that_are_this_ranks_own() -> None:
     """The loss logged as the tensor or as ``loss.item()``, a MeanMetric's value of it and a constant are what one
     process logs; ``torch.exp(loss)`` and a count of the slice's tokens are this rank's: named once per step hook, on
-    rank 0 (the validation step's on its first batch)."""
+    rank 0 (the validation step's on its first batch). So are the values the step returns beside its loss (a view of
+    the loss, made global, is not named)."""
     told = run_distributed(_warned, 2, free_port(), timeout=120)
     assert told[1] == [], told  # rank_zero_warn
-    assert len(told[0]) == 2, told
-    training, validation = sorted(told[0], key=lambda m: "validation_step" in m)
+    assert len(told[0]) == 3, told
+    returned = next(m for m in told[0] if "returns values" in m)
+    training, validation = sorted((m for m in told[0] if m != returned), key=lambda m: "validation_step" in m)
+    named = returned.split("(the one-time step check")[0]
+    assert "'extra' (" in named and "'count' (16 on rank 0, 32 in one process)" in named, returned
+    assert "'same' (" not in named and "'loss' (" not in named, returned  # a view of the loss is made global
     named = training.split("(the one-time step check")[0]
     assert "'ppl' (" in named and "'tokens' (16 on rank 0, 32 in one process)" in named, training
     assert "'targets' (16 on rank 0, 32 in one process)" in named, training
