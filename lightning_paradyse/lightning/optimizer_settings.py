@@ -12,10 +12,11 @@ parameter, the settings of its group (every key but the parameters: learning rat
 optimizer it is in with what Lightning's own call gave the shards (:func:`check_settings`). A difference is refused
 on every rank alike, before the first step, naming the parameters and the fix.
 
-The extra call runs as Lightning's would (after the strategy kept the loaders' samplers, so that a
-``self.trainer.estimated_stepping_batches`` there sets the loaders up as they will run), and leaves no trace: the
+The extra call runs as Lightning's would (after the strategy kept the loaders' samplers), and leaves no trace: the
 module's attributes are put back afterwards (a tensor learning rate ``self.lr`` that a scheduler's constructor fills in
-place; :func:`~lightning_paradyse.lightning.step_check.kept_attributes`). Settings that choose an implementation, not
+place; :func:`~lightning_paradyse.lightning.step_check.kept_attributes`), the random streams too, and a training loader
+it set up (``self.trainer.estimated_stepping_batches`` does, and its iterator draws a seed) is set up again where one
+process sets it up, by Lightning's own call. Settings that choose an implementation, not
 the arithmetic (``fused``, ``foreach``, ``capturable``: a recipe picks them by ``self.device``, the host before the
 rewrite), are not compared. The comparison is made where the fit rewrites the module: a module validated, tested or
 fitted before under the strategy has no plain model left to call it on.
@@ -34,6 +35,7 @@ from torch.optim import Optimizer
 
 from lightning_paradyse.lightning.step_check import kept_attributes
 from lightning_paradyse.runtime.checkpoint import PlainModel, plain_targets
+from lightning_paradyse.runtime.exactness import kept_rng
 
 Entry = tuple[int, dict[str, Any]]
 """(Index of an optimizer, the settings of the param group a parameter is in there)."""
@@ -62,16 +64,22 @@ def settings_of(optimizers: Sequence[Optimizer], names: Mapping[int, str]) -> Se
     return out
 
 
-def plain_settings(module: pl.LightningModule) -> Settings:
-    """Call ``module.configure_optimizers`` as Lightning does and return each parameter's settings by name; the
-    optimizers and schedulers made are dropped, and the module's attributes put back (see the module docstring)."""
+def plain_settings(module: pl.LightningModule, device: torch.device) -> Settings:
+    """Call ``module.configure_optimizers`` as Lightning does and return each parameter's settings by name, leaving no
+    trace (see the module docstring): the optimizers and schedulers made are dropped, the module's attributes put
+    back, the random streams too (host and ``device``), and a training loader the call set up is set up again by
+    Lightning's own call, where one process sets it up (``estimated_stepping_batches``: its iterator draws a seed)."""
     names = {id(p): n for n, p in module.named_parameters()}
     restore = kept_attributes(module)
+    loop = module.trainer.fit_loop
+    loader = loop._combined_loader
     try:
-        optimizers, _ = _init_optimizers_and_lr_schedulers(module)
+        with kept_rng(device):
+            optimizers, _ = _init_optimizers_and_lr_schedulers(module)
         return settings_of(optimizers, names)
     finally:
         restore()
+        loop._combined_loader = loader  # none yet: Lightning's call (or its fit loop) sets the loader up again
 
 
 def plain_ids(module: nn.Module, plain: PlainModel) -> dict[int, str]:

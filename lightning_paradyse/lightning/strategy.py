@@ -490,8 +490,8 @@ class ParaDySeStrategy(ParallelStrategy):
         self.precision_plugin.convert_module(self._module)
         _keep_user_samplers(trainer)  # before anything sets the loaders up (a configure_optimizers may)
         first = fitting and _parallelized_blocks(self._module) is None
+        plain = optimizer_settings.plain_settings(self._module, self.root_device) if first else None  # before rewrite
         with kept_rng(self.root_device):  # what the set-up draws (probes, measurements) leaves the user's streams
-            plain = optimizer_settings.plain_settings(self._module) if first else None  # before the rewrite
             self._setup_parallel(fitting)
         if fitting:  # the weight gather of data-parallel training steps; agreed: the ranks' collectives must match
             comm.GATHER_AT_ONCE = comm.gather_at_once(self._group)

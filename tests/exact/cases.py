@@ -435,6 +435,20 @@ class SkippedZeroGradLM(TinyLM):
             optimizer.zero_grad(set_to_none=(batch_idx // self.every) % 2 == 0)  # None, or zeros: both
 
 
+class StepsScheduledLM(TinyLM):
+    """``OneCycleLR`` over ``self.trainer.estimated_stepping_batches``, as recipes schedule: it sets the training loader
+    up inside ``configure_optimizers``, which the strategy calls once more before the rewrite (until the review of
+    2026-11-30 that call came before the strategy kept the loaders' samplers, and Lightning put a distributed sampler
+    in: another order than one process's, silently)."""
+
+    @override
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=3e-3)
+        total = int(self.trainer.estimated_stepping_batches)
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3, total_steps=total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
 class HandDecayLM(TinyLM):
     """Weight decay added to every gradient by hand before the optimizer step, under ``torch.no_grad()`` (exact); in
     grad mode (``grad_mode=True``, as hooks run) PyTorch refuses to change a gradient that is a view of a shared
@@ -1094,6 +1108,9 @@ def cases_p2() -> dict[str, Case]:
             "configure-model": Case(ConfiguredLM, lambda: loader(shifted_targets, rows=3), strategy=dict(plan=MIXED)),
             "configure-model-after-draws": Case(
                 DrawsFirstLM, lambda: loader(shifted_targets, rows=3), strategy=dict(plan=MIXED)
+            ),
+            "scheduled-over-estimated-steps": Case(
+                StepsScheduledLM, lambda: shuffled(shifted_targets), trainer=dict(max_steps=-1, max_epochs=2)
             ),
             "shuffle": Case(  # on groups (rows), two epochs: the order of each
                 tiny(), lambda: shuffled(ragged("targets"), rows=3), trainer=dict(max_steps=-1, max_epochs=2)

@@ -86,6 +86,6 @@ class _TensorLr(pl.LightningModule):
 def test_the_extra_call_leaves_the_module_as_it_was() -> None:
     module = _TensorLr()
     module.trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
-    plain = plain_settings(module)
+    plain = plain_settings(module, torch.device("cpu"))
     assert module.lr == torch.tensor(1e-3)  # the scheduler filled it with 1e-4 in the extra call: put back
     assert {name for name in plain} == {"layer.weight", "layer.bias"}
