@@ -148,10 +148,10 @@ class StepCycle:
         self._share: Tensor | None = None
         self._reported: Tensor | None = None
         self._returned: tuple[Tensor, Tensor | None] | None = None
-        self._aside: list[tuple[Tensor, Tensor]] | None = None
-        """Gradients summed before the backward in flight (:meth:`set_aside`); ``None`` outside one."""
         """The loss tensor the module's step returned and the global loss to write into it once its backward ran
         (:meth:`logged`; ``None``: a deferred loss, written when it settles)."""
+        self._aside: list[tuple[Tensor, Tensor]] | None = None
+        """Gradients summed before the backward in flight (:meth:`set_aside`); ``None`` outside one."""
         self._module: nn.Module | None = None
         self._group: Group = None
         self._rank = 0
