@@ -72,7 +72,7 @@ def plain_settings(module: pl.LightningModule, device: torch.device) -> Settings
     names = {id(p): n for n, p in module.named_parameters()}
     restore = kept_attributes(module)
     loop = module.trainer.fit_loop
-    loader = loop._combined_loader
+    loader = loop._combined_loader  # Lightning 2.6's (pinned): the fit loop's training loader, once set up
     try:
         with kept_rng(device):
             optimizers, _ = _init_optimizers_and_lr_schedulers(module)
