@@ -230,6 +230,13 @@ def check_step_losses(sharded: float, whole: float, tol: float, hook: str = "tra
         )
 
 
+def one_number(value: Any) -> float | None:
+    """A one-number tensor (read on the host; a boolean is no number) or a Python int as a float; else ``None``."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype != torch.bool:
+        return float(value.detach())
+    return float(value) if type(value) is int else None
+
+
 LoggedValues = dict[tuple[str | None, str], float]
 """One-number values a step logged, by hook and name (the last call's)."""
 
@@ -244,12 +251,9 @@ def recorded_logs(module: pl.LightningModule) -> Iterator[LoggedValues]:
 
     def record(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         fx = module._current_fx_name
-        if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype != torch.bool:
-            out[(fx, name)] = float(value.detach())
-        elif type(value) is float:  # as Lightning makes it a tensor
-            out[(fx, name)] = float(torch.tensor(value, dtype=number_dtype()))
-        elif type(value) is int:
-            out[(fx, name)] = float(value)
+        number = float(torch.tensor(value, dtype=number_dtype())) if type(value) is float else one_number(value)
+        if number is not None:  # a Python float as Lightning makes it a tensor
+            out[(fx, name)] = number
         size = log_arguments(name, args, kwargs).get("batch_size")
         if isinstance(size, (int, torch.Tensor)) and not isinstance(size, bool):
             out[(fx, f"{name} batch_size")] = float(size)
@@ -280,18 +284,23 @@ def differing_logs(sharded: LoggedValues, whole: LoggedValues, tol: float) -> li
     return out
 
 
+def _listed(found: list[LogDifference]) -> str:
+    """The first five differences, each with both values, and how many more."""
+    shown = ", ".join(f"{d.name!r} ({d.sharded:.6g} on rank 0, {d.whole:.6g} in one process)" for d in found[:5])
+    return shown + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+
+
 def warn_differing_logs(found: list[LogDifference]) -> None:
     """Name, once, the values the step logs as this rank's where one process logs another (see the module
     docstring), with the fix."""
     if not found:
         return
-    shown = ", ".join(f"{d.name!r} ({d.sharded:.6g} on rank 0, {d.whole:.6g} in one process)" for d in found[:5])
-    more = f" and {len(found) - 5} more" if len(found) > 5 else ""
+    shown = _listed(found)
     hook = found[0].fx or "training_step"
     end = _BATCH_END.get(hook, "on_train_batch_end")
     rank_zero_warn(
         f"[paradyse] {hook} logs values computed on this rank's slice of the batch, not the values one process "
-        f"logs: {shown}{more} (the one-time step check, on the first batch's first tokens). The loss the step "
+        f"logs: {shown} (the one-time step check, on the first batch's first tokens). The loss the step "
         "returns, logged as that tensor or as loss.item(), and a torchmetrics metric given it are made global; a "
         "value derived from the loss (torch.exp(loss), loss.clone()) or from the slice's tokens (a count, a "
         "batch_size= of its rows or targets) is not. Log it from "
@@ -308,13 +317,11 @@ def returned_values(output: Any, loss: torch.Tensor | None) -> LoggedValues:
     if not isinstance(output, Mapping) or loss is None:  # no loss returned: the strategy warns about that already
         return out
     for key, value in output.items():
-        if key == "loss":
+        if key == "loss" or (isinstance(value, torch.Tensor) and aliases(value, loss)):
             continue
-        if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype != torch.bool:
-            if not aliases(value, loss):
-                out[(None, str(key))] = float(value.detach())
-        elif type(value) in (int, float):
-            out[(None, str(key))] = float(value)
+        number = float(value) if type(value) is float else one_number(value)
+        if number is not None:
+            out[(None, str(key))] = number
     return out
 
 
@@ -322,11 +329,10 @@ def warn_differing_returns(found: list[LogDifference], hook: str) -> None:
     """Name, once, the values the step returns beside its loss as this rank's where one process returns another."""
     if not found:
         return
-    shown = ", ".join(f"{d.name!r} ({d.sharded:.6g} on rank 0, {d.whole:.6g} in one process)" for d in found[:5])
-    more = f" and {len(found) - 5} more" if len(found) > 5 else ""
+    shown = _listed(found)
     rank_zero_warn(
         f"[paradyse] {hook} returns values beside its loss computed on this rank's slice of the batch, not the values "
-        f"one process returns: {shown}{more} (the one-time step check, on the first batch's first tokens). Only the "
+        f"one process returns: {shown} (the one-time step check, on the first batch's first tokens). Only the "
         f"loss (and a view of it, such as loss.detach()) is made global; {_BATCH_END.get(hook, 'on_train_batch_end')} "
         "and the callbacks read the others as this rank's. Compute them there from outputs['loss'] (the global "
         "loss) or from the batch it is handed (the whole batch) (README: The contract with your training_step)."
