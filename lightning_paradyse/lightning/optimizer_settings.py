@@ -6,8 +6,10 @@ A rule that groups parameters by what the rewrite changes (``isinstance(m, nn.Li
 ``.weight``; a plain module's name such as ``q_proj``) then gives a projection other settings than one process gives it
 (no weight decay where one process decays it), silently.
 
-So the strategy calls ``configure_optimizers`` once more, on the plain model before it is rewritten
-(:func:`plain_settings`; the optimizers and schedulers it makes are dropped), and compares, parameter by plain
+So the strategy calls ``configure_optimizers`` once more, on the plain model's structure (the rewritten model seen
+through :func:`~lightning_paradyse.runtime.plain_view.plain_view`: the replaced sub-modules in place again, their
+parameters stand-ins of the plain shapes; :func:`plain_settings`; the optimizers and schedulers it makes are dropped),
+and compares, parameter by plain
 parameter, the settings of its group (every key but the parameters: learning rate, weight decay, betas, ...) and the
 optimizer it is in with what Lightning's own call gave the shards (:func:`check_settings`). A difference is refused
 on every rank alike, before the first step, naming the parameters and the fix.
@@ -17,9 +19,8 @@ module's attributes are put back afterwards (a tensor learning rate ``self.lr`` 
 place; :func:`~lightning_paradyse.lightning.step_check.kept_attributes`), the random streams too, and a training loader
 it set up (``self.trainer.estimated_stepping_batches`` does, and its iterator draws a seed) is set up again where one
 process sets it up, by Lightning's own call. Settings that choose an implementation, not
-the arithmetic (``fused``, ``foreach``, ``capturable``: a recipe picks them by ``self.device``, the host before the
-rewrite), are not compared. The comparison is made where the fit rewrites the module: a module validated, tested or
-fitted before under the strategy has no plain model left to call it on.
+the arithmetic (``fused``, ``foreach``, ``capturable``), are not compared. The comparison is made at every fit, the
+module's first or not (a module validated or tested under the strategy before its fit is rewritten already).
 """
 
 from __future__ import annotations

@@ -114,6 +114,7 @@ from lightning_paradyse.runtime.exactness import (
     rank_rng,
     set_host_rng_state,
 )
+from lightning_paradyse.runtime.plain_view import plain_view
 from lightning_paradyse.runtime.slicing import BatchInfo
 
 _PLAIN_MODELS: weakref.WeakKeyDictionary[torch.nn.Module, PlainModel] = weakref.WeakKeyDictionary()
@@ -489,8 +490,6 @@ class ParaDySeStrategy(ParallelStrategy):
         comm.HOST_SPIN_S = comm.host_spin_seconds(self.root_device, self.num_processes)  # reset at teardown
         self.precision_plugin.convert_module(self._module)
         _keep_user_samplers(trainer)  # before anything sets the loaders up (a configure_optimizers may)
-        first = fitting and _parallelized_blocks(self._module) is None
-        plain = optimizer_settings.plain_settings(self._module, self.root_device) if first else None  # before rewrite
         with kept_rng(self.root_device):  # what the set-up draws (probes, measurements) leaves the user's streams
             self._setup_parallel(fitting)
         if fitting:  # the weight gather of data-parallel training steps; agreed: the ranks' collectives must match
@@ -500,11 +499,13 @@ class ParaDySeStrategy(ParallelStrategy):
         self.cycle.reports_loss = self._result_cls is not None
         summarize_whole_model(trainer.callbacks)  # type: ignore[attr-defined]  # whole parameter counts, not shards
         if fitting:
+            with plain_view(self._module, self.root_device):  # the settings one process's call gives
+                plain = optimizer_settings.plain_settings(self._module, self.root_device)
             self.setup_optimizers(trainer)
             check_optimizers(self.optimizers, self.options.elementwise_optimizers)
-            if plain is not None and self._plain_model is not None:  # the settings one process's call gives
-                ids = optimizer_settings.plain_ids(self._module, self._plain_model)
-                optimizer_settings.check_settings(self.optimizers, ids, plain)
+            assert self._plain_model is not None
+            ids = optimizer_settings.plain_ids(self._module, self._plain_model)
+            optimizer_settings.check_settings(self.optimizers, ids, plain)
             if group_size(self._group) > 1:  # rank 0's SIGTERM flag rides each training batch's agreement
                 self.cycle.sigterm.install(trainer)
         self._sharded_ids = parallel.sharded_parameter_ids(self._module)

@@ -51,6 +51,7 @@ from lightning_paradyse.graph.rewrite import rewrite_block
 from lightning_paradyse.modes.dsp import GridState
 from lightning_paradyse.modes.plan import Plan
 from lightning_paradyse.modes.specs import SeqContext, row_sizes, shard_rows
+from lightning_paradyse.runtime.plain_view import Shadows
 from lightning_paradyse.runtime.slicing import IGNORE_INDEX, PAD_MASK_KEYS, BatchSource, check_padding_targets
 
 
@@ -185,13 +186,17 @@ def parallelize(module: nn.Module, group: Group, blocks: str | None = None, axes
     forget_walks()  # the walks before the rewrite found no dispatch modules where there are about to be some
     state = StepState(blocks=[n for n, _ in found], grid=GridState() if axes == 2 else None)
     rope = _rotary_embedding(module)
+    shadows = Shadows()  # the replaced sub-modules' structure, for code that sorts parameters by it
     for layer, (name, block) in enumerate(found):
+        shadows.before(block)
         try:
             ops = rewrite_block(block, name, layer, group, axes, rope)
         except RoleError as err:
             raise ValueError(str(err)) from None
+        shadows.after(name, [op.core_path for op in ops])
         for op in ops:
             op.grid = state.grid
+    shadows.finish(module)
     forget_walks()
     if any(isinstance(op, OpaqueDispatch) for _, op in dispatchers(module)):
         _refuse_router_loss(module)

@@ -1066,8 +1066,20 @@ def cases_p2() -> dict[str, Case]:
             "groups-by-module-type": Case(
                 TypeRuleLM, lambda: loader(shifted_targets), refused="isinstance(m, nn.Linear)"
             ),
+            "groups-by-module-type-validated": Case(  # the module rewritten by the validation: the fit still compares
+                TypeRuleLM,
+                lambda: (loader(shifted_targets), loader(shifted_targets, (35, 52))),
+                validate=True,
+                refused="isinstance(m, nn.Linear)",
+            ),
             "named-groups": Case(  # by name: the shards of GPT-2's fused c_attn bias are biases too
                 lambda: NamedGroupsLM("gpt2"), lambda: loader(hf_labels), strategy=dict(plan="ulysses")
+            ),
+            "named-groups-validated": Case(
+                lambda: NamedGroupsLM("gpt2"),
+                lambda: (loader(hf_labels), loader(hf_labels, (35, 52))),
+                validate=True,
+                strategy=dict(plan="ulysses"),
             ),
             "named-groups-hf-trainer": Case(
                 lambda: NamedGroupsLM("qwen2", "hf-trainer"), lambda: loader(hf_labels), strategy=dict(plan="ulysses")

@@ -59,6 +59,8 @@ class Case:
     """For a case that must be refused: a fragment of the error message (the run must raise it on every rank)."""
     test: bool = False
     """Also run ``trainer.test`` on the validation loader after the fit."""
+    validate: bool = False
+    """Run ``trainer.validate`` on the validation loader before the fit (the module is rewritten there, not by it)."""
     compare: bool = True
     """Compare with plain Lightning (``False``: random ops such as dropout; the case must only train)."""
     plans: tuple[str, ...] | None = None
@@ -180,6 +182,10 @@ def run(
             settings |= dict(logger=_Logged(result)) | case.trainer
             callbacks = [_Record(result, path), *settings.pop("callbacks", [])]  # the case's own after ours
             trainer = quiet_trainer(devices, strategy, callbacks, **settings)
+            if case.validate and val is not None:
+                trainer.validate(module, val, verbose=False)
+                if port is not None:  # the fit launches anew (as the test after it)
+                    os.environ["MASTER_PORT"] = str(port("validate"))
             trainer.fit(module, train, val)
             if caller:
                 state = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
