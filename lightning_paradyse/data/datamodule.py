@@ -145,6 +145,11 @@ class TextDataModule(pl.LightningDataModule):
     def test_dataloader(self) -> DataLoader[dict[str, Tensor]]:
         return self._loader("test")
 
+    @override
+    def predict_dataloader(self) -> DataLoader[dict[str, Tensor]]:
+        """The test split's batches (``python cli.py predict``)."""
+        return self._loader("test")
+
 
 class CorpusDataModule(pl.LightningDataModule):
     """Token-budget batches of a real corpus (by default the bundled Python sources), the same on every rank.
@@ -231,6 +236,11 @@ class CorpusDataModule(pl.LightningDataModule):
 
     @override
     def test_dataloader(self) -> DataLoader[Tensor]:
+        return self._loader(self._split()[1], order="natural")
+
+    @override
+    def predict_dataloader(self) -> DataLoader[Tensor]:
+        """The held-out documents' batches, as the test's (``python cli.py predict``)."""
         return self._loader(self._split()[1], order="natural")
 
     @override

@@ -101,6 +101,16 @@ class LanguageModel(pl.LightningModule):
         return self.loss(batch)
 
     @override
+    def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        """Each token's log-probability of its target, ``[b, s]`` (0 where the target is ``-100``): the scores a
+        perplexity filter reads (``python cli.py predict``)."""
+        logits = self.logits(batch)  # [b, s, vocab]
+        logp = logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(-1)
+        targets = batch["targets"]  # [b, s]
+        picked = logp.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # [b, s, vocab] -> [b, s]
+        return torch.where(targets != -100, picked, torch.zeros_like(picked))
+
+    @override
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         if isinstance(outputs, dict) and outputs.get("skipped"):  # no plan fit the budget: nothing was trained
             return

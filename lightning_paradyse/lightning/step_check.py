@@ -396,7 +396,8 @@ class StepCheck:
             if self.left == 0:
                 rank_zero_warn("[paradyse] check_step: no batch had a real target among its first tokens; not checked")
             return
-        if not _whole_weights_fit(module, group, device, trainer.world_size):
+        if not whole_weights_fit(module, group, device, trainer.world_size, copies=2):
+            rank_zero_warn("[paradyse] check_step: the whole weights do not fit on every rank; the step is not checked")
             self.left = 0
             return
         with torch.no_grad(), side_effects_undone(trainer, module, device):
@@ -440,18 +441,15 @@ def whole_plan(plan: Plan) -> Plan:
     return Plan(tuple(LayerPlan(OpPlan(layer.attention.mode), OpPlan(layer.mlp.mode)) for layer in plan.layers))
 
 
-def _whole_weights_fit(module: torch.nn.Module, group: Group, device: torch.device, world: int) -> bool:
-    """Whether every rank can hold every weight for the check (CUDA: twice the whole weights free on every
-    rank, agreed by one all-reduce; CPU: yes). Warns and says no otherwise."""
+def whole_weights_fit(module: torch.nn.Module, group: Group, device: torch.device, world: int, copies: int) -> bool:
+    """Whether every rank can hold ``copies`` times every weight (CUDA: that much free on every rank, agreed by one
+    all-reduce; CPU: yes)."""
     if device.type != "cuda":
         return True
     item = next(module.parameters()).element_size()
-    need = 2 * item * sum(whole_sizes(module).values())
+    need = copies * item * sum(whole_sizes(module).values())
     free = torch.tensor([float(gpu_free_bytes(device) >= need)], device=collective_device(group))
-    fits = float(all_reduce_sum(free, group)) == float(world)  # [1] summed over the group
-    if not fits:
-        rank_zero_warn("[paradyse] check_step: the whole weights do not fit on every rank; the step is not checked")
-    return fits
+    return float(all_reduce_sum(free, group)) == float(world)  # [1] summed over the group
 
 
 __all__ = [
@@ -470,4 +468,5 @@ __all__ = [
     "step_check_tolerance",
     "warn_differing_logs",
     "whole_plan",
+    "whole_weights_fit",
 ]

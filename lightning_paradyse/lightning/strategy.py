@@ -93,6 +93,7 @@ from lightning_paradyse.lightning.cycle import StepCycle, reporting_result
 from lightning_paradyse.lightning.grad_scaler import agree_scaler
 from lightning_paradyse.lightning.launch import SpawnLauncher, make_launcher, stop_workers
 from lightning_paradyse.lightning.options import StrategyOptions
+from lightning_paradyse.lightning.predict import Predictions
 from lightning_paradyse.lightning.records import StepRecord
 from lightning_paradyse.lightning.refusals import check_gathered_shapes, explain_grad_view_error, refuse_callbacks
 from lightning_paradyse.lightning.step_check import StepCheck
@@ -262,6 +263,7 @@ class ParaDySeStrategy(ParallelStrategy):
         self._step_check = StepCheck(self.options.check_step)
         self._eval_checks = {s: StepCheck(self.options.check_step, training=False) for s in ("validate", "test")}
         """The one-time check of the evaluation steps (their first batch): their loss and what they log."""
+        self._predictions = Predictions()  # the whole weights while trainer.predict runs
         self.planner: Planner | None = None
         self.final_state_dict: dict[str, Tensor] | None = None
         """Rank 0's consolidated weights at the end of a spawned fit (handed back to the launching process)."""
@@ -725,8 +727,20 @@ class ParaDySeStrategy(ParallelStrategy):
         return result
 
     @override
+    def on_predict_start(self) -> None:
+        """The whole weights on every rank for the predictions (:mod:`~lightning_paradyse.lightning.predict`)."""
+        assert self._trainer is not None
+        callbacks = self._trainer.callbacks  # type: ignore[attr-defined]
+        self._predictions.start(self._module, self._group, self.root_device, self.world_size, callbacks)
+
+    @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError("ParaDySeStrategy does not support trainer.predict yet; use a single device")
+        """The module's predict step on the whole batch, as one process runs it."""
+        return self._predictions.step(self.cycle, super().predict_step, args, kwargs)
+
+    @override
+    def on_predict_end(self) -> None:
+        self._predictions.end(self._module)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
@@ -972,6 +986,8 @@ class ParaDySeStrategy(ParallelStrategy):
         if self._clip is not None:
             self._clip.stop()  # first: torch's own clip_grad_norm_ back whatever happens next
         self.cycle.sigterm.restore()  # Lightning's SIGTERM broadcasts back whatever happens next
+        if self._module is not None:
+            self._predictions.end(self._module)  # predictions that raised keep no whole weights into a later call
         self._keep_final_state()
         if self._trainer is not None and self._result_cls is not None:
             _loop_of(self._trainer).output_result_cls = self._result_cls  # the fit loop's own result class again

@@ -65,18 +65,28 @@ def full_attention(
     scale: float | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    real_lengths: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """Softmax attention, natural token order: ``q [b, n, s, d], k/v [b, n_kv, s, d] -> [b, n, s, d]``.
 
     ``bounds`` are the ``(start, stop)`` token spans of packed documents: each document attends only
     to itself (one attention call per document, exact and without an ``s x s`` mask). ``scale``: the
     scores' factor (``None``: ``1/sqrt(d)``). ``window``: a causal sliding window (:func:`in_window`).
-    ``softcap``: logit soft-capping (:class:`Scores`), computed explicitly per document.
+    ``softcap``: logit soft-capping (:class:`Scores`), computed explicitly per document. ``real_lengths``: each
+    row's real tokens, the rest right padding whose queries attend the real keys alone (:func:`_padded_queries`).
     """
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k = k.repeat_interleave(group, dim=1)  # [b, n_kv, s, d] -> [b, n, s, d]
         v = v.repeat_interleave(group, dim=1)
+    if real_lengths is not None and any(n < q.shape[2] for n in real_lengths):
+        if not causal or (bounds is not None and len(bounds) > 1) or window is not None or softcap is not None:
+            raise ValueError(
+                "padded rows are predicted exactly by causal attention without packed documents, a sliding window "
+                "or logit soft-capping: give trainer.predict batches without padding (rows of one length, or one row)"
+            )
+        out = full_attention(q, k, v, causal, scale=scale)
+        return _padded_queries(out, q, k, v, real_lengths, scale)
     spans = bounds if bounds is not None else [(0, q.shape[2])]
     if softcap is not None:
         scores = Scores(causal, scale, window, softcap)
@@ -86,6 +96,24 @@ def full_attention(
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
     outs = [_span_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], causal, scale, window) for a, b in spans]
     return torch.cat(outs, dim=2)  # per-document [b, n, len, d] -> [b, n, s, d]
+
+
+def _padded_queries(
+    out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: tuple[int, ...], scale: float | None
+) -> torch.Tensor:
+    """``out`` with each row's padding queries (from its ``lengths[r]``-th token on) attending its real keys alone,
+    as a causal run given the attention mask computes them (every real key precedes them: no causal mask)."""
+    s = q.shape[2]
+    rows = []
+    for r, n in enumerate(lengths):
+        row = out[r : r + 1]  # [1, n_heads, s, d]
+        if n < s:
+            padded = F.scaled_dot_product_attention(  # the padded queries against the real keys alone
+                q[r : r + 1, :, n:], k[r : r + 1, :, :n], v[r : r + 1, :, :n], scale=scale
+            )  # [1, heads, s - n, d]
+            row = torch.cat([row[:, :, :n], padded], dim=2)  # [1, heads, n, d] + [1, heads, s - n, d]
+        rows.append(row)
+    return torch.cat(rows)  # [1, heads, s, d] per row -> [b, heads, s, d]
 
 
 def _span_attention(

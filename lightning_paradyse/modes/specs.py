@@ -140,6 +140,10 @@ class SeqContext:
     host_doc_ids: torch.Tensor | None = None
     """:attr:`doc_ids` on the host when the caller has them there (the batch's description does): read without
     waiting for a GPU. Else they are copied there once per context."""
+    real_lengths: tuple[int, ...] | None = None
+    """A whole run's right-padded rows (``p = 1``: predictions): each row's real tokens. A padding token's query then
+    attends the real keys alone, as in a run given the attention mask; ``None``: its outputs are left as the causal
+    attention makes them (training and evaluation: no padding token's output reaches a target there)."""
 
     def __post_init__(self) -> None:
         if self.doc_ids is not None and tuple(self.doc_ids.shape) != (self.layout.seq_len,):

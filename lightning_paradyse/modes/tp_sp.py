@@ -73,7 +73,9 @@ class TensorSequenceParallel(Mode):
             torch.arange(layout.seq_len, device=x.device),
         )  # -> [b, n/p, s, d], [b, m, s, d], [b, m, s, d]
         o = merge_heads(
-            full_attention(q, k, v, spec.causal, ctx.doc_bounds(), spec.scale, spec.window, spec.softcap)
+            full_attention(
+                q, k, v, spec.causal, ctx.doc_bounds(), spec.scale, spec.window, spec.softcap, ctx.real_lengths
+            )
         )  # [b, n/p, s, d] -> [b, s, n/p*d]
         partial = o @ w.o_t  # [b, s, n/p*d] -> [b, s, h], a partial sum over head shards
         if not layout.is_natural:

@@ -63,7 +63,9 @@ class Ulysses(Mode):
             full = full.index_select(1, layout.natural_index(x.device))  # -> natural order
         full = full.transpose(1, 2)  # [b, s, heads, d] -> [b, heads, s, d]
         qh, kh, vh = full.split([nq, m, m], dim=1)
-        o = full_attention(qh, kh, vh, spec.causal, ctx.doc_bounds(), spec.scale, spec.window, spec.softcap)
+        o = full_attention(
+            qh, kh, vh, spec.causal, ctx.doc_bounds(), spec.scale, spec.window, spec.softcap, ctx.real_lengths
+        )
         o = o.transpose(1, 2)  # [b, n/p, s, d] -> [b, s, n/p, d]
         if not layout.is_natural:
             o = o.index_select(1, layout.gathered_positions(x.device))  # -> gathered order

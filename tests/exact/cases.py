@@ -206,6 +206,10 @@ class TinyLM(pl.LightningModule):
         return loss
 
     @override
+    def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        return self.model(batch["input_ids"]).log_softmax(-1)  # [b, s, vocab]
+
+    @override
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self.clip_in_hook is None:
             return
@@ -734,6 +738,10 @@ class HFModule(pl.LightningModule):
         return loss
 
     @override
+    def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        return self.model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
+
+    @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.1)
 
@@ -759,6 +767,10 @@ class GeneratingLM(HFModule):
     def on_validation_epoch_end(self) -> None:
         if self.at_epoch_end:
             self._sample()
+
+    @override
+    def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        return self.model.generate(batch["input_ids"][:, :4], max_new_tokens=2, do_sample=False)  # a key/value cache
 
     def _sample(self) -> None:
         assert self.prompt is not None
@@ -1106,6 +1118,19 @@ def cases_p2() -> dict[str, Case]:
                 hf("labels-key", checkpointing={"offload": True}), lambda: loader(hf_labels), refused="offload=True"
             ),
             "accumulate": Case(tiny(), lambda: loader(shifted_targets), trainer=dict(accumulate_grad_batches=2)),
+            "predict": Case(tiny(), lambda: loader(shifted_targets), predict=lambda: loader(shifted_targets, (35, 52))),
+            "predict-hf-padded-moe": Case(  # every op's mode on one rank; the padding's mask honoured
+                lambda: HFModule("masked", family="qwen3moe"),
+                lambda: loader(padded("right")),
+                strategy=dict(plan="ulysses"),
+                predict=lambda: loader(padded("right"), (35, 52)),
+            ),
+            "predict-generate": Case(
+                GeneratingLM,
+                lambda: loader(hf_labels),
+                predict=lambda: loader(hf_labels, (35,)),
+                refused="key/value cache",
+            ),
             "clip-norm": Case(tiny(), lambda: loader(shifted_targets), trainer=dict(gradient_clip_val=0.05)),
             "clip-value": Case(
                 tiny(optimizer="sgd"),
@@ -1342,8 +1367,12 @@ def cases_shared_device() -> dict[str, Case]:
 def cases_p3() -> dict[str, Case]:
     """Paths where 3 ranks differ: uneven chunks, heads not divisible by 3."""
     return {
-        "lm-main": Case(
-            lm_main, _lm_data, trainer=dict(val_check_interval=2, limit_val_batches=2), strategy=dict(plan=MIXED_3)
+        "lm-main": Case(  # and the command line's predictions (uneven shards of the whole weights)
+            lm_main,
+            _lm_data,
+            trainer=dict(val_check_interval=2, limit_val_batches=2),
+            strategy=dict(plan=MIXED_3),
+            predict=lambda: _lm_data()[1],
         ),
         "hf-labels-ids": Case(lambda: HFModule("labels-ids"), lambda: loader(tokens_only), strategy=dict(plan="ring")),
         "lm-packed": Case(

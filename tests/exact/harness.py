@@ -59,6 +59,8 @@ class Case:
     """For a case that must be refused: a fragment of the error message (the run must raise it on every rank)."""
     test: bool = False
     """Also run ``trainer.test`` on the validation loader after the fit."""
+    predict: Callable[[], Any] | None = None
+    """A loader ``trainer.predict`` runs after the fit (and the test); its predictions are compared (each a tensor)."""
     validate: bool = False
     """Run ``trainer.validate`` on the validation loader before the fit (the module is rewritten there, not by it)."""
     compare: bool = True
@@ -85,6 +87,8 @@ class Result:
     error: str | None = None
     world_size: int = 0
     """Ranks that trained (under the strategy: the group's size)."""
+    predictions: list[list[Any]] = field(default_factory=list)
+    """What ``trainer.predict`` returned (:attr:`Case.predict`), each prediction as nested lists (portable)."""
     caller: dict[str, Any] = field(default_factory=dict)
     """What the process that called ``fit`` holds after it, where that process trained or launched the workers
     (:func:`run_plain`, :func:`run_launched`): its module's weights (``weights``, their dtypes included: a second fit
@@ -194,6 +198,11 @@ def run(
                 if port is not None:  # under the strategy (the plain run has no port and needs none)
                     os.environ["MASTER_PORT"] = str(port("test"))
                 trainer.test(module, val, verbose=False)
+            if case.predict is not None:
+                if port is not None:
+                    os.environ["MASTER_PORT"] = str(port("predict"))
+                predictions = trainer.predict(module, case.predict())
+                result.predictions = [p.detach().cpu().tolist() for p in predictions or []]
             if trainer.global_rank == 0 and os.path.exists(path):
                 result.checkpoint = torch.load(path, weights_only=False)
             if not result.losses and os.path.exists(path + ".losses"):  # the workers were launched from here
@@ -325,6 +334,14 @@ def differences(ours: Result, plain: Result, tol: float = TOL) -> list[str]:
         elif a and rel(torch.tensor(a), torch.tensor(b)) > tol:
             bad.append(f"{what}: {a} against {b}")
     bad += _logged_differences(ours.logged, plain.logged, tol)
+    if len(ours.predictions) != len(plain.predictions):
+        bad.append(f"predictions: {len(ours.predictions)} batches against {len(plain.predictions)}")
+    for i, (a, b) in enumerate(zip(ours.predictions, plain.predictions)):
+        mine, one = torch.tensor(a), torch.tensor(b)
+        if mine.shape != one.shape:
+            bad.append(f"predictions of batch {i}: shape {tuple(mine.shape)} against {tuple(one.shape)}")
+        elif rel(mine, one) > tol:
+            bad.append(f"predictions of batch {i}: {rel(mine, one):.2e}")
     mine, ref = ours.checkpoint.get("state_dict", {}), plain.checkpoint.get("state_dict", {})
     if list(mine) != list(ref):
         missing, extra = sorted(set(ref) - set(mine)), sorted(set(mine) - set(ref))

@@ -89,3 +89,37 @@ def test_soft_capped_attention_in_every_kernel(window: int | None, causal: bool)
     torch.testing.assert_close(grads[0][0] + grads[1][0], expected[0], rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(torch.cat([grads[0][1], grads[1][1]], 2), expected[1], rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(torch.cat([grads[0][2], grads[1][2]], 2), expected[2], rtol=1e-10, atol=1e-12)
+
+
+def test_padded_rows_attend_their_real_keys_as_a_masked_run() -> None:
+    """Right padding (``real_lengths``): every query, padding's included, sees the causal keys that are real, as
+    attention given the mask computes it; a row without padding is the causal attention's."""
+    torch.manual_seed(3)
+    s, lengths = 11, (7, 11, 1)
+    q = torch.randn(3, 4, s, 8, dtype=torch.float64)
+    k, v = (torch.randn(3, 2, s, 8, dtype=torch.float64) for _ in range(2))
+    pos = torch.arange(s)
+    real = pos[None, :] < torch.tensor(lengths)[:, None]  # [b, s]
+    allowed = (pos[:, None] >= pos[None, :])[None] & real[:, None, :]  # [b, s, s]: causal and a real key
+    want = _reference(q, k, v, allowed[:, None])
+    got = full_attention(q, k, v, True, [(0, s)], real_lengths=lengths)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(full_attention(q, k, v, True)[0, :, 7:], want[0, :, 7:])  # what the padding changes
+
+
+@pytest.mark.parametrize("kind", ["bidirectional", "window", "softcap", "documents"])
+def test_padded_rows_are_refused_where_the_kernel_cannot_mask_them(kind: str) -> None:
+    q = k = v = torch.zeros(1, 2, 6, 4)
+    causal = kind != "bidirectional"
+    bounds = [(0, 3), (3, 6)] if kind == "documents" else None
+    with pytest.raises(ValueError, match="batches without padding"):
+        full_attention(
+            q,
+            k,
+            v,
+            causal,
+            bounds,
+            window=2 if kind == "window" else None,
+            softcap=5.0 if kind == "softcap" else None,
+            real_lengths=(4,),
+        )
