@@ -55,6 +55,11 @@ class Predictions:
         """Gather the whole weights on every rank (one collective), after refusing, alike on every rank, a model whose
         whole weights do not fit a GPU; warn where a prediction writer among ``callbacks`` would write them on every
         rank."""
+        if parallel.step_state(module).grid is not None:
+            raise ValueError(
+                "trainer.predict of a grid model (ParaDySeStrategy(axes=2)) is not supported yet: predict in one plain "
+                "process from a checkpoint of this run (LightningModule.load_from_checkpoint)"
+            )
         plan = whole_run_plan(module)
         if not whole_weights_fit(module, group, device, world, copies=1):
             raise RuntimeError(
