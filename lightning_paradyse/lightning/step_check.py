@@ -1,7 +1,7 @@
 """The one-time step check: does the module's step compute across the tokens of its slice?
 
 On the first training batch whose first tokens have a real target (``ParaDySeStrategy(check_step=True)``), the
-module's step runs twice on the batch's first ``8p`` tokens, with no gradient and no trace left
+module's step runs twice on the batch's first ``8p + 1`` tokens, with no gradient and no trace left
 (:func:`side_effects_undone`): sharded over the ranks as every step runs, and whole
 on every rank (a group of one holding every weight). The two losses must agree to the precision's tolerance;
 otherwise the step computes across its slice (e.g. shifts the targets itself) and the run stops on every rank
@@ -386,7 +386,9 @@ class StepCheck:
             cycle.fixed.exclude()  # the check's forward passes are no part of this step's costs
         batch = args[0] if args else kwargs.get("batch")
         p = group_size(group)
-        prefix = prefix_batch(batch, info.batch, info.seq_len, min(info.seq_len, 8 * p))
+        # 8p + 1 tokens: the ranks hold unequal numbers of them, so a value the ranks average (the mean of their
+        # losses gathered with self.all_gather) differs from one process's as it does on most real batches
+        prefix = prefix_batch(batch, info.batch, info.seq_len, min(info.seq_len, 8 * p + 1))
         rest = (args[1:], {k: v for k, v in kwargs.items() if k != "batch"})
         try:
             sharded_info = cycle.inspect(prefix)

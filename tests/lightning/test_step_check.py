@@ -187,12 +187,12 @@ def test_the_check_names_logged_values_that_are_this_ranks_own() -> None:
     returned = next(m for m in told[0] if "returns values" in m)
     training, validation = sorted((m for m in told[0] if m != returned), key=lambda m: "validation_step" in m)
     named = returned.split("(the one-time step check")[0]
-    assert "'extra' (" in named and "'count' (16 on rank 0, 32 in one process)" in named, returned
+    assert "'extra' (" in named and "'count' (18 on rank 0, 34 in one process)" in named, returned
     assert "'same' (" not in named and "'loss' (" not in named, returned  # a view of the loss is made global
     named = training.split("(the one-time step check")[0]
-    assert "'ppl' (" in named and "'tokens' (16 on rank 0, 32 in one process)" in named, training
-    assert "'targets' (16 on rank 0, 32 in one process)" in named, training
-    assert "'real batch_size' (16 on rank 0, 32 in one process)" in named, training
+    assert "'ppl' (" in named and "'tokens' (18 on rank 0, 34 in one process)" in named, training
+    assert "'targets' (18 on rank 0, 34 in one process)" in named, training
+    assert "'real batch_size' (18 on rank 0, 34 in one process)" in named, training
     names = ("loss", "loss_item", "mean_loss", "lr", "rows", "rows batch_size", "real")
     assert not any(f"'{name}' (" in named for name in names), training
     assert "on_train_batch_end" in training, training
