@@ -949,6 +949,14 @@ class ParaDySeStrategy(ParallelStrategy):
         (:mod:`~lightning_paradyse.lightning.finetuning`)."""
         if _parallelized_blocks(self._module) is not None and self._plain_model is not None:
             checkpoint = finetuning.to_plain(checkpoint, self._module, self._plain_model)
+        elif isinstance(self._launcher, SpawnLauncher) and self._launcher._already_fit:  # the launching process
+            rank_zero_warn(
+                "[paradyse] trainer.save_checkpoint in the process that launched the workers (start_method='spawn') "
+                "after a fit saves the fit's final weights, but no optimizer state and step counters at 0: the workers "
+                "held those (as under Lightning's ddp_spawn), and resuming from this file restarts the optimizer. Save "
+                "checkpoints during the fit (ModelCheckpoint, or trainer.save_checkpoint in on_train_end), or launch "
+                "with start_method='popen'"
+            )
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override

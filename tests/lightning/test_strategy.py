@@ -629,6 +629,9 @@ def test_spawn_launcher_matches_single_process(tmp_path: Path, plain_reference: 
     handed = dict(module.state_dict())  # rank 0's weights, in this process's module converted as one process's is
     assert {v.dtype for v in handed.values()} == {torch.float64}  # float32, rounded, until 2026-11-30
     assert_same_weights(handed, plain_reference["state"], "weights handed back")
+    with pytest.warns(UserWarning, match="no optimizer state and step counters at 0"):  # the workers held them
+        trainer.save_checkpoint(tmp_path / "after.ckpt")
+    assert_same_weights(torch.load(tmp_path / "after.ckpt", weights_only=False)["state_dict"], handed, "saved after")
 
 
 @pytest.mark.dist
