@@ -1,7 +1,7 @@
 """What the strategy refuses outside a step, each on every rank and naming the fix: Lightning callbacks it cannot run
-(weight averaging, the learning-rate finder), an ``all_gather`` of tensors whose shapes differ between the ranks,
-and a hook that changes a gradient in a way PyTorch refuses on the strategy's gradients (PyTorch's own error,
-explained)."""
+(weight averaging, the learning-rate finder), an ``AveragedModel`` the module builds before the fit, an
+``all_gather`` of tensors whose shapes differ between the ranks, and a hook that changes a gradient in a way PyTorch
+refuses on the strategy's gradients (PyTorch's own error, explained)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from typing import Any
 
 import lightning.pytorch.callbacks as pl_callbacks
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.optim.swa_utils import AveragedModel
 
 from lightning_paradyse.distributed.comm import all_gather_rows, collective_device
 from lightning_paradyse.distributed.devices import to_device
@@ -42,6 +43,21 @@ def refuse_callbacks(callbacks: Sequence[Any]) -> None:
             f"checkpoints hold (their state dict is the single-process model's), or keep a running average inside "
             f"the LightningModule over self.named_parameters() (each rank averages its own shards) and save it whole "
             f"with lightning_paradyse.gather_like_params in on_save_checkpoint (shard_like_params to load it)"
+        )
+
+
+def refuse_averaged_models(module: nn.Module) -> None:
+    """A ``torch.optim.swa_utils.AveragedModel`` the module builds in ``__init__`` (an EMA of ``self.model``) holds a
+    whole copy of the model made before the strategy shards it; its ``update_parameters`` then pairs those whole
+    weights with this rank's shards (a crash on a shape mismatch): refused at the fit's setup, naming the fix."""
+    found = [name for name, sub in module.named_modules() if isinstance(sub, AveragedModel)]
+    if found:
+        raise ValueError(
+            f"{type(module).__name__}.{found[0]} is an AveragedModel made before ParaDySeStrategy shards the model: "
+            f"its whole copy cannot be paired with the shards this rank trains. Keep the running average over "
+            f"self.named_parameters() in the LightningModule instead (a dict of tensors updated under torch.no_grad(), "
+            f"each rank averaging its own shards; made in on_fit_start) and save it whole with "
+            f"lightning_paradyse.gather_like_params in on_save_checkpoint (shard_like_params to load it)"
         )
 
 

@@ -95,7 +95,12 @@ from lightning_paradyse.lightning.launch import SpawnLauncher, make_launcher, st
 from lightning_paradyse.lightning.options import StrategyOptions
 from lightning_paradyse.lightning.predict import Predictions
 from lightning_paradyse.lightning.records import StepRecord
-from lightning_paradyse.lightning.refusals import check_gathered_shapes, explain_grad_view_error, refuse_callbacks
+from lightning_paradyse.lightning.refusals import (
+    check_gathered_shapes,
+    explain_grad_view_error,
+    refuse_averaged_models,
+    refuse_callbacks,
+)
 from lightning_paradyse.lightning.step_check import StepCheck
 from lightning_paradyse.lightning.summary import summarize_whole_model
 from lightning_paradyse.modes.plan import Plan
@@ -486,6 +491,7 @@ class ParaDySeStrategy(ParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:  # they act in a fit only
             refuse_callbacks(trainer.callbacks)  # type: ignore[attr-defined]  # every rank alike, before any broadcast
+            refuse_averaged_models(self._module)
         self._trainer = trainer
         self.accelerator.setup(trainer)
         comm.GRAD_REDUCE_DTYPE = torch.float32 if self.options.grad_reduce_dtype == "float32" else None

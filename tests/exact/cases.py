@@ -800,6 +800,21 @@ class ForwardAfterStepLM(HFModule):
         self.log("sample_logits", self.model(self.prompt).logits.sum())
 
 
+class AveragedModelLM(TinyLM):
+    """An exponential moving average kept as ``torch.optim.swa_utils.AveragedModel`` made in ``__init__`` and updated
+    after every batch, as PyTorch's docs show: a whole copy of the model the shards cannot be paired with (refused)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ema = torch.optim.swa_utils.AveragedModel(
+            self.model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9)
+        )
+
+    @override
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.ema.update_parameters(self.model)
+
+
 class TypeRuleLM(TinyLM):
     """minGPT's weight-decay rule: the weights of ``nn.Linear`` modules decayed, every other parameter not. The
     rewritten projections are no ``nn.Linear``: refused (one process decays them)."""
@@ -1193,6 +1208,12 @@ def cases_p2() -> dict[str, Case]:
                 lambda: loader(shifted_targets),
                 trainer=dict(callbacks=[EMAWeightAveraging()]),
                 refused="EMAWeight",
+            ),
+            "averaged-model-in-init": Case(  # torch's AveragedModel built with the module: a whole copy
+                AveragedModelLM,
+                lambda: loader(shifted_targets),
+                strategy=dict(blocks="model.layers"),
+                refused="AveragedModel made before ParaDySeStrategy shards",
             ),
             "kept-losses-groups": Case(  # training steps on groups: the loss settles after the gradient return
                 KeptLossesLM,

@@ -1,7 +1,7 @@
 """The refusals outside a step: PyTorch's error for a gradient view changed in grad mode, explained where a hook
 before the optimizer step raised it (the whole path, on 2 ranks, is ``tests/exact`` cases
 ``grad-changed-in-grad-mode-*``; the uneven ``all_gather`` is case ``all-gather-uneven``; the refused callbacks cases
-``swa``, ``ema``, ``lr-finder``)."""
+``swa``, ``ema``, ``averaged-model-in-init``, ``lr-finder``)."""
 
 from __future__ import annotations
 
