@@ -85,6 +85,7 @@ from lightning_paradyse.distributed.devices import (
     expand_devices,
     resolve_backend,
 )
+from lightning_paradyse.distributed.rendezvous import call_store, needs_own_store
 from lightning_paradyse.groups.exchange import measure_regroup
 from lightning_paradyse.groups.solver import MAX_GROUPS, smallest_group
 from lightning_paradyse.lightning import collection, finetuning, optimizer_settings
@@ -451,10 +452,15 @@ class ParaDySeStrategy(ParallelStrategy):
             self.parallel_devices, self.options.process_group_backend
         )  # on every rank, before any
         check_local_gpus(self.parallel_devices, backend)  # collective: NCCL refused where ranks would share a GPU
-        kwargs: dict[str, Any] = {"timeout": timedelta(seconds=self.options.timeout)}
+        timeout = timedelta(seconds=self.options.timeout)
+        kwargs: dict[str, Any] = {"timeout": timeout}
         if backend == "nccl":
             kwargs["device_id"] = self.root_device
-        _init_dist_connection(self.cluster_environment, backend, **kwargs)
+        env = self.cluster_environment
+        if needs_own_store() and not dist.is_initialized():  # one store per process: a later call never meets
+            # this call's store as rank 0 closes it (distributed/rendezvous.py)
+            kwargs["store"] = call_store(env.main_address, env.main_port, self.global_rank, self.world_size, timeout)
+        _init_dist_connection(env, backend, **kwargs)
         self._group = dist.group.WORLD
 
     def _check_profile_device(self) -> None:
