@@ -183,8 +183,11 @@ class StepCycle:
 
     def keep_host_batch(self, moved: Any, loader_batch: Any | None) -> None:
         """The batch Lightning moved to the device and the loader's batch it holds the values of (``None``: the
-        transfer may change them), with the moved tensors' identities and version counters."""
-        self._host_batch = None if loader_batch is None else (moved, loader_batch, _tensor_versions(moved))
+        transfer may change them), with the moved tensors' identities and version counters. Tensors made under
+        ``torch.inference_mode`` (Lightning's evaluation and predictions on one device or with NCCL) keep no version
+        counter: nothing is kept for them (:meth:`on_host` copies the batch)."""
+        versions = None if loader_batch is None else _tensor_versions(moved)
+        self._host_batch = None if versions is None else (moved, loader_batch, versions)
 
     def on_host(self, batch: Any) -> Any:
         """The batch on the host: the loader's batch it was moved from while the batch still holds the tensors that
@@ -587,11 +590,14 @@ def step_loss(output: Any) -> torch.Tensor | None:
     return loss if isinstance(loss, torch.Tensor) else None
 
 
-def _tensor_versions(batch: Any) -> list[tuple[int, int]]:
-    """Every tensor of a batch as ``(id, version counter)``: a tensor replaced or changed in place differs."""
-    out: list[tuple[int, int]] = []
-    apply_to_collection(batch, Tensor, lambda t: out.append((id(t), t._version)))
-    return out
+def _tensor_versions(batch: Any) -> list[tuple[int, int]] | None:
+    """Every tensor of a batch as ``(id, version counter)``: a tensor replaced or changed in place differs. ``None``
+    where a tensor is an inference tensor (it has no version counter)."""
+    tensors: list[Tensor] = []
+    apply_to_collection(batch, Tensor, tensors.append)
+    if any(t.is_inference() for t in tensors):
+        return None
+    return [(id(t), t._version) for t in tensors]
 
 
 __all__ = ["GlobalLoss", "StepCycle", "reporting_result", "step_loss"]
