@@ -35,8 +35,10 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_paradyse.lightning.step_check import kept_attributes
+from lightning_paradyse.runtime import parallel
 from lightning_paradyse.runtime.checkpoint import PlainModel, plain_targets
 from lightning_paradyse.runtime.exactness import kept_rng
+from lightning_paradyse.runtime.plain_view import plain_view
 
 Entry = tuple[int, dict[str, Any]]
 """(Index of an optimizer, the settings of the param group a parameter is in there)."""
@@ -81,6 +83,22 @@ def plain_settings(module: pl.LightningModule, device: torch.device) -> Settings
     finally:
         restore()
         loop._combined_loader = loader  # none yet: Lightning's call (or its fit loop) sets the loader up again
+
+
+def viewed_settings(module: pl.LightningModule, plain: PlainModel, device: torch.device) -> Settings:
+    """:func:`plain_settings` of the parallelised ``module`` seen with the plain structure
+    (:func:`~lightning_paradyse.runtime.plain_view.plain_view`): the replaced parameters' stand-ins on ``meta`` (no
+    memory, also for an optimizer that makes its state in its constructor, as ``Adagrad`` does), else, where the call
+    needs a real device (``fused=True``, ``capturable=True``), one element each on ``device``."""
+    targets = plain_targets(module, plain)
+    current = {targets[n][0]: p for n, p in module.named_parameters()}  # a plain name -> one of its shards now
+    parts = parallel.step_state(module).plain_parts
+    try:
+        with plain_view(module, parts, torch.device("meta"), current):
+            return plain_settings(module, device)
+    except Exception:  # the call again on the device; its own error, if any, raised from there
+        with plain_view(module, parts, device, current):
+            return plain_settings(module, device)
 
 
 def plain_ids(module: nn.Module, plain: PlainModel) -> dict[int, str]:

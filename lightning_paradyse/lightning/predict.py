@@ -61,7 +61,7 @@ class Predictions:
                 "process from a checkpoint of this run (LightningModule.load_from_checkpoint)"
             )
         plan = whole_run_plan(module)
-        if not whole_weights_fit(module, group, device, world, copies=1):
+        if not whole_weights_fit(module, group, device, world, copies=2):  # the gather's buffers, then the weights
             raise RuntimeError(
                 "trainer.predict under ParaDySeStrategy runs every batch whole on every rank, and the whole weights do "
                 "not fit on every GPU: predict in one plain process from a checkpoint of this run "
@@ -129,7 +129,8 @@ def whole_run_plan(module: nn.Module) -> Plan:
             if not any(op.infeasible(m, 1) for op in found):
                 return m
         what = "attention" if attention else "MLP"
-        raise ValueError(f"trainer.predict: layer {layer}'s {what} takes none of the modes {PREFERRED} on one rank")
+        tried = PADDED_ATTENTION if attention else PREFERRED
+        raise ValueError(f"trainer.predict: layer {layer}'s {what} takes none of the modes {tried} on one rank")
 
     layers = range(parallel.n_layers(module))
     return Plan(tuple(LayerPlan(OpPlan(mode(i, True)), OpPlan(mode(i, False))) for i in layers))

@@ -121,11 +121,7 @@ from lightning_paradyse.runtime.exactness import (
     rank_rng,
     set_host_rng_state,
 )
-from lightning_paradyse.runtime.plain_view import plain_view
 from lightning_paradyse.runtime.slicing import BatchInfo
-
-_PLAIN_MODELS: weakref.WeakKeyDictionary[torch.nn.Module, PlainModel] = weakref.WeakKeyDictionary()
-"""Parallelized LightningModules -> what their plain checkpoints hold (recorded once, before the rewrite)."""
 
 
 class ParaDySeStrategy(ParallelStrategy):
@@ -176,7 +172,7 @@ class ParaDySeStrategy(ParallelStrategy):
         check_replicas_every: Compare the replicated parameters across ranks after the first three optimizer steps,
             then every this many steps and at every checkpoint (0: never); a difference raises, naming the likely
             cause (:func:`~lightning_paradyse.runtime.exactness.check_replicas`).
-        check_step: On the first training batch, compare the module's step on the first ``8p`` tokens sharded over
+        check_step: On the first training batch, compare the module's step on the first ``8p + 1`` tokens sharded over
             the ranks with the same step on the whole prefix, and stop if they differ: the step computes across the
             tokens of its slice (e.g. shifts targets itself). Costs two forward passes on the prefix, once, with every
             weight gathered on every rank for the second.
@@ -497,7 +493,8 @@ class ParaDySeStrategy(ParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:  # they act in a fit only
             refuse_callbacks(trainer.callbacks)  # type: ignore[attr-defined]  # every rank alike, before any broadcast
-            refuse_averaged_models(self._module)
+            if _parallelized_blocks(self._module) is None:  # one built on the rewritten model pairs shards alike
+                refuse_averaged_models(self._module)
         self._trainer = trainer
         self.accelerator.setup(trainer)
         comm.GRAD_REDUCE_DTYPE = torch.float32 if self.options.grad_reduce_dtype == "float32" else None
@@ -513,12 +510,11 @@ class ParaDySeStrategy(ParallelStrategy):
         self.cycle.reports_loss = self._result_cls is not None
         summarize_whole_model(trainer.callbacks)  # type: ignore[attr-defined]  # whole parameter counts, not shards
         if fitting:
-            with plain_view(self._module, self.root_device):  # the settings one process's call gives
-                plain = optimizer_settings.plain_settings(self._module, self.root_device)
+            plain_model = recorded(self._plain_model)
+            plain = optimizer_settings.viewed_settings(self._module, plain_model, self.root_device)  # one process's
             self.setup_optimizers(trainer)
             check_optimizers(self.optimizers, self.options.elementwise_optimizers)
-            assert self._plain_model is not None
-            ids = optimizer_settings.plain_ids(self._module, self._plain_model)
+            ids = optimizer_settings.plain_ids(self._module, plain_model)
             optimizer_settings.check_settings(self.optimizers, ids, plain)
             if group_size(self._group) > 1:  # rank 0's SIGTERM flag rides each training batch's agreement
                 self.cycle.sigterm.install(trainer)
@@ -593,14 +589,15 @@ class ParaDySeStrategy(ParallelStrategy):
             if self.plan_spec != "auto":  # a plan of the wrong length fails before any collective
                 fixed_plan(self.options, len(found))
             broadcast_module(module, self._group)
-            _PLAIN_MODELS[module] = PlainModel.record(module)  # parameter order, state dict keys, tied names
+            plain = PlainModel.record(module)  # parameter order, state dict keys, tied names
             names = parallel.parallelize(module, self._group, blocks=self.options.blocks, axes=self.options.axes)
+            parallel.step_state(module).plain = plain
             if self.compile:
                 compile_blocks(module, names)
         # what the modes do not apply stays refused: chunked attention, and windows no rewritten layer carries
         windows = parallel.attention_windows(module)
         self.cycle.window = exactness.attention_window(module, windows_applied=any(w is not None for w in windows))
-        self._plain_model = _PLAIN_MODELS.get(module)  # a module fitted before (e.g. then tested by a new Trainer)
+        self._plain_model = parallel.step_state(module).plain  # also of a module fitted before, or its deep copy
         self._block_names = list(names)
         if self.plan_spec != "auto":
             self.check_plan(fixed_plan(self.options, parallel.n_layers(module)))
@@ -752,6 +749,7 @@ class ParaDySeStrategy(ParallelStrategy):
 
     @override
     def on_predict_end(self) -> None:
+        """The whole weights dropped (no collective)."""
         self._predictions.end(self._module)
 
     @override
@@ -963,7 +961,8 @@ class ParaDySeStrategy(ParallelStrategy):
             checkpoint = finetuning.to_plain(checkpoint, self._module, self._plain_model)
         elif isinstance(self._launcher, SpawnLauncher) and self._launcher._already_fit:  # the launching process
             rank_zero_warn(
-                "[paradyse] trainer.save_checkpoint in the process that launched the workers (start_method='spawn') "
+                f"[paradyse] trainer.save_checkpoint in the process that launched the workers (start_method="
+                f"{self.options.start_method!r}) "
                 "after a fit saves the fit's final weights, but no optimizer state and step counters at 0: the workers "
                 "held those (as under Lightning's ddp_spawn), and resuming from this file restarts the optimizer. Save "
                 "checkpoints during the fit (ModelCheckpoint, or trainer.save_checkpoint in on_train_end), or launch "
@@ -1006,8 +1005,8 @@ class ParaDySeStrategy(ParallelStrategy):
         if self._clip is not None:
             self._clip.stop()  # first: torch's own clip_grad_norm_ back whatever happens next
         self.cycle.sigterm.restore()  # Lightning's SIGTERM broadcasts back whatever happens next
-        if self._module is not None:
-            self._predictions.end(self._module)  # predictions that raised keep no whole weights into a later call
+        if self.lightning_module is not None:
+            self._predictions.end(self.lightning_module)  # predictions that raised keep no whole weights after them
         self._keep_final_state()
         if self._trainer is not None and self._result_cls is not None:
             _loop_of(self._trainer).output_result_cls = self._result_cls  # the fit loop's own result class again

@@ -80,12 +80,13 @@ def full_attention(
         k = k.repeat_interleave(group, dim=1)  # [b, n_kv, s, d] -> [b, n, s, d]
         v = v.repeat_interleave(group, dim=1)
     if real_lengths is not None and any(n < q.shape[2] for n in real_lengths):
-        if not causal or (bounds is not None and len(bounds) > 1) or window is not None or softcap is not None:
+        windowed = window is not None and window < q.shape[2]  # a window as long as the batch changes nothing
+        if not causal or (bounds is not None and len(bounds) > 1) or windowed or softcap is not None:
             raise ValueError(
                 "padded rows are predicted exactly by causal attention without packed documents, a sliding window "
                 "or logit soft-capping: give trainer.predict batches without padding (rows of one length, or one row)"
             )
-        out = full_attention(q, k, v, causal, scale=scale)
+        out = full_attention(q, k, v, causal, scale=scale)  # the real queries' rows, as causal attention makes them
         return _padded_queries(out, q, k, v, real_lengths, scale)
     spans = bounds if bounds is not None else [(0, q.shape[2])]
     if softcap is not None:

@@ -51,7 +51,7 @@ from lightning_paradyse.graph.rewrite import rewrite_block
 from lightning_paradyse.modes.dsp import GridState
 from lightning_paradyse.modes.plan import Plan
 from lightning_paradyse.modes.specs import SeqContext, row_sizes, shard_rows
-from lightning_paradyse.runtime.plain_view import Shadows
+from lightning_paradyse.runtime.plain_view import Parts, Shadows
 from lightning_paradyse.runtime.slicing import IGNORE_INDEX, PAD_MASK_KEYS, BatchSource, check_padding_targets
 
 
@@ -72,6 +72,12 @@ class StepState:
     blocks: list[str] = field(default_factory=list)
     grid: GridState | None = None
     """Grid models (``axes=2``): which grid dimension is sharded now (see :mod:`lightning_paradyse.modes.dsp`)."""
+    plain_parts: Parts = field(default_factory=dict)
+    """The replaced sub-modules' skeletons by path (:mod:`~lightning_paradyse.runtime.plain_view`): carried by a deep
+    copy of the model with its hooks, as the rest of the state."""
+    plain: Any = None
+    """What checkpoints need to know about the plain model (a ``PlainModel``, recorded by the strategy before the
+    rewrite); carried by a deep copy too."""
 
 
 class _StepHook:
@@ -196,7 +202,7 @@ def parallelize(module: nn.Module, group: Group, blocks: str | None = None, axes
         shadows.after(name, [op.core_path for op in ops])
         for op in ops:
             op.grid = state.grid
-    shadows.finish(module)
+    state.plain_parts = shadows.finish(module)
     forget_walks()
     if any(isinstance(op, OpaqueDispatch) for _, op in dispatchers(module)):
         _refuse_router_loss(module)

@@ -189,7 +189,7 @@ def run(
             if case.validate and val is not None:
                 trainer.validate(module, val, verbose=False)
                 if port is not None:  # the fit launches anew (as the test after it)
-                    os.environ["MASTER_PORT"] = str(port("validate"))
+                    os.environ["MASTER_PORT"] = str(port("fit-after-validate"))
             trainer.fit(module, train, val)
             if caller:
                 state = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}

@@ -123,3 +123,10 @@ def test_padded_rows_are_refused_where_the_kernel_cannot_mask_them(kind: str) ->
             softcap=5.0 if kind == "softcap" else None,
             real_lengths=(4,),
         )
+
+
+def test_a_window_as_long_as_the_batch_takes_padded_rows() -> None:
+    torch.manual_seed(4)
+    q, k, v = (torch.randn(2, 2, 6, 4, dtype=torch.float64) for _ in range(3))
+    windowed = full_attention(q, k, v, True, window=6, real_lengths=(4, 6))
+    torch.testing.assert_close(windowed, full_attention(q, k, v, True, real_lengths=(4, 6)), rtol=0, atol=0)
