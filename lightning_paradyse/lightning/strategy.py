@@ -582,10 +582,12 @@ class ParaDySeStrategy(ParallelStrategy):
         """Broadcast rank 0's weights, rewrite the blocks, check a fixed plan (once per module)."""
         module = self._module
         names = _parallelized_blocks(module)
-        found = names if names is not None else [n for n, _ in parallel.find_blocks(module, self.options.blocks)]
+        plain_blocks = parallel.find_blocks(module, self.options.blocks) if names is None else []
+        found = names if names is not None else [n for n, _ in plain_blocks]
         self.cycle.checkpointed = hf_checkpointing.checkpointed_layers(module, found)  # refusals before any collective
         if names is None:
             exactness.check_rotary(module)  # before any collective: the same model on every rank
+            parallel.check_unshared_blocks(plain_blocks)
             if self.plan_spec != "auto":  # a plan of the wrong length fails before any collective
                 fixed_plan(self.options, len(found))
             broadcast_module(module, self._group)

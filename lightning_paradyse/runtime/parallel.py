@@ -135,6 +135,22 @@ def is_parallelized(module: nn.Module) -> bool:
 # --------------------------------------------------------------------------------------------------
 
 
+def check_unshared_blocks(found: Sequence[tuple[str, nn.Module]]) -> None:
+    """Refuse blocks that share a parameter (ALBERT's cross-layer sharing, one MLP module in two blocks): each block's
+    ops are sharded on their own, so the shared weight would become one per block, trained apart. Raises alike on
+    every rank, before any collective."""
+    owner: dict[int, str] = {}
+    for name, block in found:
+        for key, p in block.named_parameters(remove_duplicate=False):
+            first = owner.setdefault(id(p), f"{name}.{key}")
+            if not first.startswith(f"{name}."):
+                raise ValueError(
+                    f"{name}.{key} is {first}: transformer blocks that share weights (cross-layer sharing) are not "
+                    f"supported by ParaDySeStrategy, which shards each block's ops on their own; give each block its "
+                    f"own weights, or train this model without ParaDySeStrategy"
+                )
+
+
 def _looks_like_block(module: nn.Module) -> bool:
     mods = list(module.modules())
     if any(isinstance(m, nn.MultiheadAttention) for m in mods):
@@ -189,6 +205,7 @@ def parallelize(module: nn.Module, group: Group, blocks: str | None = None, axes
     if axes not in (1, 2):
         raise ValueError(f"axes={axes!r}: 1 (a sequence, [b, s, h]) or 2 (a grid, [b, T, S, h]) are supported")
     found = find_blocks(module, blocks)
+    check_unshared_blocks(found)
     forget_walks()  # the walks before the rewrite found no dispatch modules where there are about to be some
     state = StepState(blocks=[n for n, _ in found], grid=GridState() if axes == 2 else None)
     rope = _rotary_embedding(module)

@@ -815,6 +815,18 @@ class AveragedModelLM(TinyLM):
         self.ema.update_parameters(self.model)
 
 
+class SharedAcrossBlocksLM(TinyLM):
+    """Blocks sharing weights (ALBERT's cross-layer sharing): the second block's MLP up projection is the first's."""
+
+    def __init__(self, what: str = "weight") -> None:
+        super().__init__()
+        first, second = self.model.layers[0], self.model.layers[1]
+        if what == "weight":
+            second.mlp.up.weight = first.mlp.up.weight
+        else:
+            second.mlp = first.mlp
+
+
 class TypeRuleLM(TinyLM):
     """minGPT's weight-decay rule: the weights of ``nn.Linear`` modules decayed, every other parameter not. The
     rewritten projections are no ``nn.Linear``: refused (one process decays them)."""
@@ -1208,6 +1220,12 @@ def cases_p2() -> dict[str, Case]:
                 lambda: loader(shifted_targets),
                 trainer=dict(callbacks=[EMAWeightAveraging()]),
                 refused="EMAWeight",
+            ),
+            "shared-across-blocks-weight": Case(
+                SharedAcrossBlocksLM, lambda: loader(shifted_targets), refused="blocks that share weights"
+            ),
+            "shared-across-blocks-module": Case(
+                lambda: SharedAcrossBlocksLM("module"), lambda: loader(shifted_targets), refused="share weights"
             ),
             "averaged-model-in-init": Case(  # torch's AveragedModel built with the module: a whole copy
                 AveragedModelLM,
