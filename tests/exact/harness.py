@@ -232,7 +232,7 @@ def _worker(rank: int, world: int, make: Callable[[], dict[str, Case]], store_pa
         os.environ["MASTER_PORT"] = str(port("fit"))
         with dealt_splits(case.splits):
             result = run(case, world, ParaDySeStrategy(**({"timeout": 60.0} | case.strategy)), port)
-        out[name] = _portable(result) if rank == 0 else Result(error=result.error)
+        out[name] = _portable(result) if rank == 0 else Result(error=result.error, predictions=result.predictions)
     return out
 
 
@@ -290,6 +290,9 @@ def run_parallel(make: Callable[[], dict[str, Case]], world: int, timeout: float
         errors = [r[name].error for r in per_rank]
         if any(errors) and not all(errors):
             results[name].error = f"only ranks {[i for i, e in enumerate(errors) if e]} raised: {errors}"
+        for i, other in enumerate(r[name].predictions for r in per_rank):  # every rank predicts every batch
+            if differences(Result(predictions=other), Result(predictions=results[name].predictions)):
+                results[name].error = f"rank {i}'s predictions differ from rank 0's"
     return results
 
 
