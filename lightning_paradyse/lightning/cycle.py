@@ -152,6 +152,8 @@ class StepCycle:
         (:meth:`logged`; ``None``: a deferred loss, written when it settles)."""
         self._aside: list[tuple[Tensor, Tensor]] | None = None
         """Gradients summed before the backward in flight (:meth:`set_aside`); ``None`` outside one."""
+        self._groups_returned = False
+        """The step ran on groups and its backward returned their gradients (a second backward would be lost)."""
         self._module: nn.Module | None = None
         self._group: Group = None
         self._rank = 0
@@ -225,7 +227,7 @@ class StepCycle:
         which an untimed step does not wait for; the wait is no part of the step) and again at its priced part's end
         (:meth:`after_backward`)."""
         training = stage == "train"
-        self.skipping = False
+        self.skipping, self._groups_returned = False, False
         self.timed = training and (logged or not self.fixed.settled)
         if training:
             self.fixed.begin()
@@ -440,6 +442,12 @@ class StepCycle:
         info = self.taken
         if info is None or info.skip:
             return loss
+        if self._groups_returned:  # every rank alike (the same step code), before the backward's collectives
+            raise RuntimeError(
+                "a second manual_backward in one training step on groups: the first returned the groups' gradients "
+                "and dropped their weights, so this backward's would be lost. Back the sum of the losses once, or "
+                "train with ParaDySeStrategy(groups=False): every step on one group of every rank"
+            )
         return self.share(loss, info)
 
     def set_aside(self) -> None:
@@ -534,6 +542,8 @@ class StepCycle:
         are left to accumulate; a deferred loss settled (its shares ride on the same return). A timed step
         (:meth:`begin`) measures its priced part and group times there; an untimed one adds nothing to the fixed
         part's estimate."""
+        step = self.runner.step
+        self._groups_returned = step is not None and not step.whole and not accumulating
         self.settle_loss(self.runner.finish(accumulating, self._share, self.timed))
         returned, self._returned = self._returned, None
         if returned is not None:  # the backward of the step's loss ran: the tensor it returned may be written

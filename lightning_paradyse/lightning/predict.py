@@ -9,9 +9,10 @@ rank makes one process's predictions of every batch, at ``p`` times the compute 
 does, with the whole weights on every rank (refused on a GPU where they do not fit, before the gather). Launched
 from a script (``start_method="popen"``, ``torchrun``), ``trainer.predict`` returns them all on every rank; under the
 default spawn launcher Lightning returns no predictions (its rule for every spawning strategy): a
-``BasePredictionWriter`` then writes them, on rank 0 alone (a warning says so). Padded rows are predicted as a run
-given the attention mask predicts them, their padding tokens included
-(:attr:`~lightning_paradyse.modes.specs.SeqContext.real_lengths`). Generation with a key/value cache stays refused
+``BasePredictionWriter`` then writes them, on rank 0 alone (a warning says so). The padding tokens of right-padded
+rows are predicted as one process predicts them: attending only the real keys where the model is given the batch's
+``attention_mask``, every earlier key where it is not
+(:attr:`~lightning_paradyse.runtime.parallel.StepState.masked_lengths`). Generation with a key/value cache stays refused
 (the rewritten attention keeps no cache; :data:`~lightning_paradyse.runtime.parallel.CACHE_REFUSAL`).
 """
 
@@ -84,8 +85,9 @@ class Predictions:
         causal = parallel.is_causal(module)
         max_len = cycle.options.max_seq_len
         info = describe_batch(cycle.on_host(batch), 1, 0, causal, max_len, require_targets=False, digest=False)
-        ctx = SeqContext(info.layout, None, info.doc_ids, False, info.host_doc_ids, real_lengths(info.padding))
+        ctx = SeqContext(info.layout, None, info.doc_ids, False, info.host_doc_ids)
         parallel.configure(module, ctx, self.plan)
+        parallel.predict_padding(module, real_lengths(info.padding))  # masked where the model is given the mask
         try:
             whole, sources = shard_batch(batch, info, 0)  # the whole batch, as one process holds it
             parallel.set_step_sources(module, sources, info.padding)
@@ -102,17 +104,10 @@ class Predictions:
 
 
 def real_lengths(padding: torch.Tensor | None) -> tuple[int, ...] | None:
-    """Each row's real tokens, from the batch's right padding ``[b, s]`` on the host (``None``: no padding). A row
-    of padding alone is refused: a masked run's attention has no key for it."""
+    """Each row's real tokens, from the batch's right padding ``[b, s]`` on the host (``None``: no padding)."""
     if padding is None:
         return None
-    lengths = tuple(int(n) for n in (~padding).sum(1).tolist())  # [b, s] -> [b]
-    if 0 in lengths:
-        raise ValueError(
-            f"trainer.predict: row {lengths.index(0)} of the batch is padding alone (attention_mask all 0); drop "
-            f"empty rows from the predictions' batches"
-        )
-    return lengths
+    return tuple(int(n) for n in (~padding).sum(1).tolist())  # [b, s] -> [b]
 
 
 def whole_run_plan(module: nn.Module) -> Plan:

@@ -18,6 +18,7 @@ state dict, so checkpoints load into the unparallelized model.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import weakref
@@ -72,6 +73,11 @@ class StepState:
     blocks: list[str] = field(default_factory=list)
     grid: GridState | None = None
     """Grid models (``axes=2``): which grid dimension is sharded now (see :mod:`lightning_paradyse.modes.dsp`)."""
+    masked_lengths: tuple[int, ...] | None = None
+    """A whole run's predictions (``p = 1``) of a right-padded batch: each row's real tokens. A call of the model given
+    the batch's ``attention_mask`` then masks the padding keys as that mask does
+    (:attr:`~lightning_paradyse.modes.specs.SeqContext.real_lengths`); a call without it attends them, as one process's
+    causal attention does. Set per batch after :func:`configure` (:func:`predict_padding`), which clears it."""
     plain_parts: Parts = field(default_factory=dict)
     """The replaced sub-modules' skeletons by path (:mod:`~lightning_paradyse.runtime.plain_view`): carried by a deep
     copy of the model with its hooks, as the rest of the state."""
@@ -418,6 +424,8 @@ def _mask_hook(
     """
     ctx = state.ctx
     mask = _Call(mod, args, kwargs).get("attention_mask")
+    if state.masked_lengths is not None:  # predictions: padding keys masked as this call's mask says
+        _mask_padding_keys(mod, state.masked_lengths if isinstance(mask, torch.Tensor) else None)
     if ctx is None or mask is None:
         return args, kwargs
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
@@ -439,6 +447,19 @@ def _mask_hook(
             f"or none, and pack documents with doc_ids instead of block-diagonal masks"
         )
     return args, kwargs
+
+
+def _mask_padding_keys(mod: nn.Module, lengths: tuple[int, ...] | None) -> None:
+    """Every dispatch module under ``mod`` told each row's real tokens (``None``: attend the padding keys too). A row
+    of padding alone has no key in a masked run: refused."""
+    if lengths is not None and 0 in lengths:
+        raise ValueError(
+            f"trainer.predict: row {lengths.index(0)} of the batch is padding alone (attention_mask all 0), which a "
+            f"masked run's attention has no key for; drop empty rows from the predictions' batches"
+        )
+    for _, op in dispatchers(mod):
+        if op.ctx is not None:
+            op.__dict__["ctx"] = dataclasses.replace(op.ctx, real_lengths=lengths)  # what configure() sets
 
 
 class _Call:
@@ -697,6 +718,7 @@ def configure(module: nn.Module, ctx: SeqContext, plan: Plan) -> None:
     check_plan(module, plan, ctx.p)
     state = step_state(module)
     state.ctx, state.sources, state.padding, state.labels_consumed = ctx, (), None, False
+    state.masked_lengths = None
     if state.grid is not None:
         if ctx.layout.balanced or ctx.doc_ids is not None:
             raise ValueError(
@@ -707,6 +729,11 @@ def configure(module: nn.Module, ctx: SeqContext, plan: Plan) -> None:
     for _, op in dispatchers(module):
         layer = plan.layers[op.layer]
         op.configure(ctx, layer.attention if isinstance(op, AttentionDispatch) else layer.mlp)
+
+
+def predict_padding(module: nn.Module, lengths: tuple[int, ...] | None) -> None:
+    """A whole run's right-padded rows (:attr:`StepState.masked_lengths`), after :func:`configure`."""
+    step_state(module).masked_lengths = lengths
 
 
 def unconfigure(module: nn.Module) -> None:

@@ -384,6 +384,20 @@ class ManualTwiceLM(_Manual):
         return first
 
 
+class ManualRetainLM(_Manual):
+    """Manual optimization backing one forward's loss in two parts (``retain_graph=True``), then the step."""
+
+    @override
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        optimizer = self.optimizers()
+        loss = self.loss(batch)
+        self.manual_backward(0.3 * loss, retain_graph=True)
+        self.manual_backward(0.7 * loss)
+        optimizer.step()  # type: ignore[union-attr]
+        optimizer.zero_grad()  # type: ignore[union-attr]
+        return loss
+
+
 class ManualTwiceHookLM(ManualTwiceLM):
     """:class:`ManualTwiceLM` whose ``on_after_backward`` logs the whole model's gradient norm after each backward:
     after the second, the sum of both backwards' gradients, as one process's (until 2026-11-30 the replicated
@@ -1146,6 +1160,9 @@ def cases_p2() -> dict[str, Case]:
             ),
             "accumulate": Case(tiny(), lambda: loader(shifted_targets), trainer=dict(accumulate_grad_batches=2)),
             "predict": Case(tiny(), lambda: loader(shifted_targets), predict=lambda: loader(shifted_targets, (35, 52))),
+            "predict-padded-no-mask": Case(  # a model not given the mask: padding attends padding, as in one process
+                tiny(), lambda: loader(shifted_targets), predict=lambda: loader(padded("right"), (35, 52))
+            ),
             "predict-hf-padded-moe": Case(  # every op's mode on one rank; the padding's mask honoured
                 lambda: HFModule("masked", family="qwen3moe"),
                 lambda: loader(padded("right")),
@@ -1341,6 +1358,16 @@ def group_cases(p: int) -> dict[str, Case]:
             strategy=grouped | dict(plan=MIXED),
             splits=splits,
             refused="use ParaDySeStrategy(groups=False) for such steps",
+        ),
+        "groups-manual-retain": Case(  # two backwards of one forward: the second's would be lost (probe 7)
+            ManualRetainLM,
+            lambda: loader(ragged("targets"), rows=rows),
+            strategy=grouped | dict(plan=MIXED),
+            splits=splits,
+            refused="a second manual_backward in one training step on groups",
+        ),
+        "groups-manual-retain-off": Case(
+            ManualRetainLM, lambda: loader(ragged("targets"), rows=rows), strategy=dict(groups=False)
         ),
         "groups-manual-twice-off": Case(  # the fix the refusal names
             ManualTwiceLM, lambda: loader(ragged("targets"), rows=rows), strategy=dict(groups=False)

@@ -11,6 +11,7 @@ import torch
 from lightning_paradyse import ParaDySeStrategy
 from lightning_paradyse.lightning.predict import PREFERRED, real_lengths, whole_run_plan
 from lightning_paradyse.models import build_model
+from lightning_paradyse.runtime import parallel
 from lightning_paradyse.runtime.parallel import parallelize
 from tests.exact.cases import TinyLM, loader, shifted_targets
 from tests.support.families import hf_family
@@ -32,12 +33,18 @@ def test_experts_take_a_mode_that_runs_them_whole() -> None:
     assert all(layer.mlp.mode in PREFERRED and layer.mlp.mode != "tp_sp" for layer in plan.layers)
 
 
-def test_real_lengths_of_right_padding_and_a_row_of_padding_alone() -> None:
+def test_real_lengths_of_right_padding() -> None:
     assert real_lengths(None) is None
     padding = torch.tensor([[False, False, True], [False, False, False]])
     assert real_lengths(padding) == (2, 3)
+    assert real_lengths(torch.tensor([[False, True, True], [True, True, True]])) == (1, 0)
+
+
+def test_a_row_of_padding_alone_given_the_mask_is_refused() -> None:
+    model = build_model("llama-tiny")
+    parallelize(model, None)
     with pytest.raises(ValueError, match="row 1 of the batch is padding alone"):
-        real_lengths(torch.tensor([[False, True, True], [True, True, True]]))
+        parallel._mask_padding_keys(model, (2, 0))
 
 
 def _trainer(strategy: object) -> pl.Trainer:
