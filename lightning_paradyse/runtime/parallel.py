@@ -424,8 +424,9 @@ def _mask_hook(
     """
     ctx = state.ctx
     mask = _Call(mod, args, kwargs).get("attention_mask")
-    if state.masked_lengths is not None:  # predictions: padding keys masked as this call's mask says
-        _mask_padding_keys(mod, state.masked_lengths if isinstance(mask, torch.Tensor) else None)
+    if state.masked_lengths is not None:  # predictions: padding keys masked where this call's mask masks them (the
+        masks = isinstance(mask, torch.Tensor) and not bool(mask.bool().all())  # batch's own: validated below)
+        _mask_padding_keys(mod, state.masked_lengths if masks else None)
     if ctx is None or mask is None:
         return args, kwargs
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2:

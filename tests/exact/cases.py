@@ -814,6 +814,18 @@ class ForwardAfterStepLM(HFModule):
         self.log("sample_logits", self.model(self.prompt).logits.sum())
 
 
+class OnesMaskLM(HFModule):
+    """Predicts a padded batch handing the model a mask of ones (no padding masked), as one process then attends it."""
+
+    def __init__(self) -> None:
+        super().__init__("labels-key")
+
+    @override
+    def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        ids = batch["input_ids"]
+        return self.model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+
+
 class AveragedModelLM(TinyLM):
     """An exponential moving average kept as ``torch.optim.swa_utils.AveragedModel`` made in ``__init__`` and updated
     after every batch, as PyTorch's docs show: a whole copy of the model the shards cannot be paired with (refused)."""
@@ -1168,6 +1180,9 @@ def cases_p2() -> dict[str, Case]:
                 lambda: loader(padded("right")),
                 strategy=dict(plan="ulysses"),
                 predict=lambda: loader(padded("right"), (35, 52)),
+            ),
+            "predict-padded-ones-mask": Case(
+                OnesMaskLM, lambda: loader(hf_labels), predict=lambda: loader(padded("right"), (35, 52))
             ),
             "predict-generate": Case(
                 GeneratingLM,
