@@ -18,13 +18,15 @@ to do there (:func:`needs_own_store`).
 from __future__ import annotations
 
 import atexit
+import itertools
 import os
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch.distributed as dist
 
-_STORES: dict[tuple[str, int], list[object]] = {}
-"""``(address, port)`` -> ``[the store, the calls made on it]`` (this process's)."""
+_STORES: dict[tuple[str, int], tuple[dist.Store, Iterator[int]]] = {}
+"""``(address, port)`` -> this process's store there and the count of the calls made on it."""
 
 
 def needs_own_store() -> bool:
@@ -36,13 +38,11 @@ def needs_own_store() -> bool:
 def call_store(address: str, port: int, rank: int, world: int, timeout: timedelta) -> dist.Store:
     """The next call's store: a prefix of this process's store at ``address:port`` (made on the first call: served
     by ``rank`` 0, the others connecting within ``timeout``)."""
-    entry = _STORES.get((address, port))
-    if entry is None:
-        store = dist.TCPStore(address, port, world, is_master=rank == 0, timeout=timeout)
-        entry = _STORES[(address, port)] = [store, 0]
-    calls = int(entry[1]) + 1  # type: ignore[call-overload]
-    entry[1] = calls
-    return dist.PrefixStore(f"paradyse/call-{calls}", entry[0])  # type: ignore[arg-type]
+    if (address, port) not in _STORES:
+        served = dist.TCPStore(address, port, world, is_master=rank == 0, timeout=timeout)
+        _STORES[(address, port)] = (served, itertools.count(1))
+    store, calls = _STORES[(address, port)]
+    return dist.PrefixStore(f"paradyse/call-{next(calls)}", store)
 
 
 atexit.register(_STORES.clear)  # the stores closed while Python still runs, not during its finalisation

@@ -32,9 +32,8 @@ from lightning_paradyse.groups.exchange import drop_group, enter_group
 from lightning_paradyse.lightning.cycle import StepCycle
 from lightning_paradyse.lightning.step_check import whole_weights_fit
 from lightning_paradyse.modes.plan import LayerPlan, OpPlan, Plan
-from lightning_paradyse.modes.specs import SeqContext
 from lightning_paradyse.runtime import parallel
-from lightning_paradyse.runtime.slicing import describe_batch, shard_batch
+from lightning_paradyse.runtime.slicing import describe_batch
 
 PREFERRED = ("tp_sp", "ulysses", "metp", "ring", "dsp")
 """The order a whole run picks each op's mode in (on a group of one each computes the plain op)."""
@@ -85,12 +84,9 @@ class Predictions:
         causal = parallel.is_causal(module)
         max_len = cycle.options.max_seq_len
         info = describe_batch(cycle.on_host(batch), 1, 0, causal, max_len, require_targets=False, digest=False)
-        ctx = SeqContext(info.layout, None, info.doc_ids, False, info.host_doc_ids)
-        parallel.configure(module, ctx, self.plan)
+        whole = parallel.configure_whole(module, batch, info, self.plan)
         parallel.predict_padding(module, real_lengths(info.padding))  # masked where the model is given the mask
         try:
-            whole, sources = shard_batch(batch, info, 0)  # the whole batch, as one process holds it
-            parallel.set_step_sources(module, sources, info.padding)
             rest = {k: v for k, v in kwargs.items() if k != "batch"}
             return step(whole, *args[1:], **rest)
         finally:

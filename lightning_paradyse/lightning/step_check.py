@@ -39,10 +39,9 @@ from lightning_paradyse.lightning.metric_calls import aliases, is_metric, metric
 from lightning_paradyse.lightning.step_logs import log_arguments, log_replaced, number_dtype
 from lightning_paradyse.lightning.summary import whole_sizes
 from lightning_paradyse.modes.plan import LayerPlan, OpPlan, Plan
-from lightning_paradyse.modes.specs import SeqContext
 from lightning_paradyse.runtime import parallel
 from lightning_paradyse.runtime.exactness import kept_rng
-from lightning_paradyse.runtime.slicing import describe_batch, shard_batch
+from lightning_paradyse.runtime.slicing import describe_batch
 
 ATTEMPTS = 8
 """Batches on which the check may still run (it waits for a batch whose first tokens have a real target)."""
@@ -415,9 +414,7 @@ class StepCheck:
             sharded = None if total is None else float(total)
             enter_group(module, group, [1] * p)  # every weight on every rank: the whole step, p times
             try:
-                parallel.configure(module, SeqContext(whole_info.layout, None), whole_plan(plan))
-                piece, sources = shard_batch(prefix, whole_info, 0)  # the whole prefix, as one process holds it
-                parallel.set_step_sources(module, sources, whole_info.padding)
+                piece = parallel.configure_whole(module, prefix, whole_info, whole_plan(plan))  # as one process
                 with recorded_logs(module) as whole_logs:  # logged as one process logs them
                     output = step_fn(piece, *rest[0], **rest[1])
                     whole = step_loss(output)

@@ -53,7 +53,14 @@ from lightning_paradyse.modes.dsp import GridState
 from lightning_paradyse.modes.plan import Plan
 from lightning_paradyse.modes.specs import SeqContext, row_sizes, shard_rows
 from lightning_paradyse.runtime.plain_view import Parts, Shadows
-from lightning_paradyse.runtime.slicing import IGNORE_INDEX, PAD_MASK_KEYS, BatchSource, check_padding_targets
+from lightning_paradyse.runtime.slicing import (
+    IGNORE_INDEX,
+    PAD_MASK_KEYS,
+    BatchInfo,
+    BatchSource,
+    check_padding_targets,
+    shard_batch,
+)
 
 
 @dataclass
@@ -459,8 +466,8 @@ def _mask_padding_keys(mod: nn.Module, lengths: tuple[int, ...] | None) -> None:
             f"masked run's attention has no key for; drop empty rows from the predictions' batches"
         )
     for _, op in dispatchers(mod):
-        if op.ctx is not None:
-            op.__dict__["ctx"] = dataclasses.replace(op.ctx, real_lengths=lengths)  # what configure() sets
+        if op.ctx is not None and op.op_plan is not None:
+            op.configure(dataclasses.replace(op.ctx, real_lengths=lengths), op.op_plan)
 
 
 class _Call:
@@ -730,6 +737,15 @@ def configure(module: nn.Module, ctx: SeqContext, plan: Plan) -> None:
     for _, op in dispatchers(module):
         layer = plan.layers[op.layer]
         op.configure(ctx, layer.attention if isinstance(op, AttentionDispatch) else layer.mlp)
+
+
+def configure_whole(module: nn.Module, batch: Any, info: BatchInfo, plan: Plan) -> Any:
+    """A whole run on this rank (a group of one holding every weight): ``info``'s layout for one rank and ``plan``
+    configured, the batch's sources set; returns the batch as one process holds it."""
+    configure(module, SeqContext(info.layout, None, info.doc_ids, False, info.host_doc_ids), plan)
+    whole, sources = shard_batch(batch, info, 0)  # the whole batch: [b, s, ...] as given
+    set_step_sources(module, sources, info.padding)
+    return whole
 
 
 def predict_padding(module: nn.Module, lengths: tuple[int, ...] | None) -> None:
