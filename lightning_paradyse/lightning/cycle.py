@@ -213,10 +213,17 @@ class StepCycle:
         exactness.check_window(info.seq_len, self.window)
         return info
 
-    def begin(self, batch: Any, stage: str, check_pending: bool = False, logged: bool = False) -> StepRecord:
+    def begin(
+        self,
+        batch: Any,
+        stage: str,
+        check_wanted: Callable[[BatchInfo], bool] | None = None,
+        logged: bool = False,
+    ) -> StepRecord:
         """Validate, plan, agree, enter (see the module docstring); returns (and keeps in :attr:`record`) what the
-        callback logs. ``check_pending``: the one-time step check (:mod:`~lightning_paradyse.lightning.step_check`)
-        may run on this batch; a plain batch then runs on one group of every rank, as the check needs. Raises,
+        callback logs. ``check_wanted``: whether the one-time step check
+        (:meth:`~lightning_paradyse.lightning.step_check.StepCheck.wants`) may run on a batch so described; a plain
+        batch it wants then runs on one group of every rank, as the check needs. Raises,
         identically on every rank and before any collective of the step, for a bad batch, a plan that cannot run, or
         ranks that disagree (the agreement's all-gather only); Lightning's ``SIGTERMException`` after that
         all-gather when rank 0 received SIGTERM.
@@ -240,7 +247,8 @@ class StepCycle:
         self.checkpointed = hf_checkpointing.checkpointed_layers(self.module, self._blocks)
         host = self.on_host(batch)
         info = self.inspect(host)  # described on the host (its tensors there)
-        grouped = self.runner.ready and stage == "train" and not (check_pending and info.doc_ids is None)
+        checked = check_wanted is not None and info.doc_ids is None and check_wanted(info)
+        grouped = self.runner.ready and stage == "train" and not checked
         units = Units.of(info) if grouped else None
         self.runner.times = ()
         deciding = time.perf_counter()

@@ -1,11 +1,16 @@
 """The one-time step check: does the module's step compute across the tokens of its slice?
 
-On the first training batch whose first tokens have a real target (``ParaDySeStrategy(check_step=True)``), the
-module's step runs twice on the batch's first ``8p + 1`` tokens, with no gradient and no trace left
-(:func:`side_effects_undone`): sharded over the ranks as every step runs, and whole
-on every rank (a group of one holding every weight). The two losses must agree to the precision's tolerance;
-otherwise the step computes across its slice (e.g. shifts the targets itself) and the run stops on every rank
-with the fix (:func:`check_step_losses`).
+On the first training batch (``ParaDySeStrategy(check_step=True)``), the module's step runs twice on ``8p + 1`` of
+the batch's tokens, with no gradient and no trace left (:func:`side_effects_undone`): sharded over the ranks as every
+step runs, and whole on every rank (a group of one holding every weight). The two losses must agree to the
+precision's tolerance; otherwise the step computes across its slice (e.g. shifts the targets itself) and the run
+stops on every rank with the fix (:func:`check_step_losses`).
+
+The tokens are the batch's first, unless those do not hold both a position with a target and one without while the
+batch does; then those around the first position with a target (after a prompt without) or without one
+(:func:`window_start`): a loss averaged over every position, those without a target included, is one process's
+wherever every position has a target. After a batch whose every position has a target, the first batch with a
+position without one is checked too.
 
 What the step logs is compared on the same two calls: the sharded call's logs as the strategy makes them (its loss,
 a number equal to it and a metric given it, made global: :class:`~lightning_paradyse.lightning.step_logs.StepLogs`)
@@ -41,10 +46,10 @@ from lightning_paradyse.lightning.summary import whole_sizes
 from lightning_paradyse.modes.plan import LayerPlan, OpPlan, Plan
 from lightning_paradyse.runtime import parallel
 from lightning_paradyse.runtime.exactness import kept_rng
-from lightning_paradyse.runtime.slicing import describe_batch
+from lightning_paradyse.runtime.slicing import IGNORE_INDEX, BatchInfo, describe_batch, find_targets, shifted_labels
 
 ATTEMPTS = 8
-"""Batches on which the check may still run (it waits for a batch whose first tokens have a real target)."""
+"""Batches on which the check may still run (it waits for a batch whose tokens it runs have a real target)."""
 
 
 STEP_CHECK_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
@@ -56,15 +61,16 @@ LOW_PRECISION_TOLERANCE = 3e-2
 """bf16/fp16 round to ~1e-2: the check catches only large differences there (run it in float32 to be sure)."""
 
 
-def prefix_batch(batch: Any, b: int, s: int, m: int) -> Any:
-    """The first ``m`` tokens of every ``[b, s, ...]`` tensor (and ``[s]`` per-token entry) of ``batch``."""
+def window_batch(batch: Any, b: int, s: int, start: int, m: int) -> Any:
+    """Tokens ``start .. start + m`` of every ``[b, s, ...]`` tensor (and ``[s]`` per-token entry) of ``batch``."""
+    stop = start + m
 
     def cut(t: Any) -> Any:
         if isinstance(t, torch.Tensor):
             if t.dim() >= 2 and tuple(t.shape[:2]) == (b, s):
-                return t[:, :m]  # [b, s, ...] -> [b, m, ...]
+                return t[:, start:stop]  # [b, s, ...] -> [b, m, ...]
             if t.dim() == 1 and t.shape[0] == s:
-                return t[:m]  # [s] -> [m]
+                return t[start:stop]  # [s] -> [m]
         return t
 
     if isinstance(batch, dict):
@@ -72,6 +78,34 @@ def prefix_batch(batch: Any, b: int, s: int, m: int) -> Any:
     if isinstance(batch, (list, tuple)):
         return type(batch)(cut(v) for v in batch)
     return cut(batch)
+
+
+def rows_with_target(batch: Any, b: int, s: int) -> torch.Tensor | None:
+    """``[s]``: how many rows have a target (not -100) at each position (a Hugging Face ``labels`` tensor read as
+    the model shifts it); ``None`` for a batch without ``[b, s]`` targets."""
+    key, targets = find_targets(batch)
+    if targets is None or targets.dim() < 2 or tuple(targets.shape[:2]) != (b, s):
+        return None
+    shifted = shifted_labels(targets) if key == "labels" else targets
+    return (shifted != IGNORE_INDEX).reshape(b, s, -1).any(-1).sum(0)  # [b, s, ...] -> [b, s, k] -> [s]
+
+
+def window_start(rows: torch.Tensor | None, b: int, s: int, m: int) -> int:
+    """Where the check's ``m`` tokens start (``rows``: :func:`rows_with_target`). A loss averaged over every position
+    (those without a target included: ``reduction="none"`` then ``.mean()``, a z-loss of every logit) is one
+    process's wherever every position has a target, and differs from it only where some has none: the check's
+    tokens hold a position with a target and, where the batch has one, a position without. The first ``m`` tokens
+    where they do; else ``m // 2`` before the first position that has a target (a prompt without targets) or,
+    where the first ``m`` all have targets, before the first that has none."""
+    if rows is None or m >= s:
+        return 0
+    head = rows[:m]
+    if bool((head > 0).any()) and bool((head < b).any()):
+        return 0
+    first = torch.nonzero(rows < b if bool((head == b).all()) else rows > 0).flatten()  # [k], all at m or later
+    if first.numel() == 0:
+        return 0
+    return min(max(int(first[0]) - m // 2, 0), s - m)
 
 
 def step_check_tolerance(dtype: torch.dtype, precision: str | None) -> float:
@@ -212,16 +246,20 @@ def _changed(container: Any, content: Any) -> bool:
     return any(a is not b for a, b in zip(container, content))
 
 
-def check_step_losses(sharded: float, whole: float, tol: float, hook: str = "training_step") -> None:
-    """Raise when the sharded step's loss on the probe differs from the whole step's (the same on every rank)."""
+def check_step_losses(
+    sharded: float, whole: float, tol: float, hook: str = "training_step", where: str = "a batch's first tokens"
+) -> None:
+    """Raise when the sharded step's loss on the probe (``where``) differs from the whole step's (the same on every
+    rank)."""
     if abs(sharded - whole) > tol * max(abs(whole), 1e-12):
         raise ValueError(
-            f"the {hook} computes something across the tokens of its slice: on the first batch's first "
-            f"tokens its loss is {sharded:.10g} when each rank runs its slice, but {whole:.10g} when one process "
-            f"runs them all. Common causes: shifting targets in the step (logits[:, :-1] against ids[:, 1:]; shift "
+            f"the {hook} computes something across the tokens of its slice: on {where} its loss is "
+            f"{sharded:.10g} when each rank runs its slice, but {whole:.10g} when one process runs them all. "
+            f"Common causes: shifting targets in the step (logits[:, :-1] against ids[:, 1:]; shift "
             f"them in the data, or pass labels= to a Hugging Face model), a loss reduced per sequence, a loss "
-            f"averaged over every position, padding included (reduction='none' then .mean(), or a term over all "
-            f"tokens: average over the real targets, targets != -100), a loss "
+            f"averaged over every position, those without a target included (padding, a prompt: reduction='none' "
+            f"then .mean(), or a term over all tokens such as a z-loss: average over the real targets, "
+            f"targets != -100), a loss "
             f"summed over the tokens (reduction='sum': tell the strategy, ParaDySeStrategy(loss_reduction='sum')), "
             f"or a term computed from self.parameters(), such as an L2 penalty (each rank holds a slice of every "
             f"weight: use the optimizer's weight_decay, or add the penalty's gradient in on_before_optimizer_step, "
@@ -299,7 +337,7 @@ def warn_differing_logs(found: list[LogDifference]) -> None:
     end = _BATCH_END.get(hook, "on_train_batch_end")
     rank_zero_warn(
         f"[paradyse] {hook} logs values computed on this rank's slice of the batch, not the values one process "
-        f"logs: {shown} (the one-time step check, on the first batch's first tokens). The loss the step "
+        f"logs: {shown} (the one-time step check, on a few of the first batch's tokens). The loss the step "
         "returns, logged as that tensor or as loss.item(), and a torchmetrics metric given it are made global; a "
         "value derived from the loss (torch.exp(loss), loss.clone()) or from the slice's tokens (a count, a "
         "batch_size= of its rows or targets) is not. Log it from "
@@ -331,7 +369,7 @@ def warn_differing_returns(found: list[LogDifference], hook: str) -> None:
     shown = _listed(found)
     rank_zero_warn(
         f"[paradyse] {hook} returns values beside its loss computed on this rank's slice of the batch, not the values "
-        f"one process returns: {shown} (the one-time step check, on the first batch's first tokens). Only the "
+        f"one process returns: {shown} (the one-time step check, on a few of the first batch's tokens). Only the "
         f"loss (and a view of it, such as loss.detach()) is made global; {_BATCH_END.get(hook, 'on_train_batch_end')} "
         "and the callbacks read the others as this rank's. Compute them there from outputs['loss'] (the global "
         "loss) or from the batch it is handed (the whole batch) (README: The contract with your training_step)."
@@ -354,12 +392,22 @@ class StepCheck:
     def __init__(self, enabled: bool, training: bool = True) -> None:
         self.left = ATTEMPTS if enabled else 0
         self.training = training
+        self.until_untargeted = False
+        """The check ran on a batch whose every position has a target: it runs once more, on the first batch with
+        a position that has none (where a loss averaged over every position stops being one process's)."""
+
+    def wants(self, info: BatchInfo) -> bool:
+        """Whether the check would run on a batch so described (its step then runs on one group of every rank)."""
+        if self.left > 0:
+            return True
+        return self.until_untargeted and (info.padding is not None or info.n_global < info.batch * info.seq_len)
 
     def due(self, cycle: StepCycle, module: pl.LightningModule, world: int, axes: int) -> bool:
         """Whether the batch begun is checked: a plain batch (no documents, one group, not skipped), of a module
-        with automatic optimization for a training step, on several ranks, while attempts are left."""
+        with automatic optimization for a training step, on several ranks, while attempts are left (or the first
+        such batch with a position without a target, after a check on a batch without one)."""
         pending, step = cycle.pending, cycle.runner.step
-        if self.left <= 0 or world == 1 or pending is None or step is None or not step.whole:
+        if world == 1 or pending is None or step is None or not step.whole or not self.wants(pending):
             return False
         automatic = module.automatic_optimization or not self.training
         return pending.doc_ids is None and axes == 1 and not pending.skip and automatic
@@ -387,15 +435,21 @@ class StepCheck:
         p = group_size(group)
         # 8p + 1 tokens: the ranks hold unequal numbers of them, so a value the ranks average (the mean of their
         # losses gathered with self.all_gather) differs from one process's as it does on most real batches
-        prefix = prefix_batch(batch, info.batch, info.seq_len, min(info.seq_len, 8 * p + 1))
+        m = min(info.seq_len, 8 * p + 1)
+        rows = rows_with_target(batch, info.batch, info.seq_len)  # [s] (host reads: once a fit)
+        start = window_start(rows, info.batch, info.seq_len, m)
+        self.until_untargeted = rows is not None and bool((rows == info.batch).all())
+        probe = window_batch(batch, info.batch, info.seq_len, start, m)
         rest = (args[1:], {k: v for k, v in kwargs.items() if k != "batch"})
         try:
-            sharded_info = cycle.inspect(prefix)
+            sharded_info = cycle.inspect(probe)
             causal = parallel.is_causal(module)
-            whole_info = describe_batch(prefix, 1, 0, causal=causal, mean_loss=cycle.options.mean_loss)
-        except ValueError:  # e.g. no real target among the first tokens: try the next batch
+            whole_info = describe_batch(probe, 1, 0, causal=causal, mean_loss=cycle.options.mean_loss)
+        except ValueError:  # e.g. no real target among the tokens: try the next batch
             if self.left == 0:
-                rank_zero_warn("[paradyse] check_step: no batch had a real target among its first tokens; not checked")
+                rank_zero_warn(
+                    "[paradyse] check_step: no batch had a real target among the tokens it runs; not checked"
+                )
             return
         if not whole_weights_fit(module, group, device, trainer.world_size, copies=2):
             rank_zero_warn("[paradyse] check_step: the whole weights do not fit on every rank; the step is not checked")
@@ -403,7 +457,7 @@ class StepCheck:
             return
         with torch.no_grad(), side_effects_undone(trainer, module, device):
             cycle.runner.enter(cycle.runner.whole(sharded_info, plan, rank))
-            a, k = cycle.shard(sharded_info, (prefix, *rest[0]), rest[1])
+            a, k = cycle.shard(sharded_info, (probe, *rest[0]), rest[1])
             with recorded_logs(module) as sharded_logs, cycle.logs.trial():  # logged as the strategy logs them
                 with cycle.logs.capture(module):
                     output = step_fn(*a, **k)
@@ -414,7 +468,7 @@ class StepCheck:
             sharded = None if total is None else float(total)
             enter_group(module, group, [1] * p)  # every weight on every rank: the whole step, p times
             try:
-                piece = parallel.configure_whole(module, prefix, whole_info, whole_plan(plan))  # as one process
+                piece = parallel.configure_whole(module, probe, whole_info, whole_plan(plan))  # as one process
                 with recorded_logs(module) as whole_logs:  # logged as one process logs them
                     output = step_fn(piece, *rest[0], **rest[1])
                     whole = step_loss(output)
@@ -428,7 +482,8 @@ class StepCheck:
         tol = step_check_tolerance(dtype, trainer.precision)
         hook = module._current_fx_name or ("training_step" if self.training else "evaluation step")
         if sharded is not None and whole is not None:
-            check_step_losses(sharded, float(whole), tol, hook)
+            where = f"tokens {start}..{start + m - 1} of a batch of {info.seq_len}"
+            check_step_losses(sharded, float(whole), tol, hook, where)
         warn_differing_logs(differing_logs(sharded_logs, whole_logs, tol))
         warn_differing_returns(differing_logs(sharded_returns, whole_returns, tol), hook)
 
@@ -461,11 +516,13 @@ __all__ = [
     "StepCheck",
     "check_step_losses",
     "differing_logs",
-    "prefix_batch",
     "recorded_logs",
+    "rows_with_target",
     "side_effects_undone",
     "step_check_tolerance",
     "warn_differing_logs",
     "whole_plan",
     "whole_weights_fit",
+    "window_batch",
+    "window_start",
 ]

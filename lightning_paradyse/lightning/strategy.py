@@ -664,8 +664,8 @@ class ParaDySeStrategy(ParallelStrategy):
     def begin_batch(self, batch: Any, stage: str) -> StepRecord:
         """The one call per batch (:meth:`~lightning_paradyse.lightning.cycle.StepCycle.begin`): validate, plan, agree,
         enter; returns (and keeps in :attr:`step_record`) what the callback logs."""
-        pending = self._step_check.left > 0 and self._module.automatic_optimization  # it runs on one group
-        return self.cycle.begin(batch, stage, check_pending=pending, logged=stage == "train" and self._logged())
+        wanted = self._step_check.wants if self._module.automatic_optimization else None  # it runs on one group
+        return self.cycle.begin(batch, stage, check_wanted=wanted, logged=stage == "train" and self._logged())
 
     @override
     def on_exception(self, exception: BaseException) -> None:

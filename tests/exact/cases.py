@@ -40,6 +40,8 @@ from tests.support.lightning import ACCELERATOR
 
 LENGTHS = (40, 57, 33, 64, 45, 50)
 """Batch lengths: odd ones split unevenly over 2 and 3 ranks."""
+ACROSS = "computes something across the tokens"
+"""The step check's refusal."""
 MIXED = ["tp_sp", {"attention": "ring", "mlp": "metp", "recompute": True}]
 """A mixed plan for two layers (every rank count that divides the heads)."""
 MIXED_BIDIRECTIONAL = ["tp_sp", {"attention": "ring", "mlp": "ulysses", "recompute": True}]
@@ -103,6 +105,20 @@ def hf_labels(window: Tensor) -> dict[str, Tensor]:
     labels = window[:, :-1].clone()
     labels[1, :4] = -100
     return {"input_ids": window[:, :-1], "labels": labels}
+
+
+def all_targets(window: Tensor) -> dict[str, Tensor]:
+    """Targets shifted in the data, every position with one."""
+    return {"input_ids": window[:, :-1], "targets": window[:, 1:]}
+
+
+def targets_after_first(window: Tensor) -> dict[str, Tensor]:
+    """Every position has a target in the first batch (of ``LENGTHS[0]`` tokens); a few have none in the others."""
+    batch = all_targets(window)
+    if window.shape[1] - 1 != LENGTHS[0]:
+        batch["targets"] = batch["targets"].clone()
+        batch["targets"][1, -5:] = -100
+    return batch
 
 
 def tokens_only(window: Tensor) -> dict[str, Tensor]:
@@ -625,6 +641,27 @@ class SelfShift(TinyLM):
         ids = batch["input_ids"]
         logits = self.model(ids)  # [b, s, vocab]
         return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+class EveryPositionLM(TinyLM):
+    """A loss averaged over every position, those without a target included (``reduction="none"`` then
+    ``.mean()``): one process's mean counts the ignored positions, a slice's counts its own."""
+
+    @override
+    def loss(self, batch: dict[str, Tensor]) -> Tensor:
+        logits = self.model(batch["input_ids"])  # [b, s, vocab]
+        return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(), reduction="none").mean()
+
+
+class ZLossLM(TinyLM):
+    """The mean cross-entropy over the real targets plus a z-loss of the logits over every position (PaLM's
+    ``1e-4 * logsumexp**2``), ignored positions included."""
+
+    @override
+    def loss(self, batch: dict[str, Tensor]) -> Tensor:
+        logits = self.model(batch["input_ids"])  # [b, s, vocab]
+        z = logits.logsumexp(-1).pow(2).mean()  # [b, s] -> []
+        return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten()) + 1e-4 * z
 
 
 class DropoutLM(TinyLM):
@@ -1281,6 +1318,16 @@ def cases_p2() -> dict[str, Case]:
             ),
             "dropout": Case(DropoutLM, lambda: loader(shifted_targets), strategy=dict(plan=MIXED), compare=False),
             "self-shift": Case(SelfShift, lambda: loader(tokens_only), refused="computes something across the tokens"),
+            # a mean over every position: one process's where every position has a target, refused where one has
+            # none (silent until 2026-11-30, thirteenth session: the check's first tokens all had targets)
+            "every-position-mean": Case(EveryPositionLM, lambda: loader(shifted_targets), refused=ACROSS),
+            "every-position-mean-padded": Case(
+                EveryPositionLM, lambda: loader(ragged("targets"), rows=3), refused=ACROSS
+            ),
+            "every-position-mean-prompt": Case(EveryPositionLM, lambda: loader(prompt_masked), refused=ACROSS),
+            "every-position-mean-later": Case(EveryPositionLM, lambda: loader(targets_after_first), refused=ACROSS),
+            "every-position-mean-all-targeted": Case(EveryPositionLM, lambda: loader(all_targets)),
+            "every-position-z-loss": Case(ZLossLM, lambda: loader(shifted_targets), refused=ACROSS),
         }
         | group_cases(2)
         | family_cases()
