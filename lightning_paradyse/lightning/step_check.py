@@ -6,11 +6,10 @@ step runs, and whole on every rank (a group of one holding every weight). The tw
 precision's tolerance; otherwise the step computes across its slice (e.g. shifts the targets itself) and the run
 stops on every rank with the fix (:func:`check_step_losses`).
 
-The tokens are the batch's first, unless those do not hold both a position with a target and one without while the
-batch does; then those around the first position with a target (after a prompt without) or without one
-(:func:`window_start`): a loss averaged over every position, those without a target included, is one process's
-wherever every position has a target. After a batch whose every position has a target, the first batch with a
-position without one is checked too.
+The tokens are three runs of the batch's positions side by side: at its start, at its end and between
+(:func:`probe_columns`), so that a step that weighs positions unevenly (a loss averaged over every position, those
+without a target included; weights that change along the sequence) is seen where the batch's positions differ. After
+a batch whose every position has a target, the first batch with a position without one is checked too.
 
 What the step logs is compared on the same two calls: the sharded call's logs as the strategy makes them (its loss,
 a number equal to it and a metric given it, made global: :class:`~lightning_paradyse.lightning.step_logs.StepLogs`)
@@ -61,16 +60,16 @@ LOW_PRECISION_TOLERANCE = 3e-2
 """bf16/fp16 round to ~1e-2: the check catches only large differences there (run it in float32 to be sure)."""
 
 
-def window_batch(batch: Any, b: int, s: int, start: int, m: int) -> Any:
-    """Tokens ``start .. start + m`` of every ``[b, s, ...]`` tensor (and ``[s]`` per-token entry) of ``batch``."""
-    stop = start + m
+def probe_batch(batch: Any, b: int, s: int, columns: torch.Tensor) -> Any:
+    """The positions ``columns`` (``[m]``, ascending) of every ``[b, s, ...]`` tensor (and ``[s]`` per-token entry)
+    of ``batch``, side by side."""
 
     def cut(t: Any) -> Any:
         if isinstance(t, torch.Tensor):
             if t.dim() >= 2 and tuple(t.shape[:2]) == (b, s):
-                return t[:, start:stop]  # [b, s, ...] -> [b, m, ...]
+                return t.index_select(1, columns.to(t.device))  # [b, s, ...] -> [b, m, ...]
             if t.dim() == 1 and t.shape[0] == s:
-                return t[start:stop]  # [s] -> [m]
+                return t.index_select(0, columns.to(t.device))  # [s] -> [m]
         return t
 
     if isinstance(batch, dict):
@@ -81,31 +80,52 @@ def window_batch(batch: Any, b: int, s: int, start: int, m: int) -> Any:
 
 
 def rows_with_target(batch: Any, b: int, s: int) -> torch.Tensor | None:
-    """``[s]``: how many rows have a target (not -100) at each position (a Hugging Face ``labels`` tensor read as
-    the model shifts it); ``None`` for a batch without ``[b, s]`` targets."""
+    """``[s]`` on the host: how many rows have a target (not -100) at each position (a Hugging Face ``labels`` tensor
+    read as the model shifts it); ``None`` for a batch without ``[b, s]`` targets."""
     key, targets = find_targets(batch)
     if targets is None or targets.dim() < 2 or tuple(targets.shape[:2]) != (b, s):
         return None
     shifted = shifted_labels(targets) if key == "labels" else targets
-    return (shifted != IGNORE_INDEX).reshape(b, s, -1).any(-1).sum(0)  # [b, s, ...] -> [b, s, k] -> [s]
+    return (shifted != IGNORE_INDEX).reshape(b, s, -1).any(-1).sum(0).cpu()  # [b, s, ...] -> [b, s, k] -> [s]
 
 
-def window_start(rows: torch.Tensor | None, b: int, s: int, m: int) -> int:
-    """Where the check's ``m`` tokens start (``rows``: :func:`rows_with_target`). A loss averaged over every position
-    (those without a target included: ``reduction="none"`` then ``.mean()``, a z-loss of every logit) is one
-    process's wherever every position has a target, and differs from it only where some has none: the check's
-    tokens hold a position with a target and, where the batch has one, a position without. The first ``m`` tokens
-    where they do; else ``m // 2`` before the first position that has a target (a prompt without targets) or,
-    where the first ``m`` all have targets, before the first that has none."""
-    if rows is None or m >= s:
-        return 0
-    head = rows[:m]
-    if bool((head > 0).any()) and bool((head < b).any()):
-        return 0
-    first = torch.nonzero(rows < b if bool((head == b).all()) else rows > 0).flatten()  # [k], all at m or later
-    if first.numel() == 0:
-        return 0
-    return min(max(int(first[0]) - m // 2, 0), s - m)
+def probe_columns(rows: torch.Tensor | None, b: int, s: int, m: int) -> torch.Tensor:
+    """The ``m`` positions the check runs (``[m]``, ascending; ``rows``: :func:`rows_with_target`): three runs of
+    consecutive positions, at the batch's start, at its end and between, side by side. A step that weighs positions
+    unevenly (a loss averaged over every position, those without a target included, as ``reduction="none"`` then
+    ``.mean()`` or a z-loss of every logit; weights that change along the sequence) differs from one process only
+    where the positions differ, and the ends of a batch differ most (a prompt, padding, the last token without a
+    target). The middle run holds the first position with a target (after a prompt without) or without one
+    (padding) where the two others do not hold both and the batch does; else it sits in the middle."""
+    if m >= s:
+        return torch.arange(s)
+    third = m // 3
+    head, middle, tail = m - 2 * third, third, third
+    ends = torch.cat([torch.arange(head), torch.arange(s - tail, s)])  # [head + tail]
+    centre = s // 2 - middle // 2
+    if rows is not None:
+        seen = rows[ends]  # [head + tail]
+        if not bool((seen > 0).any()):  # no target at the ends: the first position with one
+            wanted = torch.nonzero(rows > 0).flatten()
+        elif not bool((seen < b).any()) and bool((rows < b).any()):  # every end position targeted: the first without
+            wanted = torch.nonzero(rows < b).flatten()
+        else:
+            wanted = torch.zeros(0, dtype=torch.long)
+        if wanted.numel() > 0:
+            centre = int(wanted[0]) - middle // 2
+    start = min(max(centre, head), s - tail - middle)  # between the two ends, overlapping neither
+    return torch.cat([torch.arange(head), torch.arange(start, start + middle), torch.arange(s - tail, s)])
+
+
+def described_columns(columns: torch.Tensor) -> str:
+    """``columns`` as runs: ``"0..6, 20..24, 35..39"``."""
+    values, runs = columns.tolist(), []
+    first = values[0]
+    for previous, value in zip(values, [*values[1:], None]):
+        if value != previous + 1:
+            runs.append(f"{first}..{previous}" if previous != first else f"{first}")
+            first = value
+    return ", ".join(runs)
 
 
 def step_check_tolerance(dtype: torch.dtype, precision: str | None) -> float:
@@ -437,9 +457,9 @@ class StepCheck:
         # losses gathered with self.all_gather) differs from one process's as it does on most real batches
         m = min(info.seq_len, 8 * p + 1)
         rows = rows_with_target(batch, info.batch, info.seq_len)  # [s] (host reads: once a fit)
-        start = window_start(rows, info.batch, info.seq_len, m)
+        columns = probe_columns(rows, info.batch, info.seq_len, m)
         self.until_untargeted = rows is not None and bool((rows == info.batch).all())
-        probe = window_batch(batch, info.batch, info.seq_len, start, m)
+        probe = probe_batch(batch, info.batch, info.seq_len, columns)
         rest = (args[1:], {k: v for k, v in kwargs.items() if k != "batch"})
         try:
             sharded_info = cycle.inspect(probe)
@@ -482,7 +502,7 @@ class StepCheck:
         tol = step_check_tolerance(dtype, trainer.precision)
         hook = module._current_fx_name or ("training_step" if self.training else "evaluation step")
         if sharded is not None and whole is not None:
-            where = f"tokens {start}..{start + m - 1} of a batch of {info.seq_len}"
+            where = f"the tokens {described_columns(columns)} of a batch of {info.seq_len}"
             check_step_losses(sharded, float(whole), tol, hook, where)
         warn_differing_logs(differing_logs(sharded_logs, whole_logs, tol))
         warn_differing_returns(differing_logs(sharded_returns, whole_returns, tol), hook)
@@ -515,7 +535,10 @@ __all__ = [
     "LoggedValues",
     "StepCheck",
     "check_step_losses",
+    "described_columns",
     "differing_logs",
+    "probe_batch",
+    "probe_columns",
     "recorded_logs",
     "rows_with_target",
     "side_effects_undone",
@@ -523,6 +546,4 @@ __all__ = [
     "warn_differing_logs",
     "whole_plan",
     "whole_weights_fit",
-    "window_batch",
-    "window_start",
 ]

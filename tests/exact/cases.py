@@ -121,6 +121,15 @@ def targets_after_first(window: Tensor) -> dict[str, Tensor]:
     return batch
 
 
+def weighted_later(window: Tensor) -> dict[str, Tensor]:
+    """Ragged rows whose targets weigh 1 on their first 20 positions and 2 after (0 where there is none)."""
+    batch = ragged("targets")(window)
+    weights = torch.ones(batch["targets"].shape, dtype=torch.float64)
+    weights[:, 20:] = 2.0
+    weights[batch["targets"] == -100] = 0.0
+    return batch | {"weights": weights}
+
+
 def tokens_only(window: Tensor) -> dict[str, Tensor]:
     return {"input_ids": window[:, :-1]}
 
@@ -662,6 +671,17 @@ class ZLossLM(TinyLM):
         logits = self.model(batch["input_ids"])  # [b, s, vocab]
         z = logits.logsumexp(-1).pow(2).mean()  # [b, s] -> []
         return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten()) + 1e-4 * z
+
+
+class WeightedLM(TinyLM):
+    """Per-token weights from the batch, the loss normalised by their sum on what the step is handed."""
+
+    @override
+    def loss(self, batch: dict[str, Tensor]) -> Tensor:
+        logits = self.model(batch["input_ids"])  # [b, s, vocab]
+        ce = F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(), reduction="none")  # [b s]
+        weights = batch["weights"].flatten()  # [b, s] -> [b s]
+        return (ce * weights).sum() / weights.sum()
 
 
 class DropoutLM(TinyLM):
@@ -1328,6 +1348,7 @@ def cases_p2() -> dict[str, Case]:
             "every-position-mean-later": Case(EveryPositionLM, lambda: loader(targets_after_first), refused=ACROSS),
             "every-position-mean-all-targeted": Case(EveryPositionLM, lambda: loader(all_targets)),
             "every-position-z-loss": Case(ZLossLM, lambda: loader(shifted_targets), refused=ACROSS),
+            "weights-later": Case(WeightedLM, lambda: loader(weighted_later, rows=3), refused=ACROSS),
         }
         | group_cases(2)
         | family_cases()

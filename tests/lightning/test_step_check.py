@@ -21,13 +21,14 @@ from lightning_paradyse.distributed.spawn import run_distributed
 from lightning_paradyse.lightning.language_model import LanguageModel
 from lightning_paradyse.lightning.step_check import (
     check_step_losses,
+    described_columns,
     differing_logs,
     kept_attributes,
+    probe_batch,
+    probe_columns,
     rows_with_target,
     step_check_tolerance,
     whole_plan,
-    window_batch,
-    window_start,
 )
 from lightning_paradyse.modes.plan import parse_plan, uniform_plan
 from tests.support.dist import free_port
@@ -42,38 +43,54 @@ def test_the_whole_run_keeps_each_ops_mode_without_recomputation() -> None:
     assert whole_plan(uniform_plan("metp", 3)) == uniform_plan("metp", 3)
 
 
-def test_the_probe_is_every_tensors_window_of_tokens() -> None:
+def test_the_probe_is_every_tensors_chosen_positions() -> None:
     batch = {"input_ids": torch.arange(12).view(2, 6), "positions": torch.arange(6), "scale": torch.ones(3)}
-    cut = window_batch(batch, 2, 6, 0, 4)
-    assert cut["input_ids"].tolist() == [[0, 1, 2, 3], [6, 7, 8, 9]]
-    assert cut["positions"].tolist() == [0, 1, 2, 3]
+    cut = probe_batch(batch, 2, 6, torch.tensor([0, 1, 4]))
+    assert cut["input_ids"].tolist() == [[0, 1, 4], [6, 7, 10]]
+    assert cut["positions"].tolist() == [0, 1, 4]
     assert cut["scale"] is batch["scale"]  # not per token: untouched
-    assert window_batch((batch["input_ids"],), 2, 6, 0, 2)[0].shape == (2, 2)
-    later = window_batch(batch, 2, 6, 2, 3)
-    assert later["input_ids"].tolist() == [[2, 3, 4], [8, 9, 10]] and later["positions"].tolist() == [2, 3, 4]
+    assert probe_batch((batch["input_ids"],), 2, 6, torch.arange(2))[0].shape == (2, 2)
+    assert described_columns(torch.tensor([0, 1, 2, 7, 9, 10])) == "0..2, 7, 9..10"
 
 
-def test_the_probe_holds_positions_with_and_without_a_target_where_the_batch_does() -> None:
-    """A loss averaged over every position is one process's where every position has a target: the probe's tokens
-    hold one without a target where the batch has one (and one with a target), so the check can see such a mean."""
-    targets = torch.arange(40).view(2, 20)
-    rows = rows_with_target({"input_ids": targets, "targets": targets}, 2, 20)
-    assert rows is not None and rows.tolist() == [2] * 20
-    assert window_start(rows, 2, 20, 9) == 0  # every position has one
-    targets[1, 15:] = -100  # the second row's last five
-    rows = rows_with_target({"targets": targets}, 2, 20)
-    assert rows is not None and rows.tolist() == [2] * 15 + [1] * 5
-    assert window_start(rows, 2, 20, 9) == 15 - 4  # four with a target, five where one row has none
-    targets[0, 2] = -100  # one among the first tokens already: the first tokens
-    assert window_start(rows_with_target({"targets": targets}, 2, 20), 2, 20, 9) == 0
-    prompt = torch.arange(40).view(2, 20)
-    prompt[:, :12] = -100  # a prompt without targets
-    assert window_start(rows_with_target({"targets": prompt}, 2, 20), 2, 20, 9) == 12 - 4
-    labels = torch.arange(40).view(2, 20)  # Hugging Face labels: the model shifts them, the last has no target
-    assert window_start(rows_with_target({"labels": labels}, 2, 20), 2, 20, 9) == 20 - 9
-    assert rows_with_target({"input_ids": labels}, 2, 20) is None  # no targets: the first tokens
-    assert window_start(None, 2, 20, 9) == 0 and window_start(rows, 2, 8, 9) == 0
-    assert window_start(torch.zeros(20, dtype=torch.long), 2, 20, 9) == 0  # no target at all: refused later
+def test_the_probe_holds_the_batchs_ends_and_positions_with_and_without_a_target() -> None:
+    """Positions at the start, the end and between; between, the first position with a target after a prompt, or
+    the first without one where the ends all have one and the batch has such a position."""
+    assert described_columns(probe_columns(None, 2, 40, 9)) == "0..2, 19..21, 37..39"  # no targets: the middle
+    assert described_columns(probe_columns(None, 2, 8, 9)) == "0..7"  # a short batch: every position
+    targets = torch.arange(80).view(2, 40)
+    rows = rows_with_target({"input_ids": targets, "targets": targets}, 2, 40)
+    assert rows is not None and rows.tolist() == [2] * 40
+    assert described_columns(probe_columns(rows, 2, 40, 9)) == "0..2, 19..21, 37..39"  # every position has one
+    targets[1, 30:] = -100  # the second row's last ten (padding): the end holds them
+    rows = rows_with_target({"targets": targets}, 2, 40)
+    assert rows is not None and rows.tolist() == [2] * 30 + [1] * 10
+    assert described_columns(probe_columns(rows, 2, 40, 9)) == "0..2, 19..21, 37..39"
+    inner = torch.arange(80).view(2, 40)
+    inner[0, 12:16] = -100  # positions without a target inside the sequence only: the middle run finds them
+    assert (
+        described_columns(probe_columns(rows_with_target({"targets": inner}, 2, 40), 2, 40, 9))
+        == "0..2, 11..13, 37..39"
+    )
+    prompt = torch.arange(80).view(2, 40)
+    prompt[:, :38] = -100  # a prompt without targets, two targets at the end: the end holds them
+    assert (
+        described_columns(probe_columns(rows_with_target({"targets": prompt}, 2, 40), 2, 40, 9))
+        == "0..2, 19..21, 37..39"
+    )
+    prompt[:, 38:] = -100
+    prompt[0, 25] = 7  # one target, inside: the middle run holds it
+    assert (
+        described_columns(probe_columns(rows_with_target({"targets": prompt}, 2, 40), 2, 40, 9))
+        == "0..2, 24..26, 37..39"
+    )
+    labels = torch.arange(80).view(2, 40)  # Hugging Face labels: the model shifts them, the last has no target
+    rows = rows_with_target({"labels": labels}, 2, 40)
+    assert rows is not None and rows.tolist() == [2] * 39 + [0]
+    assert rows_with_target({"input_ids": labels}, 2, 40) is None  # no targets
+    edge = torch.arange(80).view(2, 40)
+    edge[0, 3] = -100  # just after the start run: the middle run starts after it
+    assert described_columns(probe_columns(rows_with_target({"targets": edge}, 2, 40), 2, 40, 9)) == "0..5, 37..39"
 
 
 def test_losses_that_differ_beyond_the_tolerance_name_the_fix() -> None:
