@@ -113,10 +113,10 @@ class GroupStep:
     """This rank's description of its group's batch (``n_global`` of the whole batch)."""
     plans: tuple[Plan, ...]
     """Every group's plan."""
-    shifts: dict[str, tuple[Tensor, int]]
-    """Per ``[b, s]`` entry of a dict batch: the whole batch's shifted labels cut to this group, and their real
-    count in the whole batch (labels handed to a Hugging Face model are shifted over the batch; empty when no module
-    of the model shifts labels)."""
+    shifts: dict[str, tuple[Tensor, int, int]]
+    """Per ``[b, s]`` entry of a dict batch: the whole batch's shifted labels cut to this group, their real count
+    in the whole batch, and the real count of the labels as given in the whole batch (labels handed to a Hugging
+    Face model are shifted over the batch; empty when no module of the model shifts labels)."""
     predicted: tuple[float, ...] = ()
     """Every group's predicted forward and backward (without the exchange)."""
     solve_s: float = 0.0
@@ -406,7 +406,7 @@ class GroupRunner:
             for g, m in zip(found.sizes, found.groups)
         )
         shifted = units.shifted_sources(host, members, g) if parallel.shifts_labels(self._module) else {}
-        shifts = {k: (to_device(t, device), n) for k, (t, n) in shifted.items()}
+        shifts = {k: (to_device(t, device), n, given) for k, (t, n, given) in shifted.items()}
         reuse = self.kept == found.sizes and not self._stale()
         solve_s = time.perf_counter() - started
         return GroupStep(

@@ -89,9 +89,10 @@ class Units:
 
     def shifted_sources(
         self, batch: Any, members: Sequence[int], idle_tokens: int = 1
-    ) -> dict[str, tuple[Tensor, int]]:
+    ) -> dict[str, tuple[Tensor, int, int]]:
         """Per ``[b, s]`` entry of a dict batch: the global batch's labels shifted left by one (as a label-shifting
-        model computes them) cut to the group (:meth:`cut`), and their real count in the whole batch."""
+        model computes them) cut to the group (:meth:`cut`), their real count in the whole batch, and the real count
+        of the labels as given (unshifted) in the whole batch."""
         if not isinstance(batch, Mapping):
             return {}
         whole = {
@@ -101,7 +102,10 @@ class Units:
         }
         shifted = {k: shifted_labels(v) for k, v in whole.items()}  # shifted over the whole batch, then cut
         cut = self.cut(shifted, members, idle_tokens)
-        return {k: (cut[k].contiguous(), int((shifted[k] != IGNORE_INDEX).sum())) for k in shifted}
+        return {
+            k: (cut[k].contiguous(), int((shifted[k] != IGNORE_INDEX).sum()), int((whole[k] != IGNORE_INDEX).sum()))
+            for k in shifted
+        }
 
 
 def _cut(batch: Any, b: int, s: int, tokens: Any, rows: Tensor | None) -> Any:

@@ -408,12 +408,17 @@ class StepCycle:
         self.logs.filled = info.fill_target  # a metric counting the targets then counts one more (told once)
         if step.shifts:  # labels are shifted over the whole batch, not the group's units
             sources = tuple(
-                replace(src, shifted=step.shifts[src.key][0], n_items=step.shifts[src.key][1])
+                replace(
+                    src,
+                    shifted=step.shifts[src.key][0],
+                    n_items=step.shifts[src.key][1],
+                    n_given=step.shifts[src.key][2],
+                )
                 if src.key in step.shifts
                 else src
                 for src in sources
             )
-        parallel.set_step_sources(self.module, sources, info.padding)
+        parallel.set_step_sources(self.module, sources, info.padding, local)
         if args:
             return (local, *args[1:]), kwargs
         return args, {**kwargs, "batch": local}

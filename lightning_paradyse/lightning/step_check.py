@@ -24,6 +24,7 @@ loss where they return one, and what they log).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import warnings
 from collections import OrderedDict, defaultdict, deque
@@ -33,7 +34,9 @@ from typing import Any, NamedTuple
 import lightning.pytorch as pl
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.overrides import TorchFunctionMode
 
 from lightning_paradyse.distributed.comm import Group, all_reduce_sum, collective_device, group_size
 from lightning_paradyse.distributed.devices import gpu_free_bytes
@@ -126,6 +129,45 @@ def described_columns(columns: torch.Tensor) -> str:
             runs.append(f"{first}..{previous}" if previous != first else f"{first}")
             first = value
     return ", ".join(runs)
+
+
+class LossCalls(TorchFunctionMode):
+    """The loss functions a step calls (``F.cross_entropy``, ``F.nll_loss``, and the modules that call them), with
+    what a mean loss over the ranks cannot honour: an ``ignore_index`` other than -100 (the strategy weighs each
+    rank's mean by its targets that are not -100) and class weights under ``reduction="mean"`` (a mean normalised by
+    the slice's sum of its targets' weights)."""
+
+    WATCHED = (F.cross_entropy, F.nll_loss)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in self.WATCHED:
+            given = inspect.signature(func).bind(*args, **kwargs).arguments
+            name, reduction = func.__name__, given.get("reduction", "mean")
+            ignored = given.get("ignore_index", IGNORE_INDEX)
+            if ignored != IGNORE_INDEX and reduction != "sum":
+                self.found.append(
+                    f"{name}(ignore_index={ignored}): the strategy weighs each rank's mean loss by its targets that "
+                    f"are not -100; set the targets to ignore to -100 in the data (targets[targets == {ignored}] = "
+                    f"-100) and leave ignore_index out"
+                )
+            if given.get("weight") is not None and reduction == "mean":
+                self.found.append(
+                    f"{name}(weight=..., reduction='mean'): the mean is normalised by the sum of the targets' class "
+                    f"weights, which each rank sums over its slice alone; use reduction='sum', divide by the whole "
+                    f"batch's sum of those weights (computed in the data, a value of the batch) and tell the "
+                    f"strategy, ParaDySeStrategy(loss_reduction='sum')"
+                )
+        return func(*args, **kwargs)
+
+    def refuse(self, hook: str) -> None:
+        """Raise (alike on every rank: the same code on the same probe) where the step called such a loss."""
+        if self.found:
+            raise ValueError(f"the {hook} computes a loss ParaDySeStrategy cannot make exact: " + "; ".join(self.found))
 
 
 def step_check_tolerance(dtype: torch.dtype, precision: str | None) -> float:
@@ -489,7 +531,7 @@ class StepCheck:
             enter_group(module, group, [1] * p)  # every weight on every rank: the whole step, p times
             try:
                 piece = parallel.configure_whole(module, probe, whole_info, whole_plan(plan))  # as one process
-                with recorded_logs(module) as whole_logs:  # logged as one process logs them
+                with recorded_logs(module) as whole_logs, LossCalls() as losses:  # logged as one process logs them
                     output = step_fn(piece, *rest[0], **rest[1])
                     whole = step_loss(output)
                 whole_returns = returned_values(output, whole)
@@ -501,6 +543,8 @@ class StepCheck:
         dtype = whole.dtype if whole is not None else torch.get_default_dtype()
         tol = step_check_tolerance(dtype, trainer.precision)
         hook = module._current_fx_name or ("training_step" if self.training else "evaluation step")
+        if cycle.options.mean_loss:
+            losses.refuse(hook)
         if sharded is not None and whole is not None:
             where = f"the tokens {described_columns(columns)} of a batch of {info.seq_len}"
             check_step_losses(sharded, float(whole), tol, hook, where)
@@ -533,6 +577,7 @@ __all__ = [
     "TF32_TOLERANCE",
     "LogDifference",
     "LoggedValues",
+    "LossCalls",
     "StepCheck",
     "check_step_losses",
     "described_columns",

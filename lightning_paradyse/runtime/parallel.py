@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_paradyse.distributed.comm import (
     Group,
@@ -70,6 +71,8 @@ class StepState:
     ctx: SeqContext | None = None
     sources: tuple[BatchSource, ...] = ()
     """Every tensor of the batch that was sliced along the sequence, with its slice (for tracing labels back)."""
+    batch: Any = None
+    """The batch the step was handed (its slices, and the tensors not sliced: a count the data loader gives)."""
     padding: torch.Tensor | None = None
     """Right padding of the batch, ``[b, s]`` (see :func:`lightning_paradyse.runtime.slicing.find_padding`)."""
     labels_consumed: bool = False
@@ -596,39 +599,85 @@ def _labels_hook(
     labels, shift = call.get("labels"), call.get("shift_labels")
     if ctx is None or (labels is None and shift is None):
         return args, kwargs
+    ignored = call.get("ignore_index")
+    if ignored is not None and int(ignored) != IGNORE_INDEX:  # a keyword of the call: alike on every rank
+        raise ValueError(
+            f"the model was called with ignore_index={int(ignored)}: ParaDySeStrategy counts and pads the labels it "
+            f"shifts over the whole sequence with -100, the index it ignores; set the labels to ignore to -100 in "
+            f"the data (labels[labels == {int(ignored)}] = -100) and leave ignore_index out"
+        )
     given = shift if shift is not None else labels
     name = "shift_labels" if shift is not None else "labels"
     candidates = [s for s in state.sources if s.whole.dim() >= 2]
     found = [1.0 if isinstance(given, torch.Tensor) and _is_slice(given, s) else 0.0 for s in candidates]
-    agreed = _agreed_source(found, candidates, ctx, _device_of(args, kwargs, mod))
+    wanted = call.get("num_items_in_batch")
+    counted = wanted is None or _in_batch(wanted, state)  # None, or a count the data loader put in the batch
+    if not counted:  # a count made in the step: of the slice it is handed, as one process's is of the batch
+        found.extend(_counts_slice(wanted, given, state, ctx) if isinstance(given, torch.Tensor) else (0.0, 0.0))
+    agreed, tally = _agreed_source(found, candidates, ctx, _device_of(args, kwargs, mod))
     if agreed is None:
         raise ValueError(
             f"the model was called with {name}= that is not a tensor of the batch (ParaDySeStrategy hands each "
             f"rank a slice of the sequence and must shift labels over the whole sequence): pass {name}=batch[...] "
             f"(e.g. labels=batch['input_ids'] or batch['labels']), or put the labels in the batch"
         )
+    as_given, as_shifted = (tally[-2] == ctx.p, tally[-1] == ctx.p) if not counted else (False, False)
+    if not counted and not (as_given or as_shifted):
+        raise ValueError(
+            "the model was called with num_items_in_batch= made in the step that is not the count of the labels "
+            "it is handed (ParaDySeStrategy hands each rank a slice of the sequence, so a count made in the step "
+            "is the slice's, and is then taken as the whole batch's): put the count in the batch (the data "
+            "loader's count over the batches you accumulate, a tensor the strategy passes on whole), or leave "
+            "num_items_in_batch out (each batch's own count)"
+        )
     whole = agreed.whole if shift is not None else agreed.shifted_whole()  # [b, s] shifted globally
     if state.padding is not None:
         check_padding_targets(state.padding, whole, name)
     items = agreed.items(whole) if shift is None else int((whole != IGNORE_INDEX).sum())
+    if as_given and not as_shifted:  # the step counted the labels as given: the whole batch's, counted alike
+        items = agreed.given_items()
     local = to_device(ctx.layout.shard(whole, ctx.rank), given.device)  # [b, s] -> [b, s_r]
     call.set("shift_labels", local)
-    call.set("num_items_in_batch", to_device(torch.tensor(max(items, 1)), local.device))
-    state.labels_consumed = True
+    if wanted is None or not counted:  # none, or the slice's: the whole batch's count
+        call.set("num_items_in_batch", to_device(torch.tensor(max(items, 1)), local.device))
+    state.labels_consumed = True  # the model's loss: this rank's share of a sum over the batch's labels
     return call.result()
+
+
+def _in_batch(value: Any, state: StepState) -> bool:
+    """Whether ``value`` is a tensor of the batch the step was handed that was not sliced (a count the data loader
+    gives: the same on every rank, as the batch's digest holds)."""
+    if not isinstance(value, torch.Tensor) or any(value is src.local for src in state.sources):
+        return False
+    found: list[bool] = []
+    apply_to_collection(state.batch, torch.Tensor, lambda t: found.append(t is value))
+    return any(found)
+
+
+def _counts_slice(wanted: Any, given: torch.Tensor, state: StepState, ctx: SeqContext) -> tuple[float, float]:
+    """Whether a ``num_items_in_batch`` made in the step is the count of the labels this rank is handed, as given
+    and as the model shifts them over the whole sequence (1.0 each where it is)."""
+    value = float(wanted)  # one read of the count the step made
+    as_given = value == int((given != IGNORE_INDEX).sum())
+    source = next((src for src in state.sources if _is_slice(given, src)), None)
+    shifted = source.shifted_whole() if source is not None and source.whole.dim() >= 2 else None
+    as_shifted = shifted is not None and value == int((ctx.layout.shard(shifted, ctx.rank) != IGNORE_INDEX).sum())
+    return float(as_given), float(as_shifted)
 
 
 def _agreed_source(
     found: list[float], candidates: list[BatchSource], ctx: SeqContext, device: torch.device
-) -> BatchSource | None:
-    """The candidate every rank traced its labels to (one small all-reduce), or ``None``."""
+) -> tuple[BatchSource | None, list[float]]:
+    """The candidate every rank traced its labels to (one small all-reduce of ``found``, whose entries after the
+    candidates' are further votes), or ``None``; and the votes summed over the ranks."""
     if not candidates:
-        return None
+        return None, found
     votes = to_device(torch.tensor(found), device)
     if ctx.p > 1:
         with no_counting():
-            votes = all_reduce_sum(votes, ctx.group)  # [n] ranks that matched each candidate
-    return next((c for c, v in zip(candidates, votes.tolist()) if v == ctx.p), None)
+            votes = all_reduce_sum(votes, ctx.group)  # [n] ranks that voted for each entry
+    tally = votes.tolist()
+    return next((c for c, v in zip(candidates, tally) if v == ctx.p), None), tally
 
 
 def _device_of(args: tuple[Any, ...], kwargs: dict[str, Any], mod: nn.Module) -> torch.device:
@@ -726,7 +775,7 @@ def configure(module: nn.Module, ctx: SeqContext, plan: Plan) -> None:
     check_plan(module, plan, ctx.p)
     state = step_state(module)
     state.ctx, state.sources, state.padding, state.labels_consumed = ctx, (), None, False
-    state.masked_lengths = None
+    state.masked_lengths, state.batch = None, None
     if state.grid is not None:
         if ctx.layout.balanced or ctx.doc_ids is not None:
             raise ValueError(
@@ -744,7 +793,7 @@ def configure_whole(module: nn.Module, batch: Any, info: BatchInfo, plan: Plan) 
     configured, the batch's sources set; returns the batch as one process holds it."""
     configure(module, SeqContext(info.layout, None, info.doc_ids, False, info.host_doc_ids), plan)
     whole, sources = shard_batch(batch, info, 0)  # the whole batch: [b, s, ...] as given
-    set_step_sources(module, sources, info.padding)
+    set_step_sources(module, sources, info.padding, whole)
     return whole
 
 
@@ -761,11 +810,13 @@ def unconfigure(module: nn.Module) -> None:
         op.unconfigure()
 
 
-def set_step_sources(module: nn.Module, sources: tuple[BatchSource, ...], padding: torch.Tensor | None = None) -> None:
-    """The batch tensors the step was handed and their global originals (labels are traced back to them), and
-    the batch's right padding."""
+def set_step_sources(
+    module: nn.Module, sources: tuple[BatchSource, ...], padding: torch.Tensor | None = None, batch: Any = None
+) -> None:
+    """The batch tensors the step was handed and their global originals (labels are traced back to them), the
+    batch's right padding, and the batch the step was handed."""
     state = step_state(module)
-    state.sources, state.padding, state.labels_consumed = sources, padding, False
+    state.sources, state.padding, state.labels_consumed, state.batch = sources, padding, False, batch
 
 
 # --------------------------------------------------------------------------------------------------

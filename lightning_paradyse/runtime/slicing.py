@@ -80,12 +80,17 @@ class BatchSource:
     batch's shift); ``None``: :func:`shifted_labels` of ``whole``."""
     n_items: int | None = None
     """Real (non-ignored) entries of the shifted labels in the whole batch; ``None``: counted in ``shifted``."""
+    n_given: int | None = None
+    """Real entries of the labels as given (unshifted) in the whole batch; ``None``: counted in ``whole``."""
 
     def shifted_whole(self) -> Tensor:
         return self.shifted if self.shifted is not None else shifted_labels(self.whole)
 
     def items(self, shifted: Tensor) -> int:
         return self.n_items if self.n_items is not None else int((shifted != IGNORE_INDEX).sum())
+
+    def given_items(self) -> int:
+        return self.n_given if self.n_given is not None else int((self.whole != IGNORE_INDEX).sum())
 
 
 def find_tokens(batch: Any) -> Tensor:

@@ -130,6 +130,21 @@ def weighted_later(window: Tensor) -> dict[str, Tensor]:
     return batch | {"weights": weights}
 
 
+def ragged_counted(window: Tensor) -> dict[str, Tensor]:
+    """Ragged rows (Hugging Face labels) with a count of items in the batch, as a data loader gives one for
+    transformers' loss over accumulated batches (here a constant: what it divides by is the point)."""
+    return ragged("labels")(window) | {"n_items": torch.tensor(150)}
+
+
+def pad_targets_zero(window: Tensor) -> dict[str, Tensor]:
+    """The second row padded with the pad id 0 over its last third, its targets there 0 too (no attention mask)."""
+    ids, targets = window[:, :-1].clone(), window[:, 1:].clone()
+    s = ids.shape[1]
+    ids[1, s - s // 3 :] = 0
+    targets[1, s - s // 3 - 1 :] = 0
+    return {"input_ids": ids, "targets": targets}
+
+
 def tokens_only(window: Tensor) -> dict[str, Tensor]:
     return {"input_ids": window[:, :-1]}
 
@@ -684,6 +699,25 @@ class WeightedLM(TinyLM):
         return (ce * weights).sum() / weights.sum()
 
 
+class PadIgnoredLM(TinyLM):
+    """A loss that ignores the pad id (0) rather than -100."""
+
+    @override
+    def loss(self, batch: dict[str, Tensor]) -> Tensor:
+        logits = self.model(batch["input_ids"])  # [b, s, vocab]
+        return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(), ignore_index=0)
+
+
+class ClassWeightedLM(TinyLM):
+    """A mean cross-entropy with class weights (normalised by the sum of the targets' weights)."""
+
+    @override
+    def loss(self, batch: dict[str, Tensor]) -> Tensor:
+        logits = self.model(batch["input_ids"])  # [b, s, vocab]
+        weight = torch.linspace(0.5, 1.5, logits.shape[-1], dtype=logits.dtype, device=logits.device)
+        return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(), weight=weight)
+
+
 class DropoutLM(TinyLM):
     """Dropout on the hidden states before the head (a random op: the step check must not mistake it)."""
 
@@ -794,6 +828,15 @@ class HFModule(pl.LightningModule):
             return self.model(input_ids=ids, labels=ids, shift_labels=batch["shift_labels"]).loss
         if self.call == "masked":
             return self.model(input_ids=ids, attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
+        masked = dict(input_ids=ids, attention_mask=batch["attention_mask"], labels=batch["labels"])
+        if self.call == "ignore-zero":  # the pad id ignored by the loss, as a keyword of the call
+            return self.model(**masked, ignore_index=0).loss
+        if self.call == "items-batch":  # transformers' loss over a count the data loader gives (accumulation)
+            return self.model(**masked, num_items_in_batch=batch["n_items"]).loss
+        if self.call == "items-step":  # the count of the labels the step is handed, made in the step
+            return self.model(**masked, num_items_in_batch=(batch["labels"] != -100).sum()).loss
+        if self.call == "items-number":  # a constant count, a Python number
+            return self.model(**masked, num_items_in_batch=100).loss
         raise ValueError(self.call)
 
     @override
@@ -1349,6 +1392,17 @@ def cases_p2() -> dict[str, Case]:
             "every-position-mean-all-targeted": Case(EveryPositionLM, lambda: loader(all_targets)),
             "every-position-z-loss": Case(ZLossLM, lambda: loader(shifted_targets), refused=ACROSS),
             "weights-later": Case(WeightedLM, lambda: loader(weighted_later, rows=3), refused=ACROSS),
+            # losses the step check names (silent or crashing until 2026-11-30, thirteenth session)
+            "ignore-index-pad": Case(PadIgnoredLM, lambda: loader(pad_targets_zero), refused="ignore_index=0"),
+            "class-weights": Case(ClassWeightedLM, lambda: loader(shifted_targets), refused="weight=..."),
+            "hf-ignore-index": Case(hf("ignore-zero"), lambda: loader(ragged("labels")), refused="ignore_index=0"),
+            "hf-items-batch": Case(
+                hf("items-batch"), lambda: loader(ragged_counted, rows=3), trainer=dict(accumulate_grad_batches=2)
+            ),
+            "hf-items-step": Case(hf("items-step"), lambda: loader(ragged("labels"))),
+            "hf-items-number": Case(
+                hf("items-number"), lambda: loader(ragged("labels")), refused="num_items_in_batch= made in the step"
+            ),
         }
         | group_cases(2)
         | family_cases()
@@ -1405,6 +1459,12 @@ def group_cases(p: int) -> dict[str, Case]:
         "groups-hf-ragged": Case(
             hf("masked"),
             lambda: loader(ragged("labels"), rows=rows),
+            strategy=grouped | dict(plan=MIXED),
+            splits=splits,
+        ),
+        "groups-hf-items-batch": Case(
+            hf("items-batch"),
+            lambda: loader(ragged_counted, rows=rows),
             strategy=grouped | dict(plan=MIXED),
             splits=splits,
         ),

@@ -35,6 +35,7 @@ def test_rows_of_a_right_padded_batch_are_cut_to_the_groups_longest_row() -> Non
     shifts = units.shifted_sources(batch, [2, 1])
     whole = shifted_labels(batch["labels"])
     assert torch.equal(shifts["labels"][0], whole[[2, 1], :5]) and shifts["labels"][1] == int((whole != -100).sum())
+    assert shifts["labels"][2] == int((batch["labels"] != -100).sum())
 
 
 def test_one_row_is_one_unit_one_document_none_and_documents_are_cut_in_order() -> None:
