@@ -172,10 +172,13 @@ class ParaDySeStrategy(ParallelStrategy):
         check_replicas_every: Compare the replicated parameters across ranks after the first three optimizer steps,
             then every this many steps and at every checkpoint (0: never); a difference raises, naming the likely
             cause (:func:`~lightning_paradyse.runtime.exactness.check_replicas`).
-        check_step: On the first training batch, compare the module's step on the first ``8p + 1`` tokens sharded over
-            the ranks with the same step on the whole prefix, and stop if they differ: the step computes across the
-            tokens of its slice (e.g. shifts targets itself). Costs two forward passes on the prefix, once, with every
-            weight gathered on every rank for the second.
+        check_step: On the first training batch, compare the module's step on ``8p + 1`` of its tokens (its start,
+            its end and between: :func:`~lightning_paradyse.lightning.step_check.probe_columns`) sharded over the
+            ranks with the same step on those tokens whole, and stop if they differ: the step computes across the
+            tokens of its slice (e.g. shifts targets itself); a loss ignoring another index than -100, or class weights
+            under a mean, are refused there too. Costs two forward passes on those tokens, once (once more on the
+            first batch with a position without a target, after a batch without one), with every weight gathered on
+            every rank for the second.
         process_group_backend: ``"nccl"`` or ``"gloo"``; default NCCL on GPUs each held by one rank, gloo on the host
             and where ranks share a GPU. NCCL with two ranks on one GPU is refused (it refuses them itself).
         grad_reduce_dtype: ``"float32"`` (default): weight gradients in bf16 (``precision="bf16-true"``) are summed over

@@ -613,7 +613,8 @@ def _labels_hook(
     wanted = call.get("num_items_in_batch")
     counted = wanted is None or _in_batch(wanted, state)  # None, or a count the data loader put in the batch
     if not counted:  # a count made in the step: of the slice it is handed, as one process's is of the batch
-        found.extend(_counts_slice(wanted, given, state, ctx) if isinstance(given, torch.Tensor) else (0.0, 0.0))
+        mine = next((c for c, f in zip(candidates, found) if f), None)  # the batch tensor this rank's labels slice
+        found.extend(_counts_slice(wanted, given, mine, ctx) if mine is not None else (0.0, 0.0))
     agreed, tally = _agreed_source(found, candidates, ctx, _device_of(args, kwargs, mod))
     if agreed is None:
         raise ValueError(
@@ -654,15 +655,13 @@ def _in_batch(value: Any, state: StepState) -> bool:
     return any(found)
 
 
-def _counts_slice(wanted: Any, given: torch.Tensor, state: StepState, ctx: SeqContext) -> tuple[float, float]:
-    """Whether a ``num_items_in_batch`` made in the step is the count of the labels this rank is handed, as given
-    and as the model shifts them over the whole sequence (1.0 each where it is)."""
+def _counts_slice(wanted: Any, given: torch.Tensor, source: BatchSource, ctx: SeqContext) -> tuple[float, float]:
+    """Whether a ``num_items_in_batch`` made in the step is the count of the labels this rank is handed (``given``,
+    the slice of ``source``), as given and as the model shifts them over the whole sequence (1.0 each where it is)."""
     value = float(wanted)  # one read of the count the step made
     as_given = value == int((given != IGNORE_INDEX).sum())
-    source = next((src for src in state.sources if _is_slice(given, src)), None)
-    shifted = source.shifted_whole() if source is not None and source.whole.dim() >= 2 else None
-    as_shifted = shifted is not None and value == int((ctx.layout.shard(shifted, ctx.rank) != IGNORE_INDEX).sum())
-    return float(as_given), float(as_shifted)
+    shifted = ctx.layout.shard(source.shifted_whole(), ctx.rank)  # [b, s] -> [b, s_r]
+    return float(as_given), float(value == int((shifted != IGNORE_INDEX).sum()))
 
 
 def _agreed_source(
