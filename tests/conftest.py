@@ -27,6 +27,7 @@ use_forkserver(
         "transformers.models.llama.modeling_llama",
         "tests.support.lightning",
         "tests.exact.harness",
+        "tests.support.frozen",  # last: everything above frozen out of the workers' collections
     ]
 )
 
