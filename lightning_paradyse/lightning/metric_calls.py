@@ -40,6 +40,33 @@ def is_metric(module: Any) -> bool:
     return isinstance(module, nn.Module) and hasattr(module, "_defaults") and hasattr(module, "_update_count")
 
 
+def is_collection(module: Any) -> bool:
+    """A torchmetrics ``MetricCollection`` (its members may share their states: compute groups)."""
+    return isinstance(module, nn.Module) and hasattr(module, "_compute_groups_create_state_ref")
+
+
+def compute_groups(collection: nn.Module) -> dict[str, Any]:
+    """What a metric collection knows of its compute groups (formed at its first update): kept before calls that
+    must leave no trace, put back by :func:`put_compute_groups`."""
+    return {name: copy.deepcopy(collection.__dict__.get(name)) for name in _GROUPS}
+
+
+def put_compute_groups(collection: nn.Module, kept: dict[str, Any]) -> None:
+    """Put back what :func:`compute_groups` kept, after every member's own state was put back
+    (:func:`put_metric_state`, a copy per member): where the groups were formed, the members of a group share the
+    first member's states again (else the collection's next update, made on the first member alone, would leave the
+    others as they were)."""
+    collection.__dict__.update(kept)
+    if kept.get("_groups_checked") and getattr(collection, "_enable_compute_groups", False):
+        collection.__dict__["_state_is_copy"] = False
+        relink: Any = collection._compute_groups_create_state_ref
+        relink()
+
+
+_GROUPS = ("_groups", "_groups_checked", "_state_is_copy")
+"""A metric collection's compute groups (torchmetrics ``MetricCollection``)."""
+
+
 def _one_number(value: Any) -> bool:
     """A one-number floating value: a loss, perhaps."""
     if isinstance(value, torch.Tensor):
@@ -115,7 +142,7 @@ class MetricCalls:
         found = list(module.modules())
         self.metrics = [m for m in found if is_metric(m)]
         self._bound = {id(m) for m in self.metrics}
-        self._collections = [m for m in found if hasattr(m, "_compute_groups_create_state_ref")]
+        self._collections = [m for m in found if is_collection(m)]
         for metric in self.metrics:
             own = metric.__dict__.get("update")
             metric.__dict__["update"] = self._wrap_update(metric, metric.update)
@@ -292,4 +319,13 @@ def _global(value: Any, is_loss: Any, total: torch.Tensor) -> Any:
     return float(total)
 
 
-__all__ = ["MetricCalls", "aliases", "is_metric", "metric_state", "put_metric_state"]
+__all__ = [
+    "MetricCalls",
+    "aliases",
+    "compute_groups",
+    "is_collection",
+    "is_metric",
+    "metric_state",
+    "put_compute_groups",
+    "put_metric_state",
+]

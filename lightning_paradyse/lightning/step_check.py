@@ -42,7 +42,15 @@ from lightning_paradyse.distributed.comm import Group, all_reduce_sum, collectiv
 from lightning_paradyse.distributed.devices import gpu_free_bytes
 from lightning_paradyse.groups.exchange import drop_group, enter_group
 from lightning_paradyse.lightning.cycle import StepCycle, step_loss
-from lightning_paradyse.lightning.metric_calls import aliases, is_metric, metric_state, put_metric_state
+from lightning_paradyse.lightning.metric_calls import (
+    aliases,
+    compute_groups,
+    is_collection,
+    is_metric,
+    metric_state,
+    put_compute_groups,
+    put_metric_state,
+)
 from lightning_paradyse.lightning.step_logs import log_arguments, log_replaced, number_dtype
 from lightning_paradyse.lightning.summary import whole_sizes
 from lightning_paradyse.modes.plan import LayerPlan, OpPlan, Plan
@@ -185,10 +193,12 @@ def step_check_tolerance(dtype: torch.dtype, precision: str | None) -> float:
 def side_effects_undone(trainer: Any, module: nn.Module, device: torch.device | None = None) -> Iterator[None]:
     """Run extra calls of the user's step without trace: in eval mode (no dropout: both calls must compute the
     same function), logging off (Lightning's barebones switch), the random streams (the host's and ``device``'s,
-    :func:`~lightning_paradyse.runtime.exactness.kept_rng`), every torchmetrics state and the module's own attributes
-    restored afterwards (:func:`kept_attributes`: a list the step appends its loss to, a counter it increments)."""
+    :func:`~lightning_paradyse.runtime.exactness.kept_rng`), every torchmetrics state (a metric collection's compute
+    groups too: :func:`put_compute_groups`) and the module's own attributes restored afterwards
+    (:func:`kept_attributes`: a list the step appends its loss to, a counter it increments)."""
     restore = kept_attributes(module)
     saved = [metric_state(m) for m in module.modules() if is_metric(m)]
+    groups = [(c, compute_groups(c)) for c in module.modules() if is_collection(c)]
     barebones = trainer.barebones
     trainer.barebones = True  # self.log() warns and returns
     modes = {m: m.training for m in module.modules()}
@@ -203,6 +213,8 @@ def side_effects_undone(trainer: Any, module: nn.Module, device: torch.device | 
             m.training = training
         for kept in saved:
             put_metric_state(kept)
+        for collection, kept_groups in groups:
+            put_compute_groups(collection, kept_groups)
         restore()
 
 
@@ -438,6 +450,109 @@ def warn_differing_returns(found: list[LogDifference], hook: str) -> None:
     )
 
 
+def outer_metrics(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The module's torchmetrics metrics that no other metric holds (a wrapper's inner metrics count through it), by
+    name, in the module's order (the same on every rank)."""
+    found = [(name, m) for name, m in module.named_modules() if is_metric(m)]
+    inner = {id(sub) for _, m in found for sub in m.modules() if sub is not m}
+    return [(name, m) for name, m in found if id(m) not in inner]
+
+
+def reset_metrics(module: nn.Module) -> None:
+    """Every metric of ``module`` reset (a collection's compute groups linked again where formed): a call made next
+    leaves the state its own batch makes (:func:`side_effects_undone` puts the real states back)."""
+    found = list(module.modules())
+    for m in [m for m in found if is_metric(m)] + [c for c in found if is_collection(c)]:  # collections last: they
+        reset: Any = m.reset  # link their groups' states again
+        reset()
+
+
+MetricValues = list[list[torch.Tensor] | None]
+"""Per metric of :func:`outer_metrics`: the tensors its ``compute()`` returned (``None``: not updated, or failed)."""
+
+
+def metric_values(metrics: list[tuple[str, nn.Module]], group: Group | None) -> MetricValues:
+    """What each metric's ``compute()`` returns now, as its tensors. With ``group`` (the sharded call's), a metric
+    updated on any rank (agreed in one all-reduce) is computed on every rank, synchronised over the ranks as the
+    metric itself does (torchmetrics gathers the ranks' states in ``compute``: what Lightning logs at an epoch's end);
+    without, each is computed from this rank's state alone (the whole call's: one process's)."""
+    updated = [float(m._update_count > 0) for _, m in metrics]  # type: ignore[operator]
+    if group is not None and metrics and group_size(group) > 1:
+        flags = torch.tensor(updated, dtype=torch.float64, device=collective_device(group))  # [k]
+        updated = all_reduce_sum(flags, group).tolist()  # [k] summed over the group
+    out: MetricValues = []
+    for (_, m), n in zip(metrics, updated):
+        if n == 0:
+            out.append(None)
+            continue
+        to_sync = m.__dict__.get("_to_sync")
+        if group is None and to_sync is not None:
+            m.__dict__["_to_sync"] = False
+        compute: Any = m.compute
+        try:  # the states are gathered first, on every rank: a compute that fails after it fails alone
+            value = compute()
+        except Exception:
+            value = None
+        finally:
+            if to_sync is not None:
+                m.__dict__["_to_sync"] = to_sync
+        out.append(None if value is None else _tensors(value))
+    return out
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors of a metric's value (a tensor, a number, or a mapping or sequence of them), in order."""
+    if isinstance(value, torch.Tensor):
+        return [value.detach()]
+    if isinstance(value, (int, float)):
+        return [torch.tensor(float(value), dtype=torch.float64)]
+    if isinstance(value, Mapping):
+        return [t for key in sorted(value, key=str) for t in _tensors(value[key])]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def differing_metrics(
+    metrics: list[tuple[str, nn.Module]], sharded: MetricValues, whole: MetricValues, precision: str | None
+) -> list[str]:
+    """The names of the metrics whose value over the ranks after the sharded call differs from one process's after
+    the whole call (each tensor to its own dtype's tolerance: torchmetrics keeps float32 states under a float64 run;
+    two NaNs agree)."""
+    out = []
+    for (name, _), a, b in zip(metrics, sharded, whole):
+        if a is None or b is None:
+            continue
+        if len(a) != len(b) or any(not _close(x, y, precision) for x, y in zip(a, b)):
+            out.append(name)
+    return out
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, precision: str | None) -> bool:
+    if a.shape != b.shape:
+        return False
+    x, y = a.detach().cpu().double(), b.detach().cpu().double()
+    tol = step_check_tolerance(b.dtype, precision) if b.is_floating_point() else 0.0
+    same = (x - y).abs() <= tol * torch.maximum(y.abs(), torch.full_like(y, 1e-12))
+    return bool((same | (x.isnan() & y.isnan())).all())
+
+
+def warn_differing_metrics(found: list[str], hook: str) -> None:
+    """Name, once, the metrics the step updates with values of this rank's slice that do not add up to one
+    process's over the ranks."""
+    if not found:
+        return
+    shown = ", ".join(repr(name) for name in found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+    rank_zero_warn(
+        f"[paradyse] {hook} updates the metrics {shown} with values that differ from one process's: their value over "
+        "the ranks (what Lightning logs at the epoch's end) is not the one process computes (the one-time step "
+        "check, on a few of the first batch's tokens). Each rank runs its slice of every row: a value per row or "
+        "per sequence (an accuracy of a row, a pooled output) is this rank's part of it, and a sum of the loss counts "
+        "it once per rank. Update metrics with values per token (logits and targets: the ranks' states add up to "
+        "the whole batch's) or with the loss itself under a mean (README: The contract with your training_step)."
+    )
+
+
 _BATCH_END = {
     "training_step": "on_train_batch_end",
     "validation_step": "on_validation_batch_end",
@@ -517,7 +632,9 @@ class StepCheck:
             rank_zero_warn("[paradyse] check_step: the whole weights do not fit on every rank; the step is not checked")
             self.left = 0
             return
+        metrics = outer_metrics(module)  # their values compared too: computed from the check's calls alone
         with torch.no_grad(), side_effects_undone(trainer, module, device):
+            reset_metrics(module)
             cycle.runner.enter(cycle.runner.whole(sharded_info, plan, rank))
             a, k = cycle.shard(sharded_info, (probe, *rest[0]), rest[1])
             with recorded_logs(module) as sharded_logs, cycle.logs.trial():  # logged as the strategy logs them
@@ -528,6 +645,8 @@ class StepCheck:
                 total = None if local is None else cycle.global_loss(local, sharded_info)
                 cycle.logs.replay(local, total)
             sharded = None if total is None else float(total)
+            sharded_metrics = metric_values(metrics, group)  # over the ranks, as Lightning logs them
+            reset_metrics(module)
             enter_group(module, group, [1] * p)  # every weight on every rank: the whole step, p times
             try:
                 piece = parallel.configure_whole(module, probe, whole_info, whole_plan(plan))  # as one process
@@ -535,6 +654,7 @@ class StepCheck:
                     output = step_fn(piece, *rest[0], **rest[1])
                     whole = step_loss(output)
                 whole_returns = returned_values(output, whole)
+                whole_metrics = metric_values(metrics, None)  # one process's
             finally:
                 drop_group(module)
         cycle.runner.enter(step)  # the batch's own step again
@@ -550,6 +670,7 @@ class StepCheck:
             check_step_losses(sharded, float(whole), tol, hook, where)
         warn_differing_logs(differing_logs(sharded_logs, whole_logs, tol))
         warn_differing_returns(differing_logs(sharded_returns, whole_returns, tol), hook)
+        warn_differing_metrics(differing_metrics(metrics, sharded_metrics, whole_metrics, trainer.precision), hook)
 
 
 def whole_plan(plan: Plan) -> Plan:
@@ -582,13 +703,18 @@ __all__ = [
     "check_step_losses",
     "described_columns",
     "differing_logs",
+    "differing_metrics",
+    "metric_values",
+    "outer_metrics",
     "probe_batch",
     "probe_columns",
     "recorded_logs",
+    "reset_metrics",
     "rows_with_target",
     "side_effects_undone",
     "step_check_tolerance",
     "warn_differing_logs",
+    "warn_differing_metrics",
     "whole_plan",
     "whole_weights_fit",
 ]

@@ -243,3 +243,90 @@ def test_the_check_names_logged_values_that_are_this_ranks_own() -> None:
     named = validation.split("(the one-time step check")[0]
     assert "'val_ppl' (" in named and "'val_loss' (" not in named, validation
     assert "on_validation_batch_end" in validation, validation
+
+
+class RowMetricsLM(LanguageModel):
+    """Keeps what recipes keep in metrics: per-token ones (a mean of each token's loss, alone and twice in a collection
+    whose members share their states, a mean of the loss), and ones a rank's slice cannot give: each row's mean loss
+    (this rank's part of the row) and a sum of the loss (counted once per rank)."""
+
+    def __init__(self) -> None:
+        super().__init__("llama-tiny")
+        self.token_loss = torchmetrics.MeanMetric()
+        self.mean_loss = torchmetrics.MeanMetric()
+        twins = {"loss_a": torchmetrics.MeanMetric(), "loss_b": torchmetrics.MeanMetric()}
+        self.scores = torchmetrics.MetricCollection(twins)  # one compute group: b reads a's states
+        self.row_loss = torchmetrics.MeanMetric()
+        self.loss_sum = torchmetrics.SumMetric()
+        self.val_row_loss = torchmetrics.MeanMetric()
+        self.val_token_loss = torchmetrics.MeanMetric()
+
+    def _losses(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = self.logits(batch)  # [b, s, vocab]
+        targets = batch["targets"]  # [b, s]
+        ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")  # [b, s]
+        return logits, ce, targets != -100
+
+    @override
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        _, ce, real = self._losses(batch)
+        loss = ce.sum() / real.sum()
+        self.token_loss.update(ce, weight=real.double())  # per token: the ranks' states add up
+        self.mean_loss(loss)
+        self.scores.update(ce, weight=real.double())
+        self.row_loss.update(ce.sum(1) / real.sum(1).clamp(min=1))  # [b]: this rank's part of each row
+        self.loss_sum.update(loss)  # the global loss on every rank: summed over the ranks, p times
+        for name in ("token_loss", "mean_loss", "row_loss", "loss_sum"):
+            self.log(name, getattr(self, name), on_step=False, on_epoch=True)
+        self.log_dict(self.scores, on_step=False, on_epoch=True)
+        return loss
+
+    @override
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        _, ce, real = self._losses(batch)
+        self.val_token_loss.update(ce, weight=real.double())
+        self.val_row_loss.update(ce.sum(1) / real.sum(1).clamp(min=1))
+        self.log("val_token_loss", self.val_token_loss)
+        self.log("val_row_loss", self.val_row_loss)
+        return ce.sum() / real.sum()
+
+
+def _metrics_warned(rank: int, world: int, port: int) -> tuple[list[str], dict[str, float]]:
+    strategy_environment(rank, world)
+    os.environ["MASTER_PORT"] = str(port)
+    pl.seed_everything(0, verbose=False)
+    gen = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(2):
+        x = torch.randint(0, 128, (3, 41), generator=gen)
+        targets = x[:, 1:].clone()
+        targets[0, 25:] = -100  # rows of different lengths
+        batches.append({"input_ids": x[:, :-1], "targets": targets})
+    strategy = ParaDySeStrategy(timeout=60, plan="tp_sp")
+    settings = dict(max_steps=2, precision="64-true", val_check_interval=1, limit_val_batches=1)
+    trainer = quiet_trainer(world, strategy, [], num_sanity_val_steps=0, **settings)
+    module = RowMetricsLM()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, DataLoader(batches, batch_size=None), DataLoader(batches[:1], batch_size=None))
+    logged = {k: float(v) for k, v in trainer.logged_metrics.items()}
+    return [str(w.message) for w in caught if "updates the metrics" in str(w.message)], logged
+
+
+def test_the_check_names_metrics_whose_value_over_the_ranks_is_not_one_processs() -> None:
+    """A metric updated per token (a weighted mean of each token's loss, an accuracy and a precision in a collection
+    sharing their states, a mean of the loss) adds up over the ranks to one process's value; a mean of each row's
+    loss (each rank's part of the row) and a sum of the loss (every rank holds the global loss) do not: named once
+    per step hook, on rank 0, in the training step's and the validation step's first batch. A collection's
+    members, which share their states from its first update on (a compute group), log the same value as the metric
+    alone: the check's calls, whose first update formed the groups, are undone, groups included."""
+    (told, logged), (told_1, _) = run_distributed(_metrics_warned, 2, free_port(), timeout=120)
+    assert told_1 == [], told_1  # rank_zero_warn
+    assert len(told) == 2, told
+    training, validation = sorted(told, key=lambda m: "validation_step" in m)
+    named = training.split(" with values")[0]
+    assert "'row_loss'" in named and "'loss_sum'" in named, training
+    assert not any(f"'{n}'" in named for n in ("token_loss", "mean_loss", "scores.loss_a", "scores.loss_b")), training
+    named = validation.split(" with values")[0]
+    assert "validation_step" in named and "'val_row_loss'" in named and "'val_token_loss'" not in named, validation
+    assert logged["loss_a"] == logged["loss_b"] == logged["token_loss"], logged  # b reads a's states, updated
