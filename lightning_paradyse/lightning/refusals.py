@@ -1,5 +1,6 @@
 """What the strategy refuses outside a step, each on every rank and naming the fix: Lightning callbacks it cannot run
-(weight averaging, the learning-rate finder), an ``AveragedModel`` the module builds before the fit, an
+(weight averaging, the learning-rate finder), an ``AveragedModel`` the module builds before the fit, a Hugging Face
+head that pools one position of each row, NEFTune's noise, an
 ``all_gather`` of tensors whose shapes differ between the ranks, and a hook that changes a gradient in a way PyTorch
 refuses on the strategy's gradients (PyTorch's own error, explained)."""
 
@@ -58,6 +59,58 @@ def refuse_averaged_models(module: nn.Module) -> None:
             f"self.named_parameters() in the LightningModule instead (a dict of tensors updated under torch.no_grad(), "
             f"each rank averaging its own shards; made in on_fit_start) and save it whole with "
             f"lightning_paradyse.gather_like_params in on_save_checkpoint (shard_like_params to load it)"
+        )
+
+
+POOLING_HEADS = (
+    "ForSequenceClassification",
+    "ForQuestionAnswering",
+    "ForMultipleChoice",
+    "ForNextSentencePrediction",
+    "DoubleHeadsModel",
+)
+"""The endings of Hugging Face model classes whose head reads one position of each row (the last real token, or the
+first) or scores the positions against each other (answer spans): across the tokens of the sequence."""
+
+
+def refuse_pooling_heads(module: nn.Module) -> None:
+    """A Hugging Face model whose head pools one position of each row (sequence classification, multiple choice, next
+    sentence prediction) or compares the positions of a row (question answering's span start and end) computes across
+    the sequence, which the strategy splits over the ranks: refused when the fit, validation or test is set up (a
+    rank would pool the last real token of its own slice: logged metrics off, silently, where the step returns no
+    loss). Predictions run each batch whole on every rank: ``trainer.predict`` is left to run."""
+    found = [
+        (name, type(sub).__name__)
+        for name, sub in module.named_modules()
+        if type(sub).__module__.startswith("transformers.") and type(sub).__name__.endswith(POOLING_HEADS)
+    ]
+    if found:
+        name, cls = found[0]
+        raise ValueError(
+            f"{type(module).__name__}.{name} is a {cls}: its head reads one position of each row (or compares a row's "
+            f"positions), and ParaDySeStrategy hands each rank a slice of every row's sequence, so no rank holds what "
+            f"the head reads. Train it with a strategy that keeps each row whole (DDP, FSDP); ParaDySeStrategy trains "
+            f"losses over the tokens (a causal or masked language model, token classification). trainer.predict "
+            f"with ParaDySeStrategy runs each batch whole and is exact"
+        )
+
+
+def refuse_neftune(module: nn.Module) -> None:
+    """NEFTune (``transformers``' ``activate_neftune``, the noise behind ``neftune_noise_alpha``) scales the noise it
+    adds to the embeddings by ``alpha / sqrt(length * hidden)`` of the tensor its hook is handed: under the strategy a
+    rank's slice, so the noise is ``sqrt(p)`` times one process's (silently). Refused at the fit's setup."""
+    found = [
+        name
+        for name, sub in module.named_modules()
+        if sub.__dict__.get("neftune_noise_alpha") is not None
+        or any(getattr(hook, "__name__", "") == "neftune_post_forward_hook" for hook in sub._forward_hooks.values())
+    ]
+    if found:
+        raise ValueError(
+            f"{type(module).__name__}.{found[0]} adds NEFTune noise (neftune_noise_alpha): its scale follows the "
+            f"length of the sequence the embedding is handed, which under ParaDySeStrategy is this rank's slice, so "
+            f"the noise would be sqrt(p) times one process's. Turn NEFTune off for this strategy (transformers' "
+            f"deactivate_neftune, or the trainer's neftune_noise_alpha=None)"
         )
 
 

@@ -101,6 +101,8 @@ from lightning_paradyse.lightning.refusals import (
     explain_grad_view_error,
     refuse_averaged_models,
     refuse_callbacks,
+    refuse_neftune,
+    refuse_pooling_heads,
 )
 from lightning_paradyse.lightning.step_check import StepCheck
 from lightning_paradyse.lightning.summary import summarize_whole_model
@@ -494,8 +496,11 @@ class ParaDySeStrategy(ParallelStrategy):
         device; add the switcher, then set up optimizers and precision."""
         assert self.accelerator is not None
         fitting = trainer.state.fn == TrainerFn.FITTING
+        if trainer.state.fn != TrainerFn.PREDICTING:  # every rank alike, before any broadcast (predictions run whole)
+            refuse_pooling_heads(self._module)
         if fitting:  # they act in a fit only
-            refuse_callbacks(trainer.callbacks)  # type: ignore[attr-defined]  # every rank alike, before any broadcast
+            refuse_callbacks(trainer.callbacks)  # type: ignore[attr-defined]
+            refuse_neftune(self._module)
             if _parallelized_blocks(self._module) is None:  # one built on the rewritten model pairs shards alike
                 refuse_averaged_models(self._module)
         self._trainer = trainer

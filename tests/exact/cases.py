@@ -35,7 +35,7 @@ from lightning_paradyse.data.batching import pack_documents
 from lightning_paradyse.lightning.language_model import LanguageModel
 from lightning_paradyse.models import build_model
 from tests.exact.harness import Case
-from tests.support.families import HF_FAMILIES, EncoderLM, ListMoELM, hf_family, hf_llama
+from tests.support.families import HF_FAMILIES, EncoderLM, ListMoELM, hf_family, hf_llama, hf_llama_classifier
 from tests.support.lightning import ACCELERATOR
 
 LENGTHS = (40, 57, 33, 64, 45, 50)
@@ -895,6 +895,45 @@ class GeneratingLM(HFModule):
         self.log("sample_sum", tokens.double().sum())
 
 
+class SequenceClassifierLM(pl.LightningModule):
+    """A Hugging Face sequence classifier, as its documentation trains it (``labels=`` one class per row, the loss the
+    model returns); its predictions are the rows' logits. Its head reads each row's last real token: the strategy
+    refuses it for a fit and predicts with it whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = hf_llama_classifier()
+
+    def _call(self, batch: dict[str, Tensor], labels: bool = True) -> Any:
+        rows = (batch["input_ids"][:, 0] % 3) if labels else None  # a class per row
+        return self.model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), labels=rows)
+
+    @override
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss = self._call(batch).loss
+        self.log("train_loss", loss)
+        return loss  # type: ignore[no-any-return]
+
+    @override
+    def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        return self._call(batch, labels=False).logits  # type: ignore[no-any-return]
+
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+
+class NEFTuneLM(HFModule):
+    """NEFTune switched on as ``transformers`` does for ``neftune_noise_alpha``: noise on the embeddings scaled by the
+    length of the sequence the embedding sees (a rank's slice under the strategy): refused at the fit's setup."""
+
+    def __init__(self) -> None:
+        super().__init__("masked")
+        from transformers.integrations.neftune import activate_neftune
+
+        activate_neftune(self.model, 5.0)
+
+
 class ForwardAfterStepLM(HFModule):
     """Calls the model on the start of each training batch in ``on_train_batch_end`` (after the step, as a recipe's
     sample logging may): refused under the strategy, naming why."""
@@ -1393,6 +1432,20 @@ def cases_p2() -> dict[str, Case]:
             "ignore-index-pad": Case(PadIgnoredLM, lambda: loader(pad_targets_zero), refused="ignore_index=0"),
             "class-weights": Case(ClassWeightedLM, lambda: loader(shifted_targets), refused="weight=..."),
             "hf-ignore-index": Case(hf("ignore-zero"), lambda: loader(ragged("labels")), refused="ignore_index=0"),
+            # refused at the setup (the classifier silent in an evaluation until 2026-11-30; NEFTune's noise sqrt(p)
+            # times one process's), the classifier's predictions exact
+            "hf-sequence-classifier": Case(
+                SequenceClassifierLM,
+                lambda: loader(ragged("labels")),
+                refused="its head reads one position of each row",
+            ),
+            "hf-sequence-classifier-predict": Case(
+                SequenceClassifierLM,
+                lambda: loader(ragged("labels")),
+                predict=lambda: loader(ragged("labels"), (35, 52)),
+                fit=False,
+            ),
+            "neftune": Case(NEFTuneLM, lambda: loader(ragged("labels")), refused="NEFTune"),
             "hf-items-batch": Case(
                 hf("items-batch"), lambda: loader(ragged_counted, rows=3), trainer=dict(accumulate_grad_batches=2)
             ),

@@ -63,6 +63,8 @@ class Case:
     """A loader ``trainer.predict`` runs after the fit (and the test); its predictions are compared (each a tensor)."""
     validate: bool = False
     """Run ``trainer.validate`` on the validation loader before the fit (the module is rewritten there, not by it)."""
+    fit: bool = True
+    """``False``: no fit, only ``trainer.predict`` of :attr:`predict` (a model the strategy refuses to train)."""
     compare: bool = True
     """Compare with plain Lightning (``False``: random ops such as dropout; the case must only train)."""
     plans: tuple[str, ...] | None = None
@@ -190,7 +192,8 @@ def run(
                 trainer.validate(module, val, verbose=False)
                 if port is not None:  # the fit launches anew (as the test after it)
                     os.environ["MASTER_PORT"] = str(port("fit-after-validate"))
-            trainer.fit(module, train, val)
+            if case.fit:
+                trainer.fit(module, train, val)
             if caller:
                 state = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
                 result.caller = {"weights": state, "rng": torch.get_rng_state()}

@@ -34,6 +34,13 @@ def hf_llama(n_kv_heads: int = 4, n_layers: int = 2) -> nn.Module:
     return LlamaForCausalLM(LlamaConfig(**_tiny_decoder(n_kv_heads, n_layers)))
 
 
+def hf_llama_classifier(num_labels: int = 3) -> nn.Module:
+    """A Llama sequence classifier: its head scores each row's last real token (``pad_token_id`` marks padding)."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    return LlamaForSequenceClassification(LlamaConfig(**_tiny_decoder(4, 2), num_labels=num_labels, pad_token_id=0))
+
+
 def hf_granite(n_kv_heads: int = 4, n_layers: int = 2) -> nn.Module:
     """Granite: a Llama-like block with its own attention scale (``attention_multiplier``, not 1/sqrt(d)) and
     multipliers on the embeddings, the residuals and the logits."""
