@@ -35,7 +35,15 @@ from lightning_paradyse.data.batching import pack_documents
 from lightning_paradyse.lightning.language_model import LanguageModel
 from lightning_paradyse.models import build_model
 from tests.exact.harness import Case
-from tests.support.families import HF_FAMILIES, EncoderLM, ListMoELM, hf_family, hf_llama, hf_llama_classifier
+from tests.support.families import (
+    HF_FAMILIES,
+    EncoderLM,
+    ListMoELM,
+    hf_family,
+    hf_llama,
+    hf_llama_classifier,
+    hf_llama_token_classifier,
+)
 from tests.support.lightning import ACCELERATOR
 
 LENGTHS = (40, 57, 33, 64, 45, 50)
@@ -923,6 +931,51 @@ class SequenceClassifierLM(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=3e-3)
 
 
+def token_classification_loss(logits: Tensor, labels: Tensor, config: Any, **kwargs: Any) -> Tensor:
+    """Hugging Face's token-classification loss (a mean over the labels that are not -100) in the logits' dtype:
+    transformers' own upcasts to float32, whose rounding (1e-8 in the gradients, which AdamW makes 1e-6) would hide a
+    real error in a float64 comparison."""
+    return F.cross_entropy(logits.reshape(-1, config.num_labels), labels.reshape(-1).to(logits.device))
+
+
+class TokenClassifierLM(pl.LightningModule):
+    """A Hugging Face token classifier trained as its documentation shows (``labels=`` one class per token, -100 on
+    padding, the loss the model returns)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = hf_llama_token_classifier()
+        self.model.loss_function = token_classification_loss
+
+    def _loss(self, batch: dict[str, Tensor]) -> Tensor:
+        out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
+        return out.loss  # type: ignore[no-any-return]
+
+    @override
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss)
+        return loss
+
+    @override
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss = self._loss(batch)
+        self.log("val_loss", loss)
+        return loss
+
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.1)
+
+
+def token_classes(window: Tensor) -> dict[str, Tensor]:
+    """:func:`ragged` rows whose labels are a class per token (five classes), -100 on padding."""
+    batch = ragged("labels")(window)
+    labels = batch["labels"]
+    batch["labels"] = torch.where(labels != -100, labels % 5, labels)
+    return batch
+
+
 class NEFTuneLM(HFModule):
     """NEFTune switched on as ``transformers`` does for ``neftune_noise_alpha``: noise on the embeddings scaled by the
     length of the sequence the embedding sees (a rank's slice under the strategy): refused at the fit's setup."""
@@ -1446,6 +1499,12 @@ def cases_p2() -> dict[str, Case]:
                 fit=False,
             ),
             "neftune": Case(NEFTuneLM, lambda: loader(ragged("labels")), refused="NEFTune"),
+            # labels one per token, as given (not shifted): each rank's mean weighed by its share of the labels
+            "hf-token-classifier": Case(
+                TokenClassifierLM,
+                lambda: (loader(token_classes, rows=3), loader(token_classes, (35, 52), rows=3)),
+                trainer=dict(val_check_interval=2, limit_val_batches=1, max_steps=4, max_epochs=-1),
+            ),
             "hf-items-batch": Case(
                 hf("items-batch"), lambda: loader(ragged_counted, rows=3), trainer=dict(accumulate_grad_batches=2)
             ),
@@ -1567,6 +1626,12 @@ def group_cases(p: int) -> dict[str, Case]:
         cases["groups-hf-items-batch"] = Case(
             hf("items-batch"),
             lambda: loader(ragged_counted, rows=rows),
+            strategy=grouped | dict(plan=MIXED),
+            splits=splits,
+        )
+        cases["groups-hf-token-classifier"] = Case(  # each group's mean weighed by the whole batch's count
+            TokenClassifierLM,
+            lambda: loader(token_classes, rows=rows),
             strategy=grouped | dict(plan=MIXED),
             splits=splits,
         )

@@ -41,6 +41,14 @@ def hf_llama_classifier(num_labels: int = 3) -> nn.Module:
     return LlamaForSequenceClassification(LlamaConfig(**_tiny_decoder(4, 2), num_labels=num_labels, pad_token_id=0))
 
 
+def hf_llama_token_classifier(num_labels: int = 5) -> nn.Module:
+    """A Llama token classifier (one class per token), its head's dropout off (random: not comparable)."""
+    from transformers import LlamaConfig, LlamaForTokenClassification
+
+    config = LlamaConfig(**_tiny_decoder(4, 2), num_labels=num_labels, pad_token_id=0, classifier_dropout=0.0)
+    return LlamaForTokenClassification(config)
+
+
 def hf_granite(n_kv_heads: int = 4, n_layers: int = 2) -> nn.Module:
     """Granite: a Llama-like block with its own attention scale (``attention_multiplier``, not 1/sqrt(d)) and
     multipliers on the embeddings, the residuals and the logits."""
