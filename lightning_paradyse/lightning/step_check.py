@@ -15,7 +15,10 @@ What the step logs is compared on the same two calls: the sharded call's logs as
 a number equal to it and a metric given it, made global: :class:`~lightning_paradyse.lightning.step_logs.StepLogs`)
 against the whole call's. A one-number value that differs (``torch.exp(loss)``, ``loss.clone()``, a count of the
 slice's tokens) is this rank's, not what one process logs: the check names it once in a warning with the fix
-(:func:`differing_logs`).
+(:func:`differing_logs`). So is a torchmetrics metric whose value after the sharded call, its states gathered over the
+ranks as Lightning's epoch value is, differs from its value after the whole call, each call starting from a reset
+metric (:func:`metric_values`: a mean of each row's loss, which a rank computes from its part of the row; a sum of the
+global loss, which every rank holds).
 
 ``validation_step`` and ``test_step`` are checked alike on their first batch (``StepCheck(training=False)``: their
 loss where they return one, and what they log).
