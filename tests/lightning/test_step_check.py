@@ -202,22 +202,32 @@ class PerplexityLM(LanguageModel):
         return loss
 
 
-def _warned(rank: int, world: int, port: int) -> list[str]:
+def _fit_warned(rank: int, world: int, port: int, which: str) -> tuple[list[str], dict[str, float]]:
+    """Two steps (and a validation batch after each) of :class:`PerplexityLM` (``which="logs"``) or
+    :class:`RowMetricsLM` (``"metrics"``: rows of different lengths) under the strategy in float64: the check's
+    warnings about them, and what was logged last."""
     strategy_environment(rank, world)
     os.environ["MASTER_PORT"] = str(port)
     pl.seed_everything(0, verbose=False)
     gen = torch.Generator().manual_seed(0)
+    rows, length = (2, 33) if which == "logs" else (3, 41)
     batches = []
     for _ in range(2):
-        x = torch.randint(0, 128, (2, 33), generator=gen)
-        batches.append({"input_ids": x[:, :-1], "targets": x[:, 1:]})
+        x = torch.randint(0, 128, (rows, length), generator=gen)
+        targets = x[:, 1:].clone()
+        if which == "metrics":
+            targets[0, 25:] = -100  # rows of different lengths
+        batches.append({"input_ids": x[:, :-1], "targets": targets})
     strategy = ParaDySeStrategy(timeout=60, plan="tp_sp")
     settings = dict(max_steps=2, precision="64-true", val_check_interval=1, limit_val_batches=1)
     trainer = quiet_trainer(world, strategy, [], num_sanity_val_steps=0, **settings)
+    module = PerplexityLM() if which == "logs" else RowMetricsLM()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(PerplexityLM(), DataLoader(batches, batch_size=None), DataLoader(batches[:1], batch_size=None))
-    return [str(w.message) for w in caught if "slice of the batch" in str(w.message)]
+        trainer.fit(module, DataLoader(batches, batch_size=None), DataLoader(batches[:1], batch_size=None))
+    logged = {k: float(v) for k, v in trainer.logged_metrics.items()}
+    phrase = "slice of the batch" if which == "logs" else "updates the metrics"
+    return [str(w.message) for w in caught if phrase in str(w.message)], logged
 
 
 def test_the_check_names_logged_values_that_are_this_ranks_own() -> None:
@@ -225,7 +235,7 @@ def test_the_check_names_logged_values_that_are_this_ranks_own() -> None:
     process logs; ``torch.exp(loss)`` and a count of the slice's tokens are this rank's: named once per step hook, on
     rank 0 (the validation step's on its first batch). So are the values the step returns beside its loss (a view of
     the loss, made global, is not named)."""
-    told = run_distributed(_warned, 2, free_port(), timeout=120)
+    told = [warned for warned, _ in run_distributed(_fit_warned, 2, free_port(), "logs", timeout=120)]
     assert told[1] == [], told  # rank_zero_warn
     assert len(told[0]) == 3, told
     returned = next(m for m in told[0] if "returns values" in m)
@@ -291,28 +301,6 @@ class RowMetricsLM(LanguageModel):
         return ce.sum() / real.sum()
 
 
-def _metrics_warned(rank: int, world: int, port: int) -> tuple[list[str], dict[str, float]]:
-    strategy_environment(rank, world)
-    os.environ["MASTER_PORT"] = str(port)
-    pl.seed_everything(0, verbose=False)
-    gen = torch.Generator().manual_seed(0)
-    batches = []
-    for _ in range(2):
-        x = torch.randint(0, 128, (3, 41), generator=gen)
-        targets = x[:, 1:].clone()
-        targets[0, 25:] = -100  # rows of different lengths
-        batches.append({"input_ids": x[:, :-1], "targets": targets})
-    strategy = ParaDySeStrategy(timeout=60, plan="tp_sp")
-    settings = dict(max_steps=2, precision="64-true", val_check_interval=1, limit_val_batches=1)
-    trainer = quiet_trainer(world, strategy, [], num_sanity_val_steps=0, **settings)
-    module = RowMetricsLM()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer.fit(module, DataLoader(batches, batch_size=None), DataLoader(batches[:1], batch_size=None))
-    logged = {k: float(v) for k, v in trainer.logged_metrics.items()}
-    return [str(w.message) for w in caught if "updates the metrics" in str(w.message)], logged
-
-
 def test_the_check_names_metrics_whose_value_over_the_ranks_is_not_one_processs() -> None:
     """A metric updated per token (a weighted mean of each token's loss, an accuracy and a precision in a collection
     sharing their states, a mean of the loss) adds up over the ranks to one process's value; a mean of each row's
@@ -320,7 +308,7 @@ def test_the_check_names_metrics_whose_value_over_the_ranks_is_not_one_processs(
     per step hook, on rank 0, in the training step's and the validation step's first batch. A collection's
     members, which share their states from its first update on (a compute group), log the same value as the metric
     alone: the check's calls, whose first update formed the groups, are undone, groups included."""
-    (told, logged), (told_1, _) = run_distributed(_metrics_warned, 2, free_port(), timeout=120)
+    (told, logged), (told_1, _) = run_distributed(_fit_warned, 2, free_port(), "metrics", timeout=120)
     assert told_1 == [], told_1  # rank_zero_warn
     assert len(told) == 2, told
     training, validation = sorted(told, key=lambda m: "validation_step" in m)
