@@ -389,6 +389,23 @@ def _own_activation(mlp: MlpRoles, copy64: nn.Module, block: nn.Module) -> MlpRo
     return dataclasses.replace(mlp, act=block.get_submodule(path))
 
 
+def refuse_adapters(block: nn.Module, name: str) -> None:
+    """A PEFT adapter layer inside the block (``peft``'s LoRA, DoRA, IA3, ... layers: ``BaseTunerLayer``) adds a branch
+    of its own weights to a projection's output; the modes split the projections over the ranks and have no split for
+    such a branch yet. Refused by name (the role passes would only see a query made of two projections)."""
+    for path, sub in block.named_modules():
+        bases = type(sub).__mro__
+        if any(c.__name__ == "BaseTunerLayer" and c.__module__.startswith("peft.") for c in bases):
+            raise RoleError(
+                f"cannot parallelize block {name} ({type(block).__name__}): {path} is a PEFT adapter layer "
+                f"({type(sub).__module__}.{type(sub).__name__}); ParaDySeStrategy splits a block's projections over "
+                f"the ranks and cannot split an adapter's branch yet. Train adapters inside the transformer blocks "
+                f"with Lightning's DDP or FSDP strategy; with ParaDySeStrategy fine-tune the model's own weights "
+                f"(freezing any of them is supported), with adapters at most outside the blocks (embeddings, the "
+                f"output head); a trained adapter merged into its model (peft's merge_and_unload()) trains on"
+            )
+
+
 def rewrite_block(
     block: nn.Module, name: str, layer: int, group: Group, axes: int = 1, rope: Rope | None = None
 ) -> list[OpDispatch]:
@@ -398,6 +415,7 @@ def rewrite_block(
     attention dispatch (``attend_axis``) and the grid mode is verified. ``rope``: the model's rotary embedding
     (:func:`example_inputs`).
     """
+    refuse_adapters(block, name)
     stage = "tracing it on example inputs"
     try:
         # traced on a host copy in float64 (a dtype the code casts to on purpose stands out; a GPU never holds a

@@ -223,6 +223,20 @@ def test_an_error_of_the_blocks_own_code_is_a_named_rejection() -> None:
     assert isinstance(info.value.__cause__, RuntimeError)
 
 
+def test_a_peft_adapter_inside_a_block_is_refused_by_name() -> None:
+    """LoRA as PEFT's docs show it (``get_peft_model`` of a Hugging Face model): the adapter's branch on a projection is
+    named with the fix, not reported as a query made of two projections; adapters outside the blocks are not refused
+    (probed exact against one process: a LoRA output head or embedding, 2026-11-30)."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(hf_llama(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    block = model.base_model.model.model.layers[0]
+    with pytest.raises(RoleError, match=r"block layers\.0 .*self_attn\.q_proj is a PEFT adapter layer .*DDP or FSDP"):
+        rewrite_block(block, "layers.0", 0, None)
+    head_only = peft.get_peft_model(hf_llama(), peft.LoraConfig(r=4, target_modules=["lm_head"]))
+    ops = rewrite_block(head_only.base_model.model.model.layers[0], "layers.0", 0, None)
+    assert [type(op) for op in ops] == [AttentionDispatch, MlpDispatch]
+
+
 class _ScaledAttention(_QNormAttention):
     """Attention with its own softmax scale (as Granite's attention_multiplier)."""
 
