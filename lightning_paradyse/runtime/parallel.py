@@ -189,12 +189,7 @@ def find_blocks(module: nn.Module, blocks: str | None = None) -> list[tuple[str,
         if not isinstance(found, nn.ModuleList) or len(found) == 0:
             raise ValueError(f"blocks={blocks!r} must name a non-empty nn.ModuleList of transformer blocks")
         return [(f"{blocks}.{i}", b) for i, b in enumerate(found)]
-    candidates = [
-        (name, m)
-        for name, m in module.named_modules()
-        if isinstance(m, nn.ModuleList) and len(m) > 0 and all(_looks_like_block(b) for b in m)
-    ]
-    outer = [(n, m) for n, m in candidates if not any(n.startswith(o + ".") for o, _ in candidates if o != n)]
+    outer = _block_lists(module)
     if not outer:
         raise ValueError(
             f"no list of transformer blocks found in {type(module).__name__}; pass blocks='path.to.layers'"
@@ -204,6 +199,43 @@ def find_blocks(module: nn.Module, blocks: str | None = None) -> list[tuple[str,
         raise ValueError(f"several lists of transformer blocks found ({names}); choose one with blocks='...'")
     name, found = outer[0]
     return [(f"{name}.{i}", b) for i, b in enumerate(found)]
+
+
+def _block_lists(module: nn.Module) -> list[tuple[str, nn.ModuleList]]:
+    """Every outermost ``nn.ModuleList`` whose children all look like transformer blocks, as ``(name, list)``."""
+    candidates = [
+        (name, m)
+        for name, m in module.named_modules()
+        if isinstance(m, nn.ModuleList) and len(m) > 0 and all(_looks_like_block(b) for b in m)
+    ]
+    return [(n, m) for n, m in candidates if not any(n.startswith(o + ".") for o, _ in candidates if o != n)]
+
+
+def _guard_whole_blocks(module: nn.Module, blocks: str, state: StepState) -> None:
+    """The transformer blocks ``blocks=`` leaves whole (a distillation teacher, a frozen reference model): a hook on
+    each raises when it is called in a step that runs on a slice of every sequence (a group of two ranks or more),
+    where its attention would see this rank's tokens only; a step on a group of one (whole rows), a prediction and
+    a call between steps run it as one process does."""
+    for name, found in _block_lists(module):
+        if name == blocks or name.startswith(blocks + ".") or blocks.startswith(name + "."):
+            continue
+        for i, block in enumerate(found):
+            block.register_forward_pre_hook(_StepHook(state, _whole_block_hook(f"{name}.{i}", blocks)))
+
+
+def _whole_block_hook(name: str, blocks: str) -> Any:
+    def hook(state: StepState, mod: nn.Module, args: tuple[Any, ...]) -> None:
+        ctx = state.ctx
+        if ctx is not None and ctx.p > 1:
+            raise ValueError(
+                f"{name} ({type(mod).__name__}) is a transformer block ParaDySeStrategy leaves whole "
+                f"(blocks={blocks!r} names the blocks it parallelizes), called in a step that runs on a slice of "
+                f"every sequence ({ctx.p} ranks): its attention would see this rank's tokens only, not one "
+                f"process's. Compute its outputs outside the steps (a teacher's or reference model's outputs "
+                f"precomputed into the batch), or train with a strategy that keeps each sequence whole (DDP, FSDP)"
+            )
+
+    return hook
 
 
 def parallelize(module: nn.Module, group: Group, blocks: str | None = None, axes: int = 1) -> list[str]:
@@ -241,6 +273,8 @@ def parallelize(module: nn.Module, group: Group, blocks: str | None = None, axes
         _refuse_router_loss(module)
     module.register_forward_pre_hook(_StepHook(state, _anchor))
     _install_hooks(module, [n for n, _ in found], state)
+    if blocks is not None:
+        _guard_whole_blocks(module, blocks, state)
     _REGISTRY[module] = state
     if state.grid is not None:
         _install_grid_hooks([b for _, b in found], state)

@@ -987,6 +987,26 @@ class NEFTuneLM(HFModule):
         activate_neftune(self.model, 5.0)
 
 
+class DistilledLM(HFModule):
+    """Knowledge distillation as recipes write it: a frozen teacher (another Hugging Face Llama) in the module, its
+    logits a per-token KL term beside the student's loss; ``blocks=`` names the student's blocks (two lists are
+    ambiguous). The teacher's blocks stay whole, so in a step on a slice of every sequence they are refused by name
+    when called (its attention would see this rank's tokens only)."""
+
+    def __init__(self) -> None:
+        super().__init__("masked")
+        self.teacher = hf_llama().requires_grad_(False)
+
+    @override
+    def loss(self, batch: dict[str, Tensor]) -> Tensor:
+        out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
+        with torch.no_grad():
+            teacher = self.teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        real = batch["labels"] != -100
+        kl = F.kl_div(F.log_softmax(out.logits, -1), F.log_softmax(teacher, -1), log_target=True, reduction="none")
+        return out.loss + (kl.sum(-1) * real).sum() / real.sum()
+
+
 class ForwardAfterStepLM(HFModule):
     """Calls the model on the start of each training batch in ``on_train_batch_end`` (after the step, as a recipe's
     sample logging may): refused under the strategy, naming why."""
@@ -1499,6 +1519,12 @@ def cases_p2() -> dict[str, Case]:
                 fit=False,
             ),
             "neftune": Case(NEFTuneLM, lambda: loader(ragged("labels")), refused="NEFTune"),
+            "distillation-teacher-left-whole": Case(
+                DistilledLM,
+                lambda: loader(ragged("labels")),
+                strategy=dict(blocks="model.model.layers"),
+                refused="teacher.model.layers.0 (LlamaDecoderLayer) is a transformer block ParaDySeStrategy leaves",
+            ),
             # labels one per token, as given (not shifted): each rank's mean weighed by its share of the labels
             "hf-token-classifier": Case(
                 TokenClassifierLM,
