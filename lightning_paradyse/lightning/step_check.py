@@ -324,15 +324,30 @@ def _changed(container: Any, content: Any) -> bool:
 
 
 def check_step_losses(
-    sharded: float, whole: float, tol: float, hook: str = "training_step", where: str = "a batch's first tokens"
+    sharded: float,
+    whole: float,
+    tol: float,
+    hook: str = "training_step",
+    where: str = "a batch's first tokens",
+    consumed: bool = False,
 ) -> None:
     """Raise when the sharded step's loss on the probe (``where``) differs from the whole step's (the same on every
-    rank)."""
+    rank). ``consumed``: a Hugging Face model was handed ``labels=`` in the sharded step (its loss is this rank's share
+    of the global mean), named first among the causes."""
     if abs(sharded - whole) > tol * max(abs(whole), 1e-12):
+        mixed = (
+            "a Hugging Face model's loss given labels= (this rank's share of the whole batch's mean, which the "
+            "strategy sums over the ranks) combined with a term of the step's own, such as a distillation or "
+            "auxiliary term averaged over this rank's tokens (call the model without labels= and average the "
+            "cross-entropy over the real targets yourself, targets shifted in the data, so that every term is a "
+            "mean over this rank's tokens), "
+            if consumed
+            else ""
+        )
         raise ValueError(
             f"the {hook} computes something across the tokens of its slice: on {where} its loss is "
             f"{sharded:.10g} when each rank runs its slice, but {whole:.10g} when one process runs them all. "
-            f"Common causes: shifting targets in the step (logits[:, :-1] against ids[:, 1:]; shift "
+            f"Common causes: {mixed}shifting targets in the step (logits[:, :-1] against ids[:, 1:]; shift "
             f"them in the data, or pass labels= to a Hugging Face model), a loss reduced per sequence or computed from "
             f"one position of each row (a pooled output: the last real token, [CLS], a mean over the sequence; each "
             f"rank holds a slice of every row, so such heads train under a strategy that keeps rows whole), a loss "
@@ -649,6 +664,7 @@ class StepCheck:
                 sharded_returns = returned_values(output, local)
                 total = None if local is None else cycle.global_loss(local, sharded_info)
                 cycle.logs.replay(local, total)
+            consumed = parallel.step_state(module).labels_consumed  # the sharded call's; the whole call resets it
             sharded = None if total is None else float(total)
             sharded_metrics = metric_values(metrics, group)  # over the ranks, as Lightning logs them
             reset_metrics(module)
@@ -672,7 +688,7 @@ class StepCheck:
             losses.refuse(hook)
         if sharded is not None and whole is not None:
             where = f"the tokens {described_columns(columns)} of a batch of {info.seq_len}"
-            check_step_losses(sharded, float(whole), tol, hook, where)
+            check_step_losses(sharded, float(whole), tol, hook, where, consumed)
         warn_differing_logs(differing_logs(sharded_logs, whole_logs, tol))
         warn_differing_returns(differing_logs(sharded_returns, whole_returns, tol), hook)
         warn_differing_metrics(differing_metrics(metrics, sharded_metrics, whole_metrics, trainer.precision), hook)

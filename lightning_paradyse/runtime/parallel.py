@@ -94,6 +94,9 @@ class StepState:
     plain: Any = None
     """What checkpoints need to know about the plain model (a ``PlainModel``, recorded by the strategy before the
     rewrite); carried by a deep copy too."""
+    whole_runs: list[int] = field(default_factory=list)
+    """The module (its ``id``) whose call runs on whole sequences now: a model holding blocks ``blocks=`` leaves whole
+    (:func:`_whole_in`; emptied by :func:`configure`)."""
 
 
 class _StepHook:
@@ -211,29 +214,95 @@ def _block_lists(module: nn.Module) -> list[tuple[str, nn.ModuleList]]:
     return [(n, m) for n, m in candidates if not any(n.startswith(o + ".") for o, _ in candidates if o != n)]
 
 
-def _guard_whole_blocks(module: nn.Module, blocks: str, state: StepState) -> None:
-    """The transformer blocks ``blocks=`` leaves whole (a distillation teacher, a frozen reference model): a hook on
-    each raises when it is called in a step that runs on a slice of every sequence (a group of two ranks or more),
-    where its attention would see this rank's tokens only; a step on a group of one (whole rows), a prediction and
-    a call between steps run it as one process does."""
+def _whole_blocks(module: nn.Module, blocks: str, state: StepState) -> None:
+    """The transformer blocks ``blocks=`` leaves whole (a distillation teacher, a frozen reference model) run on whole
+    sequences: the outermost module called that holds such a list (``teacher``, or ``teacher.model`` called on its
+    own) is handed the whole batch tensors its call's per-token arguments are slices of, and its per-token outputs
+    are cut back to this rank's tokens (:func:`_whole_in`, :func:`_whole_out`), so it computes what one process's
+    does (its loss too, given labels), at ``p`` times one rank's share of its compute and memory. A block called
+    otherwise in a step on a slice of every sequence raises, naming why (:func:`_whole_block_hook`)."""
     for name, found in _block_lists(module):
         if name == blocks or name.startswith(blocks + ".") or blocks.startswith(name + "."):
             continue
+        owner_path = name.rsplit(".", 1)[0] if "." in name else ""
+        while owner_path and not blocks.startswith(owner_path + "."):  # owners that do not run the parallel blocks
+            owner = module.get_submodule(owner_path)
+            owner.register_forward_pre_hook(_StepHook(state, _whole_in(name, blocks)), with_kwargs=True)
+            owner.register_forward_hook(_StepHook(state, _whole_out))
+            owner_path = owner_path.rsplit(".", 1)[0] if "." in owner_path else ""
         for i, block in enumerate(found):
             block.register_forward_pre_hook(_StepHook(state, _whole_block_hook(f"{name}.{i}", blocks)))
+
+
+def _whole_error(name: str, blocks: str, p: int, why: str) -> ValueError:
+    return ValueError(
+        f"{name} ParaDySeStrategy leaves whole (blocks={blocks!r} names the blocks it "
+        f"parallelizes), {why}, in a step that runs on a slice of every sequence ({p} ranks): its attention would see "
+        f"this rank's tokens only, not one process's. Call the model that holds it with the batch's own tensors "
+        f"(input_ids=batch['input_ids'], attention_mask=batch['attention_mask']): it then runs on the whole sequences "
+        f"on every rank; or compute its outputs outside the steps (precomputed into the batch)"
+    )
+
+
+def _whole_in(name: str, blocks: str) -> Any:
+    def hook(
+        state: StepState, mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        ctx = state.ctx
+        if ctx is None or ctx.p == 1 or state.whole_runs:  # a call inside a whole run: already whole
+            return None
+        local = ctx.layout.local_len(ctx.rank)
+
+        def whole(value: Any) -> Any:
+            if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.shape[1] != local:
+                return value
+            source = _trace(value, state.sources)  # [b, s_r, ...] -> the batch's [b, s, ...]
+            if source is None:
+                raise _whole_error(
+                    f"{name} holds transformer blocks",
+                    blocks,
+                    ctx.p,
+                    f"called through {type(mod).__name__} with a per-token "
+                    f"{tuple(value.shape)} tensor that is not one of the batch's",
+                )
+            return source.whole
+
+        args, kwargs = tuple(whole(a) for a in args), {k: whole(v) for k, v in kwargs.items()}
+        state.whole_runs.append(id(mod))
+        return args, kwargs
+
+    return hook
+
+
+def _whole_out(state: StepState, mod: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+    """A whole run's per-token outputs, ``[b, s, ...] -> [b, s_r, ...]`` (this rank's tokens, as a slice of a batch);
+    the rest (a cache, a count) as returned."""
+    ctx = state.ctx
+    if ctx is None or ctx.p == 1 or not state.whole_runs or state.whole_runs[-1] != id(mod):
+        return None
+    state.whole_runs.pop()
+    s, rank = ctx.layout.seq_len, ctx.rank
+
+    def cut(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return ctx.layout.shard(value, rank) if value.dim() >= 2 and value.shape[1] == s else value
+        if isinstance(value, tuple) and not hasattr(value, "_fields"):
+            return tuple(cut(v) for v in value)
+        return value
+
+    if isinstance(output, Mapping):  # transformers' ModelOutput: set item by item (keeps its class)
+        for key in list(output.keys()):
+            output[key] = cut(output[key])  # type: ignore[index]
+        return output
+    return cut(output)
 
 
 def _whole_block_hook(name: str, blocks: str) -> Any:
     def hook(state: StepState, mod: nn.Module, args: tuple[Any, ...]) -> None:
         ctx = state.ctx
-        if ctx is not None and ctx.p > 1:
-            raise ValueError(
-                f"{name} ({type(mod).__name__}) is a transformer block ParaDySeStrategy leaves whole "
-                f"(blocks={blocks!r} names the blocks it parallelizes), called in a step that runs on a slice of "
-                f"every sequence ({ctx.p} ranks): its attention would see this rank's tokens only, not one "
-                f"process's. Compute its outputs outside the steps (a teacher's or reference model's outputs "
-                f"precomputed into the batch), or train with a strategy that keeps each sequence whole (DDP, FSDP)"
-            )
+        if ctx is not None and ctx.p > 1 and not state.whole_runs:
+            what = f"{name} ({type(mod).__name__}) is a transformer block"
+            raise _whole_error(what, blocks, ctx.p, "called on this rank's slice")
 
     return hook
 
@@ -274,7 +343,7 @@ def parallelize(module: nn.Module, group: Group, blocks: str | None = None, axes
     module.register_forward_pre_hook(_StepHook(state, _anchor))
     _install_hooks(module, [n for n, _ in found], state)
     if blocks is not None:
-        _guard_whole_blocks(module, blocks, state)
+        _whole_blocks(module, blocks, state)
     _REGISTRY[module] = state
     if state.grid is not None:
         _install_grid_hooks([b for _, b in found], state)
@@ -808,7 +877,7 @@ def configure(module: nn.Module, ctx: SeqContext, plan: Plan) -> None:
     check_plan(module, plan, ctx.p)
     state = step_state(module)
     state.ctx, state.sources, state.padding, state.labels_consumed = ctx, (), None, False
-    state.masked_lengths, state.batch = None, None
+    state.masked_lengths, state.batch, state.whole_runs = None, None, []
     if state.grid is not None:
         if ctx.layout.balanced or ctx.doc_ids is not None:
             raise ValueError(

@@ -988,23 +988,36 @@ class NEFTuneLM(HFModule):
 
 
 class DistilledLM(HFModule):
-    """Knowledge distillation as recipes write it: a frozen teacher (another Hugging Face Llama) in the module, its
-    logits a per-token KL term beside the student's loss; ``blocks=`` names the student's blocks (two lists are
-    ambiguous). The teacher's blocks stay whole, so in a step on a slice of every sequence they are refused by name
-    when called (its attention would see this rank's tokens only)."""
+    """Knowledge distillation as recipes write it: a frozen teacher (another Hugging Face Llama) in the module, the
+    student's cross-entropy and a per-token KL to the teacher's distribution, each a mean over the real targets
+    (shifted in the data); ``blocks=`` names the student's blocks (two lists are ambiguous). The teacher's blocks stay
+    whole: called with the batch's tensors, the teacher runs on the whole sequences on every rank and its logits are
+    cut to the rank's tokens. ``embeds``: the teacher called with embeddings made in the step (not tensors of the
+    batch), refused by name (its blocks would see a slice). ``hf_loss``: the student's loss its own, given
+    ``labels=`` (a share of the whole batch's mean) beside the KL's mean over the rank's tokens: refused by the step
+    check, naming that cause."""
 
-    def __init__(self) -> None:
+    def __init__(self, embeds: bool = False, hf_loss: bool = False) -> None:
         super().__init__("masked")
         self.teacher = hf_llama().requires_grad_(False)
+        self.embeds, self.hf_loss = embeds, hf_loss
 
     @override
     def loss(self, batch: dict[str, Tensor]) -> Tensor:
-        out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
+        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        given = dict(input_ids=batch["input_ids"])
+        if self.embeds:
+            given = dict(inputs_embeds=self.teacher.get_input_embeddings()(batch["input_ids"]))
         with torch.no_grad():
-            teacher = self.teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        real = batch["labels"] != -100
-        kl = F.kl_div(F.log_softmax(out.logits, -1), F.log_softmax(teacher, -1), log_target=True, reduction="none")
-        return out.loss + (kl.sum(-1) * real).sum() / real.sum()
+            teacher = self.teacher(**given, attention_mask=batch["attention_mask"]).logits
+        targets = batch["labels" if self.hf_loss else "targets"]
+        real = targets != -100
+        student = F.log_softmax(logits, -1)
+        kl = F.kl_div(student, F.log_softmax(teacher, -1), log_target=True, reduction="none").sum(-1)
+        if self.hf_loss:
+            given = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=targets)
+            return self.model(**given).loss + (kl * real).sum() / real.sum()
+        return F.nll_loss(student.flatten(0, 1), targets.flatten()) + (kl * real).sum() / real.sum()
 
 
 class ForwardAfterStepLM(HFModule):
@@ -1519,11 +1532,28 @@ def cases_p2() -> dict[str, Case]:
                 fit=False,
             ),
             "neftune": Case(NEFTuneLM, lambda: loader(ragged("labels")), refused="NEFTune"),
-            "distillation-teacher-left-whole": Case(
+            # a frozen teacher's blocks left whole by blocks=: run on the whole sequences, its logits cut per rank
+            "distillation-teacher": Case(
                 DistilledLM,
+                lambda: (loader(ragged("targets")), loader(ragged("targets"), (35, 52))),
+                strategy=dict(blocks="model.model.layers"),
+            ),
+            "distillation-teacher-ring": Case(  # the balanced order: a rank's tokens are two chunks of each row
+                DistilledLM,
+                lambda: loader(ragged("targets")),
+                strategy=dict(blocks="model.model.layers", plan="ring"),
+            ),
+            "distillation-hf-loss-plus-kl": Case(
+                lambda: DistilledLM(hf_loss=True),
                 lambda: loader(ragged("labels")),
                 strategy=dict(blocks="model.model.layers"),
-                refused="teacher.model.layers.0 (LlamaDecoderLayer) is a transformer block ParaDySeStrategy leaves",
+                refused="Common causes: a Hugging Face model's loss given labels=",
+            ),
+            "distillation-teacher-embeds": Case(
+                lambda: DistilledLM(embeds=True),
+                lambda: loader(ragged("targets")),
+                strategy=dict(blocks="model.model.layers"),
+                refused="teacher.model.layers holds transformer blocks ParaDySeStrategy leaves whole",
             ),
             # labels one per token, as given (not shifted): each rank's mean weighed by its share of the labels
             "hf-token-classifier": Case(

@@ -99,6 +99,8 @@ def test_losses_that_differ_beyond_the_tolerance_name_the_fix() -> None:
     named = r"computes something across the tokens.*loss_reduction='sum'.*check_step=False"
     with pytest.raises(ValueError, match=named):
         check_step_losses(2.0, 2.0 * (1 + 2 * tol), tol)
+    with pytest.raises(ValueError, match=r"Common causes: a Hugging Face model's loss given labels= .* shifting"):
+        check_step_losses(2.0, 3.0, tol, consumed=True)  # its share of the global mean beside a term of the step's
     assert step_check_tolerance(torch.float32, "bf16-mixed") > step_check_tolerance(torch.float32, "32-true")
 
 
