@@ -33,6 +33,7 @@ from lightning_paradyse.distributed.comm import (
 )
 from lightning_paradyse.distributed.devices import to_device
 from lightning_paradyse.distributed.layout import SeqLayout
+from lightning_paradyse.graph.adapters import base_layer, lora_parts, switch_for
 from lightning_paradyse.graph.program import Program
 from lightning_paradyse.graph.roles import (
     AttentionRoles,
@@ -47,7 +48,16 @@ from lightning_paradyse.modes import GRID_MODES, get_mode
 from lightning_paradyse.modes.base import Autocast, add_bias
 from lightning_paradyse.modes.dsp import GridState
 from lightning_paradyse.modes.plan import OpPlan
-from lightning_paradyse.modes.specs import AttnSpec, AttnWeights, MlpSpec, MlpWeights, SeqContext, row_sizes, shard_rows
+from lightning_paradyse.modes.specs import (
+    Adapter,
+    AttnSpec,
+    AttnWeights,
+    MlpSpec,
+    MlpWeights,
+    SeqContext,
+    row_sizes,
+    shard_rows,
+)
 from lightning_paradyse.modes.zero3 import zero3_linear, zero3_linear_t
 
 
@@ -123,6 +133,11 @@ class OpDispatch(nn.Module):
         self.group_shards: dict[str, torch.Tensor] | None = None
         """While a step runs on a group smaller than the shard group: this rank's shards for that group,
         read instead of the parameters of the same name (see :mod:`lightning_paradyse.groups`)."""
+        self.adapter_params: dict[str, tuple[str, str, str, float]] = {}
+        """LoRA adapters by projection name (``q``, ``o_t``, ``up``, ...): the names of the parameters holding their
+        ``A`` and ``B`` (laid out as :class:`~.specs.Adapter` says; the parts of one fused projection share its
+        whole ``A``), of their switch's sub-module (:func:`~lightning_paradyse.graph.adapters.switch_for`), and their
+        ``scale``."""
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -152,21 +167,63 @@ class OpDispatch(nn.Module):
     def add_projection(
         self, name: str, bias_name: str, module: nn.Module, path: str, rows: tuple[int, ...] | None, group: Group
     ) -> int:
-        """A column-parallel projection (q/k/v/up/gate; ``rows``: its part of a fused one): weight and bias shards.
-        Returns its output features."""
+        """A column-parallel projection (q/k/v/up/gate; ``rows``: its part of a fused one): weight and bias shards,
+        and a LoRA layer's adapter (``B`` sharded with the weight's rows, ``A`` whole). Returns its output
+        features."""
         conv = is_conv1d(module)
         n = out_features(module) if rows is None else len(rows)
-        src = ShardSource(f"{path}.weight", conv, n, index=rows)
-        self.add_shard(name, _tensor(module, "weight"), src, group)
-        self.add_shard(bias_name, _tensor(module, "bias"), replace(src, name=f"{path}.bias", transposed=False), group)
+        parts, base = lora_parts(module), base_layer(module)
+        at = path if parts is None else f"{path}.base_layer"
+        src = ShardSource(f"{at}.weight", conv, n, index=rows)
+        self.add_shard(name, _tensor(base, "weight"), src, group)
+        self.add_shard(bias_name, _tensor(base, "bias"), replace(src, name=f"{at}.bias", transposed=False), group)
+        if parts is not None:
+            b_src = ShardSource(f"{path}.lora_B.{parts.adapter}.weight", False, n, index=rows)  # B [out, r]: rows
+            self.add_shard(f"{name}_lora_b", parts.b, b_src, group)
+            a = self._replicated_once(f"{name}_lora_a", parts.a, f"{path}.lora_A.{parts.adapter}.weight")
+            self.adapter_params[name] = (a, f"{name}_lora_b", self._switch(module, path), parts.scale)
         return n
 
     def add_row_projection(self, name: str, bias_name: str, module: nn.Module, path: str, group: Group) -> None:
-        """A row-parallel projection (o/down): the transposed weight's shards, the bias replicated."""
+        """A row-parallel projection (o/down): the transposed weight's shards, the bias replicated; a LoRA layer's
+        ``A`` transposed sharded with the weight's input features, its ``B`` whole."""
         rows = int(projection_weight(module).shape[1])
-        src = ShardSource(f"{path}.weight", not is_conv1d(module), rows)
-        self.add_shard(name, _tensor(module, "weight"), src, group)
-        self.add_replicated(bias_name, _tensor(module, "bias"), f"{path}.bias")
+        parts, base = lora_parts(module), base_layer(module)
+        at = path if parts is None else f"{path}.base_layer"
+        src = ShardSource(f"{at}.weight", not is_conv1d(module), rows)
+        self.add_shard(name, _tensor(base, "weight"), src, group)
+        self.add_replicated(bias_name, _tensor(base, "bias"), f"{at}.bias")
+        if parts is not None:
+            a_src = ShardSource(f"{path}.lora_A.{parts.adapter}.weight", True, rows)  # A [r, in] -> A_t [in, r]
+            self.add_shard(f"{name}_lora_a", parts.a, a_src, group)
+            b = self._replicated_once(f"{name}_lora_b", parts.b, f"{path}.lora_B.{parts.adapter}.weight")
+            self.adapter_params[name] = (f"{name}_lora_a", b, self._switch(module, path), parts.scale)
+
+    def _replicated_once(self, name: str, value: torch.Tensor, source: str) -> str:
+        """A replicated parameter registered once per plain parameter (the parts of a fused projection share its
+        adapter's ``A``: one parameter, whose gradient sums the parts'); returns its name."""
+        held = next((n for n, src in self.replicated_sources.items() if src == source), None)
+        if held is None:
+            self.add_replicated(name, value, source)
+        return held or name
+
+    def _switch(self, layer: nn.Module, path: str) -> str:
+        """The name of the switch of the LoRA layer at ``path`` (one per layer: a fused projection's parts share
+        it)."""
+        name = "lora_switch_" + path.replace(".", "_")
+        if name not in self._modules:
+            parts = lora_parts(layer)
+            assert parts is not None
+            self.add_module(name, switch_for(layer, parts))
+        return name
+
+    def adapters(self) -> dict[str, Adapter]:
+        """The LoRA adapters whose branch runs now (their switch on: peft's ``disable_adapter()`` turns it off)."""
+        out = {}
+        for name, (a, b, switch, scale) in self.adapter_params.items():
+            if self._modules[switch].adapted:  # type: ignore[union-attr]
+                out[name] = Adapter(self.req(a), self.req(b), scale)
+        return out
 
     def adopt(self, core: nn.Module, path: str) -> None:
         """Keep ``core``'s sub-module at ``path`` (relative) under the same path (the block's own code calls it)."""
@@ -310,6 +367,7 @@ class AttentionDispatch(OpDispatch):
             window=roles.window,
             mixes_heads=program is not None and program.mixes_heads,
             softcap=roles.softcap,
+            adapted=bool(self.adapter_params),
         )
         self.attend_axis: int | None = None
         """Grid models: the grid dimension this attention attends along (1: frames, 2: patches)."""
@@ -342,6 +400,7 @@ class AttentionDispatch(OpDispatch):
             o("k_bias"),
             o("v_bias"),
             o("o_bias"),
+            adapters=self.adapters(),
         )
 
     def infeasible(self, mode: str, p: int) -> str | None:
@@ -421,7 +480,8 @@ class AttentionDispatch(OpDispatch):
             prepare=self._prepare(args, kwargs, ctx),
             prepare_params=self._prepare_params(),
         )
-        y = self._run(lambda inp: mode.attention(inp, self.weights(), spec, ctx), x)
+        w = self.weights()  # read now: a recomputation runs what the forward ran (an adapter switched off in between)
+        y = self._run(lambda inp: mode.attention(inp, w, spec, ctx), x)
         y = self.run_tail(self.roles.tail, self.roles.tail_values, y, args, kwargs)
         if self.roles.output_item is None:
             return y
@@ -457,11 +517,25 @@ class MlpDispatch(OpDispatch):
         for path in () if roles.tail is None else roles.tail.modules:  # the model's code after the down projection
             self.adopt(core, path)
         self.act = roles.act
-        self.spec = MlpSpec(int(projection_weight(up).shape[1]), f, roles.act, gated=roles.gate is not None)
+        self.spec = MlpSpec(
+            int(projection_weight(up).shape[1]),
+            f,
+            roles.act,
+            gated=roles.gate is not None,
+            adapted=bool(self.adapter_params),
+        )
 
     def weights(self) -> MlpWeights:
         o = self.opt
-        return MlpWeights(self.req("up"), self.req("down_t"), o("gate"), o("up_bias"), o("gate_bias"), o("down_bias"))
+        return MlpWeights(
+            self.req("up"),
+            self.req("down_t"),
+            o("gate"),
+            o("up_bias"),
+            o("gate_bias"),
+            o("down_bias"),
+            adapters=self.adapters(),
+        )
 
     def infeasible(self, mode: str, p: int) -> str | None:
         if mode in GRID_MODES and self.grid is None:
@@ -477,8 +551,8 @@ class MlpDispatch(OpDispatch):
             ctx, op = self.ctx, self.op_plan
         else:
             ctx, op = self._state(x)
-        mode = get_mode(op.mode)
-        y = self._run(lambda inp: mode.mlp(inp, self.weights(), self.spec, ctx), x)
+        mode, w = get_mode(op.mode), self.weights()  # read now: a recomputation runs what the forward ran
+        y = self._run(lambda inp: mode.mlp(inp, w, self.spec, ctx), x)
         return self.run_tail(self.roles.tail, self.roles.tail_values, y, (x, *args), kwargs)  # type: ignore[no-any-return]
 
 
@@ -600,6 +674,15 @@ _SEQUENCE_MLP_MODES = ("tp_sp", "metp")
 """Modes whose MLP needs the one-dimensional sequence layout (they gather or scatter along dim 1)."""
 
 
+def _no_inline_adapter(linear: nn.Module, path: str) -> None:
+    if lora_parts(linear) is not None:
+        raise ValueError(
+            f"{path} carries a LoRA adapter on an MLP the block computes inline (nn.TransformerEncoderLayer): its "
+            f"projections are rewritten one by one, without adapters; put adapters on the attention only "
+            f"(LoraConfig(target_modules=[...])), or train this model with Lightning's DDP or FSDP strategy"
+        )
+
+
 class ColumnDispatch(OpDispatch):
     """The up projection of an MLP the block computes inline (e.g. ``nn.TransformerEncoderLayer.linear1``).
 
@@ -610,6 +693,7 @@ class ColumnDispatch(OpDispatch):
 
     def __init__(self, linear: nn.Module, path: str, layer: int, group: Group) -> None:
         super().__init__(path, layer)
+        _no_inline_adapter(linear, path)
         self.rows = self.add_projection("weight", "bias", linear, path, None, group)
 
     def infeasible(self, mode: str, p: int) -> str | None:
@@ -635,6 +719,7 @@ class RowDispatch(OpDispatch):
 
     def __init__(self, linear: nn.Module, path: str, layer: int, group: Group) -> None:
         super().__init__(path, layer)
+        _no_inline_adapter(linear, path)
         self.rows = int(projection_weight(linear).shape[1])
         self.add_row_projection("weight_t", "bias", linear, path, group)
 

@@ -34,6 +34,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_paradyse.distributed.comm import Group
 from lightning_paradyse.distributed.layout import SeqLayout
+from lightning_paradyse.graph.adapters import lora_parts
 from lightning_paradyse.graph.dispatch import (
     AttentionDispatch,
     ColumnDispatch,
@@ -390,20 +391,14 @@ def _own_activation(mlp: MlpRoles, copy64: nn.Module, block: nn.Module) -> MlpRo
 
 
 def refuse_adapters(block: nn.Module, name: str) -> None:
-    """A PEFT adapter layer inside the block (``peft``'s LoRA, DoRA, IA3, ... layers: ``BaseTunerLayer``) adds a branch
-    of its own weights to a projection's output; the modes split the projections over the ranks and have no split for
-    such a branch yet. Refused by name (the role passes would only see a query made of two projections)."""
+    """PEFT layers inside the block the modes do not compute (:func:`~lightning_paradyse.graph.adapters.lora_parts`:
+    LoRA with dropout, DoRA, a bias on ``B``, several adapters, other PEFT methods): refused by name with the fix, where
+    the role passes would only see a query made of two projections. LoRA on the projections runs in the modes."""
     for path, sub in block.named_modules():
-        bases = type(sub).__mro__
-        if any(c.__name__ == "BaseTunerLayer" and c.__module__.startswith("peft.") for c in bases):
-            raise RoleError(
-                f"cannot parallelize block {name} ({type(block).__name__}): {path} is a PEFT adapter layer "
-                f"({type(sub).__module__}.{type(sub).__name__}); ParaDySeStrategy splits a block's projections over "
-                f"the ranks and cannot split an adapter's branch yet. Train adapters inside the transformer blocks "
-                f"with Lightning's DDP or FSDP strategy; with ParaDySeStrategy fine-tune the model's own weights "
-                f"(freezing any of them is supported), with adapters at most outside the blocks (embeddings, the "
-                f"output head); a trained adapter merged into its model (peft's merge_and_unload()) trains on"
-            )
+        try:
+            lora_parts(sub)
+        except ValueError as err:
+            raise RoleError(f"cannot parallelize block {name} ({type(block).__name__}): {path} is {err}") from None
 
 
 def rewrite_block(

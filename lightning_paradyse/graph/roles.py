@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from lightning_paradyse.graph.adapters import base_layer, is_lora_linear
 from lightning_paradyse.graph.program import Program
 from lightning_paradyse.graph.trace import ArgRef
 
@@ -84,17 +85,22 @@ class MlpRoles:
 
 
 def is_projection(module: nn.Module) -> bool:
-    """``nn.Linear``, or transformers' ``Conv1D`` (GPT-2: a linear whose weight is stored ``[in, out]``)."""
-    return isinstance(module, nn.Linear) or is_conv1d(module)
+    """``nn.Linear``, transformers' ``Conv1D`` (GPT-2: a linear whose weight is stored ``[in, out]``), or a PEFT LoRA
+    layer around one (:mod:`~lightning_paradyse.graph.adapters`)."""
+    return isinstance(module, nn.Linear) or is_conv1d(module) or is_lora_linear(module)
 
 
 def is_conv1d(module: nn.Module) -> bool:
+    """A ``Conv1D``, or a LoRA layer around one."""
+    module = base_layer(module)
     weight = getattr(module, "weight", None)
     return type(module).__name__ == "Conv1D" and isinstance(weight, torch.Tensor) and weight.dim() == 2
 
 
 def projection_weight(module: nn.Module) -> torch.Tensor:
-    """The projection's weight as ``nn.Linear`` holds it, ``[out, in]`` (a view for ``Conv1D``)."""
+    """The projection's weight as ``nn.Linear`` holds it, ``[out, in]`` (a view for ``Conv1D``; a LoRA layer's base
+    weight)."""
+    module = base_layer(module)
     weight = module.weight
     assert isinstance(weight, torch.Tensor)
     return weight.t() if is_conv1d(module) else weight

@@ -28,13 +28,15 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from lightning_paradyse.graph.adapters import is_lora_linear
+
 LEAF_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.MultiheadAttention)
 """Modules traced as one node even when they have children."""
 
 
 def is_leaf(module: nn.Module) -> bool:
-    """Whether ``module`` is recorded as a single ``call_module`` node."""
-    return isinstance(module, LEAF_TYPES) or next(module.children(), None) is None
+    """Whether ``module`` is recorded as a single ``call_module`` node (a LoRA projection too: one projection)."""
+    return isinstance(module, LEAF_TYPES) or next(module.children(), None) is None or is_lora_linear(module)
 
 
 @dataclass(frozen=True)

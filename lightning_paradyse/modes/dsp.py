@@ -21,10 +21,10 @@ import torch
 from lightning_paradyse.distributed.comm import Group, move_shard
 from lightning_paradyse.distributed.layout import split_sizes
 from lightning_paradyse.modes.attention import full_attention
-from lightning_paradyse.modes.base import Mode, add_bias, merge_heads, prepare_heads
+from lightning_paradyse.modes.base import Mode, merge_heads, prepare_heads
 from lightning_paradyse.modes.specs import AttnSpec, AttnWeights, MlpSpec, MlpWeights, SeqContext
 from lightning_paradyse.modes.ulysses import zero3_project
-from lightning_paradyse.modes.zero3 import zero3_linear_t, zero3_mlp
+from lightning_paradyse.modes.zero3 import zero3_mlp, zero3_out
 
 
 @dataclass
@@ -74,17 +74,16 @@ class DimensionSwitch(Mode):
 
     def attention(self, x: torch.Tensor, w: AttnWeights, spec: AttnSpec, ctx: SeqContext) -> torch.Tensor:
         q, k, v = prepare_heads(
-            zero3_project(x, w.q, w.bq, spec.q_rows, ctx),  # [n, L, h] -> [n, L, heads*d]
-            zero3_project(x, w.k, w.bk, spec.kv_rows, ctx),
-            zero3_project(x, w.v, w.bv, spec.kv_rows, ctx),
+            zero3_project(x, w.q, w.bq, spec.q_rows, ctx, w.adapters.get("q")),  # [n, L, h] -> [n, L, heads*d]
+            zero3_project(x, w.k, w.bk, spec.kv_rows, ctx, w.adapters.get("k")),
+            zero3_project(x, w.v, w.bv, spec.kv_rows, ctx, w.adapters.get("v")),
             spec,
             torch.arange(x.shape[1], device=x.device),
         )  # -> [n, heads, L, d]
         o = merge_heads(
             full_attention(q, k, v, spec.causal, scale=spec.scale, window=spec.window, softcap=spec.softcap)
         )  # [n, heads, L, d] -> [n, L, heads*d]
-        y = zero3_linear_t(o, w.o_t, spec.q_rows, ctx.group)  # [n, L, heads*d] -> [n, L, h]
-        return add_bias(y, w.bo)
+        return zero3_out(o, w.o_t, w.bo, spec.q_rows, ctx.group, w.adapters.get("o_t"))  # [n, L, heads*d] -> [n, L, h]
 
     def mlp(self, x: torch.Tensor, w: MlpWeights, spec: MlpSpec, ctx: SeqContext) -> torch.Tensor:
         return zero3_mlp(x, w, spec, ctx.group)  # token-wise: any local grid [.., h]

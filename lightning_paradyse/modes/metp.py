@@ -385,7 +385,14 @@ class MemoryEfficientTensorParallel(Mode):
     name = "metp"
 
     def attention_infeasible(self, spec: AttnSpec, p: int) -> str | None:
+        if spec.adapted:
+            return "metp does not add LoRA branches to the projections it computes in its weight ring yet"
         return heads_infeasible(spec, p, self.name)
+
+    def mlp_infeasible(self, spec: MlpSpec, p: int) -> str | None:
+        if spec.adapted:
+            return "metp does not add LoRA branches to the projections it computes in its weight ring yet"
+        return None
 
     def attention(self, x: torch.Tensor, w: AttnWeights, spec: AttnSpec, ctx: SeqContext) -> torch.Tensor:
         reason = self.attention_infeasible(spec, ctx.p)

@@ -26,10 +26,10 @@ from lightning_paradyse.distributed.comm import ring_pass_start
 from lightning_paradyse.distributed.devices import to_device
 from lightning_paradyse.distributed.layout import SeqLayout
 from lightning_paradyse.modes.attention import Scores, block_backward, block_forward, in_window, merge
-from lightning_paradyse.modes.base import Mode, add_bias, autocast_off, merge_heads, prepare_heads
+from lightning_paradyse.modes.base import Mode, autocast_off, merge_heads, prepare_heads
 from lightning_paradyse.modes.specs import AttnSpec, AttnWeights, MlpSpec, MlpWeights, SeqContext
 from lightning_paradyse.modes.ulysses import zero3_project
-from lightning_paradyse.modes.zero3 import zero3_linear_t, zero3_mlp
+from lightning_paradyse.modes.zero3 import zero3_mlp, zero3_out
 
 Tile = tuple[slice, slice, bool]  # (local query slice, key slice in the block, causal diagonal)
 MaskedTile = tuple[slice, slice, bool, torch.Tensor | None]  # + allowed [tq, tk] for packed documents
@@ -241,15 +241,14 @@ class Ring(Mode):
 
     def attention(self, x: torch.Tensor, w: AttnWeights, spec: AttnSpec, ctx: SeqContext) -> torch.Tensor:
         q, k, v = prepare_heads(
-            zero3_project(x, w.q, w.bq, spec.q_rows, ctx),  # [b, s_r, h] -> [b, s_r, n*d]
-            zero3_project(x, w.k, w.bk, spec.kv_rows, ctx),  # -> [b, s_r, n_kv*d]
-            zero3_project(x, w.v, w.bv, spec.kv_rows, ctx),
+            zero3_project(x, w.q, w.bq, spec.q_rows, ctx, w.adapters.get("q")),  # [b, s_r, h] -> [b, s_r, n*d]
+            zero3_project(x, w.k, w.bk, spec.kv_rows, ctx, w.adapters.get("k")),  # -> [b, s_r, n_kv*d]
+            zero3_project(x, w.v, w.bv, spec.kv_rows, ctx, w.adapters.get("v")),
             spec,
             ctx.positions(x.device),  # the model's code at the global positions of the local tokens
         )  # -> [b, n, s_r, d], [b, n_kv, s_r, d], [b, n_kv, s_r, d]
         o = merge_heads(ring_attention(q, k, v, ctx, spec.scores()))  # [b, n, s_r, d] -> [b, s_r, n*d]
-        y = zero3_linear_t(o, w.o_t, spec.q_rows, ctx.group)  # [b, s_r, n*d] -> [b, s_r, h]
-        return add_bias(y, w.bo)
+        return zero3_out(o, w.o_t, w.bo, spec.q_rows, ctx.group, w.adapters.get("o_t"))  # [b, s_r, n*d] -> [b, s_r, h]
 
     def mlp(self, x: torch.Tensor, w: MlpWeights, spec: MlpSpec, ctx: SeqContext) -> torch.Tensor:
         return zero3_mlp(x, w, spec, ctx.group)

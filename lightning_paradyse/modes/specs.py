@@ -19,7 +19,7 @@ by ``p`` a shard is whole heads, which is at once the tensor-parallel, ZeRO-3 an
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -64,6 +64,8 @@ class AttnSpec:
     """``prepare`` needs every head of a token at once (a norm over all heads): modes that split heads cannot run it."""
     softcap: float | None = None
     """Logit soft-capping (Gemma 2's ``attn_logit_softcapping``): ``softcap * tanh(scores / softcap)``."""
+    adapted: bool = False
+    """A projection carries a LoRA adapter (:class:`Adapter`): modes that do not add its branch cannot run it."""
 
     def scores(self) -> Scores:
         """How this layer forms its scores, for the kernels."""
@@ -95,6 +97,20 @@ class MlpSpec:
     """Elementwise activation (applied to ``gate(x)`` when gated, else to ``up(x)``)."""
     gated: bool = False
     """SwiGLU-style: ``down(act(gate(x)) * up(x))``."""
+    adapted: bool = False
+    """A projection carries a LoRA adapter (:class:`Adapter`): modes that do not add its branch cannot run it."""
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A LoRA adapter on one projection, ``y += B(A(x)) * scale``, laid out like the projection's weight: on a
+    column-parallel projection (``q, k, v, up, gate``) ``b`` is the row shard ``[n_out/p, r]`` (rows like the
+    weight's) and ``a`` whole ``[r, h_in]``; on a row-parallel one (``o_t``, ``down_t``) ``a`` is ``A`` transposed
+    and row-sharded, ``[n_in/p, r]``, and ``b`` whole ``[h, r]``."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scale: float
 
 
 @dataclass
@@ -109,6 +125,8 @@ class AttnWeights:
     bk: torch.Tensor | None = None
     bv: torch.Tensor | None = None
     bo: torch.Tensor | None = None
+    adapters: dict[str, Adapter] = field(default_factory=dict, kw_only=True)
+    """LoRA adapters by projection (``q``, ``k``, ``v``, ``o_t``) where the branch runs this call."""
 
 
 @dataclass
@@ -121,6 +139,8 @@ class MlpWeights:
     b_up: torch.Tensor | None = None
     b_gate: torch.Tensor | None = None
     b_down: torch.Tensor | None = None
+    adapters: dict[str, Adapter] = field(default_factory=dict, kw_only=True)
+    """LoRA adapters by projection (``up``, ``gate``, ``down_t``) where the branch runs this call."""
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from lightning_paradyse.distributed.comm import gather_seq, gather_weight, gqa_kv_index, scatter_seq
 from lightning_paradyse.distributed.devices import index_on
+from lightning_paradyse.modes.adapters import add_column, add_row, gathered_column, kv_rows_of_heads
 from lightning_paradyse.modes.attention import full_attention
 from lightning_paradyse.modes.base import (
     Autocast,
@@ -30,16 +31,21 @@ from lightning_paradyse.modes.base import (
     mlp_hidden,
     prepare_heads,
 )
-from lightning_paradyse.modes.specs import AttnSpec, AttnWeights, MlpSpec, MlpWeights, SeqContext, row_sizes
+from lightning_paradyse.modes.specs import Adapter, AttnSpec, AttnWeights, MlpSpec, MlpWeights, SeqContext, row_sizes
 
 
 def _kv_local(
-    xg: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, spec: AttnSpec, ctx: SeqContext
+    xg: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    spec: AttnSpec,
+    ctx: SeqContext,
+    adapter: Adapter | None = None,
 ) -> torch.Tensor:
     """Keys or values of the kv heads this rank's query heads read: ``[b, s, h] -> [b, s, m*d]``."""
     p = ctx.p
     if spec.n_kv_heads % p == 0:  # the local shard is exactly the kv heads of the local q heads
-        return F.linear(xg, weight, bias)
+        return add_column(F.linear(xg, weight, bias), xg, adapter)
     sizes = row_sizes(spec.kv_rows, p)
     full_w = gather_weight(weight, sizes, ctx.group)  # [kv_rows/p, h] -> [kv_rows, h]
     full_b = None if bias is None else gather_weight(bias, sizes, ctx.group)
@@ -48,7 +54,8 @@ def _kv_local(
     heads = index_on(index[ctx.rank * m : (ctx.rank + 1) * m], xg.device)
     w = full_w.view(spec.n_kv_heads, spec.head_dim, -1).index_select(0, heads).flatten(0, 1)  # [m*d, h]
     b = None if full_b is None else full_b.view(spec.n_kv_heads, -1).index_select(0, heads).flatten()
-    return F.linear(xg, w, b)
+    full_adapter = gathered_column(adapter, spec.kv_rows, ctx.group)  # B: [kv_rows/p, r] -> [kv_rows, r]
+    return add_column(F.linear(xg, w, b), xg, kv_rows_of_heads(full_adapter, heads, spec.n_kv_heads, spec.head_dim))
 
 
 class TensorSequenceParallel(Mode):
@@ -65,10 +72,11 @@ class TensorSequenceParallel(Mode):
         xg = gather_seq(x, layout, ctx.group)  # [b, s_r, h] -> [b, s, h] (gathered order)
         if not layout.is_natural:
             xg = xg.index_select(1, layout.natural_index(x.device))  # -> natural order
+        ad = w.adapters
         q, k, v = prepare_heads(
-            F.linear(xg, w.q, w.bq),  # [b, s, h] -> [b, s, n/p*d]
-            _kv_local(xg, w.k, w.bk, spec, ctx),  # [b, s, m*d]
-            _kv_local(xg, w.v, w.bv, spec, ctx),
+            add_column(F.linear(xg, w.q, w.bq), xg, ad.get("q")),  # [b, s, h] -> [b, s, n/p*d]
+            _kv_local(xg, w.k, w.bk, spec, ctx, ad.get("k")),  # [b, s, m*d]
+            _kv_local(xg, w.v, w.bv, spec, ctx, ad.get("v")),
             spec,
             torch.arange(layout.seq_len, device=x.device),
         )  # -> [b, n/p, s, d], [b, m, s, d], [b, m, s, d]
@@ -77,7 +85,7 @@ class TensorSequenceParallel(Mode):
                 q, k, v, spec.causal, ctx.doc_bounds(), spec.scale, spec.window, spec.softcap, ctx.real_lengths
             )
         )  # [b, n/p, s, d] -> [b, s, n/p*d]
-        partial = o @ w.o_t  # [b, s, n/p*d] -> [b, s, h], a partial sum over head shards
+        partial = add_row(o @ w.o_t, o, ad.get("o_t"))  # [b, s, n/p*d] -> [b, s, h], a partial sum over head shards
         if not layout.is_natural:
             partial = partial.index_select(1, layout.gathered_positions(x.device))  # -> gathered order
         y = scatter_seq(partial, layout, ctx.group)  # [b, s, h] -> [b, s_r, h], summed
@@ -86,8 +94,10 @@ class TensorSequenceParallel(Mode):
     def mlp(self, x: torch.Tensor, w: MlpWeights, spec: MlpSpec, ctx: SeqContext) -> torch.Tensor:
         x = x.to(Autocast.current(x).compute_dtype(x, w.up))
         xg = gather_seq(x, ctx.layout, ctx.group)  # [b, s_r, h] -> [b, s, h] (gathered order)
-        up = F.linear(xg, w.up, w.b_up)  # [b, s, h] -> [b, s, f/p]
-        gate = F.linear(xg, w.gate, w.b_gate) if w.gate is not None else None
-        partial = mlp_hidden(up, gate, spec) @ w.down_t  # [b, s, f/p] -> [b, s, h], partial sum
+        ad = w.adapters
+        up = add_column(F.linear(xg, w.up, w.b_up), xg, ad.get("up"))  # [b, s, h] -> [b, s, f/p]
+        gate = add_column(F.linear(xg, w.gate, w.b_gate), xg, ad.get("gate")) if w.gate is not None else None
+        hidden = mlp_hidden(up, gate, spec)  # [b, s, f/p]
+        partial = add_row(hidden @ w.down_t, hidden, ad.get("down_t"))  # [b, s, f/p] -> [b, s, h], partial sum
         y = scatter_seq(partial, ctx.layout, ctx.group)  # [b, s, h] -> [b, s_r, h]
         return add_bias(y, w.b_down)

@@ -17,16 +17,21 @@ import torch
 from lightning_paradyse.distributed.comm import gqa_kv_index, heads_to_seq, seq_to_heads
 from lightning_paradyse.distributed.devices import index_on
 from lightning_paradyse.modes.attention import full_attention
-from lightning_paradyse.modes.base import Mode, add_bias, heads_infeasible, prepare_heads
-from lightning_paradyse.modes.specs import AttnSpec, AttnWeights, MlpSpec, MlpWeights, SeqContext
-from lightning_paradyse.modes.zero3 import zero3_linear, zero3_linear_t, zero3_mlp
+from lightning_paradyse.modes.base import Mode, heads_infeasible, prepare_heads
+from lightning_paradyse.modes.specs import Adapter, AttnSpec, AttnWeights, MlpSpec, MlpWeights, SeqContext
+from lightning_paradyse.modes.zero3 import zero3_linear, zero3_mlp, zero3_out
 
 
 def zero3_project(
-    x: torch.Tensor, shard: torch.Tensor, bias: torch.Tensor | None, rows: int, ctx: SeqContext
+    x: torch.Tensor,
+    shard: torch.Tensor,
+    bias: torch.Tensor | None,
+    rows: int,
+    ctx: SeqContext,
+    adapter: Adapter | None = None,
 ) -> torch.Tensor:
-    """``[b, t, h] -> [b, t, rows]`` with a ZeRO-3 gathered weight and bias."""
-    return zero3_linear(x, shard, rows, ctx.group, bias)
+    """``[b, t, h] -> [b, t, rows]`` with a ZeRO-3 gathered weight, bias and LoRA adapter."""
+    return zero3_linear(x, shard, rows, ctx.group, bias, adapter)
 
 
 class Ulysses(Mode):
@@ -43,9 +48,9 @@ class Ulysses(Mode):
         q, k, v = (
             t.transpose(1, 2)  # [b, heads, s_r, d] -> [b, s_r, heads, d]
             for t in prepare_heads(
-                zero3_project(x, w.q, w.bq, spec.q_rows, ctx),  # [b, s_r, h] -> [b, s_r, n*d]
-                zero3_project(x, w.k, w.bk, spec.kv_rows, ctx),  # -> [b, s_r, n_kv*d]
-                zero3_project(x, w.v, w.bv, spec.kv_rows, ctx),
+                zero3_project(x, w.q, w.bq, spec.q_rows, ctx, w.adapters.get("q")),  # [b, s_r, h] -> [b, s_r, n*d]
+                zero3_project(x, w.k, w.bk, spec.kv_rows, ctx, w.adapters.get("k")),  # -> [b, s_r, n_kv*d]
+                zero3_project(x, w.v, w.bv, spec.kv_rows, ctx, w.adapters.get("v")),
                 spec,
                 ctx.positions(x.device),  # the model's code on the local tokens, every head, before the all-to-all
             )
@@ -70,8 +75,7 @@ class Ulysses(Mode):
         if not layout.is_natural:
             o = o.index_select(1, layout.gathered_positions(x.device))  # -> gathered order
         o = heads_to_seq(o, layout, ctx.group).reshape(b, s_r, spec.q_rows)  # -> [b, s_r, n*d]
-        y = zero3_linear_t(o, w.o_t, spec.q_rows, ctx.group)  # [b, s_r, n*d] -> [b, s_r, h]
-        return add_bias(y, w.bo)
+        return zero3_out(o, w.o_t, w.bo, spec.q_rows, ctx.group, w.adapters.get("o_t"))  # [b, s_r, n*d] -> [b, s_r, h]
 
     def mlp(self, x: torch.Tensor, w: MlpWeights, spec: MlpSpec, ctx: SeqContext) -> torch.Tensor:
         return zero3_mlp(x, w, spec, ctx.group)

@@ -23,8 +23,9 @@ from lightning_paradyse.distributed.comm import (
     reduce_dtype,
     reduce_scatter_rows,
 )
+from lightning_paradyse.modes.adapters import add_column, add_row, gathered_column, gathered_row
 from lightning_paradyse.modes.base import Autocast, add_bias, mlp_hidden
-from lightning_paradyse.modes.specs import MlpSpec, MlpWeights, row_sizes
+from lightning_paradyse.modes.specs import Adapter, MlpSpec, MlpWeights, row_sizes
 
 
 class _Zero3Linear(torch.autograd.Function):
@@ -67,14 +68,20 @@ class _Zero3Linear(torch.autograd.Function):
 
 
 def zero3_linear(
-    x: torch.Tensor, shard: torch.Tensor, rows: int, group: Group, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    shard: torch.Tensor,
+    rows: int,
+    group: Group,
+    bias: torch.Tensor | None = None,
+    adapter: Adapter | None = None,
 ) -> torch.Tensor:
     """``x @ W.T + b`` for an ``nn.Linear`` weight ``W [rows, in]`` held as row shards: ``[.., in] -> [.., rows]``.
 
-    ``bias`` (optional) is the bias's row shard, gathered whole and added in the output's dtype.
+    ``bias`` (optional) is the bias's row shard, gathered whole and added in the output's dtype; ``adapter`` a LoRA
+    adapter whose ``B`` rows are gathered alike, its branch added last (as peft adds it).
     """
     y = x @ shard.t() if group_size(group) == 1 else _Zero3Linear.apply(x, shard, rows, False, group)
-    return add_bias(y, zero3_bias(bias, rows, group))
+    return add_column(add_bias(y, zero3_bias(bias, rows, group)), x, gathered_column(adapter, rows, group))
 
 
 def zero3_linear_t(x: torch.Tensor, shard_t: torch.Tensor, rows: int, group: Group) -> torch.Tensor:
@@ -82,6 +89,20 @@ def zero3_linear_t(x: torch.Tensor, shard_t: torch.Tensor, rows: int, group: Gro
     if group_size(group) == 1:
         return x @ shard_t
     return _Zero3Linear.apply(x, shard_t, rows, True, group)
+
+
+def zero3_out(
+    x: torch.Tensor,
+    shard_t: torch.Tensor,
+    bias: torch.Tensor | None,
+    rows: int,
+    group: Group,
+    adapter: Adapter | None = None,
+) -> torch.Tensor:
+    """An output projection (``o``, ``down``) on local tokens: ``x @ W_t + b``, then a LoRA branch with ``A_t``
+    gathered whole (``[rows/p, r] -> [rows, r]``): ``[.., rows] -> [.., out]``."""
+    y = add_bias(zero3_linear_t(x, shard_t, rows, group), bias)
+    return add_row(y, x, gathered_row(adapter, rows, group))
 
 
 def zero3_bias(b: torch.Tensor | None, rows: int, group: Group) -> torch.Tensor | None:
@@ -96,8 +117,8 @@ def zero3_mlp(x: torch.Tensor, w: MlpWeights, spec: MlpSpec, group: Group) -> to
 
     The intermediate is ``[b, s_r, f]``: full width for this rank's tokens (UlyssesZ / CP+ZeRO).
     """
-    up = zero3_linear(x, w.up, spec.ffn, group, w.b_up)  # [b, s_r, h] -> [b, s_r, f]
-    gate = None if w.gate is None else zero3_linear(x, w.gate, spec.ffn, group, w.b_gate)
+    ad = w.adapters
+    up = zero3_linear(x, w.up, spec.ffn, group, w.b_up, ad.get("up"))  # [b, s_r, h] -> [b, s_r, f]
+    gate = None if w.gate is None else zero3_linear(x, w.gate, spec.ffn, group, w.b_gate, ad.get("gate"))
     hidden = mlp_hidden(up, gate, spec)  # [b, s_r, f]
-    y = zero3_linear_t(hidden, w.down_t, spec.ffn, group)  # [b, s_r, f] -> [b, s_r, h]
-    return add_bias(y, w.b_down)
+    return zero3_out(hidden, w.down_t, w.b_down, spec.ffn, group, ad.get("down_t"))  # [b, s_r, f] -> [b, s_r, h]

@@ -9,6 +9,7 @@ on by Trainer flags, and the optimizers and hooks of common recipes.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import tempfile
 import warnings
@@ -1241,6 +1242,58 @@ def foreign_profile() -> str:
     return str(path)
 
 
+class LoraLM(HFModule):
+    """LoRA fine-tuning as PEFT's docs show it: ``get_peft_model`` of the Hugging Face model, the base frozen, the
+    adapters (random ``B``: the branch is live from the first step) trained by AdamW. ``family``: a family of
+    :data:`~tests.support.families.HF_FAMILIES` (GPT-2: ``Conv1D`` projections, one fused ``c_attn`` whose parts
+    share the adapter's ``A``). ``reference``: the loss adds a per-token KL to the base model's distribution, its
+    logits computed with the adapters off (``with model.disable_adapter():``, as KL-regularised recipes do), the
+    targets shifted in the data. ``settings``: more ``LoraConfig`` fields."""
+
+    def __init__(self, family: str | None = None, reference: bool = False, **settings: Any) -> None:
+        super().__init__("masked", family=family)
+        import peft
+
+        targets = ["c_attn", "c_proj", "c_fc"] if family == "gpt2" else "all-linear"
+        config = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets, init_lora_weights=False)
+        self.model = peft.get_peft_model(self.model, peft.LoraConfig(**(config | settings)))
+        self.reference = reference
+
+    @override
+    def loss(self, batch: dict[str, Tensor]) -> Tensor:
+        if not self.reference:
+            return super().loss(batch)
+        given = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        logits = self.model(**given).logits
+        with torch.no_grad(), self.model.disable_adapter():
+            base = self.model(**given).logits
+        targets = batch["targets"]
+        real = targets != -100
+        own = F.log_softmax(logits, -1)
+        kl = F.kl_div(own, F.log_softmax(base, -1), log_target=True, reduction="none").sum(-1)
+        return F.nll_loss(own.flatten(0, 1), targets.flatten()) + 0.5 * (kl * real).sum() / real.sum()
+
+
+def lora_cases() -> dict[str, Case]:
+    """LoRA adapters in every mode that adds their branch (``metp`` does not, and says so), where peft is installed
+    (the test extra has it)."""
+    if importlib.util.find_spec("peft") is None:
+        return {}
+    both = lambda: (loader(ragged("labels")), loader(ragged("labels"), (35, 52)))  # noqa: E731
+    return {
+        "lora": Case(LoraLM, both, trainer=dict(val_check_interval=2, limit_val_batches=2)),
+        "lora-ring": Case(LoraLM, lambda: loader(ragged("labels")), strategy=dict(plan="ring")),
+        "lora-ulysses": Case(LoraLM, lambda: loader(ragged("labels")), strategy=dict(plan="ulysses")),
+        "lora-tp-sp": Case(LoraLM, lambda: loader(ragged("labels")), strategy=dict(plan="tp_sp")),
+        "lora-gpt2-fused": Case(lambda: LoraLM("gpt2"), lambda: loader(ragged("labels"))),
+        "lora-reference-off": Case(lambda: LoraLM(reference=True), lambda: loader(ragged("targets"))),
+        "lora-metp": Case(LoraLM, lambda: loader(ragged("labels")), strategy=dict(plan="metp"), refused="metp does"),
+        "lora-dropout": Case(
+            lambda: LoraLM(lora_dropout=0.1), lambda: loader(ragged("labels")), refused="lora_dropout=0.0"
+        ),
+    }
+
+
 def cases_p2() -> dict[str, Case]:
     """Every user path on 2 ranks."""
     tiny = lambda **kw: lambda: TinyLM(**kw)  # noqa: E731
@@ -1571,6 +1624,7 @@ def cases_p2() -> dict[str, Case]:
         }
         | group_cases(2)
         | family_cases()
+        | lora_cases()
     )
 
 

@@ -223,18 +223,34 @@ def test_an_error_of_the_blocks_own_code_is_a_named_rejection() -> None:
     assert isinstance(info.value.__cause__, RuntimeError)
 
 
-def test_a_peft_adapter_inside_a_block_is_refused_by_name() -> None:
-    """LoRA as PEFT's docs show it (``get_peft_model`` of a Hugging Face model): the adapter's branch on a projection is
-    named with the fix, not reported as a query made of two projections; adapters outside the blocks are not refused
-    (probed exact against one process: a LoRA output head or embedding, 2026-11-30)."""
+def test_peft_lora_on_the_projections_is_rewritten_and_what_the_modes_cannot_compute_is_refused() -> None:
+    """LoRA as PEFT's docs show it (``get_peft_model`` of a Hugging Face model): each adapted projection keeps the
+    base weight's shards and its adapter (``B`` sharded with the rows, ``A`` whole; transposed for ``o``), checked
+    against the block in every mode by the rewrite's verification; peft's switch stays live; settings the modes do
+    not compute are refused by name with the fix. Exactness of training: ``tests/exact`` cases ``lora-*``."""
     peft = pytest.importorskip("peft")
-    model = peft.get_peft_model(hf_llama(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-    block = model.base_model.model.model.layers[0]
-    with pytest.raises(RoleError, match=r"block layers\.0 .*self_attn\.q_proj is a PEFT adapter layer .*DDP or FSDP"):
-        rewrite_block(block, "layers.0", 0, None)
-    head_only = peft.get_peft_model(hf_llama(), peft.LoraConfig(r=4, target_modules=["lm_head"]))
-    ops = rewrite_block(head_only.base_model.model.model.layers[0], "layers.0", 0, None)
-    assert [type(op) for op in ops] == [AttentionDispatch, MlpDispatch]
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(hf_llama(), config)
+    ops = rewrite_block(model.base_model.model.model.layers[0], "layers.0", 0, None)
+    attention = next(op for op in ops if isinstance(op, AttentionDispatch))
+    assert set(attention.adapter_params) == {"q", "o_t"} and attention.spec.adapted
+    assert attention.q_lora_b.shape == (attention.q.shape[0], 4)  # B [out, r]: the weight's rows
+    assert attention.o_t_lora_a.shape == (attention.o_t.shape[0], 4)  # A_t [in, r]: the transposed weight's rows
+    assert set(attention.replicated_sources.values()) >= {"self_attn.q_proj.lora_A.default.weight"}
+    assert attention.sources["q"].name == "self_attn.q_proj.base_layer.weight"
+    assert attention.infeasible("metp", 1) is not None and attention.infeasible("tp_sp", 1) is None
+    with model.disable_adapter():  # peft finds the switch in the rewritten model
+        assert attention.adapters() == {}
+    assert set(attention.adapters()) == {"q", "o_t"}
+    with pytest.raises(ValueError, match=r"merging a LoRA adapter .*merge_and_unload"):
+        model.merge_adapter()
+    for settings, named in (
+        (dict(use_dora=True), "DoRA"),
+        (dict(lora_dropout=0.1), r"lora_dropout > 0\): set LoraConfig\(lora_dropout=0.0\)"),
+    ):
+        refused = peft.get_peft_model(hf_llama(), peft.LoraConfig(r=4, target_modules=["q_proj"], **settings))
+        with pytest.raises(RoleError, match=rf"block layers\.0 .*self_attn\.q_proj is a LoRA layer with .*{named}"):
+            rewrite_block(refused.base_model.model.model.layers[0], "layers.0", 0, None)
 
 
 class _ScaledAttention(_QNormAttention):
