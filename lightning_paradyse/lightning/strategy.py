@@ -123,6 +123,7 @@ from lightning_paradyse.runtime.exactness import (
     rank_rng,
     set_host_rng_state,
 )
+from lightning_paradyse.runtime.hf_outputs import register_output_capture
 from lightning_paradyse.runtime.slicing import BatchInfo
 
 
@@ -498,6 +499,7 @@ class ParaDySeStrategy(ParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if trainer.state.fn != TrainerFn.PREDICTING:  # every rank alike, before any broadcast (predictions run whole)
             refuse_pooling_heads(self._module)
+        register_output_capture(self._module)  # a model unpickled in a spawned worker: its hidden states recorded
         if fitting:  # they act in a fit only
             refuse_callbacks(trainer.callbacks)  # type: ignore[attr-defined]
             refuse_neftune(self._module)

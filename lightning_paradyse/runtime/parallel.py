@@ -53,6 +53,7 @@ from lightning_paradyse.graph.rewrite import rewrite_block
 from lightning_paradyse.modes.dsp import GridState
 from lightning_paradyse.modes.plan import Plan
 from lightning_paradyse.modes.specs import SeqContext, row_sizes, shard_rows
+from lightning_paradyse.runtime.hf_outputs import refuse_attention_weights
 from lightning_paradyse.runtime.plain_view import Parts, Shadows
 from lightning_paradyse.runtime.slicing import (
     IGNORE_INDEX,
@@ -463,6 +464,10 @@ def _install_hooks(module: nn.Module, block_names: list[str], state: StepState) 
         if _parameters(owner.forward) & set(CACHE_ARGS):
             owner.register_forward_pre_hook(_cache_hook, with_kwargs=True, prepend=True)
             break
+    for path in chain:  # every owner that may be asked for them (by keyword or through its config)
+        owner = module.get_submodule(path) if path else module
+        if "output_attentions" in _parameters(owner.forward) or hasattr(owner, "config"):
+            owner.register_forward_pre_hook(refuse_attention_weights, with_kwargs=True, prepend=True)
     for path in chain:
         owner = module.get_submodule(path) if path else module
         arg = next((a for a in ("positions", "position_ids") if _accepts(owner.forward, a)), None)

@@ -1274,6 +1274,32 @@ class LoraLM(HFModule):
         return F.nll_loss(own.flatten(0, 1), targets.flatten()) + 0.5 * (kl * real).sum() / real.sum()
 
 
+class HiddenStatesLM(HFModule):
+    """A Hugging Face model's hidden states in the loss (``output_hidden_states=True``, as auxiliary-loss recipes read
+    them): the model's loss plus a per-token penalty on a middle layer's hidden states, a sum over the real targets
+    divided by the whole batch's count (a tensor of the batch: a share of one process's mean, as the model's loss
+    is). ``attentions``: the call asks for the attention weights too, refused (no rank holds a row's scores).
+    Under the launcher's ``spawn`` the hidden states were ``None`` in the workers until 2026-11-30 (transformers
+    registers a model's recorded outputs in ``__init__``, which unpickling skips)."""
+
+    def __init__(self, attentions: bool = False) -> None:
+        super().__init__("masked")
+        self.attentions = attentions
+
+    @override
+    def loss(self, batch: dict[str, Tensor]) -> Tensor:
+        given = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
+        out = self.model(**given, output_hidden_states=True, output_attentions=self.attentions)
+        real = (batch["labels"] != -100).unsqueeze(-1)
+        return out.loss + 0.1 * (out.hidden_states[1].pow(2) * real).sum() / batch["n_real"]
+
+
+def counted_labels(window: Tensor) -> dict[str, Tensor]:
+    """:func:`ragged` Hugging Face labels with the whole batch's count of real labels (the data loader's)."""
+    batch = ragged("labels")(window)
+    return batch | {"n_real": (batch["labels"] != -100).sum().to(torch.float64)}
+
+
 def lora_cases() -> dict[str, Case]:
     """LoRA adapters in every mode that adds their branch (``metp`` does not, and says so), where peft is installed
     (the test extra has it)."""
@@ -1585,6 +1611,13 @@ def cases_p2() -> dict[str, Case]:
                 fit=False,
             ),
             "neftune": Case(NEFTuneLM, lambda: loader(ragged("labels")), refused="NEFTune"),
+            # the model's hidden states in the loss; the attention weights asked for: refused
+            "hf-hidden-states": Case(HiddenStatesLM, lambda: loader(counted_labels)),
+            "hf-attention-weights": Case(
+                lambda: HiddenStatesLM(attentions=True),
+                lambda: loader(counted_labels),
+                refused="output_attentions=True",
+            ),
             # a frozen teacher's blocks left whole by blocks=: run on the whole sequences, its logits cut per rank
             "distillation-teacher": Case(
                 DistilledLM,
@@ -1779,6 +1812,7 @@ def cases_launched() -> dict[str, Case]:
             plans=("ring+rc,ring+rc | ring+rc,ring+rc",) * 3,
         ),
         "hf-grad-ckpt-offload": Case(hf(checkpointing={"offload": True}), data, refused="offload=True"),
+        "hf-hidden-states-launched": Case(HiddenStatesLM, lambda: loader(counted_labels), trainer=dict(max_steps=2)),
         "loader-workers-seeded": Case(TinyLM, seeded_workers, strategy=dict(plan=MIXED)),
         "shuffle-launched": Case(  # the launching process's streams carried into the workers
             TinyLM,
