@@ -464,10 +464,7 @@ def _install_hooks(module: nn.Module, block_names: list[str], state: StepState) 
         if _parameters(owner.forward) & set(CACHE_ARGS):
             owner.register_forward_pre_hook(_cache_hook, with_kwargs=True, prepend=True)
             break
-    for path in chain:  # every owner that may be asked for them (by keyword or through its config)
-        owner = module.get_submodule(path) if path else module
-        if "output_attentions" in _parameters(owner.forward) or hasattr(owner, "config"):
-            owner.register_forward_pre_hook(refuse_attention_weights, with_kwargs=True, prepend=True)
+    _install_call_refusals([module.get_submodule(path) if path else module for path in chain], state)
     for path in chain:
         owner = module.get_submodule(path) if path else module
         arg = next((a for a in ("positions", "position_ids") if _accepts(owner.forward, a)), None)
@@ -484,6 +481,16 @@ def _install_hooks(module: nn.Module, block_names: list[str], state: StepState) 
         if "attention_mask" in _parameters(owner.forward):
             owner.register_forward_pre_hook(_StepHook(state, _mask_hook), with_kwargs=True)
             break
+
+
+def _install_call_refusals(owners: list[nn.Module], state: StepState) -> None:
+    """Refusals of what a call of an owner of the blocks asks for that no rank holds: the attention weights (asked by
+    keyword or through the model's config) and ``logits_to_keep``."""
+    for owner in owners:
+        if "output_attentions" in _parameters(owner.forward) or hasattr(owner, "config"):
+            owner.register_forward_pre_hook(refuse_attention_weights, with_kwargs=True, prepend=True)
+        if "logits_to_keep" in _parameters(owner.forward):
+            owner.register_forward_pre_hook(_StepHook(state, _logits_to_keep_hook), with_kwargs=True)
 
 
 CACHE_REFUSAL = (
@@ -505,6 +512,20 @@ def _cache_hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     given = next((name for name in CACHE_ARGS if _is_cache(call.get(name))), None)
     if given is not None:
         raise ValueError(f"{type(mod).__name__} called with {given}=: {CACHE_REFUSAL}")
+
+
+def _logits_to_keep_hook(state: StepState, mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Refuse ``logits_to_keep=`` (the last positions, or chosen ones, of the sequence the model is handed) in a step
+    on a slice of every sequence, where that sequence is this rank's slice; the same call on every rank."""
+    ctx, kept = state.ctx, _Call(mod, args, kwargs).get("logits_to_keep")
+    if ctx is None or ctx.p == 1 or kept is None or (isinstance(kept, int) and kept == 0):
+        return
+    raise ValueError(
+        f"{type(mod).__name__} called with logits_to_keep={kept if isinstance(kept, int) else 'a tensor'}: it keeps "
+        f"positions of the sequence the model is handed, which under ParaDySeStrategy is this rank's slice of every "
+        f"row ({ctx.p} ranks), not the row's; compute every position's logits (logits_to_keep=0, the default) and "
+        f"select the positions through the targets (-100 elsewhere), or train with a strategy that keeps rows whole"
+    )
 
 
 def _is_cache(value: Any) -> bool:

@@ -1294,6 +1294,20 @@ class HiddenStatesLM(HFModule):
         return out.loss + 0.1 * (out.hidden_states[1].pow(2) * real).sum() / batch["n_real"]
 
 
+class LogitsToKeepLM(HFModule):
+    """The logits of each row's last positions only (``logits_to_keep=``, as GRPO trainers score completions):
+    refused in a step on a slice of every sequence (the model keeps the last positions of this rank's slice; one rank
+    crashed in the loss, the other in gloo, until 2026-11-30)."""
+
+    def __init__(self) -> None:
+        super().__init__("masked")
+
+    @override
+    def loss(self, batch: dict[str, Tensor]) -> Tensor:
+        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=9)
+        return F.cross_entropy(logits.logits[:, :-1].flatten(0, 1), batch["input_ids"][:, -8:].flatten())
+
+
 def counted_labels(window: Tensor) -> dict[str, Tensor]:
     """:func:`ragged` Hugging Face labels with the whole batch's count of real labels (the data loader's)."""
     batch = ragged("labels")(window)
@@ -1613,6 +1627,7 @@ def cases_p2() -> dict[str, Case]:
             "neftune": Case(NEFTuneLM, lambda: loader(ragged("labels")), refused="NEFTune"),
             # the model's hidden states in the loss; the attention weights asked for: refused
             "hf-hidden-states": Case(HiddenStatesLM, lambda: loader(counted_labels)),
+            "hf-logits-to-keep": Case(LogitsToKeepLM, lambda: loader(ragged("labels")), refused="logits_to_keep=9"),
             "hf-attention-weights": Case(
                 lambda: HiddenStatesLM(attentions=True),
                 lambda: loader(counted_labels),
