@@ -102,6 +102,11 @@ def test_losses_that_differ_beyond_the_tolerance_name_the_fix() -> None:
     with pytest.raises(ValueError, match=r"Common causes: a Hugging Face model's loss given labels= .* shifting"):
         check_step_losses(2.0, 3.0, tol, consumed=True)  # its share of the global mean beside a term of the step's
     assert step_check_tolerance(torch.float32, "bf16-mixed") > step_check_tolerance(torch.float32, "32-true")
+    # a float64 step whose loss function ran in float32 (Hugging Face's cross-entropy): float32's rounding of a
+    # mean over the probe's few tokens (~1e-7; an exact auxiliary term beside it was refused at 4.9e-8 before), still
+    # far below a term averaged over the slice's own count (~1e-5, probe 10)
+    mixed = step_check_tolerance(torch.float64, "64-true", {torch.float32})
+    assert tol < 1e-7 < mixed < 1e-5
 
 
 def test_the_modules_own_attributes_are_put_back_after_the_check() -> None:
