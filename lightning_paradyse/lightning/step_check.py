@@ -581,9 +581,11 @@ def warn_differing_metrics(found: list[str], hook: str) -> None:
         f"[paradyse] {hook} updates the metrics {shown} with values that differ from one process's: their value over "
         "the ranks (what Lightning logs at the epoch's end) is not the one process computes (the one-time step "
         "check, on a few of the first batch's tokens). Each rank runs its slice of every row: a value per row or "
-        "per sequence (an accuracy of a row, a pooled output) is this rank's part of it, and a sum of the loss counts "
-        "it once per rank. Update metrics with values per token (logits and targets: the ranks' states add up to "
-        "the whole batch's) or with the loss itself under a mean (README: The contract with your training_step)."
+        "per sequence (an accuracy of a row, a pooled output) is this rank's part of it, a sum of the loss counts "
+        "it once per rank, and targets shifted in the step (logits[:, :-1] against labels[:, 1:], as a perplexity "
+        "update often does) pair tokens within this rank's slice only, dropping the pairs across its edges. Update "
+        "metrics with values per token against targets shifted in the data (the ranks' states then add up to the "
+        "whole batch's) or with the loss itself under a mean (README: The contract with your training_step)."
     )
 
 
