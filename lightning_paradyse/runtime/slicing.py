@@ -25,8 +25,13 @@ IGNORE_INDEX = -100
 """Target value of a token that is not a real target (padding, prompt): the cross-entropy default."""
 TOKEN_KEYS = ("input_ids", "tokens", "idx", "input", "inputs", "x")
 """Keys of the token tensor in a dict batch, first match wins (else the first tensor)."""
-TARGET_KEYS = ("labels", "targets", "target", "y")
-"""Keys of the target tensor in a dict batch (else: the last tensor of a tuple or list batch)."""
+TARGET_KEYS = ("targets", "target", "y", "labels")
+"""Keys of the target tensor in a dict batch, first match wins (else: the last tensor of a tuple or list batch).
+Targets shifted in the data come before Hugging Face ``labels``: a batch holding both (a collator's ``labels`` kept
+beside the ``targets`` the step's own loss reads) is weighed by the real ``targets`` each rank holds, which is what
+that loss averages over (until 2026-11-30 ``labels`` won, and each rank's mean was weighed by its unshifted labels:
+7.6e-2 off one process with the step check off, a generic refusal with it on). A model handed ``labels=`` returns its
+share of the global mean whatever this choice (the strategy hands it the global count)."""
 TOKEN_1D_KEYS = ("positions", "position_ids", "doc_ids")
 """Keys of per-token ``[s]`` tensors in a dict batch (packed sequences), sliced like the tokens."""
 

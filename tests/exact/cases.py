@@ -1308,6 +1308,13 @@ class LogitsToKeepLM(HFModule):
         return F.cross_entropy(logits.logits[:, :-1].flatten(0, 1), batch["input_ids"][:, -8:].flatten())
 
 
+def targets_beside_labels(window: Tensor) -> dict[str, Tensor]:
+    """:func:`ragged` targets shifted in the data, and a collator's (unshifted) ``labels`` the step never reads."""
+    batch = ragged("targets")(window)
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    return batch | {"labels": labels}
+
+
 def counted_labels(window: Tensor) -> dict[str, Tensor]:
     """:func:`ragged` Hugging Face labels with the whole batch's count of real labels (the data loader's)."""
     batch = ragged("labels")(window)
@@ -1382,6 +1389,11 @@ def cases_p2() -> dict[str, Case]:
                 ListMoEAccumulateLM, lambda: loader(shifted_targets, (12, 10, 12, 10)), strategy=dict(plan="ulysses")
             ),
             "grad-norm-logged": Case(NormLoggingLM, lambda: loader(ragged("targets"), rows=3)),
+            # the step's own loss over targets, a collator's labels unused beside them: weighed by the targets
+            "targets-beside-labels": Case(TinyLM, lambda: loader(targets_beside_labels, rows=3)),
+            "targets-beside-labels-sliced": Case(
+                TinyLM, lambda: loader(targets_beside_labels, rows=3), strategy=dict(plan="tp_sp", check_step=False)
+            ),
             "grads-after-backward-groups": Case(AfterBackwardLM, lambda: loader(ragged("targets"), rows=3)),
             "grads-after-backward-one-group": Case(
                 AfterBackwardLM, lambda: loader(ragged("targets"), rows=3), strategy=dict(plan="ring")
