@@ -98,6 +98,7 @@ def choose_planner(
     n = parallel.n_layers(module)
     if options.plan != "auto":
         return ChosenPlanner(FixedPlanner(fixed_plan(options, n)))
+    parallel.check_modes_feasible(module, group_size(group), list(options.modes))  # reasons named, before measuring
     if options.axes == 2:
         return ChosenPlanner(_grid_planner(module, options, group_size(group), check_plan))
     if options.profile is None and options.thresholds is not None:

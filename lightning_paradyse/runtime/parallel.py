@@ -442,6 +442,20 @@ def feasible_modes(module: nn.Module, p: int, modes: list[str]) -> list[tuple[li
     return out
 
 
+def check_modes_feasible(module: nn.Module, p: int, modes: list[str]) -> None:
+    """Raise, naming the layer, the op and each mode's reason, where no mode of ``modes`` can run an op on ``p``
+    ranks (the same on every rank: no collective)."""
+    for _, op in dispatchers(module):
+        reasons = {mode: op.infeasible(mode, p) for mode in modes}
+        if all(reason is not None for reason in reasons.values()):
+            kind = "attention" if isinstance(op, AttentionDispatch) else "MLP"
+            why = "; ".join(f"{mode}: {reason}" for mode, reason in reasons.items())
+            raise ValueError(
+                f"no mode of ParaDySeStrategy(modes={list(modes)}) can run layer {op.layer}'s {kind} on {p} ranks "
+                f"({why}); allow another mode"
+            )
+
+
 def _accepts(fn: Any, name: str) -> bool:
     try:
         params = inspect.signature(fn).parameters

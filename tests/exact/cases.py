@@ -1250,8 +1250,10 @@ class LoraLM(HFModule):
     logits computed with the adapters off (``with model.disable_adapter():``, as KL-regularised recipes do), the
     targets shifted in the data. ``settings``: more ``LoraConfig`` fields."""
 
-    def __init__(self, family: str | None = None, reference: bool = False, **settings: Any) -> None:
-        super().__init__("masked", family=family)
+    def __init__(
+        self, family: str | None = None, reference: bool = False, n_kv_heads: int = 4, **settings: Any
+    ) -> None:
+        super().__init__("masked", family=family, n_kv_heads=n_kv_heads)
         import peft
 
         targets = ["c_attn", "c_proj", "c_fc"] if family == "gpt2" else "all-linear"
@@ -1809,15 +1811,34 @@ def group_cases(p: int) -> dict[str, Case]:
 
 
 def cases_p4() -> dict[str, Case]:
-    """Groups of different sizes on 4 ranks; a mixture of experts with fewer experts than ranks."""
-    return group_cases(4) | {
-        "moe-empty-shards": Case(  # 3 experts over 4 ranks: one rank holds none (an empty shard gets an empty gradient)
-            lambda: HFModule("labels-key", family="qwen3moe"),
-            lambda: loader(hf_labels, rows=3),
-            strategy=dict(plan="ulysses", groups=True, check_step=False),
-            splits=((2, 2), (1, 1, 1, 1)),
-        )
-    }
+    """Groups of different sizes on 4 ranks; a mixture of experts with fewer experts than ranks; LoRA adapters on groups
+    and in ``tp_sp`` with fewer key/value heads than ranks (their ``B`` rows gathered and picked per head)."""
+    lora = {}
+    if importlib.util.find_spec("peft") is not None:
+        lora = {
+            "lora-groups-p4": Case(
+                LoraLM,
+                lambda: loader(ragged("labels"), rows=3),
+                strategy=dict(plan="ulysses", groups=True, check_step=False),
+                splits=((2, 2), (1, 1, 1, 1), (4,)),
+            ),
+            "lora-tp-sp-few-kv-heads": Case(
+                lambda: LoraLM(n_kv_heads=2), lambda: loader(ragged("labels")), strategy=dict(plan="tp_sp")
+            ),
+        }
+    return (
+        group_cases(4)
+        | lora
+        | {
+            # 3 experts over 4 ranks: one rank holds none (an empty shard gets an empty gradient)
+            "moe-empty-shards": Case(
+                lambda: HFModule("labels-key", family="qwen3moe"),
+                lambda: loader(hf_labels, rows=3),
+                strategy=dict(plan="ulysses", groups=True, check_step=False),
+                splits=((2, 2), (1, 1, 1, 1)),
+            )
+        }
+    )
 
 
 GRAD_CKPT_EVERY_2 = {"every_n_layers": 2, "gradient_checkpointing_kwargs": {"use_reentrant": True}}

@@ -21,7 +21,7 @@ from lightning_paradyse.graph.passes import RoleError, find_attention, find_mlp
 from lightning_paradyse.graph.rewrite import EXAMPLE_LEN, example_inputs, rewrite_block
 from lightning_paradyse.graph.trace import trace_block
 from lightning_paradyse.models import build_model
-from lightning_paradyse.runtime.parallel import consolidated, find_blocks, parallelize
+from lightning_paradyse.runtime.parallel import check_modes_feasible, consolidated, find_blocks, parallelize
 from tests.support.families import CausalAttention, EncoderLM, hf_llama
 
 transformers = pytest.importorskip("transformers")
@@ -244,6 +244,11 @@ def test_peft_lora_on_the_projections_is_rewritten_and_what_the_modes_cannot_com
     assert set(attention.adapters()) == {"q", "o_t"}
     with pytest.raises(ValueError, match=r"merging a LoRA adapter .*merge_and_unload"):
         model.merge_adapter()
+    whole = peft.get_peft_model(hf_llama(), peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    parallelize(whole, None)
+    check_modes_feasible(whole, 1, ["metp", "ring"])
+    with pytest.raises(ValueError, match=r"modes=\['metp'\]\) can run layer 0's attention .*metp does not add LoRA"):
+        check_modes_feasible(whole, 1, ["metp"])  # the planner's modes: the reason named before anything is measured
     for settings, named in (
         (dict(use_dora=True), "DoRA"),
         (dict(lora_dropout=0.1), r"lora_dropout > 0\): set LoraConfig\(lora_dropout=0.0\)"),
