@@ -220,8 +220,9 @@ def _whole_blocks(module: nn.Module, blocks: str, state: StepState) -> None:
     sequences: the outermost module called that holds such a list (``teacher``, or ``teacher.model`` called on its
     own) is handed the whole batch tensors its call's per-token arguments are slices of, and its per-token outputs
     are cut back to this rank's tokens (:func:`_whole_in`, :func:`_whole_out`), so it computes what one process's
-    does (its loss too, given labels), at ``p`` times one rank's share of its compute and memory. A block called
-    otherwise in a step on a slice of every sequence raises, naming why (:func:`_whole_block_hook`)."""
+    does, at ``p`` times one rank's share of its compute and memory. It must be frozen and called without ``labels=``
+    (:func:`_refuse_in_whole_run`). A block called otherwise in a step on a slice of every sequence raises, naming why
+    (:func:`_whole_block_hook`)."""
     for name, found in _block_lists(module):
         if name == blocks or name.startswith(blocks + ".") or blocks.startswith(name + "."):
             continue
@@ -250,7 +251,10 @@ def _whole_in(name: str, blocks: str) -> Any:
         state: StepState, mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         ctx = state.ctx
-        if ctx is None or ctx.p == 1 or state.whole_runs:  # a call inside a whole run: already whole
+        if ctx is None or state.whole_runs:  # outside a step, or a call inside a whole run: already whole
+            return None
+        _refuse_in_whole_run(name, blocks, mod, args, kwargs)
+        if ctx.p == 1:
             return None
         local = ctx.layout.local_len(ctx.rank)
 
@@ -273,6 +277,28 @@ def _whole_in(name: str, blocks: str) -> Any:
         return args, kwargs
 
     return hook
+
+
+def _refuse_in_whole_run(name: str, blocks: str, mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """What a model run whole cannot give exactly, refused in every step (alike on every rank): its own loss
+    (``labels=``: the whole batch's mean on a step that slices every sequence, but the rank's own rows' on a step on
+    groups, so a value logged of it would change meaning with the plan; probe 11) and a gradient into its weights
+    (each rank backs its whole run from its own tokens' outputs: probe 11 measured 6e-8 off one process after four
+    AdamW steps, where the frozen model is exact)."""
+    if _Call(mod, args, kwargs).get("labels") is not None:
+        raise ValueError(
+            f"{type(mod).__name__} (holding {name}, which blocks={blocks!r} leaves whole) was called with labels=: its "
+            f"own loss would be the whole batch's on some steps and this rank's rows' on others (steps on groups); "
+            f"compute what you need from its logits per token in the step (e.g. its cross-entropy averaged over the "
+            f"rank's real targets, as the step's loss is)"
+        )
+    if torch.is_grad_enabled() and any(w.requires_grad for w in mod.parameters()):
+        raise ValueError(
+            f"{type(mod).__name__} (holding {name}, which blocks={blocks!r} leaves whole) has trainable weights in a "
+            f"step under gradient: ParaDySeStrategy runs such a second model whole on every rank and trains only the "
+            f"blocks it parallelizes exactly; freeze it (requires_grad_(False)) or call it under torch.no_grad(), or "
+            f"train it as the parallelized model (blocks=...) in a run of its own"
+        )
 
 
 def _whole_out(state: StepState, mod: nn.Module, args: tuple[Any, ...], output: Any) -> Any:

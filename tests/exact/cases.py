@@ -998,10 +998,12 @@ class DistilledLM(HFModule):
     ``labels=`` (a share of the whole batch's mean) beside the KL's mean over the rank's tokens: refused by the step
     check, naming that cause."""
 
-    def __init__(self, embeds: bool = False, hf_loss: bool = False) -> None:
+    def __init__(
+        self, embeds: bool = False, hf_loss: bool = False, teacher_loss: bool = False, trainable: bool = False
+    ) -> None:
         super().__init__("masked")
-        self.teacher = hf_llama().requires_grad_(False)
-        self.embeds, self.hf_loss = embeds, hf_loss
+        self.teacher = hf_llama().requires_grad_(trainable)
+        self.embeds, self.hf_loss, self.teacher_loss, self.trainable = embeds, hf_loss, teacher_loss, trainable
 
     @override
     def loss(self, batch: dict[str, Tensor]) -> Tensor:
@@ -1009,7 +1011,9 @@ class DistilledLM(HFModule):
         given = dict(input_ids=batch["input_ids"])
         if self.embeds:
             given = dict(inputs_embeds=self.teacher.get_input_embeddings()(batch["input_ids"]))
-        with torch.no_grad():
+        if self.teacher_loss:  # its own loss, logged: the whole batch's on a sliced step, a rank's rows' on groups
+            given["labels"] = batch["input_ids"]
+        with torch.set_grad_enabled(self.trainable):  # trained together (mutual learning): refused
             teacher = self.teacher(**given, attention_mask=batch["attention_mask"]).logits
         targets = batch["labels" if self.hf_loss else "targets"]
         real = targets != -100
@@ -1657,6 +1661,18 @@ def cases_p2() -> dict[str, Case]:
                 DistilledLM,
                 lambda: loader(ragged("targets")),
                 strategy=dict(blocks="model.model.layers", plan="ring"),
+            ),
+            "distillation-teacher-labels": Case(
+                lambda: DistilledLM(teacher_loss=True),
+                lambda: loader(ragged("targets")),
+                strategy=dict(blocks="model.model.layers"),
+                refused="was called with labels=: its own loss would be the whole batch's on some steps",
+            ),
+            "distillation-teacher-trained": Case(
+                lambda: DistilledLM(trainable=True),
+                lambda: loader(ragged("targets")),
+                strategy=dict(blocks="model.model.layers"),
+                refused="has trainable weights in a step under gradient",
             ),
             "distillation-hf-loss-plus-kl": Case(
                 lambda: DistilledLM(hf_loss=True),
