@@ -33,7 +33,7 @@ from lightning_paradyse.distributed.comm import (
 )
 from lightning_paradyse.distributed.devices import to_device
 from lightning_paradyse.distributed.layout import SeqLayout
-from lightning_paradyse.graph.adapters import base_layer, lora_parts, switch_for
+from lightning_paradyse.graph.adapters import LoraParts, base_layer, lora_parts, switch_for
 from lightning_paradyse.graph.program import Program
 from lightning_paradyse.graph.roles import (
     AttentionRoles,
@@ -181,7 +181,7 @@ class OpDispatch(nn.Module):
             b_src = ShardSource(f"{path}.lora_B.{parts.adapter}.weight", False, n, index=rows)  # B [out, r]: rows
             self.add_shard(f"{name}_lora_b", parts.b, b_src, group)
             a = self._replicated_once(f"{name}_lora_a", parts.a, f"{path}.lora_A.{parts.adapter}.weight")
-            self.adapter_params[name] = (a, f"{name}_lora_b", self._switch(module, path), parts.scale)
+            self.adapter_params[name] = (a, f"{name}_lora_b", self._switch(module, path, parts), parts.scale)
         return n
 
     def add_row_projection(self, name: str, bias_name: str, module: nn.Module, path: str, group: Group) -> None:
@@ -197,7 +197,7 @@ class OpDispatch(nn.Module):
             a_src = ShardSource(f"{path}.lora_A.{parts.adapter}.weight", True, rows)  # A [r, in] -> A_t [in, r]
             self.add_shard(f"{name}_lora_a", parts.a, a_src, group)
             b = self._replicated_once(f"{name}_lora_b", parts.b, f"{path}.lora_B.{parts.adapter}.weight")
-            self.adapter_params[name] = (f"{name}_lora_a", b, self._switch(module, path), parts.scale)
+            self.adapter_params[name] = (f"{name}_lora_a", b, self._switch(module, path, parts), parts.scale)
 
     def _replicated_once(self, name: str, value: torch.Tensor, source: str) -> str:
         """A replicated parameter registered once per plain parameter (the parts of a fused projection share its
@@ -207,13 +207,11 @@ class OpDispatch(nn.Module):
             self.add_replicated(name, value, source)
         return held or name
 
-    def _switch(self, layer: nn.Module, path: str) -> str:
+    def _switch(self, layer: nn.Module, path: str, parts: LoraParts) -> str:
         """The name of the switch of the LoRA layer at ``path`` (one per layer: a fused projection's parts share
         it)."""
         name = "lora_switch_" + path.replace(".", "_")
         if name not in self._modules:
-            parts = lora_parts(layer)
-            assert parts is not None
             self.add_module(name, switch_for(layer, parts))
         return name
 
