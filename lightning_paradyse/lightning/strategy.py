@@ -71,7 +71,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from torch import Tensor
+from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -91,6 +91,7 @@ from lightning_paradyse.groups.solver import MAX_GROUPS, smallest_group
 from lightning_paradyse.lightning import collection, finetuning, optimizer_settings
 from lightning_paradyse.lightning.callbacks import ParaDySeSwitcher, logs_step
 from lightning_paradyse.lightning.cycle import StepCycle, reporting_result
+from lightning_paradyse.lightning.grad_norms import GradNormInterception
 from lightning_paradyse.lightning.grad_scaler import agree_scaler
 from lightning_paradyse.lightning.launch import SpawnLauncher, make_launcher, stop_workers
 from lightning_paradyse.lightning.options import StrategyOptions
@@ -284,6 +285,7 @@ class ParaDySeStrategy(ParallelStrategy):
         self._optimizer_steps = 0
         self._sharded_ids: set[int] = set()
         self._clip: ClipInterception | None = None
+        self._grad_norms: GradNormInterception | None = None
         self._result_cls: type[ClosureResult] | None = None
         self._frozen = False  # the objects alive after the setup's collection kept out of later ones (collection.py)
         self._failed = False  # the fit ends with an exception (whose traceback's frames may still hold the group)
@@ -531,6 +533,10 @@ class ParaDySeStrategy(ParallelStrategy):
         self._sharded_ids = parallel.sharded_parameter_ids(self._module)
         self._clip = self._clip or ClipInterception(self._sharded, self._process_group, self._sharded_grads)
         self._clip.start()  # clip_grad_norm_ on shards: the whole model's norm (Lightning's clipping and the user's)
+        self._grad_norms = self._grad_norms or GradNormInterception(
+            self._root_module, self._plain_structure, self._process_group, self._sharded
+        )
+        self._grad_norms.start()  # Lightning's grad_norm(module): one process's norms under the plain names
         self.setup_precision_plugin()
         if fitting:
             agree_scaler(self.precision_plugin, self._group)  # 16-mixed: every rank skips an overflowing step
@@ -682,6 +688,8 @@ class ParaDySeStrategy(ParallelStrategy):
         self._failed = True
         if self._clip is not None:
             self._clip.stop()
+        if self._grad_norms is not None:
+            self._grad_norms.stop()
         launcher = self._launcher
         procs = launcher.procs if isinstance(launcher, _SubprocessScriptLauncher) else None
         if procs:  # the script launcher's rank 0: no worker it started may outlive the failed run
@@ -842,6 +850,12 @@ class ParaDySeStrategy(ParallelStrategy):
 
     def _process_group(self) -> Group:
         return self._group
+
+    def _root_module(self) -> nn.Module | None:
+        return self.lightning_module
+
+    def _plain_structure(self) -> PlainModel | None:
+        return self._plain_model
 
     def _rank_rng(self) -> Any:
         trainer = self._trainer
@@ -1016,6 +1030,8 @@ class ParaDySeStrategy(ParallelStrategy):
         """Keep the final weights for the spawn launcher, then destroy the process group."""
         if self._clip is not None:
             self._clip.stop()  # first: torch's own clip_grad_norm_ back whatever happens next
+        if self._grad_norms is not None:
+            self._grad_norms.stop()  # and Lightning's grad_norm
         self.cycle.sigterm.restore()  # Lightning's SIGTERM broadcasts back whatever happens next
         if self.lightning_module is not None:
             self._predictions.end(self.lightning_module)  # predictions that raised keep no whole weights after them

@@ -27,6 +27,7 @@ from lightning.pytorch.callbacks import (
     LearningRateFinder,
     StochasticWeightAveraging,
 )
+from lightning.pytorch.utilities import grad_norm
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
@@ -320,6 +321,21 @@ class KeptLossesLM(TinyLM):
     def on_validation_epoch_end(self) -> None:
         self.log("val_epoch_mean", torch.stack(self.kept["val"]).mean())
         self.kept["val"].clear()
+
+
+class GradNormLM(TinyLM):
+    """Lightning's documented gradient-norm logging: ``self.log_dict(grad_norm(self, norm_type=2))`` in
+    ``on_before_optimizer_step`` (``grad_norm`` imported at the top of the user's file). ``part``: the attribute path of
+    the sub-module whose norms are logged (``""``: the whole module)."""
+
+    def __init__(self, norm_type: float | str = 2, part: str = "") -> None:
+        super().__init__()
+        self.norm_type, self.part = norm_type, part
+
+    @override
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        module = self.get_submodule(self.part) if self.part else self
+        self.log_dict(grad_norm(module, norm_type=self.norm_type))
 
 
 class EncoderTinyLM(TinyLM):
@@ -1025,6 +1041,14 @@ class DistilledLM(HFModule):
         return F.nll_loss(student.flatten(0, 1), targets.flatten()) + (kl * real).sum() / real.sum()
 
 
+class HFGradNormLM(HFModule):
+    """A Hugging Face model (tied embeddings) whose gradient norms are logged as Lightning's documentation shows."""
+
+    @override
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.log_dict(grad_norm(self, norm_type=2))
+
+
 class ForwardAfterStepLM(HFModule):
     """Calls the model on the start of each training batch in ``on_train_batch_end`` (after the step, as a recipe's
     sample logging may): refused under the strategy, naming why."""
@@ -1327,6 +1351,14 @@ def counted_labels(window: Tensor) -> dict[str, Tensor]:
     return batch | {"n_real": (batch["labels"] != -100).sum().to(torch.float64)}
 
 
+class LoraGradNormLM(LoraLM):
+    """LoRA adapters whose gradient norms are logged as Lightning's documentation shows (only the adapters train)."""
+
+    @override
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.log_dict(grad_norm(self, norm_type=2))
+
+
 def lora_cases() -> dict[str, Case]:
     """LoRA adapters in every mode that adds their branch (``metp`` does not, and says so), where peft is installed
     (the test extra has it)."""
@@ -1338,6 +1370,7 @@ def lora_cases() -> dict[str, Case]:
         "lora-ring": Case(LoraLM, lambda: loader(ragged("labels")), strategy=dict(plan="ring")),
         "lora-ulysses": Case(LoraLM, lambda: loader(ragged("labels")), strategy=dict(plan="ulysses")),
         "lora-tp-sp": Case(LoraLM, lambda: loader(ragged("labels")), strategy=dict(plan="tp_sp")),
+        "lora-grad-norm": Case(LoraGradNormLM, lambda: loader(ragged("labels")), strategy=dict(plan="ring")),
         "lora-gpt2-fused": Case(lambda: LoraLM("gpt2"), lambda: loader(ragged("labels"))),
         "lora-reference-off": Case(lambda: LoraLM(reference=True), lambda: loader(ragged("targets"))),
         "lora-metp": Case(LoraLM, lambda: loader(ragged("labels")), strategy=dict(plan="metp"), refused="metp does"),
@@ -1531,6 +1564,15 @@ def cases_p2() -> dict[str, Case]:
                 tiny(optimizer="sgd"),
                 lambda: loader(shifted_targets),
                 trainer=dict(gradient_clip_val=0.002, gradient_clip_algorithm="value"),
+            ),
+            "lightning-grad-norm-auto": Case(GradNormLM, lambda: loader(shifted_targets)),
+            "lightning-grad-norm-layer-inf": Case(
+                lambda: GradNormLM("inf", part="model.layers.1"),
+                lambda: loader(shifted_targets),
+                strategy=dict(plan=MIXED),
+            ),
+            "lightning-grad-norm-hf-tied": Case(
+                lambda: HFGradNormLM("labels-key", tied=True), lambda: loader(hf_labels), strategy=dict(plan="ulysses")
             ),
             "clip-in-hook": Case(tiny(clip_in_hook=0.05), lambda: loader(shifted_targets), strategy=dict(plan="metp")),
             "clip-total-norm": Case(
