@@ -51,14 +51,14 @@ def plain_grad_norms(
     ones (:func:`~lightning_paradyse.runtime.checkpoint.plain_targets`) and whose plain structure ``plain`` recorded. A
     collective over ``group``: one gather of two numbers per plain parameter held as shards."""
     inf = norm_type == float("inf")
-    first_names: dict[str, list[str]] = {}
+    aliases_of: dict[str, list[str]] = {}
     for alias, first in plain.aliases.items():
-        first_names.setdefault(first, []).append(alias)
+        aliases_of.setdefault(first, []).append(alias)
     whole: dict[str, Tensor] = {}  # plain name (relative) -> the gradient every rank holds whole
     pieces: dict[str, list[Tensor]] = {}  # plain name (relative) -> this rank's pieces' gradients
     for name, param in module.named_parameters():
         target, ref = targets.get(prefix + name, (prefix + name, None))
-        key = _relative(target, prefix, first_names)
+        key = _relative(target, prefix, aliases_of)
         if ref is not None:
             pieces.setdefault(key, []).extend([] if param.grad is None else [param.grad.detach()])
         elif param.grad is not None:
@@ -66,14 +66,16 @@ def plain_grad_norms(
     keys = list(pieces)  # the same on every rank: every rank holds a piece of every sharded parameter
     values: dict[str, Tensor] = {key: grad.norm(norm_type) for key, grad in whole.items()}
     if keys:
-        local = torch.stack([_part(pieces[key], norm_type) for key in keys], dim=1)  # [2, n] float64, on the host
+        device = collective_device(group) if group_size(group) > 1 else None
+        parts = [_part(pieces[key], norm_type, device) for key in keys]
+        local = torch.stack([part.to(parts[0].device) for part in parts], dim=1)  # [2, n] float64
         if group_size(group) > 1:
-            device = collective_device(group)
-            every = all_gather_rows(local[None].to(device), [1] * group_size(group), group).cpu()  # [1,2,n] -> [p,2,n]
+            every = all_gather_rows(local[None], [1] * group_size(group), group)  # [1, 2, n] -> [p, 2, n]
             local = torch.stack([every[:, 0].amax(0) if inf else every[:, 0].sum(0), every[:, 1].sum(0)])  # [2, n]
+        local = local.cpu()  # the one read from the device
         for i, key in enumerate(keys):
             if local[1, i] > 0:  # some rank's piece has a gradient (a frozen parameter has none anywhere)
-                like = next((g for g in pieces[key]), None)
+                like = next(iter(pieces[key]), None)
                 value = local[0, i] if inf else local[0, i] ** (1.0 / norm_type)
                 values[key] = value if like is None else value.to(device=like.device, dtype=like.dtype)
     last = len(plain.positions)
@@ -84,19 +86,17 @@ def plain_grad_norms(
     return norms
 
 
-def _part(grads: list[Tensor], norm_type: float) -> Tensor:
-    """``[2]`` float64 on the host: this rank's pieces' ``sum |g|^p`` (their largest ``|g|`` for the infinity norm),
-    norms taken in at least float32; and how many pieces have a gradient. One read from the device."""
+def _part(grads: list[Tensor], norm_type: float, device: torch.device | None) -> Tensor:
+    """``[2]`` float64: this rank's pieces' ``sum |g|^p`` (their largest ``|g|`` for the infinity norm), norms taken in
+    at least float32, and how many pieces have a gradient; on ``device`` (the group's collectives'; ``None``: where
+    the gradients are)."""
     if not grads:
-        return torch.zeros(2, dtype=torch.float64)
-    norms = torch.stack(
-        [
-            torch.linalg.vector_norm(g, norm_type, dtype=torch.promote_types(g.dtype, torch.float32)).double()
-            for g in grads
-        ]
-    )
+        return torch.zeros(2, dtype=torch.float64, device=device)
+    wide = [torch.linalg.vector_norm(g, norm_type, dtype=torch.promote_types(g.dtype, torch.float32)) for g in grads]
+    norms = torch.stack(wide).double()  # [pieces]
     part = norms.amax() if norm_type == float("inf") else (norms**norm_type).sum()
-    return torch.stack([part, part.new_tensor(float(len(grads)))]).cpu()
+    out = torch.stack([part, part.new_tensor(float(len(grads)))])  # [2]
+    return out if device is None else out.to(device)
 
 
 def _relative(target: str, prefix: str, aliases_of: Mapping[str, list[str]]) -> str:
