@@ -44,6 +44,7 @@ from torch.overrides import TorchFunctionMode
 from lightning_paradyse.distributed.comm import Group, all_reduce_sum, collective_device, group_size
 from lightning_paradyse.distributed.devices import gpu_free_bytes
 from lightning_paradyse.groups.exchange import drop_group, enter_group
+from lightning_paradyse.groups.units import Units
 from lightning_paradyse.lightning.cycle import StepCycle, step_loss
 from lightning_paradyse.lightning.metric_calls import (
     aliases,
@@ -72,6 +73,9 @@ FLOAT32_LOSS_TOLERANCE = 1e-6
 """A float64 step whose loss function ran in float32 (Hugging Face's upcasts the logits to float32 whatever the
 model's dtype): its mean over the probe's few tokens rounds to ~1e-7 in another order, where a term averaged over the
 slice's own count is off by far more (1e-5 for a 0.1-weighted hidden-state penalty; probe 10)."""
+LOSS_AS_LOGGED = 1e-6
+"""A value a step logs within this of its loss is the loss as logged (a float32 metric given a float64 loss), which
+the strategy makes global: the rows runs (:func:`rows_runs`) leave it out."""
 TF32_TOLERANCE = 1e-3
 """float32 with TF32 matmuls (``torch.set_float32_matmul_precision("high")``) rounds to ~1e-3."""
 LOW_PRECISION_TOLERANCE = 3e-2
@@ -370,8 +374,8 @@ def check_step_losses(
             f"targets != -100), a loss "
             f"summed over the tokens (reduction='sum': tell the strategy, ParaDySeStrategy(loss_reduction='sum')), "
             f"or a term computed from self.parameters(), such as an L2 penalty (each rank holds a slice of every "
-            f"weight: use the optimizer's weight_decay, or add the penalty's gradient in on_before_optimizer_step, "
-            f"p.grad.add_(p, alpha=2 * l2), which is exact). ParaDySeStrategy(check_step=False) turns this check off"
+            f"weight: use the optimizer's weight_decay, or add the penalty's gradient in on_before_optimizer_step "
+            f"under torch.no_grad(), p.grad.add_(p, alpha=2 * l2), which is exact). ParaDySeStrategy(check_step=False) turns this check off"
         )
 
 
@@ -444,8 +448,9 @@ def warn_differing_logs(found: list[LogDifference]) -> None:
     hook = found[0].fx or "training_step"
     end = _BATCH_END.get(hook, "on_train_batch_end")
     rank_zero_warn(
-        f"[paradyse] {hook} logs values computed on this rank's slice of the batch, not the values one process "
-        f"logs: {shown} (the one-time step check, on a few of the first batch's tokens). The loss the step "
+        f"[paradyse] {hook} logs values computed on this rank's part of the batch (a slice of every row, or on a "
+        f"step on groups its group's rows), not the values one process logs: {shown} (the one-time step check, on "
+        f"a few of the first batch's tokens). The loss the step "
         "returns, logged as that tensor or as loss.item(), and a torchmetrics metric given it are made global; a "
         "value derived from the loss (torch.exp(loss), loss.clone()) or from the slice's tokens (a count, a "
         "batch_size= of its rows or targets) is not. Log it from "
@@ -597,6 +602,73 @@ _BATCH_END = {
 """The hook after each step, where its outputs hold the global loss."""
 
 
+class RowsRuns(NamedTuple):
+    """The step run whole on two parts of the probe's rows, as groups of whole rows run it (:func:`rows_runs`)."""
+
+    loss: float
+    """The two parts' losses combined as the strategy combines groups' (weighed by their real targets for a mean
+    loss, summed for a summed one)."""
+    logs: LoggedValues
+    """What the first part's step logged, its loss left out (the strategy makes a logged loss global)."""
+    split: tuple[int, int]
+    """The rows of each part."""
+
+
+def rows_runs(
+    module: pl.LightningModule,
+    probe: Any,
+    info: BatchInfo,
+    plan: Plan,
+    step_fn: Callable[..., Any],
+    rest: tuple[tuple[Any, ...], dict[str, Any]],
+    causal: bool,
+    mean_loss: bool,
+) -> RowsRuns | None:
+    """The step on the probe's first ``b // 2`` rows and on the others, each run whole (every weight on this rank,
+    ``info``: the probe's own description), as a step on groups runs each group's rows; ``None`` where the probe has
+    one row, or a part no real target. Call with the whole weights in place, under ``no_grad``."""
+    b, m = info.batch, info.seq_len
+    if b < 2:
+        return None
+    units = Units(False, (m,) * b, tuple((0, m) for _ in range(b)), b, m)  # rows cut, every column kept
+    half = b // 2
+    combined, first_logs = 0.0, None
+    for members in (list(range(half)), list(range(half, b))):
+        part = units.cut(probe, members)  # [b, m, ...] -> [b_part, m, ...]
+        try:
+            part_info = describe_batch(part, 1, 0, causal=causal, mean_loss=mean_loss)
+        except ValueError:  # no real target among the part's tokens: nothing to compare
+            return None
+        piece = parallel.configure_whole(module, part, part_info, plan)
+        reset_metrics(module)  # a metric given the part's loss holds it alone, as the strategy makes it global
+        with recorded_logs(module) as logs:
+            loss = step_loss(step_fn(piece, *rest[0], **rest[1]))
+        if loss is None:
+            return None
+        value = float(loss)
+        combined += value * (part_info.n_global / info.n_global if mean_loss else 1.0)  # a mean weighed by targets
+        if first_logs is None:  # the loss as logged (a tensor, a number, a float32 metric given it) left out
+            near = LOSS_AS_LOGGED * max(abs(value), 1e-12)
+            first_logs = {k: v for k, v in logs.items() if abs(v - value) > near or k[1].endswith(" batch_size")}
+    return RowsRuns(combined, first_logs or {}, (half, b - half))
+
+
+def check_rows_losses(combined: float, whole: float, tol: float, hook: str, split: tuple[int, int]) -> None:
+    """Raise when the step's loss on two parts of the probe's rows, combined as the strategy combines groups' losses,
+    differs from its loss on all of them (the same on every rank)."""
+    if abs(combined - whole) > tol * max(abs(whole), 1e-12):
+        raise ValueError(
+            f"the {hook} computes something across the rows of its batch: on a batch of {sum(split)} rows its loss "
+            f"is {whole:.10g}, but {combined:.10g} when {split[0]} and {split[1]} of the rows run apart, as steps on "
+            f"groups run them (plan='auto' trains batches of several sequences on groups of ranks, each group on "
+            f"its own rows). Common causes: a loss divided by the batch's number of rows (targets.shape[0], "
+            f"len(batch)): each group divides by its own rows; divide by the whole batch's count, a tensor the data "
+            f"loader puts in the batch, or train with ParaDySeStrategy(groups=False), where every rank holds a slice "
+            f"of every row; or a term computed over the batch's rows (a contrastive loss between rows, a batch "
+            f"statistic), which groups=False keeps too. ParaDySeStrategy(check_step=False) turns this check off"
+        )
+
+
 class StepCheck:
     """The check's state (batches left) and its run. ``enabled``: ``ParaDySeStrategy(check_step=...)``.
     ``training``: it checks the training step (else an evaluation step: ``validation_step``, ``test_step``, whose first
@@ -692,6 +764,10 @@ class StepCheck:
                     whole = step_loss(output)
                 whole_returns = returned_values(output, whole)
                 whole_metrics = metric_values(metrics, None)  # one process's
+                apart = None
+                if self.training and cycle.runner.ready and whole is not None:  # steps may run on groups of rows
+                    mean, run = cycle.options.mean_loss, whole_plan(plan)
+                    apart = rows_runs(module, probe, whole_info, run, step_fn, rest, causal, mean)
             finally:
                 drop_group(module)
         cycle.runner.enter(step)  # the batch's own step again
@@ -705,7 +781,14 @@ class StepCheck:
         if sharded is not None and whole is not None:
             where = f"the tokens {described_columns(columns)} of a batch of {info.seq_len}"
             check_step_losses(sharded, float(whole), tol, hook, where, consumed)
-        warn_differing_logs(differing_logs(sharded_logs, whole_logs, tol))
+        found = differing_logs(sharded_logs, whole_logs, tol)
+        if apart is not None and whole is not None:
+            if not consumed:  # a Hugging Face loss given labels= divides by the whole batch's count on groups (the
+                # strategy hands it over), by its part's in a whole run: its parts' losses are not compared
+                check_rows_losses(apart.loss, float(whole), tol, hook, apart.split)
+            seen = {(d.fx, d.name) for d in found}
+            found += [d for d in differing_logs(apart.logs, whole_logs, tol) if (d.fx, d.name) not in seen]
+        warn_differing_logs(found)
         warn_differing_returns(differing_logs(sharded_returns, whole_returns, tol), hook)
         warn_differing_metrics(differing_metrics(metrics, sharded_metrics, whole_metrics, trainer.precision), hook)
 
@@ -730,13 +813,16 @@ def whole_weights_fit(module: torch.nn.Module, group: Group, device: torch.devic
 
 __all__ = [
     "ATTEMPTS",
+    "LOSS_AS_LOGGED",
     "LOW_PRECISION_TOLERANCE",
     "STEP_CHECK_TOLERANCE",
     "TF32_TOLERANCE",
     "LogDifference",
     "LoggedValues",
     "LossCalls",
+    "RowsRuns",
     "StepCheck",
+    "check_rows_losses",
     "check_step_losses",
     "described_columns",
     "differing_logs",
@@ -747,6 +833,7 @@ __all__ = [
     "probe_columns",
     "recorded_logs",
     "reset_metrics",
+    "rows_runs",
     "rows_with_target",
     "side_effects_undone",
     "step_check_tolerance",

@@ -356,10 +356,12 @@ def parallelize(module: nn.Module, group: Group, blocks: str | None = None, axes
     shadows = Shadows()  # the replaced sub-modules' structure, for code that sorts parameters by it
     for layer, (name, block) in enumerate(found):
         shadows.before(block)
+        hooked = [(f"{name}.{n}", p) for n, p in block.named_parameters() if _gradient_hooks(p)]  # held: ids stay
         try:
             ops = rewrite_block(block, name, layer, group, axes, rope)
         except RoleError as err:
             raise ValueError(str(err)) from None
+        _refuse_lost_hooks(hooked, block)  # alike on every rank (the same module)
         shadows.after(name, [op.core_path for op in ops])
         for op in ops:
             op.grid = state.grid
@@ -375,6 +377,27 @@ def parallelize(module: nn.Module, group: Group, blocks: str | None = None, axes
     if state.grid is not None:
         _install_grid_hooks([b for _, b in found], state)
     return state.blocks
+
+
+def _gradient_hooks(param: nn.Parameter) -> bool:
+    """Whether ``param`` holds hooks of its own on its gradient (``register_hook``,
+    ``register_post_accumulate_grad_hook``)."""
+    return bool(getattr(param, "_backward_hooks", None)) or bool(getattr(param, "_post_accumulate_grad_hooks", None))
+
+
+def _refuse_lost_hooks(hooked: list[tuple[str, nn.Parameter]], block: nn.Module) -> None:
+    """Refuse a gradient hook on a parameter the rewrite replaced by its shard (``hooked``: the block's parameters
+    with hooks before, by name): the hook stays on the plain parameter, which no longer trains, and the shard's
+    gradient would pass unchanged."""
+    kept = {id(p) for p in block.parameters()}  # the hooked parameters are alive: no id of theirs was reused
+    lost = [name for name, param in hooked if id(param) not in kept]
+    if lost:
+        raise ValueError(
+            f"a gradient hook is registered on {', '.join(lost[:3])}{' ...' if len(lost) > 3 else ''} (register_hook "
+            f"or register_post_accumulate_grad_hook): ParaDySeStrategy replaces this weight by its shard, which does "
+            f"not carry the hook, so it would train unchanged. Freeze the weight with requires_grad_(False) before "
+            f"the fit, or change its gradient in on_before_optimizer_step (the gradients are the whole model's there)"
+        )
 
 
 ROUTER_LOSS_REFUSAL = (

@@ -477,6 +477,27 @@ class ManualTwiceHookLM(ManualTwiceLM):
         self.log(f"grad_norm_{self.backwards % 2}", torch.nn.utils.get_total_norm(grads))
 
 
+class RowsDividedLM(TinyLM):
+    """A summed cross-entropy divided by the batch's number of rows (each sequence weighed alike), with
+    ``ParaDySeStrategy(loss_reduction="sum")``: exact where every rank holds a slice of every row, but on a step on
+    groups each group divides by its own rows (twice one process's loss on 2 groups, silently, until 2026-11-30)."""
+
+    @override
+    def loss(self, batch: dict[str, Tensor]) -> Tensor:
+        logits = self.model(batch["input_ids"])  # [b, s, vocab]
+        summed = F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(), reduction="sum")
+        return summed / batch["targets"].shape[0]
+
+
+class HookedWeightLM(TinyLM):
+    """A gradient hook on a projection weight, registered in ``__init__`` (a partial-freezing trick): the strategy
+    replaces the weight by its shard, which would train unchanged (silently until 2026-11-30): refused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model.layers[0].attn.q.weight.register_hook(lambda grad: grad * 0)
+
+
 class NormLoggingLM(TinyLM):
     """Logs the whole model's gradient norm before each optimizer step, as recipes watch it
     (``torch.nn.utils.get_total_norm`` of every gradient: the norm over the ranks' shards, as one process's)."""
@@ -1428,6 +1449,13 @@ def cases_p2() -> dict[str, Case]:
                 ListMoEAccumulateLM, lambda: loader(shifted_targets, (12, 10, 12, 10)), strategy=dict(plan="ulysses")
             ),
             "grad-norm-logged": Case(NormLoggingLM, lambda: loader(ragged("targets"), rows=3)),
+            "grad-hook-on-projection": Case(HookedWeightLM, lambda: loader(shifted_targets), refused="gradient hook"),
+            "sum-over-rows-on-groups": Case(  # refused by the step check's rows runs, naming the cause
+                RowsDividedLM, lambda: loader(shifted_targets), strategy=dict(loss_reduction="sum"), refused="the rows"
+            ),
+            "sum-over-rows-sliced": Case(  # every rank a slice of every row: exact
+                RowsDividedLM, lambda: loader(shifted_targets), strategy=dict(loss_reduction="sum", groups=False)
+            ),
             # the step's own loss over targets, a collator's labels unused beside them: weighed by the targets
             "targets-beside-labels": Case(TinyLM, lambda: loader(targets_beside_labels, rows=3)),
             "targets-beside-labels-sliced": Case(

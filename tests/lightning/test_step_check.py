@@ -209,7 +209,9 @@ class PerplexityLM(LanguageModel):
         return loss
 
 
-def _fit_warned(rank: int, world: int, port: int, which: str) -> tuple[list[str], dict[str, float]]:
+def _fit_warned(
+    rank: int, world: int, port: int, which: str, plan: str = "tp_sp"
+) -> tuple[list[str], dict[str, float]]:
     """Two steps (and a validation batch after each) of :class:`PerplexityLM` (``which="logs"``) or
     :class:`RowMetricsLM` (``"metrics"``: rows of different lengths) under the strategy in float64: the check's
     warnings about them, and what was logged last."""
@@ -225,7 +227,7 @@ def _fit_warned(rank: int, world: int, port: int, which: str) -> tuple[list[str]
         if which == "metrics":
             targets[0, 25:] = -100  # rows of different lengths
         batches.append({"input_ids": x[:, :-1], "targets": targets})
-    strategy = ParaDySeStrategy(timeout=60, plan="tp_sp")
+    strategy = ParaDySeStrategy(timeout=60, plan=plan)
     settings = dict(max_steps=2, precision="64-true", val_check_interval=1, limit_val_batches=1)
     trainer = quiet_trainer(world, strategy, [], num_sanity_val_steps=0, **settings)
     module = PerplexityLM() if which == "logs" else RowMetricsLM()
@@ -233,8 +235,8 @@ def _fit_warned(rank: int, world: int, port: int, which: str) -> tuple[list[str]
         warnings.simplefilter("always")
         trainer.fit(module, DataLoader(batches, batch_size=None), DataLoader(batches[:1], batch_size=None))
     logged = {k: float(v) for k, v in trainer.logged_metrics.items()}
-    phrase = "slice of the batch" if which == "logs" else "updates the metrics"
-    return [str(w.message) for w in caught if phrase in str(w.message)], logged
+    phrases = ("part of the batch", "slice of the batch") if which == "logs" else ("updates the metrics",)
+    return [str(w.message) for w in caught if any(p in str(w.message) for p in phrases)], logged
 
 
 def test_the_check_names_logged_values_that_are_this_ranks_own() -> None:
@@ -260,6 +262,18 @@ def test_the_check_names_logged_values_that_are_this_ranks_own() -> None:
     named = validation.split("(the one-time step check")[0]
     assert "'val_ppl' (" in named and "'val_loss' (" not in named, validation
     assert "on_validation_batch_end" in validation, validation
+
+
+@pytest.mark.dist
+def test_the_check_names_values_of_a_groups_rows() -> None:
+    """Where steps may run on groups (``plan="auto"``), the check also runs the step on two parts of its rows: a
+    ``batch_size=`` of the step's rows (Lightning weighs an epoch's mean by it) is named too, and what one process
+    logs on every row (the loss, made global) is not."""
+    told = [warned for warned, _ in run_distributed(_fit_warned, 2, free_port(), "logs", "auto", timeout=120)]
+    training = next(m for m in told[0] if m.startswith("[paradyse] training_step logs"))
+    named = training.split("(the one-time step check")[0]
+    assert "'rows batch_size' (1 on rank 0, 2 in one process)" in named, training
+    assert not any(f"'{name}' (" in named for name in ("loss", "loss_item", "mean_loss", "lr")), training
 
 
 class RowMetricsLM(LanguageModel):
