@@ -375,7 +375,8 @@ def check_step_losses(
             f"summed over the tokens (reduction='sum': tell the strategy, ParaDySeStrategy(loss_reduction='sum')), "
             f"or a term computed from self.parameters(), such as an L2 penalty (each rank holds a slice of every "
             f"weight: use the optimizer's weight_decay, or add the penalty's gradient in on_before_optimizer_step "
-            f"under torch.no_grad(), p.grad.add_(p, alpha=2 * l2), which is exact). ParaDySeStrategy(check_step=False) turns this check off"
+            f"under torch.no_grad(), p.grad.add_(p, alpha=2 * l2), which is exact). "
+            f"ParaDySeStrategy(check_step=False) turns this check off"
         )
 
 
