@@ -1,4 +1,4 @@
-"""The one-time step check: does the module's step compute across the tokens of its slice?
+"""The one-time step check: does the module's step compute across the tokens of its slice, or the rows of its batch?
 
 On the first training batch (``ParaDySeStrategy(check_step=True)``), the module's step runs twice on ``8p + 1`` of
 the batch's tokens, with no gradient and no trace left (:func:`side_effects_undone`): sharded over the ranks as every
@@ -19,6 +19,14 @@ slice's tokens) is this rank's, not what one process logs: the check names it on
 ranks as Lightning's epoch value is, differs from its value after the whole call, each call starting from a reset
 metric (:func:`metric_values`: a mean of each row's loss, which a rank computes from its part of the row; a sum of the
 global loss, which every rank holds).
+
+Where training steps may run on groups of whole rows (the group runner is set up: ``plan="auto"``), the whole call
+is also made on the first half of the probe's rows and on the other half, apart (:func:`rows_runs`), as two groups
+run them: their losses combined as the strategy combines groups' (weighed by each part's real targets for a mean,
+summed for a summed loss) must equal the whole call's (:func:`check_rows_losses`: a loss divided by the batch's number
+of rows is refused), and what the first half logs, its loss left out, is compared with the whole call's (a
+``batch_size=`` of the step's rows). A Hugging Face loss given ``labels=`` is left out of the loss comparison: on
+groups the strategy hands it the whole batch's count.
 
 ``validation_step`` and ``test_step`` are checked alike on their first batch (``StepCheck(training=False)``: their
 loss where they return one, and what they log).

@@ -180,9 +180,10 @@ class ParaDySeStrategy(ParallelStrategy):
             its end and between: :func:`~lightning_paradyse.lightning.step_check.probe_columns`) sharded over the
             ranks with the same step on those tokens whole, and stop if they differ: the step computes across the
             tokens of its slice (e.g. shifts targets itself); a loss ignoring another index than -100, or class weights
-            under a mean, are refused there too. Costs two forward passes on those tokens, once (once more on the
-            first batch with a position without a target, after a batch without one), with every weight gathered on
-            every rank for the second.
+            under a mean, are refused there too. Where steps may run on groups of rows (``plan="auto"``), the whole
+            step also runs on two halves of the rows, apart: a loss divided by the batch's rows is refused. Costs two
+            forward passes on those tokens (four with groups), once (once more on the first batch with a position
+            without a target, after a batch without one), with every weight gathered on every rank after the first.
         process_group_backend: ``"nccl"`` or ``"gloo"``; default NCCL on GPUs each held by one rank, gloo on the host
             and where ranks share a GPU. NCCL with two ranks on one GPU is refused (it refuses them itself).
         grad_reduce_dtype: ``"float32"`` (default): weight gradients in bf16 (``precision="bf16-true"``) are summed over
