@@ -27,7 +27,7 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_paradyse.runtime import hf_checkpointing
+from lightning_paradyse.runtime import hf_checkpointing, parallel
 from lightning_paradyse.runtime.exactness import host_rng_state, set_host_rng_state
 
 
@@ -54,6 +54,21 @@ def stop_workers(procs: list[Any], grace: float = 5.0) -> list[int]:
     return killed
 
 
+def refuse_parameter_hooks(module: torch.nn.Module, start_method: str) -> None:
+    """Refuse, in the launching process, a gradient hook on a parameter of a module the launcher pickles: PyTorch does
+    not pickle a parameter's hooks, so every worker would train without it (silently, until 2026-11-30)."""
+    hooked = [name for name, param in module.named_parameters() if parallel.gradient_hooks(param)]
+    if hooked:
+        raise ValueError(
+            f"a gradient hook is registered on {', '.join(hooked[:3])}{' ...' if len(hooked) > 3 else ''} "
+            f"(register_hook or register_post_accumulate_grad_hook), and the {start_method!r} launcher pickles the "
+            f"module into every worker: PyTorch does not pickle a parameter's hooks, so the workers would train "
+            f"without it. Register the hook in configure_model (Lightning calls it in every worker; a hook on a "
+            f"projection weight is refused there, as the strategy replaces that weight by its shard), or launch with "
+            f"ParaDySeStrategy(start_method='fork') or 'popen'"
+        )
+
+
 class SpawnLauncher(_MultiProcessingLauncher):
     """The spawn launcher: the module made picklable first (Hugging Face gradient checkpointing); this process's
     random streams and default dtype carried into every worker (``launched_from``, any start method: Lightning
@@ -67,7 +82,9 @@ class SpawnLauncher(_MultiProcessingLauncher):
     @override
     def launch(self, function: Callable[..., Any], *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         module = self._strategy.lightning_module
-        if module is not None:  # spawn and forkserver pickle it into every worker
+        if module is not None and self._start_method != "fork":  # spawn and forkserver pickle it into every worker
+            refuse_parameter_hooks(module, self._start_method)
+        if module is not None:
             hf_checkpointing.prepare_for_launch(module)
         launching = {"rng": host_rng_state(), "default_dtype": torch.get_default_dtype()}
         self._strategy.launched_from = launching  # type: ignore[attr-defined]  # pickled with the strategy
@@ -121,4 +138,4 @@ def make_launcher(strategy: Any, start_method: str) -> _Launcher | None:
     return SpawnLauncher(strategy, start_method=start_method)  # type: ignore[arg-type]
 
 
-__all__ = ["SpawnLauncher", "make_launcher", "stop_workers"]
+__all__ = ["SpawnLauncher", "make_launcher", "refuse_parameter_hooks", "stop_workers"]

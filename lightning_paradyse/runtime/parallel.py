@@ -356,7 +356,7 @@ def parallelize(module: nn.Module, group: Group, blocks: str | None = None, axes
     shadows = Shadows()  # the replaced sub-modules' structure, for code that sorts parameters by it
     for layer, (name, block) in enumerate(found):
         shadows.before(block)
-        hooked = [(f"{name}.{n}", p) for n, p in block.named_parameters() if _gradient_hooks(p)]  # held: ids stay
+        hooked = [(f"{name}.{n}", p) for n, p in block.named_parameters() if gradient_hooks(p)]  # held: ids stay
         try:
             ops = rewrite_block(block, name, layer, group, axes, rope)
         except RoleError as err:
@@ -379,7 +379,7 @@ def parallelize(module: nn.Module, group: Group, blocks: str | None = None, axes
     return state.blocks
 
 
-def _gradient_hooks(param: nn.Parameter) -> bool:
+def gradient_hooks(param: nn.Parameter) -> bool:
     """Whether ``param`` holds hooks of its own on its gradient (``register_hook``,
     ``register_post_accumulate_grad_hook``)."""
     return bool(getattr(param, "_backward_hooks", None)) or bool(getattr(param, "_post_accumulate_grad_hooks", None))

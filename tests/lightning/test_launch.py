@@ -14,10 +14,17 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import lightning.pytorch as pl
 import pytest
+import torch
+from torch.utils.data import DataLoader
 
-from lightning_paradyse.lightning.launch import stop_workers
+from lightning_paradyse import ParaDySeStrategy
+from lightning_paradyse.lightning.launch import refuse_parameter_hooks, stop_workers
+from lightning_paradyse.models import build_model
+from tests.support.lightning import quiet_trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -74,3 +81,29 @@ def test_stop_workers_kills_only_the_ones_still_running() -> None:
     killed = stop_workers(procs, grace=2.0)
     assert killed == [sleeper.pid] and procs == []  # emptied: Lightning's process observer watches this list
     assert sleeper.wait(timeout=10) == -signal.SIGKILL and quick.wait(timeout=10) == 0
+
+
+class _HookedEmbeddingLM(pl.LightningModule):
+    """A gradient hook on the embedding (not sharded), registered in ``__init__``: lost when the module is pickled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = build_model("llama-tiny")
+        self.model.tok_emb.weight.register_hook(_zero)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.model(batch).mean()
+
+
+def _zero(grad: torch.Tensor) -> torch.Tensor:
+    return grad * 0
+
+
+def test_the_spawn_launcher_refuses_a_parameter_hook_it_would_drop() -> None:
+    """PyTorch does not pickle a parameter's hooks: the spawn launcher refuses one in the launching process, before any
+    worker starts, naming the fixes (``refuse_parameter_hooks``); ``fork`` keeps the module as it is."""
+    with pytest.raises(ValueError, match=r"tok_emb\.weight .*'spawn' launcher pickles.*configure_model"):
+        refuse_parameter_hooks(_HookedEmbeddingLM(), "spawn")
+    trainer = quiet_trainer(2, ParaDySeStrategy(timeout=60), [], max_steps=1)
+    with pytest.raises(ValueError, match=r"gradient hook is registered on model\.tok_emb\.weight"):
+        trainer.fit(_HookedEmbeddingLM(), train_dataloaders=DataLoader([torch.zeros(2, 16, dtype=torch.long)]))
