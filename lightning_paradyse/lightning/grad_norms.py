@@ -6,14 +6,17 @@ rewritten model that lists this rank's shards under their rewritten names (``att
 shards' norms, and a total over the shards: rank 0's part of the model, logged silently as if it were the model.
 
 While the strategy runs, :class:`GradNormInterception` puts :meth:`GradNormInterception.grad_norm` wherever Lightning's
-function is bound: on ``lightning.pytorch.utilities`` and its ``grads`` module, and under any name in any loaded
-module that holds the function itself (``from lightning.pytorch.utilities import grad_norm`` at the top of the user's
-file binds it there before the strategy starts). Called on a module that holds shards, it returns what one process
-returns: the plain model's parameter names relative to ``module``, in the plain model's order, each with the norm of
-the whole gradient (:func:`plain_grad_norms`: each shard's ``sum |g|^p``, or its largest ``|g|``, summed or maxed over
-the ranks in one gather; a parameter every rank holds whole counted once), and the total computed from them as
-Lightning computes it. It is a collective: call it on every rank, as ``on_before_optimizer_step`` does (a call on rank
-0 alone would wait for the others). A module without shards gets Lightning's own function. Put back at the teardown.
+function is bound: on ``lightning.pytorch.utilities`` and its ``grads`` module, under any name in any loaded module
+that holds the function itself (``from lightning.pytorch.utilities import grad_norm`` at the top of the user's file
+binds it there before the strategy starts), and in the globals of the functions the LightningModule's and the
+callbacks' classes define (a script the spawn launcher runs again in each worker is no loaded module: until
+2026-11-30 a module defined in the launched script logged rank 0's shards). Called on a module that holds shards, it
+returns what one process returns: the plain model's parameter names relative to ``module``, in the plain model's order,
+each with the norm of the whole gradient (:func:`plain_grad_norms`: each shard's ``sum |g|^p``, or its largest ``|g|``,
+summed or maxed over the ranks in one gather; a parameter every rank holds whole counted once), and the total computed
+from them as Lightning computes it. It is a collective: call it on every rank, as ``on_before_optimizer_step`` does (a
+call on rank 0 alone would wait for the others). A module without shards gets Lightning's own function. Put back at the
+teardown.
 
 A reference the scan cannot see (a ``functools.partial`` of the function, or a copy of it in a closure) is not
 replaced: call it through ``lightning.pytorch.utilities.grad_norm``, or log norms from a checkpoint's whole weights.
@@ -22,7 +25,8 @@ replaced: call it through ``lightning.pytorch.utilities.grad_norm``, or log norm
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Mapping
+import types
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import lightning.pytorch.utilities as pl_utilities
@@ -108,6 +112,20 @@ def _relative(target: str, prefix: str, aliases_of: Mapping[str, list[str]]) -> 
     return target
 
 
+def _globals_of(cls: type) -> list[dict[str, Any]]:
+    """The globals of every function the classes of ``cls``'s method resolution order define (not Python's, torch's or
+    Lightning's own)."""
+    out = []
+    for klass in cls.__mro__:
+        if klass.__module__.split(".")[0] in ("builtins", "torch", "lightning", "lightning_fabric"):
+            continue
+        for value in vars(klass).values():
+            function = getattr(value, "__func__", value)  # a staticmethod's or classmethod's function
+            if isinstance(function, types.FunctionType):
+                out.append(function.__globals__)
+    return out
+
+
 class GradNormInterception:
     """While active, Lightning's ``grad_norm`` on a module holding shards returns one process's norms."""
 
@@ -141,16 +159,20 @@ class GradNormInterception:
         prefix = self._paths[id(module)]
         return plain_grad_norms(module, prefix, self._targets, plain, self._group(), norm_type, group_separator)
 
-    def start(self) -> None:
-        """Bind :meth:`grad_norm` wherever Lightning's function is bound (its modules, and names in loaded ones)."""
+    def start(self, users: Iterable[object] = ()) -> None:
+        """Bind :meth:`grad_norm` wherever Lightning's function is bound: its modules, names in loaded modules, and
+        the globals of the functions the classes of ``users`` (the LightningModule, the callbacks) define, which need
+        not be a loaded module's (a script run by the spawn launcher is run again in each worker as ``__mp_main__``,
+        its functions' globals a dictionary of their own)."""
         if self._replaced:
             return
         self._paths, self._targets = {}, {}
         own = vars(sys.modules[__name__])  # holds the original, to call it
         spaces = {id(own): own}
-        for space in [vars(pl_grads), vars(pl_utilities)] + [
-            getattr(m, "__dict__", {}) for m in list(sys.modules.values())
-        ]:
+        candidates: list[Any] = [vars(pl_grads), vars(pl_utilities)]
+        candidates += [getattr(m, "__dict__", {}) for m in list(sys.modules.values())]
+        candidates += [space for user in users for space in _globals_of(type(user))]
+        for space in candidates:
             if id(space) in spaces or not isinstance(space, dict):
                 continue
             spaces[id(space)] = space

@@ -537,7 +537,7 @@ class ParaDySeStrategy(ParallelStrategy):
         self._grad_norms = self._grad_norms or GradNormInterception(
             self._root_module, self._plain_structure, self._process_group, self._sharded
         )
-        self._grad_norms.start()  # Lightning's grad_norm(module): one process's norms under the plain names
+        self._grad_norms.start([self._module, *trainer.callbacks])  # type: ignore[attr-defined]  # Lightning's grad_norm
         self.setup_precision_plugin()
         if fitting:
             agree_scaler(self.precision_plugin, self._group)  # 16-mixed: every rank skips an overflowing step

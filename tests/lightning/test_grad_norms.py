@@ -111,3 +111,18 @@ def test_a_module_without_shards_gets_lightnings_own_norms() -> None:
     assert list(ours) == list(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
     with pytest.raises(ValueError, match="must be a positive number"):
         interception.grad_norm(layer, 0)
+
+
+def test_start_binds_the_globals_of_the_users_classes_functions() -> None:
+    """A script the spawn launcher runs again in a worker (as ``__mp_main__``, through ``runpy``) is no loaded
+    module: its functions' globals are a dictionary of their own, reached through the LightningModule's class."""
+    script: dict[str, Any] = {"__name__": "__mp_main__", "grad_norm": ORIGINAL}
+    exec("def on_before_optimizer_step(self, optimizer):\n    return grad_norm(self, 2)\n", script)
+    user = type("ScriptLM", (pl.LightningModule,), {"on_before_optimizer_step": script["on_before_optimizer_step"]})
+    interception = GradNormInterception(lambda: None, lambda: None, lambda: None, set)
+    try:
+        interception.start([user()])
+        assert script["grad_norm"] == interception.grad_norm
+    finally:
+        interception.stop()
+    assert script["grad_norm"] is pl_grads.grad_norm
