@@ -767,7 +767,8 @@ class StepCheck:
             reset_metrics(module)
             enter_group(module, group, [1] * p)  # every weight on every rank: the whole step, p times
             try:
-                piece = parallel.configure_whole(module, probe, whole_info, whole_plan(plan))  # as one process
+                run = whole_plan(plan)
+                piece = parallel.configure_whole(module, probe, whole_info, run)  # as one process
                 with recorded_logs(module) as whole_logs, LossCalls() as losses:  # logged as one process logs them
                     output = step_fn(piece, *rest[0], **rest[1])
                     whole = step_loss(output)
@@ -775,7 +776,7 @@ class StepCheck:
                 whole_metrics = metric_values(metrics, None)  # one process's
                 apart = None
                 if self.training and cycle.runner.ready and whole is not None:  # steps may run on groups of rows
-                    mean, run = cycle.options.mean_loss, whole_plan(plan)
+                    mean = cycle.options.mean_loss
                     apart = rows_runs(module, probe, whole_info, run, step_fn, rest, causal, mean)
             finally:
                 drop_group(module)
