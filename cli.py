@@ -1,15 +1,18 @@
 """Command line of lightning_paradyse.
 
-    python cli.py fit --config configs/cpu_2proc.yaml         # train (also: validate, test)
+    python cli.py fit --config configs/cpu_2proc.yaml         # train (also: validate, test, predict)
     python cli.py check --world-size 3 --seq-len 101 --plan random --seed 7
     python cli.py profile --help                              # calibrate the cost model on this machine
     python cli.py plan --help                                 # the planner's choices for lengths and a budget
 
-``fit`` / ``validate`` / ``test`` are Lightning's ``LightningCLI`` over
+``fit`` / ``validate`` / ``test`` / ``predict`` are Lightning's ``LightningCLI`` over
 :class:`~lightning_paradyse.lightning.language_model.LanguageModel`
 and :class:`~lightning_paradyse.data.datamodule.CorpusDataModule`; the strategy is chosen in the config
 (``trainer.strategy: paradyse`` or ``class_path: lightning_paradyse.ParaDySeStrategy`` with ``init_args``), and
-``--help`` shows every option with its docstring.
+``--help`` shows every option with its docstring. ``predict`` writes each held-out document's log-likelihood and
+perplexity to ``<trainer.default_root_dir>/predictions/predictions.jsonl``
+(:class:`~lightning_paradyse.lightning.prediction_writer.DocumentScoreWriter`; ``--predictions.output_dir`` moves it;
+``--ckpt_path`` names the trained weights).
 
 ``check`` runs a model for one forward+backward single-process and under every mode (or the plan
 you name) on N local gloo processes and prints the relative error of the loss and of every gradient
@@ -32,6 +35,7 @@ from lightning_paradyse.data.datamodule import CorpusDataModule
 from lightning_paradyse.distributed.layout import SeqLayout
 from lightning_paradyse.distributed.spawn import run_distributed
 from lightning_paradyse.lightning.language_model import LanguageModel
+from lightning_paradyse.lightning.prediction_writer import DocumentScoreWriter
 from lightning_paradyse.models import CONFIGS
 from lightning_paradyse.modes.plan import parse_plan
 from lightning_paradyse.tools.mode_check import CheckSettings, check_worker, format_report
@@ -127,16 +131,18 @@ def enable_attribute_docstrings() -> None:
         jsonargparse.set_docstring_parse_options(attribute_docstrings=True)
 
 
-LIGHTNING_COMMANDS = ("fit", "validate", "test")
+LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
 DESCRIPTION = (
-    "Train, validate or test with Lightning and the ParaDySe strategy. Other commands, each with its --help: "
+    "Train, validate, test or predict (each held-out document's perplexity) with Lightning and the ParaDySe "
+    "strategy. Other commands, each with its --help: "
     "python cli.py check (the parallel modes against one process), python cli.py profile (calibrate the cost model "
     "on this machine), python cli.py plan (the planner's choices for given lengths and budget)."
 )
 
 
 class ParaDySeCLI(LightningCLI):
-    """``LightningCLI`` for :class:`LanguageModel` and :class:`CorpusDataModule`: subcommands fit, validate, test.
+    """``LightningCLI`` for :class:`LanguageModel` and :class:`CorpusDataModule`: subcommands fit, validate, test,
+    predict (its predictions written by a :class:`DocumentScoreWriter`, options under ``predictions``).
 
     Args:
         args: Command-line arguments (``None``: ``sys.argv``).
@@ -149,6 +155,10 @@ class ParaDySeCLI(LightningCLI):
         kwargs.setdefault("parser_kwargs", {"prog": "cli.py", "description": DESCRIPTION})
         super().__init__(LanguageModel, CorpusDataModule, args=None if args is None else list(args), run=run, **kwargs)
 
+    @override
+    def add_arguments_to_parser(self, parser: jsonargparse.ArgumentParser) -> None:
+        parser.add_lightning_class_args(DocumentScoreWriter, "predictions")  # a callback: it only acts in predict
+
     @staticmethod
     @override
     def subcommands() -> dict[str, set[str]]:
@@ -156,14 +166,15 @@ class ParaDySeCLI(LightningCLI):
 
 
 def lightning_main(argv: Sequence[str] | None = None) -> int:
-    """Run ``fit``/``validate``/``test`` through :class:`ParaDySeCLI` (``None``: arguments from ``sys.argv``)."""
+    """Run ``fit``/``validate``/``test``/``predict`` through :class:`ParaDySeCLI` (``None``: arguments from
+    ``sys.argv``)."""
     ParaDySeCLI(args=argv)
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``check``, ``profile`` and ``plan`` go to their functions (:data:`COMMANDS`); anything else (fit, validate, test,
-    --help) to the LightningCLI."""
+    predict, --help) to the LightningCLI."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in COMMANDS:
         return COMMANDS[args[0]](args[1:])

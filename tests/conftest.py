@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 
@@ -12,8 +14,12 @@ import torch.distributed as dist
 
 from lightning_paradyse.distributed.spawn import use_forkserver
 
-# Machines measured by plan="auto" are kept for the test session only (set before the fork server starts).
-os.environ.setdefault("PARADYSE_CACHE_DIR", tempfile.mkdtemp(prefix="paradyse-cache-"))
+# Machines measured by plan="auto" are kept for the test session only (set before the fork server starts), and
+# removed at its end by the process that made the folder (forked workers inherit the exit hook: they leave it).
+if "PARADYSE_CACHE_DIR" not in os.environ:
+    _cache_dir = os.environ["PARADYSE_CACHE_DIR"] = tempfile.mkdtemp(prefix="paradyse-cache-")
+    _maker = os.getpid()
+    atexit.register(lambda: os.getpid() == _maker and shutil.rmtree(_cache_dir, ignore_errors=True))
 
 # Spawned gloo jobs fork from one server that imported these once: a job starts in ~0.2 s instead of 3-6 s.
 use_forkserver(

@@ -104,7 +104,12 @@ def test_bad_strategy_option_is_reported(capsys: pytest.CaptureFixture[str]) -> 
 def test_check_command_still_dispatches(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check", "--world-size", "1", "--seq-len", "8", "--plan", "ring"]) == 0
     assert "all within tolerance" in capsys.readouterr().out
-    assert issubclass(ParaDySeCLI, LightningCLI) and set(ParaDySeCLI.subcommands()) == {"fit", "validate", "test"}
+    assert issubclass(ParaDySeCLI, LightningCLI) and set(ParaDySeCLI.subcommands()) == {
+        "fit",
+        "validate",
+        "test",
+        "predict",
+    }
 
 
 def test_hf_config_builds_the_hugging_face_model_from_its_fields() -> None:

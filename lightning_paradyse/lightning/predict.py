@@ -69,7 +69,8 @@ class Predictions:
             )
         enter_group(module, group, [1] * group_size(group))  # every weight on every rank: [rows/P] -> [rows]
         self.plan = plan
-        if any(isinstance(c, BasePredictionWriter) for c in callbacks) and world > 1:
+        writers = [c for c in callbacks if isinstance(c, BasePredictionWriter) and not getattr(c, "writes_one_copy", 0)]
+        if writers and world > 1:  # a writer that declares it writes one copy (DocumentScoreWriter) is not warned
             rank_zero_warn(
                 "[paradyse] every rank predicts every batch under ParaDySeStrategy (one process's predictions on each "
                 "rank, not a share of them as under DDP): a BasePredictionWriter writes them once per rank; write on "

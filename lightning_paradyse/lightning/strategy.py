@@ -210,7 +210,7 @@ class ParaDySeStrategy(ParallelStrategy):
           (``ModelCheckpoint``, or ``trainer.save_checkpoint`` in a hook).
         * Norm clipping (``gradient_clip_algorithm="norm"``, or ``torch.nn.utils.clip_grad_norm_`` in a hook) uses the
           whole model's gradient norm; optimizers that read whole tensors (Adafactor, Muon, LAMB) are refused.
-        * Not yet supported: ``trainer.predict``.
+        * ``trainer.predict`` runs every batch whole on every rank (:mod:`~lightning_paradyse.lightning.predict`).
 
     Example::
 

@@ -9,6 +9,7 @@ its model with a positional ``positions=None``) on the bundled corpus: one plain
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -78,3 +79,27 @@ def _differences(p: int, run: dict[str, Any], plain: dict[str, Any], folder: Pat
     lines = "\n".join(line for line in run["output"].splitlines() if "[paradyse]" in line)
     steps = "\n".join(path.read_text() for path in sorted(folder.rglob("paradyse_steps.csv")))
     return f"p={p}: differs from one process (relative errors): {bad}\n{lines}\n{steps}"
+
+
+def test_predict_writes_one_process_document_scores_on_2_processes(tmp_path: Path) -> None:
+    """``python cli.py predict`` with the main job's config: the strategy on 2 processes writes the lines one plain
+    process writes (every document, its token count, and its log-likelihood within 1e-9 in float64), once."""
+    runs = {}
+    for p, extra in ((1, ["--trainer.strategy=auto"]), (2, [])):
+        cmd = [sys.executable, str(ROOT / "cli.py"), "predict", "--config", str(ROOT / "configs/cpu_2proc.yaml")]
+        cmd += ["--trainer.precision=64-true", "--trainer.limit_predict_batches=3", f"--trainer.devices={p}"]
+        cmd += [f"--trainer.default_root_dir={tmp_path / f'p{p}'}", "--trainer.enable_progress_bar=false", *extra]
+        env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK")}
+        env |= {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+        assert "BasePredictionWriter writes them once per rank" not in proc.stderr  # the writer writes one copy
+        folder = tmp_path / f"p{p}" / "predictions"
+        assert [f.name for f in folder.iterdir()] == ["predictions.jsonl"]
+        runs[p] = [json.loads(line) for line in (folder / "predictions.jsonl").read_text().splitlines()]
+    plain, ours = runs[1], runs[2]
+    assert len(plain) >= 3 and [(d["batch"], d["row"], d["document"], d["tokens"]) for d in ours] == [
+        (d["batch"], d["row"], d["document"], d["tokens"]) for d in plain
+    ]
+    errors = [abs(a["logprob"] - b["logprob"]) / abs(b["logprob"]) for a, b in zip(ours, plain)]
+    assert max(errors) <= TOL, errors
