@@ -90,15 +90,23 @@ class Units:
     def shifted_sources(
         self, batch: Any, members: Sequence[int], idle_tokens: int = 1
     ) -> dict[str, tuple[Tensor, int, int]]:
-        """Per ``[b, s]`` entry of a dict batch: the global batch's labels shifted left by one (as a label-shifting
-        model computes them) cut to the group (:meth:`cut`), their real count in the whole batch, and the real count
-        of the labels as given (unshifted) in the whole batch."""
-        if not isinstance(batch, Mapping):
+        """Per ``[b, s]`` tensor of the batch (a dict's entries by key; a tuple's or list's, or the batch itself, as
+        ``#i``: the keys of :class:`~lightning_paradyse.runtime.slicing.BatchSource`): the global batch's labels
+        shifted left by one (as a label-shifting model computes them) cut to the group (:meth:`cut`), their real
+        count in the whole batch, and the real count of the labels as given (unshifted) in the whole batch.
+
+        (Until 2026-11-30 a tuple or list batch got none: a Hugging Face model handed ``labels=batch[1]`` on a step
+        on groups divided by its group's count, and trained at twice one process's loss, silently.)"""
+        if isinstance(batch, Mapping):
+            named: list[tuple[str, Any]] = [(str(k), v) for k, v in batch.items()]
+        elif isinstance(batch, Tensor):
+            named = [("#0", batch)]
+        elif isinstance(batch, Sequence) and not isinstance(batch, str):
+            named = [(f"#{i}", v) for i, v in enumerate(batch)]
+        else:
             return {}
         whole = {
-            str(k): v
-            for k, v in batch.items()
-            if isinstance(v, Tensor) and v.dim() == 2 and tuple(v.shape) == (self.b, self.s)
+            k: v for k, v in named if isinstance(v, Tensor) and v.dim() == 2 and tuple(v.shape) == (self.b, self.s)
         }
         shifted = {k: shifted_labels(v) for k, v in whole.items()}  # shifted over the whole batch, then cut
         cut = self.cut(shifted, members, idle_tokens)

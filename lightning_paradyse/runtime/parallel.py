@@ -801,7 +801,13 @@ def _labels_hook(
     given = shift if shift is not None else labels
     name = "shift_labels" if shift is not None else "labels"
     candidates = [s for s in state.sources if s.whole.dim() >= 2]
-    found = [1.0 if isinstance(given, torch.Tensor) and _is_slice(given, s) else 0.0 for s in candidates]
+    # the slice itself where the step passes it (the same on every rank: the same code), else equal values: on a
+    # group's rows a tuple's labels may equal its input_ids, whose whole-batch count differs
+    same = isinstance(given, torch.Tensor) and any(given is s.local for s in candidates)
+    found = [
+        1.0 if isinstance(given, torch.Tensor) and (given is s.local if same else _is_slice(given, s)) else 0.0
+        for s in candidates
+    ]
     wanted = call.get("num_items_in_batch")
     counted = wanted is None or _in_batch(wanted, state)  # None, or a count the data loader put in the batch
     if not counted:  # a count made in the step: of the slice it is handed, as one process's is of the batch

@@ -173,6 +173,9 @@ def shard_batch(batch: Any, info: BatchInfo, rank: int) -> tuple[Any, tuple[Batc
     if info.fill_target:
         local, sources = _fill_one_target(local, sources)
     order = {key: i for i, key in enumerate(TARGET_KEYS)}
+    if isinstance(batch, Sequence) and not isinstance(batch, (str, Tensor)):  # the targets: the last tensor
+        last = max((i for i, v in enumerate(batch) if isinstance(v, Tensor)), default=None)
+        order[f"#{last}"] = -1
     sources.sort(key=lambda src: order.get(src.key, len(order)))
     return local, tuple(sources)
 

@@ -117,6 +117,17 @@ def hf_labels(window: Tensor) -> dict[str, Tensor]:
     return {"input_ids": window[:, :-1], "labels": labels}
 
 
+def hf_labels_tuple(window: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`hf_labels` as a tuple ``(input_ids, labels)``, as a ``TensorDataset``'s loader yields."""
+    batch = hf_labels(window)
+    return batch["input_ids"], batch["labels"]
+
+
+def tokens_tensor(window: Tensor) -> Tensor:
+    """The tokens alone, the batch itself a tensor (a Hugging Face model handed them as its labels too)."""
+    return window[:, :-1]
+
+
 def all_targets(window: Tensor) -> dict[str, Tensor]:
     """Targets shifted in the data, every position with one."""
     return {"input_ids": window[:, :-1], "targets": window[:, 1:]}
@@ -837,7 +848,8 @@ class HFModule(pl.LightningModule):
     """A Hugging Face causal LM, called the ways its documentation shows.
 
     ``call``: ``labels-key`` (``labels=batch["labels"]``), ``labels-ids`` (``labels=input_ids``, no labels in the
-    batch), ``shift-labels`` (``shift_labels=batch["shift_labels"]``), ``masked`` (``attention_mask`` too).
+    batch), ``shift-labels`` (``shift_labels=batch["shift_labels"]``), ``masked`` (``attention_mask`` too),
+    ``tuple-labels`` (a batch ``(input_ids, labels)``), ``tensor-labels`` (the batch the tokens, ``labels=batch``).
     Its steps log their loss with ``self.log``, as users do.
     ``checkpointing``: the keyword arguments of ``model.gradient_checkpointing_enable(...)``, called here as users
     do (``None``: not called). ``family``: a family of :data:`~tests.support.families.HF_FAMILIES` instead of Llama
@@ -864,7 +876,11 @@ class HFModule(pl.LightningModule):
                 warnings.simplefilter("ignore", FutureWarning)
                 self.model.gradient_checkpointing_enable(**checkpointing)
 
-    def loss(self, batch: dict[str, Tensor]) -> Tensor:
+    def loss(self, batch: Any) -> Tensor:
+        if self.call == "tuple-labels":  # a tuple batch (input_ids, labels)
+            return self.model(input_ids=batch[0], labels=batch[1]).loss
+        if self.call == "tensor-labels":  # the batch is the tokens
+            return self.model(input_ids=batch, labels=batch).loss
         ids = batch["input_ids"]
         if self.call == "labels-key":
             return self.model(input_ids=ids, labels=batch["labels"]).loss
@@ -1417,6 +1433,10 @@ def cases_p2() -> dict[str, Case]:
             "lm-hf-granite": Case(lm_granite, _lm_data, trainer=val, strategy=dict(plan=MIXED)),
             "hf-labels-key": Case(hf("labels-key"), lambda: loader(hf_labels), strategy=dict(plan="ulysses")),
             "hf-labels-ids": Case(hf("labels-ids"), lambda: loader(tokens_only), strategy=dict(plan=MIXED)),
+            # batches other than a dict, on groups: the labels counted over the whole batch (a tuple's and a tensor
+            # batch's were counted over the group's rows until 2026-11-30: twice the loss, silently)
+            "hf-labels-tuple-groups": Case(hf("tuple-labels"), lambda: loader(hf_labels_tuple, rows=3)),
+            "hf-labels-tensor-groups": Case(hf("tensor-labels"), lambda: loader(tokens_tensor, rows=3)),
             "hf-shift-labels": Case(hf("shift-labels"), lambda: loader(hf_shift_labels), strategy=dict(plan="ring")),
             "hf-tied": Case(hf("labels-key", tied=True), lambda: loader(hf_labels), strategy=dict(plan="metp")),
             "hf-pad-right": Case(hf("masked"), lambda: loader(padded("right")), strategy=dict(plan=MIXED)),

@@ -38,6 +38,18 @@ def test_rows_of_a_right_padded_batch_are_cut_to_the_groups_longest_row() -> Non
     assert shifts["labels"][2] == int((batch["labels"] != -100).sum())
 
 
+def test_a_tuple_or_tensor_batchs_labels_are_counted_over_the_whole_batch() -> None:
+    batch = _ragged()
+    units = Units.of(describe_batch(batch, 2, 0, causal=True))
+    assert units is not None
+    whole = shifted_labels(batch["labels"])
+    pair = units.shifted_sources((batch["input_ids"], batch["labels"]), [2, 1])  # keyed as BatchSource keys them
+    assert sorted(pair) == ["#0", "#1"] and pair["#1"][1] == int((whole != -100).sum())
+    assert torch.equal(pair["#1"][0], whole[[2, 1], :5])
+    alone = units.shifted_sources(batch["input_ids"], [0])  # the batch itself the tokens
+    assert list(alone) == ["#0"] and alone["#0"][2] == 3 * 8
+
+
 def test_one_row_is_one_unit_one_document_none_and_documents_are_cut_in_order() -> None:
     one = {"input_ids": torch.zeros(1, 8, dtype=torch.long)}
     units = Units.of(describe_batch(one, 2, 0, causal=True))

@@ -90,7 +90,8 @@ def test_namedtuple_batches_stay_namedtuples_with_every_slice_as_a_source() -> N
     info = describe_batch(batch, 2, 1, causal=True)
     local, sources = shard_batch(batch, info, 1)
     assert isinstance(local, Pair) and local.tokens.shape == (2, info.layout.local_lens[1])
-    assert [s.key for s in sources] == ["#0", "#1"] and all(s.whole.shape == (2, 12) for s in sources)
+    # the targets (a sequence's last tensor) first, as a dict's: labels traced by their values try them first
+    assert [s.key for s in sources] == ["#1", "#0"] and all(s.whole.shape == (2, 12) for s in sources)
 
 
 def test_shifted_labels_end_with_an_ignored_position() -> None:
