@@ -119,8 +119,10 @@ class Units:
 def _cut(batch: Any, b: int, s: int, tokens: Any, rows: Tensor | None) -> Any:
     """Every ``[b, s, ...]`` tensor: rows picked (``rows``), then its tokens cut by ``tokens(t, dim)``; the per-token
     ``[s]`` entries of a dict (:data:`~lightning_paradyse.runtime.slicing.TOKEN_1D_KEYS`) cut alike; with ``rows``,
-    other tensors whose first dimension is ``b`` lose the other rows. Slices are contiguous (a step may ``view``
-    them)."""
+    other tensors whose first dimension is ``b``, and a dict's lists and tuples of ``b`` values without a tensor (a
+    collator's per-row ids, strings or weights), lose the other rows. Slices are contiguous (a step may ``view``
+    them). (Until 2026-11-30 such a list kept every row on a step on groups: a step zipping it with its rows crashed.)
+    """
 
     def cut(t: Tensor) -> Tensor:
         if rows is not None and t.dim() >= 1 and t.shape[0] == b:
@@ -137,10 +139,22 @@ def _cut(batch: Any, b: int, s: int, tokens: Any, rows: Tensor | None) -> Any:
         for k, v in batch.items():
             if k in TOKEN_1D_KEYS and isinstance(v, Tensor) and tuple(v.shape) == (s,):
                 out[k] = tokens(v, 0).contiguous()  # [s] -> [s_g]
+            elif rows is not None and _per_row(v, b):
+                picked = [v[i] for i in rows.tolist()]  # b values -> b_g, in the group's row order
+                out[k] = picked if isinstance(v, list) else type(v)(picked)
             else:
                 out[k] = apply_to_collection(v, Tensor, cut)
         return out  # as shard_batch hands a mapping on: a dict
     return apply_to_collection(batch, Tensor, cut)
+
+
+def _per_row(value: Any, b: int) -> bool:
+    """A list or tuple (not a named tuple) of ``b`` values none of which holds a tensor: one value per row."""
+    if not isinstance(value, (list, tuple)) or hasattr(value, "_fields") or len(value) != b:
+        return False
+    found: list[bool] = []
+    apply_to_collection(value, Tensor, lambda t: found.append(True))
+    return not found
 
 
 __all__ = ["Units"]

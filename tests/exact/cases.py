@@ -500,6 +500,27 @@ class RowsDividedLM(TinyLM):
         return summed / batch["targets"].shape[0]
 
 
+class RowWeightsLM(TinyLM):
+    """Each row's token losses weighed by a per-row weight a collator puts in the batch as a Python list (``[1.0,
+    1.5, 2.0]``), over the real targets: on a step on groups the list is cut to the group's rows with its tensors
+    (until 2026-11-30 it kept every row, and the step crashed)."""
+
+    @override
+    def loss(self, batch: dict[str, Any]) -> Tensor:
+        logits = self.model(batch["input_ids"])  # [b, s, vocab]
+        targets = batch["targets"]
+        ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)  # [b, s]
+        weights = torch.tensor(batch["row_weights"], dtype=ce.dtype)[:, None]  # [b] -> [b, 1]
+        real = (targets != -100).to(ce.dtype)
+        return (ce * weights * real).sum() / real.sum()
+
+
+def row_weights(window: Tensor) -> dict[str, Any]:
+    """:func:`ragged` targets with a per-row weight as a Python list."""
+    batch: dict[str, Any] = ragged("targets")(window)
+    return batch | {"row_weights": [1.0 + 0.5 * r for r in range(window.shape[0])]}
+
+
 class HookedWeightLM(TinyLM):
     """A gradient hook on a projection weight, registered in ``__init__`` (a partial-freezing trick): the strategy
     replaces the weight by its shard, which would train unchanged (silently until 2026-11-30): refused."""
@@ -1470,6 +1491,7 @@ def cases_p2() -> dict[str, Case]:
             ),
             "grad-norm-logged": Case(NormLoggingLM, lambda: loader(ragged("targets"), rows=3)),
             "grad-hook-on-projection": Case(HookedWeightLM, lambda: loader(shifted_targets), refused="gradient hook"),
+            "row-weights-list-groups": Case(RowWeightsLM, lambda: loader(row_weights, rows=3)),
             "sum-over-rows-on-groups": Case(  # refused by the step check's rows runs, naming the cause
                 RowsDividedLM, lambda: loader(shifted_targets), strategy=dict(loss_reduction="sum"), refused="the rows"
             ),

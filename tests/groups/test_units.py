@@ -31,6 +31,8 @@ def test_rows_of_a_right_padded_batch_are_cut_to_the_groups_longest_row() -> Non
     assert torch.equal(sub["input_ids"], batch["input_ids"][[2, 1], :5])
     assert torch.equal(sub["attention_mask"], batch["attention_mask"][[2, 1], :5])
     assert torch.equal(sub["weights"], torch.tensor([3.0, 2.0]))  # per-row tensors follow their rows
+    listed = units.cut({**batch, "ids": ["a", "b", "c"], "pair": (0, 1, 2), "other": [1, 2]}, [2, 1])
+    assert listed["ids"] == ["c", "b"] and listed["pair"] == (2, 1) and listed["other"] == [1, 2]  # per row: b long
     assert all(v.is_contiguous() for v in sub.values())
     shifts = units.shifted_sources(batch, [2, 1])
     whole = shifted_labels(batch["labels"])
