@@ -348,6 +348,24 @@ def _changed(container: Any, content: Any) -> bool:
     return any(a is not b for a, b in zip(container, content))
 
 
+RESEED = 0x5EED
+"""The seed of the whole call run again to tell whether the step draws random numbers (:func:`loss_redrawn`)."""
+
+
+def loss_redrawn(
+    step_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], device: Any
+) -> float | None:
+    """The whole call's loss once more, the host's and ``device``'s random streams seeded afresh (the caller keeps
+    and restores them): another value than the first call's says the step draws random numbers (the module is in eval
+    mode: no dropout)."""
+    torch.default_generator.manual_seed(RESEED)
+    if getattr(device, "type", None) == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        torch.cuda.default_generators[index].manual_seed(RESEED)
+    loss = step_loss(step_fn(*args, **kwargs))
+    return None if loss is None else float(loss)
+
+
 def check_step_losses(
     sharded: float,
     whole: float,
@@ -355,37 +373,52 @@ def check_step_losses(
     hook: str = "training_step",
     where: str = "a batch's first tokens",
     consumed: bool = False,
+    redrawn: float | None = None,
 ) -> None:
     """Raise when the sharded step's loss on the probe (``where``) differs from the whole step's (the same on every
     rank). ``consumed``: a Hugging Face model was handed ``labels=`` in the sharded step (its loss is this rank's share
-    of the global mean), named first among the causes."""
-    if abs(sharded - whole) > tol * max(abs(whole), 1e-12):
-        mixed = (
-            "a Hugging Face model's loss given labels= (this rank's share of the whole batch's mean, which the "
-            "strategy sums over the ranks) combined with a term of the step's own, such as a distillation or "
-            "auxiliary term averaged over this rank's tokens (divide that term by the whole batch's count of real "
-            "targets, a tensor the data loader puts in the batch, so that it too is a share of one process's value; "
-            "or call the model without labels= and average the cross-entropy over the real targets yourself, "
-            "targets shifted in the data, so that every term is a mean over this rank's tokens), "
-            if consumed
-            else ""
-        )
+    of the global mean), named first among the causes. ``redrawn``: the whole step's loss with its random streams
+    seeded afresh (:func:`loss_redrawn`); where it differs from ``whole`` the step draws random numbers, named
+    alone."""
+    if abs(sharded - whole) <= tol * max(abs(whole), 1e-12):
+        return
+    if redrawn is not None and abs(redrawn - whole) > tol * max(abs(whole), 1e-12):
         raise ValueError(
-            f"the {hook} computes something across the tokens of its slice: on {where} its loss is "
-            f"{sharded:.10g} when each rank runs its slice, but {whole:.10g} when one process runs them all. "
-            f"Common causes: {mixed}shifting targets in the step (logits[:, :-1] against ids[:, 1:]; shift "
-            f"them in the data, or pass labels= to a Hugging Face model), a loss reduced per sequence or computed from "
-            f"one position of each row (a pooled output: the last real token, [CLS], a mean over the sequence; each "
-            f"rank holds a slice of every row, so such heads train under a strategy that keeps rows whole), a loss "
-            f"averaged over every position, those without a target included (padding, a prompt: reduction='none' "
-            f"then .mean(), or a term over all tokens such as a z-loss: average over the real targets, "
-            f"targets != -100), a loss "
-            f"summed over the tokens (reduction='sum': tell the strategy, ParaDySeStrategy(loss_reduction='sum')), "
-            f"or a term computed from self.parameters(), such as an L2 penalty (each rank holds a slice of every "
-            f"weight: use the optimizer's weight_decay, or add the penalty's gradient in on_before_optimizer_step "
-            f"under torch.no_grad(), p.grad.add_(p, alpha=2 * l2), which is exact). "
-            f"ParaDySeStrategy(check_step=False) turns this check off"
+            f"the {hook} draws random numbers: its loss on {where} is {whole:.10g}, and {redrawn:.10g} when the "
+            f"random streams are seeded afresh (dropout is off in this check). Under ParaDySeStrategy each rank runs "
+            f"its slice of the batch and draws from a stream of its own, as dropout does (here {sharded:.10g}), so no "
+            f"rank draws what one process draws for the batch (a masking drawn with torch.rand(ids.shape), noise "
+            f"added with torch.randn_like). Draw them where every rank holds the whole batch: in the data (a "
+            f"collator, the Dataset) or in on_before_batch_transfer / on_after_batch_transfer, which every rank runs "
+            f"alike on its copy of the batch from the same random streams; or, to train with each rank's own draws "
+            f"(their statistics, not one process's values), turn this check off: ParaDySeStrategy(check_step=False)"
         )
+    mixed = (
+        "a Hugging Face model's loss given labels= (this rank's share of the whole batch's mean, which the "
+        "strategy sums over the ranks) combined with a term of the step's own, such as a distillation or "
+        "auxiliary term averaged over this rank's tokens (divide that term by the whole batch's count of real "
+        "targets, a tensor the data loader puts in the batch, so that it too is a share of one process's value; "
+        "or call the model without labels= and average the cross-entropy over the real targets yourself, "
+        "targets shifted in the data, so that every term is a mean over this rank's tokens), "
+        if consumed
+        else ""
+    )
+    raise ValueError(
+        f"the {hook} computes something across the tokens of its slice: on {where} its loss is "
+        f"{sharded:.10g} when each rank runs its slice, but {whole:.10g} when one process runs them all. "
+        f"Common causes: {mixed}shifting targets in the step (logits[:, :-1] against ids[:, 1:]; shift "
+        f"them in the data, or pass labels= to a Hugging Face model), a loss reduced per sequence or computed from "
+        f"one position of each row (a pooled output: the last real token, [CLS], a mean over the sequence; each "
+        f"rank holds a slice of every row, so such heads train under a strategy that keeps rows whole), a loss "
+        f"averaged over every position, those without a target included (padding, a prompt: reduction='none' "
+        f"then .mean(), or a term over all tokens such as a z-loss: average over the real targets, "
+        f"targets != -100), a loss "
+        f"summed over the tokens (reduction='sum': tell the strategy, ParaDySeStrategy(loss_reduction='sum')), "
+        f"or a term computed from self.parameters(), such as an L2 penalty (each rank holds a slice of every "
+        f"weight: use the optimizer's weight_decay, or add the penalty's gradient in on_before_optimizer_step "
+        f"under torch.no_grad(), p.grad.add_(p, alpha=2 * l2), which is exact). "
+        f"ParaDySeStrategy(check_step=False) turns this check off"
+    )
 
 
 def one_number(value: Any) -> float | None:
@@ -774,6 +807,10 @@ class StepCheck:
                     whole = step_loss(output)
                 whole_returns = returned_values(output, whole)
                 whole_metrics = metric_values(metrics, None)  # one process's
+                redrawn = None
+                if sharded is not None and whole is not None and sharded != float(whole):  # does the step draw?
+                    piece = parallel.configure_whole(module, probe, whole_info, run)
+                    redrawn = loss_redrawn(step_fn, (piece, *rest[0]), rest[1], device)
                 apart = None
                 if self.training and cycle.runner.ready and whole is not None:  # steps may run on groups of rows
                     mean = cycle.options.mean_loss
@@ -790,7 +827,7 @@ class StepCheck:
             losses.refuse(hook)
         if sharded is not None and whole is not None:
             where = f"the tokens {described_columns(columns)} of a batch of {info.seq_len}"
-            check_step_losses(sharded, float(whole), tol, hook, where, consumed)
+            check_step_losses(sharded, float(whole), tol, hook, where, consumed, redrawn)
         found = differing_logs(sharded_logs, whole_logs, tol)
         if apart is not None and whole is not None:
             if not consumed:  # a Hugging Face loss given labels= divides by the whole batch's count on groups (the

@@ -521,6 +521,19 @@ def row_weights(window: Tensor) -> dict[str, Any]:
     return batch | {"row_weights": [1.0 + 0.5 * r for r in range(window.shape[0])]}
 
 
+class RandomMaskLM(TinyLM):
+    """A masking drawn in the step (15% of the input tokens replaced by token 0, ``torch.rand(ids.shape)``): each
+    rank draws on its slice from its own stream, so no rank draws one process's masks; refused by the step check,
+    naming the draws (until 2026-11-30 its reason listed other causes)."""
+
+    @override
+    def loss(self, batch: dict[str, Tensor]) -> Tensor:
+        ids = batch["input_ids"]
+        masked = ids.masked_fill(torch.rand(ids.shape) < 0.15, 0)  # [b, s]
+        logits = self.model(masked)  # [b, s, vocab]
+        return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten())
+
+
 class HookedWeightLM(TinyLM):
     """A gradient hook on a projection weight, registered in ``__init__`` (a partial-freezing trick): the strategy
     replaces the weight by its shard, which would train unchanged (silently until 2026-11-30): refused."""
@@ -1492,6 +1505,9 @@ def cases_p2() -> dict[str, Case]:
             "grad-norm-logged": Case(NormLoggingLM, lambda: loader(ragged("targets"), rows=3)),
             "grad-hook-on-projection": Case(HookedWeightLM, lambda: loader(shifted_targets), refused="gradient hook"),
             "row-weights-list-groups": Case(RowWeightsLM, lambda: loader(row_weights, rows=3)),
+            "random-masking-in-step": Case(
+                RandomMaskLM, lambda: loader(shifted_targets), refused="draws random numbers"
+            ),
             "sum-over-rows-on-groups": Case(  # refused by the step check's rows runs, naming the cause
                 RowsDividedLM, lambda: loader(shifted_targets), strategy=dict(loss_reduction="sum"), refused="the rows"
             ),

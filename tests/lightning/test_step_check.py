@@ -101,6 +101,10 @@ def test_losses_that_differ_beyond_the_tolerance_name_the_fix() -> None:
         check_step_losses(2.0, 2.0 * (1 + 2 * tol), tol)
     with pytest.raises(ValueError, match=r"Common causes: a Hugging Face model's loss given labels= .* shifting"):
         check_step_losses(2.0, 3.0, tol, consumed=True)  # its share of the global mean beside a term of the step's
+    with pytest.raises(ValueError, match=r"draws random numbers: .* 3, and 4 when .*on_after_batch_transfer"):
+        check_step_losses(2.0, 3.0, tol, redrawn=4.0)  # the whole call seeded afresh moved: the draws named alone
+    with pytest.raises(ValueError, match="computes something across the tokens"):
+        check_step_losses(2.0, 3.0, tol, redrawn=3.0)  # the same whole loss seeded afresh: not random
     assert step_check_tolerance(torch.float32, "bf16-mixed") > step_check_tolerance(torch.float32, "32-true")
     # a float64 step whose loss function ran in float32 (Hugging Face's cross-entropy): float32's rounding of a
     # mean over the probe's few tokens (~1e-7; an exact auxiliary term beside it was refused at 4.9e-8 before), still
