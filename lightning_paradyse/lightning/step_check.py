@@ -35,6 +35,7 @@ loss where they return one, and what they log).
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import math
 import warnings
@@ -69,6 +70,7 @@ from lightning_paradyse.modes.plan import LayerPlan, OpPlan, Plan
 from lightning_paradyse.runtime import parallel
 from lightning_paradyse.runtime.exactness import kept_rng
 from lightning_paradyse.runtime.slicing import IGNORE_INDEX, BatchInfo, describe_batch, find_targets, shifted_labels
+from lightning_paradyse.runtime.streams import rng_state, set_rng_state
 
 ATTEMPTS = 8
 """Batches on which the check may still run (it waits for a batch whose tokens it runs have a real target)."""
@@ -665,10 +667,12 @@ def rows_runs(
     rest: tuple[tuple[Any, ...], dict[str, Any]],
     causal: bool,
     mean_loss: bool,
+    rewind: Callable[[], None] = lambda: None,
 ) -> RowsRuns | None:
     """The step on the probe's first ``b // 2`` rows and on the others, each run whole (every weight on this rank,
     ``info``: the probe's own description), as a step on groups runs each group's rows; ``None`` where the probe has
-    one row, or a part no real target. Call with the whole weights in place, under ``no_grad``."""
+    one row, or a part no real target. Call with the whole weights in place, under ``no_grad``. ``rewind`` puts the
+    random streams back before each run (a step's own draws are then the same in every run, as on every group)."""
     b, m = info.batch, info.seq_len
     if b < 2:
         return None
@@ -683,6 +687,7 @@ def rows_runs(
             return None
         piece = parallel.configure_whole(module, part, part_info, plan)
         reset_metrics(module)  # a metric given the part's loss holds it alone, as the strategy makes it global
+        rewind()
         with recorded_logs(module) as logs:
             loss = step_loss(step_fn(piece, *rest[0], **rest[1]))
         if loss is None:
@@ -784,6 +789,8 @@ class StepCheck:
             return
         metrics = outer_metrics(module)  # their values compared too: computed from the check's calls alone
         with torch.no_grad(), side_effects_undone(trainer, module, device):
+            streams = rng_state(device)  # every call below starts from them: a draw of the step's is the same in each
+            rewind = functools.partial(set_rng_state, streams, device)
             reset_metrics(module)
             cycle.runner.enter(cycle.runner.whole(sharded_info, plan, rank))
             a, k = cycle.shard(sharded_info, (probe, *rest[0]), rest[1])
@@ -802,6 +809,7 @@ class StepCheck:
             try:
                 run = whole_plan(plan)
                 piece = parallel.configure_whole(module, probe, whole_info, run)  # as one process
+                rewind()
                 with recorded_logs(module) as whole_logs, LossCalls() as losses:  # logged as one process logs them
                     output = step_fn(piece, *rest[0], **rest[1])
                     whole = step_loss(output)
@@ -814,7 +822,7 @@ class StepCheck:
                 apart = None
                 if self.training and cycle.runner.ready and whole is not None:  # steps may run on groups of rows
                     mean = cycle.options.mean_loss
-                    apart = rows_runs(module, probe, whole_info, run, step_fn, rest, causal, mean)
+                    apart = rows_runs(module, probe, whole_info, run, step_fn, rest, causal, mean, rewind)
             finally:
                 drop_group(module)
         cycle.runner.enter(step)  # the batch's own step again

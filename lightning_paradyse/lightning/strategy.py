@@ -121,7 +121,6 @@ from lightning_paradyse.runtime.exactness import (
     ClipInterception,
     check_optimizers,
     kept_rng,
-    rank_rng,
     set_host_rng_state,
 )
 from lightning_paradyse.runtime.hf_outputs import register_output_capture
@@ -720,7 +719,7 @@ class ParaDySeStrategy(ParallelStrategy):
         if info.skip:
             return self._skipped_loss()
         args, kwargs = cycle.shard(info, args, kwargs)
-        with self._rank_rng(), cycle.logs.capture(module):  # dropout masks independent across ranks
+        with self._call_streams(), cycle.logs.capture(module):  # the model's calls: dropout independent across ranks
             output = super().training_step(*args, **kwargs)
         cycle.after_step(output, self._accumulating())
         result = cycle.global_output(output, info, defer=self._steps_now())
@@ -858,12 +857,15 @@ class ParaDySeStrategy(ParallelStrategy):
     def _plain_structure(self) -> PlainModel | None:
         return self._plain_model
 
-    def _rank_rng(self) -> Any:
+    def _call_streams(self) -> Any:
+        """The model's calls draw from this rank's stream in the step; the step's own code from the process's
+        (:mod:`~lightning_paradyse.runtime.streams`)."""
         trainer = self._trainer
         if self.world_size == 1 or trainer is None:
             return contextlib.nullcontext()
         step = int(trainer.fit_loop.epoch_loop.batch_progress.total.ready)
-        return rank_rng(torch.initial_seed(), self.global_rank, step, self.root_device)
+        streams = parallel.call_streams(self._module)
+        return streams.step_of(torch.initial_seed(), self.global_rank, step, self.root_device)
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """``torch.nn.utils.clip_grad_norm_`` by the norm of the whole model's gradients (the shards' parts summed

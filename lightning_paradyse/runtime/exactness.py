@@ -14,8 +14,9 @@ Whatever reads *whole* tensors across that boundary must be made exact or refuse
 * **Replicas** (:func:`check_replicas`): a cheap digest of the replicated parameters, compared across ranks after
   the first optimizer steps, every ``N`` steps and at every checkpoint, turns any drift into an error naming the
   parameters and the likely cause.
-* **Random numbers** (:func:`rank_rng`): dropout and other random ops in the step draw from a per-rank stream,
-  so ranks do not drop the same positions of their chunks; the global stream (data order) is untouched.
+* **Random numbers** (:mod:`~lightning_paradyse.runtime.streams`): the model's calls in a training step draw from
+  a per-rank stream, so ranks do not drop the same positions of their chunks; the step's own code draws from the
+  process's streams, the same on every rank.
 * **Positions and windows** (:func:`check_rotary`, :func:`attention_window`, :func:`check_window`): rotary
   embeddings whose frequencies follow each call's largest position are refused, and a batch longer than a sliding
   or chunked attention window the modes do not apply is refused before any collective.
@@ -201,19 +202,6 @@ def _cuda_indices(device: torch.device | None) -> list[int]:
     if device is None or device.type != "cuda":
         return []
     return [device.index if device.index is not None else torch.cuda.current_device()]
-
-
-@contextlib.contextmanager
-def rank_rng(seed: int, rank: int, step: int, device: torch.device) -> Iterator[None]:
-    """Random numbers of one step drawn from a stream of this rank's own, derived from the run's seed, the step
-    and the rank (reproducible on resume); the global stream is restored afterwards."""
-    devices = _cuda_indices(device)
-    with torch.random.fork_rng(devices=devices):
-        derived = (seed * 1_000_003 + step * 8_191 + rank + 1) % (2**63)
-        torch.default_generator.manual_seed(derived)  # the forked streams only (torch.manual_seed visits every
-        for index in devices:  # device type, a tenth of a millisecond per call)
-            torch.cuda.default_generators[index].manual_seed(derived)
-        yield
 
 
 def host_rng_state() -> dict[str, Any]:

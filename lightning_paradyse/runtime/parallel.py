@@ -63,6 +63,7 @@ from lightning_paradyse.runtime.slicing import (
     check_padding_targets,
     shard_batch,
 )
+from lightning_paradyse.runtime.streams import CallStreams
 
 
 @dataclass
@@ -95,6 +96,8 @@ class StepState:
     plain: Any = None
     """What checkpoints need to know about the plain model (a ``PlainModel``, recorded by the strategy before the
     rewrite); carried by a deep copy too."""
+    streams: CallStreams = field(default_factory=CallStreams)
+    """Which random stream the model's calls draw from (:mod:`~lightning_paradyse.runtime.streams`)."""
     whole_runs: list[int] = field(default_factory=list)
     """The module (its ``id``) whose call runs on whole sequences now: a model holding blocks ``blocks=`` leaves whole
     (:func:`_whole_in`; emptied by :func:`configure`)."""
@@ -527,7 +530,8 @@ def _install_hooks(module: nn.Module, block_names: list[str], state: StepState) 
         if _parameters(owner.forward) & set(CACHE_ARGS):
             owner.register_forward_pre_hook(_cache_hook, with_kwargs=True, prepend=True)
             break
-    _install_call_refusals([module.get_submodule(path) if path else module for path in chain], state)
+    owners = [module.get_submodule(path) if path else module for path in chain]
+    _install_call_refusals(owners, state)
     for path in chain:
         owner = module.get_submodule(path) if path else module
         arg = next((a for a in ("positions", "position_ids") if _accepts(owner.forward, a)), None)
@@ -544,6 +548,28 @@ def _install_hooks(module: nn.Module, block_names: list[str], state: StepState) 
         if "attention_mask" in _parameters(owner.forward):
             owner.register_forward_pre_hook(_StepHook(state, _mask_hook), with_kwargs=True)
             break
+    _install_call_streams(owners, state)  # last: its pre-hook is then the first to run
+
+
+def _install_call_streams(owners: list[nn.Module], state: StepState) -> None:
+    """Each call of an owner of the blocks draws from this rank's stream in a training step (the outermost where they
+    nest; :mod:`~lightning_paradyse.runtime.streams`): the pre-hook first of all, the hook also after a raise."""
+    for owner in owners:
+        owner.register_forward_pre_hook(_StepHook(state, _streams_in), prepend=True)
+        owner.register_forward_hook(_StepHook(state, _streams_out), always_call=True)
+
+
+def _streams_in(state: StepState, mod: nn.Module, args: tuple[Any, ...]) -> None:
+    state.streams.enter()
+
+
+def _streams_out(state: StepState, mod: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+    state.streams.exit()
+
+
+def call_streams(module: nn.Module) -> CallStreams:
+    """The random streams of ``module``'s model calls (a parallelized module)."""
+    return step_state(module).streams
 
 
 def _install_call_refusals(owners: list[nn.Module], state: StepState) -> None:

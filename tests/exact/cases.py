@@ -534,6 +534,19 @@ class RandomMaskLM(TinyLM):
         return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten())
 
 
+class RandomBranchLM(TinyLM):
+    """A step that draws a number and branches on it (a task sampled per step: on about half the steps a second call
+    of the model), and weighs its loss by a drawn factor: every rank draws what one process draws (until 2026-11-30
+    each rank drew its own: a collective mismatch where one rank called the model again, silently inexact on groups)."""
+
+    @override
+    def loss(self, batch: dict[str, Tensor]) -> Tensor:
+        loss = super().loss(batch)
+        if float(torch.rand(())) < 0.5:  # a branch of the step's own
+            loss = loss + 0.5 * super().loss(batch)
+        return loss * (1.0 + 0.1 * torch.rand((), dtype=loss.dtype))
+
+
 class HookedWeightLM(TinyLM):
     """A gradient hook on a projection weight, registered in ``__init__`` (a partial-freezing trick): the strategy
     replaces the weight by its shard, which would train unchanged (silently until 2026-11-30): refused."""
@@ -1505,6 +1518,10 @@ def cases_p2() -> dict[str, Case]:
             "grad-norm-logged": Case(NormLoggingLM, lambda: loader(ragged("targets"), rows=3)),
             "grad-hook-on-projection": Case(HookedWeightLM, lambda: loader(shifted_targets), refused="gradient hook"),
             "row-weights-list-groups": Case(RowWeightsLM, lambda: loader(row_weights, rows=3)),
+            "random-branch-in-step": Case(RandomBranchLM, lambda: loader(ragged("targets"), rows=3)),
+            "random-branch-in-step-sliced": Case(
+                RandomBranchLM, lambda: loader(ragged("targets"), rows=3), strategy=dict(plan="ring")
+            ),
             "random-masking-in-step": Case(
                 RandomMaskLM, lambda: loader(shifted_targets), refused="draws random numbers"
             ),

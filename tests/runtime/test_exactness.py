@@ -20,7 +20,6 @@ from lightning_paradyse.runtime.exactness import (
     check_optimizers,
     check_rotary,
     check_window,
-    rank_rng,
     replica_check_due,
 )
 from tests.exact.cases import Lamb
@@ -96,19 +95,6 @@ def test_total_norm_of_sharded_grads_on_one_process_equals_torchs() -> None:
 def test_replicas_are_checked_on_the_first_steps_then_every_n() -> None:
     assert [s for s in range(1, 200) if replica_check_due(s, 50)] == [1, 2, 3, 50, 100, 150]
     assert not any(replica_check_due(s, 0) for s in range(1, 10))
-
-
-def test_rank_streams_differ_per_rank_and_leave_the_global_stream_alone() -> None:
-    torch.manual_seed(7)
-    state = torch.get_rng_state()
-    draws = []
-    for rank in (0, 1):
-        with rank_rng(7, rank, step=3, device=torch.device("cpu")):
-            draws.append(torch.rand(8))
-    assert not torch.equal(draws[0], draws[1])
-    assert torch.equal(torch.get_rng_state(), state)
-    with rank_rng(7, 0, step=3, device=torch.device("cpu")):
-        assert torch.equal(torch.rand(8), draws[0])  # reproducible (a resumed run draws the same)
 
 
 def test_call_dependent_rotary_and_sliding_windows_are_found_in_hugging_face_models() -> None:
