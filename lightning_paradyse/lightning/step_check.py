@@ -1,6 +1,7 @@
-"""The one-time step check: does the module's step compute across the tokens of its slice, or the rows of its batch?
+"""The step check: does the module's step compute across the tokens of its slice, or the rows of its batch?
 
-On the first training batch (``ParaDySeStrategy(check_step=True)``), the module's step runs twice on ``8p + 1`` of
+On the first training batch (``ParaDySeStrategy(check_step=True)``; and again on the 10th, 100th, 1,000th, ...:
+:data:`AGAIN_EVERY`), the module's step runs twice on ``8p + 1`` of
 the batch's tokens, with no gradient and no trace left (:func:`side_effects_undone`): sharded over the ranks as every
 step runs, and whole on every rank (a group of one holding every weight). The two losses must agree to the
 precision's tolerance; otherwise the step computes across its slice (e.g. shifts the targets itself) and the run
@@ -716,6 +717,12 @@ def check_rows_losses(combined: float, whole: float, tol: float, hook: str, spli
         )
 
 
+AGAIN_EVERY = 10
+"""After its first batch the training step is checked again at its 10th, 100th, 1,000th, ... batch (the first plain
+batch from there): a step that changes after its first batches (a warm-up on another loss, draws that start later)
+is seen there, not before."""
+
+
 class StepCheck:
     """The check's state (batches left) and its run. ``enabled``: ``ParaDySeStrategy(check_step=...)``.
     ``training``: it checks the training step (else an evaluation step: ``validation_step``, ``test_step``, whose first
@@ -727,19 +734,28 @@ class StepCheck:
         self.until_untargeted = False
         """The check ran on a batch whose every position has a target: it runs once more, on the first batch with
         a position that has none (where a loss averaged over every position stops being one process's)."""
+        self.again: int | None = AGAIN_EVERY if enabled and training else None
+        """The training batch (Lightning's count of batches begun, from 1) from which the check runs again
+        (:data:`AGAIN_EVERY`); ``None``: never."""
 
-    def wants(self, info: BatchInfo) -> bool:
-        """Whether the check would run on a batch so described (its step then runs on one group of every rank)."""
+    def wants(self, info: BatchInfo, batch: int | None = None) -> bool:
+        """Whether the check would run on a batch so described, the ``batch``-th of the fit (its step then runs on one
+        group of every rank)."""
         if self.left > 0:
+            return True
+        if self.again is not None and batch is not None and batch >= self.again:
             return True
         return self.until_untargeted and (info.padding is not None or info.n_global < info.batch * info.seq_len)
 
-    def due(self, cycle: StepCycle, module: pl.LightningModule, world: int, axes: int) -> bool:
-        """Whether the batch begun is checked: a plain batch (no documents, one group, not skipped), of a module
-        with automatic optimization for a training step, on several ranks, while attempts are left (or the first
-        such batch with a position without a target, after a check on a batch without one)."""
+    def due(
+        self, cycle: StepCycle, module: pl.LightningModule, world: int, axes: int, batch: int | None = None
+    ) -> bool:
+        """Whether the batch begun (the ``batch``-th) is checked: a plain batch (no documents, one group, not
+        skipped), of a module with automatic optimization for a training step, on several ranks, while attempts are
+        left (or the first such batch with a position without a target, after a check on a batch without one; or
+        the first from :attr:`again`)."""
         pending, step = cycle.pending, cycle.runner.step
-        if world == 1 or pending is None or step is None or not step.whole or not self.wants(pending):
+        if world == 1 or pending is None or step is None or not step.whole or not self.wants(pending, batch):
             return False
         automatic = module.automatic_optimization or not self.training
         return pending.doc_ids is None and axes == 1 and not pending.skip and automatic
@@ -753,8 +769,10 @@ class StepCheck:
         step_fn: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
+        batch_index: int | None = None,
     ) -> None:
-        """The check itself (see the module docstring); ``step_fn`` is the module's step."""
+        """The check itself (see the module docstring); ``step_fn`` is the module's step, on the fit's
+        ``batch_index``-th batch."""
         module = cycle.module
         assert isinstance(module, pl.LightningModule), "the strategy checks its LightningModule's step"
         info, step = cycle.pending, cycle.runner.step
@@ -785,7 +803,7 @@ class StepCheck:
             return
         if not whole_weights_fit(module, group, device, trainer.world_size, copies=2):
             rank_zero_warn("[paradyse] check_step: the whole weights do not fit on every rank; the step is not checked")
-            self.left = 0
+            self.left, self.again = 0, None
             return
         metrics = outer_metrics(module)  # their values compared too: computed from the check's calls alone
         with torch.no_grad(), side_effects_undone(trainer, module, device):
@@ -828,6 +846,8 @@ class StepCheck:
         cycle.runner.enter(step)  # the batch's own step again
         cycle.pending = info
         self.left = 0
+        while self.again is not None and batch_index is not None and self.again <= batch_index:
+            self.again *= AGAIN_EVERY  # the next power of ten
         dtype = whole.dtype if whole is not None else torch.get_default_dtype()
         tol = step_check_tolerance(dtype, trainer.precision, losses.dtypes)
         hook = module._current_fx_name or ("training_step" if self.training else "evaluation step")
@@ -867,6 +887,7 @@ def whole_weights_fit(module: torch.nn.Module, group: Group, device: torch.devic
 
 
 __all__ = [
+    "AGAIN_EVERY",
     "ATTEMPTS",
     "LOSS_AS_LOGGED",
     "LOW_PRECISION_TOLERANCE",

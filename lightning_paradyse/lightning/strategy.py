@@ -175,14 +175,15 @@ class ParaDySeStrategy(ParallelStrategy):
         check_replicas_every: Compare the replicated parameters across ranks after the first three optimizer steps,
             then every this many steps and at every checkpoint (0: never); a difference raises, naming the likely
             cause (:func:`~lightning_paradyse.runtime.exactness.check_replicas`).
-        check_step: On the first training batch, compare the module's step on ``8p + 1`` of its tokens (its start,
+        check_step: On the first training batch (and the 10th, 100th, ...), compare the module's step on ``8p + 1`` of its tokens (its start,
             its end and between: :func:`~lightning_paradyse.lightning.step_check.probe_columns`) sharded over the
             ranks with the same step on those tokens whole, and stop if they differ: the step computes across the
             tokens of its slice (e.g. shifts targets itself); a loss ignoring another index than -100, or class weights
             under a mean, are refused there too. Where steps may run on groups of rows (``plan="auto"``), the whole
             step also runs on two halves of the rows, apart: a loss divided by the batch's rows is refused. Costs two
-            forward passes on those tokens (four with groups), once (once more on the first batch with a position
-            without a target, after a batch without one), with every weight gathered on every rank after the first.
+            forward passes on those tokens (four with groups), on the first batch (once more on the first batch with
+            a position without a target, after a batch without one), and again at the 10th, 100th, 1,000th, ...
+            training batch (a step that changes later), with every weight gathered on every rank each time.
         process_group_backend: ``"nccl"`` or ``"gloo"``; default NCCL on GPUs each held by one rank, gloo on the host
             and where ranks share a GPU. NCCL with two ranks on one GPU is refused (it refuses them itself).
         grad_reduce_dtype: ``"float32"`` (default): weight gradients in bf16 (``precision="bf16-true"``) are summed over
@@ -680,7 +681,8 @@ class ParaDySeStrategy(ParallelStrategy):
     def begin_batch(self, batch: Any, stage: str) -> StepRecord:
         """The one call per batch (:meth:`~lightning_paradyse.lightning.cycle.StepCycle.begin`): validate, plan, agree,
         enter; returns (and keeps in :attr:`step_record`) what the callback logs."""
-        wanted = self._step_check.wants if self._module.automatic_optimization else None  # it runs on one group
+        check = functools.partial(self._step_check.wants, batch=self._batch_index())
+        wanted = check if self._module.automatic_optimization else None  # a checked batch runs on one group
         return self.cycle.begin(batch, stage, check_wanted=wanted, logged=stage == "train" and self._logged())
 
     @override
@@ -710,10 +712,11 @@ class ParaDySeStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         """The module's step on this rank's tokens, with the global loss."""
         cycle, module = self.cycle, self._module
-        if self._step_check.due(cycle, module, self.world_size, self.options.axes):
+        index = self._batch_index()
+        if self._step_check.due(cycle, module, self.world_size, self.options.axes, index):
             assert self._trainer is not None
             self._step_check.run(
-                cycle, self._trainer, self._group, self.root_device, super().training_step, args, kwargs
+                cycle, self._trainer, self._group, self.root_device, super().training_step, args, kwargs, index
             )
         info = cycle.take("training_step")
         if info.skip:
@@ -857,15 +860,18 @@ class ParaDySeStrategy(ParallelStrategy):
     def _plain_structure(self) -> PlainModel | None:
         return self._plain_model
 
+    def _batch_index(self) -> int:
+        """Lightning's count of the fit's training batches begun (the current one included; 0 outside a fit)."""
+        trainer = self._trainer
+        return 0 if trainer is None else int(trainer.fit_loop.epoch_loop.batch_progress.total.ready)
+
     def _call_streams(self) -> Any:
         """The model's calls draw from this rank's stream in the step; the step's own code from the process's
         (:mod:`~lightning_paradyse.runtime.streams`)."""
-        trainer = self._trainer
-        if self.world_size == 1 or trainer is None:
+        if self.world_size == 1 or self._trainer is None:
             return contextlib.nullcontext()
-        step = int(trainer.fit_loop.epoch_loop.batch_progress.total.ready)
         streams = parallel.call_streams(self._module)
-        return streams.step_of(torch.initial_seed(), self.global_rank, step, self.root_device)
+        return streams.step_of(torch.initial_seed(), self.global_rank, self._batch_index(), self.root_device)
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """``torch.nn.utils.clip_grad_norm_`` by the norm of the whole model's gradients (the shards' parts summed

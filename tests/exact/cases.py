@@ -547,6 +547,22 @@ class RandomBranchLM(TinyLM):
         return loss * (1.0 + 0.1 * torch.rand((), dtype=loss.dtype))
 
 
+class LaterPerRowLM(TinyLM):
+    """A loss that changes after the first batches (a warm-up on the token mean, then a mean of each row's mean, which
+    a rank computes from its slice of the row): the step check, run again at the 10th batch, refuses it there (until
+    2026-11-30 it ran on the first batch alone, and the later loss trained silently)."""
+
+    @override
+    def loss(self, batch: dict[str, Tensor]) -> Tensor:
+        if self.global_step < 3:
+            return super().loss(batch)
+        logits = self.model(batch["input_ids"])  # [b, s, vocab]
+        targets = batch["targets"]
+        ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)  # [b, s]
+        real = (targets != -100).to(ce.dtype)
+        return ((ce * real).sum(1) / real.sum(1)).mean()  # [b, s] -> [b] -> []
+
+
 class HookedWeightLM(TinyLM):
     """A gradient hook on a projection weight, registered in ``__init__`` (a partial-freezing trick): the strategy
     replaces the weight by its shard, which would train unchanged (silently until 2026-11-30): refused."""
@@ -1521,6 +1537,13 @@ def cases_p2() -> dict[str, Case]:
             "random-branch-in-step": Case(RandomBranchLM, lambda: loader(ragged("targets"), rows=3)),
             "random-branch-in-step-sliced": Case(
                 RandomBranchLM, lambda: loader(ragged("targets"), rows=3), strategy=dict(plan="ring")
+            ),
+            "loss-changes-later": Case(
+                LaterPerRowLM,
+                lambda: loader(ragged("targets"), rows=3),
+                strategy=dict(plan="ring"),
+                trainer=dict(max_steps=12),
+                refused="computes something across the tokens",
             ),
             "random-masking-in-step": Case(
                 RandomMaskLM, lambda: loader(shifted_targets), refused="draws random numbers"
