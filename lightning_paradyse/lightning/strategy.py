@@ -175,8 +175,9 @@ class ParaDySeStrategy(ParallelStrategy):
         check_replicas_every: Compare the replicated parameters across ranks after the first three optimizer steps,
             then every this many steps and at every checkpoint (0: never); a difference raises, naming the likely
             cause (:func:`~lightning_paradyse.runtime.exactness.check_replicas`).
-        check_step: On the first training batch (and the 10th, 100th, ...), compare the module's step on ``8p + 1`` of its tokens (its start,
-            its end and between: :func:`~lightning_paradyse.lightning.step_check.probe_columns`) sharded over the
+        check_step: On the first training batch (and the 10th, 100th, ...), compare the module's step on ``8p + 1``
+            of its tokens (its start, its end and between: :func:`~lightning_paradyse.lightning.step_check.
+            probe_columns`) sharded over the
             ranks with the same step on those tokens whole, and stop if they differ: the step computes across the
             tokens of its slice (e.g. shifts targets itself); a loss ignoring another index than -100, or class weights
             under a mean, are refused there too. Where steps may run on groups of rows (``plan="auto"``), the whole
