@@ -297,7 +297,13 @@ class OpDispatch(nn.Module):
             raise self.unconfigured()
         expected = self.ctx.layout.local_len(self.ctx.rank)
         if x.shape[1] != expected:
-            raise ValueError(f"layer {self.layer}: the input has {x.shape[1]} tokens, the layout gives {expected}")
+            raise ValueError(
+                f"layer {self.layer}: the input has {x.shape[1]} tokens where this rank's slice of the batch has "
+                f"{expected}: the model was called on a sequence of another length than the batch's (truncated, a "
+                f"token or a prompt prepended, positions dropped in the step). Each rank holds a slice of every row, "
+                f"so change the sequence where every rank holds the whole batch: in the data (the collator) or in "
+                f"on_after_batch_transfer"
+            )
         return self.ctx, self.op_plan
 
     def _run(self, fn: Any, *args: Any) -> torch.Tensor:

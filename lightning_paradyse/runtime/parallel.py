@@ -666,14 +666,17 @@ def _mask_hook(
             state.padding is not None and source is not None and source.key in PAD_MASK_KEYS
         )
         problem = "a 2D mask that is not the batch's attention_mask"
+        if source is not None and source.key.startswith("#"):  # a tuple's or list's tensor: no name says "mask"
+            problem = f"a 2D mask from a tuple or list batch ({source.key}), not a batch's named attention_mask"
     if state.sources and not _agree(ok, ctx, _device_of(args, kwargs, mod)):
         ok = False
     if not ok:
         raise ValueError(
             f"{type(mod).__name__} was called with attention_mask= {problem}: the parallel modes apply the attention "
             f"pattern themselves (causal or bidirectional, sliding windows, packed documents by doc_ids) and would "
-            f"not apply this mask; pass the batch's own attention_mask (right padding of causal models is honoured) "
-            f"or none, and pack documents with doc_ids instead of block-diagonal masks"
+            f"not apply this mask; pass the batch's own attention_mask (right padding of causal models is honoured; "
+            f"the strategy finds it by its name, so a batch that holds one is a dict with 'attention_mask') or none, "
+            f"and pack documents with doc_ids instead of block-diagonal masks"
         )
     return args, kwargs
 

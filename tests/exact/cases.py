@@ -123,6 +123,12 @@ def hf_labels_tuple(window: Tensor) -> tuple[Tensor, Tensor]:
     return batch["input_ids"], batch["labels"]
 
 
+def ragged_tuple(window: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`ragged` Hugging Face rows as a tuple ``(input_ids, labels, attention_mask)``."""
+    batch = ragged("labels")(window)
+    return batch["input_ids"], batch["labels"], batch["attention_mask"]
+
+
 def tokens_tensor(window: Tensor) -> Tensor:
     """The tokens alone, the batch itself a tensor (a Hugging Face model handed them as its labels too)."""
     return window[:, :-1]
@@ -912,7 +918,8 @@ class HFModule(pl.LightningModule):
 
     ``call``: ``labels-key`` (``labels=batch["labels"]``), ``labels-ids`` (``labels=input_ids``, no labels in the
     batch), ``shift-labels`` (``shift_labels=batch["shift_labels"]``), ``masked`` (``attention_mask`` too),
-    ``tuple-labels`` (a batch ``(input_ids, labels)``), ``tensor-labels`` (the batch the tokens, ``labels=batch``).
+    ``tuple-labels`` (a batch ``(input_ids, labels)``), ``tensor-labels`` (the batch the tokens, ``labels=batch``),
+    ``tuple-mask`` (a batch ``(input_ids, labels, attention_mask)``).
     Its steps log their loss with ``self.log``, as users do.
     ``checkpointing``: the keyword arguments of ``model.gradient_checkpointing_enable(...)``, called here as users
     do (``None``: not called). ``family``: a family of :data:`~tests.support.families.HF_FAMILIES` instead of Llama
@@ -944,6 +951,8 @@ class HFModule(pl.LightningModule):
             return self.model(input_ids=batch[0], labels=batch[1]).loss
         if self.call == "tensor-labels":  # the batch is the tokens
             return self.model(input_ids=batch, labels=batch).loss
+        if self.call == "tuple-mask":  # a tuple batch (input_ids, labels, attention_mask)
+            return self.model(input_ids=batch[0], labels=batch[1], attention_mask=batch[2]).loss
         ids = batch["input_ids"]
         if self.call == "labels-key":
             return self.model(input_ids=ids, labels=batch["labels"]).loss
@@ -1500,6 +1509,9 @@ def cases_p2() -> dict[str, Case]:
             # batch's were counted over the group's rows until 2026-11-30: twice the loss, silently)
             "hf-labels-tuple-groups": Case(hf("tuple-labels"), lambda: loader(hf_labels_tuple, rows=3)),
             "hf-labels-tensor-groups": Case(hf("tensor-labels"), lambda: loader(tokens_tensor, rows=3)),
+            "hf-mask-in-tuple": Case(  # a padding mask is known by its name: the refusal says to yield a dict
+                hf("tuple-mask"), lambda: loader(ragged_tuple), strategy=dict(plan="ring"), refused="tuple or list"
+            ),
             "hf-shift-labels": Case(hf("shift-labels"), lambda: loader(hf_shift_labels), strategy=dict(plan="ring")),
             "hf-tied": Case(hf("labels-key", tied=True), lambda: loader(hf_labels), strategy=dict(plan="metp")),
             "hf-pad-right": Case(hf("masked"), lambda: loader(padded("right")), strategy=dict(plan=MIXED)),
