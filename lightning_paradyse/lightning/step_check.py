@@ -206,6 +206,79 @@ class LossCalls(TorchFunctionMode):
             raise ValueError(f"the {hook} computes a loss ParaDySeStrategy cannot make exact: " + "; ".join(self.found))
 
 
+class SequenceCuts(TorchFunctionMode):
+    """Where the step itself cuts a tensor of the batch along the sequence, outside the model's calls: an index or a
+    ``narrow`` of its second dimension (``ids[:, :512]``, ``targets[:, 1:]``, ``ids[:, 0]``, ``x[..., :-1]`` of a
+    ``[b, s]`` tensor). On a rank that holds a slice of every row such a cut is of the slice, not of the row: a
+    truncation longer than every slice cuts nothing on any rank (one process trains on the truncated rows), a shift
+    pairs the slice's positions otherwise than one process's. Watched on the check's sharded call (the same code on
+    every rank: every rank records the same cuts); a cut of the whole selection of rows (``x[mask]``, ``x[rows]``) is
+    not one."""
+
+    def __init__(self, batch: Mapping[str, torch.Tensor], inside_model: Callable[[], bool]) -> None:
+        super().__init__()
+        self.watched = dict(batch)  # name -> the step's tensor (held: ids stay theirs)
+        self.inside_model = inside_model
+        self.found: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if args and isinstance(args[0], torch.Tensor) and not self.inside_model():
+            name = next((k for k, t in self.watched.items() if t is args[0]), None)
+            if name is not None:
+                cut = None
+                if func is torch.Tensor.__getitem__ and len(args) > 1:
+                    cut = sequence_index(args[0], args[1])
+                elif func in (torch.Tensor.narrow, torch.narrow):
+                    given = inspect.signature(torch.narrow).bind(*args, **kwargs).arguments
+                    if given.get("dim") in (1, 1 - args[0].dim()):
+                        cut = f"narrow(1, {given.get('start')}, {given.get('length')})"
+                if cut is not None and f"{name}{cut}" not in self.found:
+                    self.found.append(f"{name}{cut}")
+        return func(*args, **kwargs)
+
+
+def refuse_sequence_cuts(found: list[str], hook: str) -> None:
+    """Raise (alike on every rank) where the step cut a tensor of the batch along the sequence (:class:`SequenceCuts`),
+    naming the cuts and the fix."""
+    if not found:
+        return
+    shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+    raise ValueError(
+        f"the {hook} cuts the batch along the sequence itself ({shown}): each rank holds a slice of every row, so a "
+        f"cut at a position cuts this rank's slice there, not the row (a truncation longer than every slice cuts "
+        f"nothing on any rank, and the run would train on whole rows where one process trains on the truncated "
+        f"ones; a shift pairs the slice's positions otherwise than one process's). Change the sequence where every "
+        f"rank holds the whole batch: in the data (the collator) or in on_after_batch_transfer; shift targets in the "
+        f"data (or pass labels= to a Hugging Face model, which the strategy shifts over the whole sequence) instead "
+        f"of logits[:, :-1] against ids[:, 1:]. ParaDySeStrategy(check_step=False) turns this check off"
+    )
+
+
+def sequence_index(t: torch.Tensor, index: Any) -> str | None:
+    """How ``t[index]`` cuts ``t``'s second dimension (the sequence), as written (``[:, :512]``), or ``None`` where it
+    keeps it whole (an index of the rows alone, ``[:, :]``, a mask or index tensor over every dimension at once)."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    real = [i for i in items if i is not None]  # None adds a dimension and takes none
+    if any(i is Ellipsis for i in real):
+        k = next(j for j, i in enumerate(real) if i is Ellipsis)
+        fill = t.dim() - (len(real) - 1)
+        real = real[:k] + [slice(None)] * max(fill, 0) + real[k + 1 :]
+    if len(real) < 2 or (isinstance(real[0], torch.Tensor) and real[0].dim() > 1):
+        return None
+    second = real[1]
+    if isinstance(second, slice):
+        if second == slice(None):
+            return None
+        start = "" if second.start is None else str(second.start)
+        stop = "" if second.stop is None else str(second.stop)
+        step = "" if second.step is None else f":{second.step}"
+        return f"[:, {start}:{stop}{step}]"
+    if isinstance(second, int):
+        return f"[:, {second}]"
+    return "[:, <index>]" if isinstance(second, (torch.Tensor, list)) else None
+
+
 def step_check_tolerance(dtype: torch.dtype, precision: str | None, computed: Collection[torch.dtype] = ()) -> float:
     """The check's relative tolerance: from the loss's dtype, loosened for bf16/fp16 compute (the loss of a
     ``bf16-mixed`` step is float32, its matmuls were not), for TF32 matmuls, and for a float64 loss whose loss
@@ -812,8 +885,11 @@ class StepCheck:
             reset_metrics(module)
             cycle.runner.enter(cycle.runner.whole(sharded_info, plan, rank))
             a, k = cycle.shard(sharded_info, (probe, *rest[0]), rest[1])
+            sliced = {src.key: src.local for src in parallel.step_state(module).sources}
+            calls = parallel.call_streams(module)  # its stack is not empty inside a call of the model
+            cuts = SequenceCuts(sliced, lambda: bool(calls.saved))  # inside a call of the model: not the step's
             with recorded_logs(module) as sharded_logs, cycle.logs.trial():  # logged as the strategy logs them
-                with cycle.logs.capture(module):
+                with cycle.logs.capture(module), cuts:
                     output = step_fn(*a, **k)
                     local = step_loss(output)
                 sharded_returns = returned_values(output, local)
@@ -853,6 +929,7 @@ class StepCheck:
         hook = module._current_fx_name or ("training_step" if self.training else "evaluation step")
         if cycle.options.mean_loss:
             losses.refuse(hook)
+        refuse_sequence_cuts(cuts.found, hook)
         if sharded is not None and whole is not None:
             where = f"the tokens {described_columns(columns)} of a batch of {info.seq_len}"
             check_step_losses(sharded, float(whole), tol, hook, where, consumed, redrawn)

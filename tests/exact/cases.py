@@ -569,6 +569,17 @@ class LaterPerRowLM(TinyLM):
         return ((ce * real).sum(1) / real.sum(1)).mean()  # [b, s] -> [b] -> []
 
 
+class TruncatingLM(TinyLM):
+    """Truncates its batch to 48 tokens in the step (``batch["input_ids"][:, :48]``), a common ``max_len`` idiom: each
+    rank would cut its slice, shorter than 48, so nothing (until 2026-11-30 it trained on the whole rows where one
+    process trains on 48 tokens, silently): refused by the step check, naming the cut."""
+
+    @override
+    def loss(self, batch: dict[str, Tensor]) -> Tensor:
+        short = {k: v[:, :48] for k, v in batch.items()}  # [b, s] -> [b, min(s, 48)]
+        return super().loss(short)
+
+
 class HookedWeightLM(TinyLM):
     """A gradient hook on a projection weight, registered in ``__init__`` (a partial-freezing trick): the strategy
     replaces the weight by its shard, which would train unchanged (silently until 2026-11-30): refused."""
@@ -1557,6 +1568,9 @@ def cases_p2() -> dict[str, Case]:
                 trainer=dict(max_steps=12),
                 refused="computes something across the tokens",
             ),
+            "truncate-in-step": Case(
+                TruncatingLM, lambda: loader(shifted_targets), strategy=dict(plan="ring"), refused="input_ids[:, :48]"
+            ),
             "random-masking-in-step": Case(
                 RandomMaskLM, lambda: loader(shifted_targets), refused="draws random numbers"
             ),
@@ -1796,7 +1810,11 @@ def cases_p2() -> dict[str, Case]:
                 EncoderTinyLM, lambda: loader(ragged("targets"), rows=3), splits=SPLITS_2
             ),
             "dropout": Case(DropoutLM, lambda: loader(shifted_targets), strategy=dict(plan=MIXED), compare=False),
-            "self-shift": Case(SelfShift, lambda: loader(tokens_only), refused="computes something across the tokens"),
+            "self-shift": Case(  # the step's own shift of the batch's tokens: named as a cut along the sequence
+                SelfShift,
+                lambda: loader(tokens_only),
+                refused="cuts the batch along the sequence itself (input_ids[:, 1:])",
+            ),
             # a mean over every position: one process's where every position has a target, refused where one has
             # none (silent until 2026-11-30, thirteenth session: the check's first tokens all had targets)
             "every-position-mean": Case(EveryPositionLM, lambda: loader(shifted_targets), refused=ACROSS),

@@ -27,6 +27,7 @@ from lightning_paradyse.lightning.step_check import (
     probe_batch,
     probe_columns,
     rows_with_target,
+    sequence_index,
     step_check_tolerance,
     whole_plan,
 )
@@ -343,3 +344,14 @@ def test_the_check_names_metrics_whose_value_over_the_ranks_is_not_one_processs(
     named = validation.split(" with values")[0]
     assert "validation_step" in named and "'val_row_loss'" in named and "'val_token_loss'" not in named, validation
     assert logged["loss_a"] == logged["loss_b"] == logged["token_loss"], logged  # b reads a's states, updated
+
+
+def test_cuts_along_the_sequence_are_told_from_cuts_of_rows() -> None:
+    x = torch.zeros(3, 10)
+    assert sequence_index(x, (slice(None), slice(None, 8))) == "[:, :8]"
+    assert sequence_index(x, (Ellipsis, slice(1, None))) == "[:, 1:]"  # the last dimension of [b, s] is the sequence
+    assert sequence_index(x, (slice(None), 0)) == "[:, 0]"
+    assert sequence_index(x, (slice(None), slice(None), None)) is None  # a new dimension, the sequence whole
+    assert sequence_index(x, slice(0, 2)) is None and sequence_index(x, torch.tensor([0, 2])) is None  # rows
+    assert sequence_index(x, x > 0) is None  # a mask over every dimension: the real targets, per token
+    assert sequence_index(torch.zeros(3, 10, 4), (Ellipsis, slice(1, None))) is None  # a feature dimension
