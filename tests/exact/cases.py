@@ -1006,7 +1006,7 @@ class HFModule(pl.LightningModule):
 
 
 class GeneratingLM(HFModule):
-    """Generates a few tokens from the start of each validation batch with ``model.generate`` (``at_epoch_end``: from
+    """Generates a few tokens after each validation batch's tokens with ``model.generate`` (``at_epoch_end``: from
     the last batch's, in ``on_validation_epoch_end``), as recipes log samples; ``forward_only``: calls the model on
     them there instead (no cache)."""
 
@@ -1017,7 +1017,7 @@ class GeneratingLM(HFModule):
 
     @override
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        self.prompt = batch["input_ids"][:, :6]
+        self.prompt = batch["input_ids"]  # the step's tokens (a cut of them along the sequence is refused first)
         if not self.at_epoch_end:
             self._sample()
         return super().validation_step(batch, batch_idx)
@@ -1170,7 +1170,7 @@ class HFGradNormLM(HFModule):
 
 
 class ForwardAfterStepLM(HFModule):
-    """Calls the model on the start of each training batch in ``on_train_batch_end`` (after the step, as a recipe's
+    """Calls the model on each training batch's tokens in ``on_train_batch_end`` (after the step, as a recipe's
     sample logging may): refused under the strategy, naming why."""
 
     def __init__(self) -> None:
@@ -1179,7 +1179,7 @@ class ForwardAfterStepLM(HFModule):
 
     @override
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        self.prompt = batch["input_ids"][:, :6]
+        self.prompt = batch["input_ids"]  # the step's tokens (a cut of them along the sequence is refused first)
         return super().training_step(batch, batch_idx)
 
     @override
