@@ -353,6 +353,7 @@ def parallelize(module: nn.Module, group: Group, blocks: str | None = None, axes
         raise ValueError(f"axes={axes!r}: 1 (a sequence, [b, s, h]) or 2 (a grid, [b, T, S, h]) are supported")
     found = find_blocks(module, blocks)
     check_unshared_blocks(found)
+    _refuse_prompt_learning(module)
     forget_walks()  # the walks before the rewrite found no dispatch modules where there are about to be some
     state = StepState(blocks=[n for n, _ in found], grid=GridState() if axes == 2 else None)
     rope = _rotary_embedding(module)
@@ -408,6 +409,22 @@ ROUTER_LOSS_REFUSAL = (
     "on a slice of the sequence it is another loss, and ParaDySeStrategy does not make it global yet; train with "
     "output_router_logits=False (the model config's default), or without ParaDySeStrategy"
 )
+
+
+def _refuse_prompt_learning(module: nn.Module) -> None:
+    """Refuse PEFT's prompt learning (prompt tuning, prefix tuning, P-tuning), at setup alike on every rank: it
+    prepends learned virtual tokens to every row, or learned keys and values to every attention, where each rank holds
+    a slice of every row (until 2026-11-30 it was refused at its first call, over labels it had passed itself)."""
+    for sub in module.modules():
+        configs = getattr(sub, "peft_config", None)
+        if isinstance(configs, Mapping) and any(getattr(c, "is_prompt_learning", False) for c in configs.values()):
+            kinds = sorted({str(getattr(c, "peft_type", "prompt learning")) for c in configs.values()})
+            raise ValueError(
+                f"{type(sub).__name__}: PEFT prompt learning ({', '.join(kinds)}) is not supported under "
+                f"ParaDySeStrategy: it prepends learned virtual tokens to every row (or keys and values to every "
+                f"attention), and each rank holds a slice of every row; adapt the model with LoRA (LoraConfig), which "
+                f"trains as in one process, or train prompt learning with Lightning's DDP or FSDP strategy"
+            )
 
 
 def _refuse_router_loss(module: nn.Module) -> None:

@@ -64,3 +64,15 @@ def test_the_switch_follows_peft_and_refuses_merging() -> None:
     assert switch.adapted
     with pytest.raises(ValueError, match="merge_and_unload"):
         switch.merge()
+
+
+@pytest.mark.parametrize("kind", ["PromptTuningConfig", "PrefixTuningConfig"])
+def test_prompt_learning_is_refused_at_the_setup(kind: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    from lightning_paradyse.runtime.parallel import parallelize
+
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=64)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**small, num_key_value_heads=2))
+    config = getattr(peft, kind)(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    with pytest.raises(ValueError, match=r"PEFT prompt learning .* adapt the model with LoRA"):
+        parallelize(peft.get_peft_model(model, config), None)
