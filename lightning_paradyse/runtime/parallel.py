@@ -860,6 +860,14 @@ def _labels_hook(
         mine = next((c for c, f in zip(candidates, found) if f), None)  # the batch tensor this rank's labels slice
         found.extend(_counts_slice(wanted, given, mine, ctx) if mine is not None else (0.0, 0.0))
     agreed, tally = _agreed_source(found, candidates, ctx, _device_of(args, kwargs, mod))
+    if agreed is None and isinstance(given, torch.Tensor) and given.dim() >= 2 and _in_batch(given, state):
+        raise ValueError(  # alike on every rank: a tensor of the batch the strategy did not slice (every rank's own)
+            f"the model was called with {name}= a tensor of the batch of {given.shape[1]} positions, where the batch's "
+            f"tokens have {ctx.layout.seq_len}: ParaDySeStrategy slices the [batch, seq] tensors of the tokens' length "
+            f"only, and hands the others on whole. A batch holding sequences of two lengths (chosen and rejected "
+            f"answers, two tasks) is not supported: pad them to one length in the collator and stack them as rows "
+            f"of one batch (rows 2i and 2i + 1, say), with one input_ids, attention_mask and labels"
+        )
     if agreed is None:
         raise ValueError(
             f"the model was called with {name}= that is not a tensor of the batch (ParaDySeStrategy hands each "

@@ -129,6 +129,11 @@ def ragged_tuple(window: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return batch["input_ids"], batch["labels"], batch["attention_mask"]
 
 
+def two_lengths(window: Tensor) -> dict[str, Tensor]:
+    """:func:`hf_labels` with a second set of sequences 5 tokens shorter (``other_ids``), as preference data holds."""
+    return hf_labels(window) | {"other_ids": window[:, :-6].clone()}
+
+
 def tokens_tensor(window: Tensor) -> Tensor:
     """The tokens alone, the batch itself a tensor (a Hugging Face model handed them as its labels too)."""
     return window[:, :-1]
@@ -930,7 +935,8 @@ class HFModule(pl.LightningModule):
     ``call``: ``labels-key`` (``labels=batch["labels"]``), ``labels-ids`` (``labels=input_ids``, no labels in the
     batch), ``shift-labels`` (``shift_labels=batch["shift_labels"]``), ``masked`` (``attention_mask`` too),
     ``tuple-labels`` (a batch ``(input_ids, labels)``), ``tensor-labels`` (the batch the tokens, ``labels=batch``),
-    ``tuple-mask`` (a batch ``(input_ids, labels, attention_mask)``).
+    ``tuple-mask`` (a batch ``(input_ids, labels, attention_mask)``), ``other-length`` (a second call on ``other_ids``,
+    shorter than the tokens).
     Its steps log their loss with ``self.log``, as users do.
     ``checkpointing``: the keyword arguments of ``model.gradient_checkpointing_enable(...)``, called here as users
     do (``None``: not called). ``family``: a family of :data:`~tests.support.families.HF_FAMILIES` instead of Llama
@@ -957,13 +963,25 @@ class HFModule(pl.LightningModule):
                 warnings.simplefilter("ignore", FutureWarning)
                 self.model.gradient_checkpointing_enable(**checkpointing)
 
-    def loss(self, batch: Any) -> Tensor:
+    def batch_forms(self, batch: Any) -> Tensor | None:
+        """The calls on batches other than one dict of ``[b, s]`` tensors (``None``: another call)."""
         if self.call == "tuple-labels":  # a tuple batch (input_ids, labels)
             return self.model(input_ids=batch[0], labels=batch[1]).loss
         if self.call == "tensor-labels":  # the batch is the tokens
             return self.model(input_ids=batch, labels=batch).loss
+        if self.call == "other-length":  # a second set of sequences of another length (a rejected answer)
+            return (
+                self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+                + self.model(input_ids=batch["other_ids"], labels=batch["other_ids"]).loss
+            )
         if self.call == "tuple-mask":  # a tuple batch (input_ids, labels, attention_mask)
             return self.model(input_ids=batch[0], labels=batch[1], attention_mask=batch[2]).loss
+        return None
+
+    def loss(self, batch: Any) -> Tensor:
+        other = self.batch_forms(batch)
+        if other is not None:
+            return other
         ids = batch["input_ids"]
         if self.call == "labels-key":
             return self.model(input_ids=ids, labels=batch["labels"]).loss
@@ -1520,6 +1538,9 @@ def cases_p2() -> dict[str, Case]:
             # batch's were counted over the group's rows until 2026-11-30: twice the loss, silently)
             "hf-labels-tuple-groups": Case(hf("tuple-labels"), lambda: loader(hf_labels_tuple, rows=3)),
             "hf-labels-tensor-groups": Case(hf("tensor-labels"), lambda: loader(tokens_tensor, rows=3)),
+            "hf-labels-two-lengths": Case(  # refused, naming the lengths and how to batch them
+                hf("other-length"), lambda: loader(two_lengths), strategy=dict(plan="ring"), refused="two lengths"
+            ),
             "hf-mask-in-tuple": Case(  # a padding mask is known by its name: the refusal says to yield a dict
                 hf("tuple-mask"), lambda: loader(ragged_tuple), strategy=dict(plan="ring"), refused="tuple or list"
             ),
