@@ -14,9 +14,10 @@ import importlib.util
 import sys
 from typing import Any
 
-__all__ = ["ParaDySeStrategy", "ParaDySeSwitcher", "gather_like_params", "shard_like_params"]
+__all__ = ["DocumentScoreWriter", "ParaDySeStrategy", "ParaDySeSwitcher", "gather_like_params", "shard_like_params"]
 
 _LAZY = {
+    "DocumentScoreWriter": "lightning_paradyse.lightning.prediction_writer",
     "ParaDySeStrategy": "lightning_paradyse.lightning.strategy",
     "ParaDySeSwitcher": "lightning_paradyse.lightning.callbacks",
     "gather_like_params": "lightning_paradyse.lightning.params_like",
