@@ -462,12 +462,13 @@ def check_step_losses(
         raise ValueError(
             f"the {hook} draws random numbers: its loss on {where} is {whole:.10g}, and {redrawn:.10g} when the "
             f"random streams are seeded afresh (dropout is off in this check). Under ParaDySeStrategy each rank runs "
-            f"its slice of the batch and draws from a stream of its own, as dropout does (here {sharded:.10g}), so no "
-            f"rank draws what one process draws for the batch (a masking drawn with torch.rand(ids.shape), noise "
-            f"added with torch.randn_like). Draw them where every rank holds the whole batch: in the data (a "
+            f"its slice of the batch: a tensor drawn in the slice's shape (a masking drawn with torch.rand(ids.shape), "
+            f"noise added with torch.randn_like) holds other numbers at the batch's positions than one process draws "
+            f"for the batch (here {sharded:.10g}). Draw them where every rank holds the whole batch: in the data (a "
             f"collator, the Dataset) or in on_before_batch_transfer / on_after_batch_transfer, which every rank runs "
-            f"alike on its copy of the batch from the same random streams; or, to train with each rank's own draws "
-            f"(their statistics, not one process's values), turn this check off: ParaDySeStrategy(check_step=False)"
+            f"alike on its copy of the batch from the same random streams; or, to train with such draws (their "
+            f"statistics, not one process's values; every rank draws the same numbers for its slice), turn this "
+            f"check off: ParaDySeStrategy(check_step=False)"
         )
     mixed = (
         "a Hugging Face model's loss given labels= (this rank's share of the whole batch's mean, which the "
