@@ -221,7 +221,7 @@ class StepCycle:
         logged: bool = False,
     ) -> StepRecord:
         """Validate, plan, agree, enter (see the module docstring); returns (and keeps in :attr:`record`) what the
-        callback logs. ``check_wanted``: whether the one-time step check
+        callback logs. ``check_wanted``: whether the step check
         (:meth:`~lightning_paradyse.lightning.step_check.StepCheck.wants`) may run on a batch so described; a plain
         batch it wants then runs on one group of every rank, as the check needs. Raises,
         identically on every rank and before any collective of the step, for a bad batch, a plan that cannot run, or

@@ -16,7 +16,7 @@ return) and less the step's decision (the split and the plans:
 known before the step runs, cold when a length bucket is planned for the first time, warm after), and keeps the
 median of the last :data:`WINDOW` steps (the fit's first step, which runs cold: the optimizer's first step makes its
 state, Lightning's loop and the hooks run for the first time, counts only until another is measured). A step that
-ran the one-time step check (its extra forward passes) is not measured at all (:meth:`FixedCost.exclude`). The step
+ran the step check (its extra forward passes) is not measured at all (:meth:`FixedCost.exclude`). The step
 record adds that estimate and the step's own decision time to its predictions (``plan/predicted_fixed_s``).
 
 The priced part itself runs slower or faster than the cost model says on a loaded machine: ranks that reach a
@@ -107,7 +107,7 @@ class FixedCost:
             self._predicted = (kind, seconds)
 
     def exclude(self) -> None:
-        """This step measures nothing (the one-time step check runs in it: extra forward passes; or it is not timed:
+        """This step measures nothing (the step check runs in it: extra forward passes; or it is not timed:
         its priced part's end was not waited for)."""
         self._excluded = True
 

@@ -384,7 +384,7 @@ def kept_attributes(module: nn.Module) -> Callable[[], None]:
                 failed.append(type(container).__name__)
         if failed:
             rank_zero_warn(
-                f"[paradyse] the one-time step check could not put back what the step changed in {failed}: its two "
+                f"[paradyse] the step check could not put back what the step changed in {failed}: its two "
                 "extra calls of the step may show there; ParaDySeStrategy(check_step=False) skips the check"
             )
 
@@ -568,8 +568,8 @@ def warn_differing_logs(found: list[LogDifference]) -> None:
     end = _BATCH_END.get(hook, "on_train_batch_end")
     rank_zero_warn(
         f"[paradyse] {hook} logs values computed on this rank's part of the batch (a slice of every row, or on a "
-        f"step on groups its group's rows), not the values one process logs: {shown} (the one-time step check, on "
-        f"a few of the first batch's tokens). The loss the step "
+        f"step on groups its group's rows), not the values one process logs: {shown} (the step check, on "
+        f"a few of a batch's tokens). The loss the step "
         "returns, logged as that tensor or as loss.item(), and a torchmetrics metric given it are made global; a "
         "value derived from the loss (torch.exp(loss), loss.clone()) or from the slice's tokens (a count, a "
         "batch_size= of its rows or targets) is not. Log it from "
@@ -601,7 +601,7 @@ def warn_differing_returns(found: list[LogDifference], hook: str) -> None:
     shown = _listed(found)
     rank_zero_warn(
         f"[paradyse] {hook} returns values beside its loss computed on this rank's slice of the batch, not the values "
-        f"one process returns: {shown} (the one-time step check, on a few of the first batch's tokens). Only the "
+        f"one process returns: {shown} (the step check, on a few of a batch's tokens). Only the "
         f"loss (and a view of it, such as loss.detach()) is made global; {_BATCH_END.get(hook, 'on_train_batch_end')} "
         "and the callbacks read the others as this rank's. Compute them there from outputs['loss'] (the global "
         "loss) or from the batch it is handed (the whole batch) (README: The contract with your training_step)."
@@ -703,8 +703,8 @@ def warn_differing_metrics(found: list[str], hook: str) -> None:
     shown = ", ".join(repr(name) for name in found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
     rank_zero_warn(
         f"[paradyse] {hook} updates the metrics {shown} with values that differ from one process's: their value over "
-        "the ranks (what Lightning logs at the epoch's end) is not the one process computes (the one-time step "
-        "check, on a few of the first batch's tokens). Each rank runs its slice of every row: a value per row or "
+        "the ranks (what Lightning logs at the epoch's end) is not the one process computes (the step check, "
+        "on a few of a batch's tokens). Each rank runs its slice of every row: a value per row or "
         "per sequence (an accuracy of a row, a pooled output) is this rank's part of it, a sum of the loss counts "
         "it once per rank, and targets shifted in the step (logits[:, :-1] against labels[:, 1:], as a perplexity "
         "update often does) pair tokens within this rank's slice only, dropping the pairs across its edges. Update "

@@ -16,7 +16,7 @@ this rank's share until the gradient return sums every rank's (no collective of 
 then, after the backward and before Lightning reads the step's metrics. Values the step derives from its loss
 (``torch.exp(loss)``) or from its logits stay this rank's: log them from ``on_train_batch_end`` with
 ``outputs["loss"]``, the global loss, or compute them with ``sync_dist=True`` where a mean over ranks is meant (the
-one-time step check names those a training step logs: :mod:`~lightning_paradyse.lightning.step_check`). A step
+step check names those a training step logs: :mod:`~lightning_paradyse.lightning.step_check`). A step
 that returns no loss but logged such values (Lightning's own ``validation_step`` examples log the loss and return
 nothing) is told once per hook and name that they are this rank's, naming the fix: return the loss.
 
@@ -307,7 +307,7 @@ class StepLogs:
 
     @contextlib.contextmanager
     def trial(self) -> Iterator[None]:
-        """Steps held and replayed inside the block (the one-time step check's) leave what is told once as it was:
+        """Steps held and replayed inside the block (the step check's) leave what is told once as it was:
         a warning they would give is still given by the fit's own steps."""
         warned, told, filled = set(self._warned), self._told_filled, self.filled
         try:

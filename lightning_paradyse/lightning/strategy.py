@@ -11,7 +11,7 @@ teardown); each hook delegates to a collaborator in a few lines:
   :class:`~lightning_paradyse.lightning.records.StepRecord` the
   :class:`~lightning_paradyse.lightning.callbacks.ParaDySeSwitcher`
   callback (added when absent) logs;
-* :class:`~lightning_paradyse.lightning.step_check.StepCheck`: the one-time check that the module's step does not
+* :class:`~lightning_paradyse.lightning.step_check.StepCheck`: the check that the module's step does not
   compute across the tokens of its slice;
 * :mod:`~lightning_paradyse.lightning.launch`: how the processes start;
 * :mod:`~lightning_paradyse.lightning.refusals`: what it refuses outside a step (callbacks it cannot run, an
@@ -273,7 +273,7 @@ class ParaDySeStrategy(ParallelStrategy):
         """The per-batch cycle: every batch's state (:class:`~lightning_paradyse.lightning.cycle.StepCycle`)."""
         self._step_check = StepCheck(self.options.check_step)
         self._eval_checks = {s: StepCheck(self.options.check_step, training=False) for s in ("validate", "test")}
-        """The one-time check of the evaluation steps (their first batch): their loss and what they log."""
+        """The check of the evaluation steps (their first batch): their loss and what they log."""
         self._predictions = Predictions()  # the whole weights while trainer.predict runs
         self.planner: Planner | None = None
         self.final_state_dict: dict[str, Tensor] | None = None

@@ -13,7 +13,7 @@ from a stream of this rank's own.
   what the step draws is no longer one process's draw, but it is still the same on every rank).
 
 A tensor the step draws in the shape of its slice (a masking ``torch.rand(ids.shape)``) is not one process's draw for
-the batch whatever the stream: the one-time step check refuses such a step (:mod:`~lightning_paradyse.lightning.
+the batch whatever the stream: the step check refuses such a step (:mod:`~lightning_paradyse.lightning.
 step_check`).
 """
 

@@ -42,7 +42,7 @@ from tests.support.dist import free_ports
 from tests.support.lightning import ACCELERATOR, quiet_trainer, strategy_environment
 
 COUNTED_STEP = 3
-"""The step counted: after the one-time step check (step 0), the first exchange's caches, a data-parallel step
+"""The step counted: after the step check (step 0), the first exchange's caches, a data-parallel step
 (step 2) and a validation batch. The logger logs the step after it (``log_every_n_steps``): there the strategy
 measures the step's priced part and group times, which a GPU waits for (:data:`TIMED_STEP`)."""
 TIMED_STEP = COUNTED_STEP + 1

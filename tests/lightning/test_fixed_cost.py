@@ -191,7 +191,7 @@ def test_a_step_that_ran_the_step_check_measures_nothing(clock: Clock) -> None:
     priced_step(cost, clock, (1, 1), predicted=1.0, measured=1.0)
     cost.begin()
     cost.predicted((1, 1), 1.0)
-    cost.exclude()  # the one-time step check ran in this step: its forward passes are no cost of the step's
+    cost.exclude()  # the step check ran in this step: its forward passes are no cost of the step's
     cost.enter()
     clock.now += 9.0
     cost.leave()

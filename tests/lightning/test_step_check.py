@@ -1,4 +1,4 @@
-"""The one-time step check's parts (its whole run on Hugging Face models and a mixture of experts, and its refusal of
+"""The step check's parts (its whole run on Hugging Face models and a mixture of experts, and its refusal of
 a step that shifts its own targets, are cases of :mod:`tests.exact.cases`)."""
 
 from __future__ import annotations
@@ -254,17 +254,17 @@ def test_the_check_names_logged_values_that_are_this_ranks_own() -> None:
     assert len(told[0]) == 3, told
     returned = next(m for m in told[0] if "returns values" in m)
     training, validation = sorted((m for m in told[0] if m != returned), key=lambda m: "validation_step" in m)
-    named = returned.split("(the one-time step check")[0]
+    named = returned.split("(the step check")[0]
     assert "'extra' (" in named and "'count' (18 on rank 0, 34 in one process)" in named, returned
     assert "'same' (" not in named and "'loss' (" not in named, returned  # a view of the loss is made global
-    named = training.split("(the one-time step check")[0]
+    named = training.split("(the step check")[0]
     assert "'ppl' (" in named and "'tokens' (18 on rank 0, 34 in one process)" in named, training
     assert "'targets' (18 on rank 0, 34 in one process)" in named, training
     assert "'real batch_size' (18 on rank 0, 34 in one process)" in named, training
     names = ("loss", "loss_item", "mean_loss", "lr", "rows", "rows batch_size", "real")
     assert not any(f"'{name}' (" in named for name in names), training
     assert "on_train_batch_end" in training, training
-    named = validation.split("(the one-time step check")[0]
+    named = validation.split("(the step check")[0]
     assert "'val_ppl' (" in named and "'val_loss' (" not in named, validation
     assert "on_validation_batch_end" in validation, validation
 
@@ -276,7 +276,7 @@ def test_the_check_names_values_of_a_groups_rows() -> None:
     logs on every row (the loss, made global) is not."""
     told = [warned for warned, _ in run_distributed(_fit_warned, 2, free_port(), "logs", "auto", timeout=120)]
     training = next(m for m in told[0] if m.startswith("[paradyse] training_step logs"))
-    named = training.split("(the one-time step check")[0]
+    named = training.split("(the step check")[0]
     assert "'rows batch_size' (1 on rank 0, 2 in one process)" in named, training
     assert not any(f"'{name}' (" in named for name in ("loss", "loss_item", "mean_loss", "lr")), training
 
