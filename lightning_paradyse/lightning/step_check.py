@@ -71,7 +71,7 @@ from lightning_paradyse.modes.plan import LayerPlan, OpPlan, Plan
 from lightning_paradyse.runtime import parallel
 from lightning_paradyse.runtime.exactness import kept_rng
 from lightning_paradyse.runtime.slicing import IGNORE_INDEX, BatchInfo, describe_batch, find_targets, shifted_labels
-from lightning_paradyse.runtime.streams import rng_state, set_rng_state
+from lightning_paradyse.runtime.streams import rng_state, seed_streams, set_rng_state
 
 ATTEMPTS = 8
 """Batches on which the check may still run (it waits for a batch whose tokens it runs have a real target)."""
@@ -429,15 +429,12 @@ RESEED = 0x5EED
 
 
 def loss_redrawn(
-    step_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], device: Any
+    step_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device
 ) -> float | None:
     """The whole call's loss once more, the host's and ``device``'s random streams seeded afresh (the caller keeps
     and restores them): another value than the first call's says the step draws random numbers (the module is in eval
     mode: no dropout)."""
-    torch.default_generator.manual_seed(RESEED)
-    if getattr(device, "type", None) == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        torch.cuda.default_generators[index].manual_seed(RESEED)
+    seed_streams(RESEED, device)
     loss = step_loss(step_fn(*args, **kwargs))
     return None if loss is None else float(loss)
 

@@ -49,6 +49,15 @@ def set_rng_state(state: RngState, device: torch.device | None) -> None:
         torch.cuda.set_rng_state(state[1], index)
 
 
+def seed_streams(seed: int, device: torch.device | None) -> None:
+    """Seed the host's torch stream and ``device``'s (these generators only: ``torch.manual_seed`` visits every
+    device)."""
+    torch.default_generator.manual_seed(seed)
+    index = _cuda_index(device)
+    if index is not None:
+        torch.cuda.default_generators[index].manual_seed(seed)
+
+
 def stream_seed(seed: int, rank: int, step: int, call: int) -> int:
     """The seed of rank ``rank``'s stream for call ``call`` of training step ``step`` (reproducible on resume)."""
     return (seed * 1_000_003 + step * 8_191 + call * 131_071 + rank + 1) % (2**63)
@@ -88,12 +97,8 @@ class CallStreams:
             self.saved.append(None)
             return
         self.saved.append(rng_state(self.device))
-        derived = stream_seed(self.seed, self.rank, self.step, self.calls)
+        seed_streams(stream_seed(self.seed, self.rank, self.step, self.calls), self.device)
         self.calls += 1
-        torch.default_generator.manual_seed(derived)  # this generator only (torch.manual_seed visits every device)
-        index = _cuda_index(self.device)
-        if index is not None:
-            torch.cuda.default_generators[index].manual_seed(derived)
 
     def exit(self) -> None:
         """A model call ends (or raised): the process's streams back where the outermost call switched."""
@@ -104,4 +109,4 @@ class CallStreams:
             set_rng_state(state, self.device)
 
 
-__all__ = ["CallStreams", "RngState", "rng_state", "set_rng_state", "stream_seed"]
+__all__ = ["CallStreams", "RngState", "rng_state", "seed_streams", "set_rng_state", "stream_seed"]
