@@ -69,6 +69,9 @@ class _Call:
     dtype: torch.dtype = torch.float32
     """What Lightning would have made a Python number into when it was logged: the default dtype then, no lower than
     float32 (float64 inside a ``precision="64-true"`` step; the replay may run outside it)."""
+    default: torch.dtype = torch.float32
+    """The default dtype when it was logged: the replay logs under it (Lightning moves a logged metric with ``.to``,
+    which sets the dtype a torchmetrics metric casts its updates to from the default dtype)."""
 
     def is_view_of(self, loss: torch.Tensor) -> bool:
         """Whether the logged value is ``loss`` or a view of its storage (both alive: the same storage)."""
@@ -112,6 +115,17 @@ def log_replaced(module: pl.LightningModule, log: Callable[..., Any]) -> Iterato
             module.__dict__["log"] = own
 
 
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """``dtype`` is torch's default dtype inside the block, the previous one after."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def number_dtype() -> torch.dtype:
     """The dtype Lightning makes a logged Python number into now: the default dtype, no lower than float32."""
     dtype = torch.get_default_dtype()
@@ -126,6 +140,9 @@ class StepLogs:
         self._log: Any = None
         self._module: pl.LightningModule | None = None
         self._loss: torch.Tensor | None = None
+        self._dtype = torch.float32
+        """The default dtype inside the step (float64 in a ``precision="64-true"`` step's precision context), seen
+        by its last ``log`` call: the metrics' replay runs under it."""
         self._warned: set[tuple[str | None, str]] = set()
         self.metrics = MetricCalls()
         """The calls of the module's metrics in the step (their loss made global with the logged one)."""
@@ -144,15 +161,16 @@ class StepLogs:
         dropped."""
         self.drop()
         log = module.log
-        self._log, self._module = log, module
+        self._log, self._module, self._dtype = log, module, torch.get_default_dtype()
 
         def held(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-            fx = module._current_fx_name
+            fx, default = module._current_fx_name, torch.get_default_dtype()
+            self._dtype = default
             if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point():
                 alias = value.detach()  # [] or [1]: the loss itself, or a view of it, when the step logs its loss
-                self._calls.append(_Call(fx, name, alias.clone(), alias, args, kwargs))
+                self._calls.append(_Call(fx, name, alias.clone(), alias, args, kwargs, default=default))
             elif type(value) is float or is_metric(value):  # loss.item(); a metric called with the loss, perhaps
-                self._calls.append(_Call(fx, name, value, None, args, kwargs, number_dtype()))
+                self._calls.append(_Call(fx, name, value, None, args, kwargs, number_dtype(), default))
             else:
                 return log(name, value, *args, **kwargs)  # type: ignore[no-any-return]
             return None
@@ -169,6 +187,10 @@ class StepLogs:
         ``local`` (or the loss kept by :meth:`hold`), or a number equal to it, as ``total``, the global loss; a
         metric, or the value its ``forward`` returned, once the metrics called with ``local`` hold ``total``
         (:meth:`MetricCalls.replay`); the others as logged."""
+        with default_dtype(self._dtype):
+            self._replay(local, total)
+
+    def _replay(self, local: torch.Tensor | None, total: torch.Tensor | None) -> None:
         calls, log, module = self._calls, self._log, self._module
         local = self._loss if local is None else local
         self._calls, self._loss = [], None
@@ -200,7 +222,8 @@ class StepLogs:
             previous = module._current_fx_name
             module._current_fx_name = call.fx  # as Lightning sets it around its hooks
             try:
-                log(call.name, value, *args, **kwargs)
+                with default_dtype(call.default):
+                    log(call.name, value, *args, **kwargs)
             finally:
                 module._current_fx_name = previous
 

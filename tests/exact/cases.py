@@ -751,6 +751,17 @@ class RecipeMetricsLM(TinyLM):
         return loss
 
 
+class Float64MetricsLM(RecipeMetricsLM):
+    """The recipe's metrics set to float64 (``set_dtype``): Lightning moves a logged metric with ``.to`` inside the
+    step, under ``precision="64-true"``'s default dtype, and from then on the metric casts its updates to float64;
+    the strategy logs after the step, so it logs under the step's default dtype as well."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.train_loss.set_dtype(torch.float64)
+        self.val_loss.set_dtype(torch.float64)
+
+
 class AveragedLM(TinyLM):
     """An exponential moving average of the weights kept in the module (the strategy refuses Lightning's
     ``EMAWeightAveraging``: it copies the module before the shards exist), saved whole in the checkpoint with
@@ -1657,6 +1668,17 @@ def cases_p2() -> dict[str, Case]:
             ),
             "metric-of-the-loss-one-group": Case(
                 RecipeMetricsLM,
+                lambda: (loader(shifted_targets), loader(shifted_targets, (35, 52))),
+                trainer=dict(val_check_interval=2, limit_val_batches=2, max_steps=-1, max_epochs=1),
+                strategy=dict(plan=MIXED),
+            ),
+            "metric-float64-groups": Case(
+                Float64MetricsLM,
+                lambda: (loader(ragged("targets"), rows=3), loader(ragged("targets"), (35, 52), rows=3)),
+                trainer=dict(val_check_interval=2, limit_val_batches=2, max_steps=-1, max_epochs=1),
+            ),
+            "metric-float64-one-group": Case(
+                Float64MetricsLM,
                 lambda: (loader(shifted_targets), loader(shifted_targets, (35, 52))),
                 trainer=dict(val_check_interval=2, limit_val_batches=2, max_steps=-1, max_epochs=1),
                 strategy=dict(plan=MIXED),
