@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.overrides import TorchFunctionMode
 
-from lightning_paradyse.distributed.comm import Group, all_reduce_sum, collective_device, group_size
+from lightning_paradyse.distributed.comm import Group, all_reduce_sum, collective_device, group_rank, group_size
 from lightning_paradyse.distributed.devices import gpu_free_bytes
 from lightning_paradyse.groups.exchange import drop_group, enter_group
 from lightning_paradyse.groups.units import Units
@@ -220,10 +220,20 @@ class SequenceCuts(TorchFunctionMode):
         self.watched = dict(batch)  # name -> the step's tensor (held: ids stay theirs)
         self.inside_model = inside_model
         self.found: list[str] = []
+        self.splits: list[int] = []
+        """The chunk sizes of the step's splits along the sequence (``targets.split(1024, dim=1)``, of a batch
+        tensor or of a tensor of its ``[b, s]``, such as the logits): not a cut, but a loss averaged per chunk
+        differs from one process's only where a row has more than one chunk (:meth:`StepCheck.run` then runs the
+        check again on enough tokens)."""
+        self._shapes = {tuple(t.shape[:2]) for t in self.watched.values() if t.dim() >= 2}
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if args and isinstance(args[0], torch.Tensor) and not self.inside_model():
+            if func in (torch.Tensor.split, torch.split):
+                size = sequence_split(args[0], args[1:], kwargs, self._shapes)
+                if size is not None:
+                    self.splits.append(size)
             name = next((k for k, t in self.watched.items() if t is args[0]), None)
             if name is not None:
                 cut = None
@@ -253,6 +263,19 @@ def refuse_sequence_cuts(found: list[str], hook: str) -> None:
         f"data (or pass labels= to a Hugging Face model, which the strategy shifts over the whole sequence) instead "
         f"of logits[:, :-1] against ids[:, 1:]. ParaDySeStrategy(check_step=False) turns this check off"
     )
+
+
+def sequence_split(
+    t: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any], shapes: Collection[Any]
+) -> int | None:
+    """The chunk size of ``t.split(size, dim)`` (``torch.split(t, size, dim)``: ``args`` after ``t``) where it splits
+    the second dimension (the sequence) of a tensor whose ``[b, s]`` is one of ``shapes`` into chunks of one size;
+    else ``None``."""
+    size = args[0] if args else kwargs.get("split_size", kwargs.get("split_size_or_sections"))
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    if not isinstance(size, int) or t.dim() < 2 or dim not in (1, 1 - t.dim()) or tuple(t.shape[:2]) not in shapes:
+        return None
+    return size
 
 
 def sequence_index(t: torch.Tensor, index: Any) -> str | None:
@@ -447,6 +470,7 @@ def check_step_losses(
     where: str = "a batch's first tokens",
     consumed: bool = False,
     redrawn: float | None = None,
+    chunk: int | None = None,
 ) -> None:
     """Raise when the sharded step's loss on the probe (``where``) differs from the whole step's (the same on every
     rank). ``consumed``: a Hugging Face model was handed ``labels=`` in the sharded step (its loss is this rank's share
@@ -467,6 +491,13 @@ def check_step_losses(
             f"statistics, not one process's values; every rank draws the same numbers for its slice), turn this "
             f"check off: ParaDySeStrategy(check_step=False)"
         )
+    chunked = (
+        f"a loss averaged per chunk of the sequence (the step splits it into chunks of {chunk} tokens: each rank "
+        f"splits its slice, so its chunks are not one process's; sum the chunks' losses, reduction='sum', and "
+        f"divide by the count of real targets, targets != -100), "
+        if chunk is not None
+        else ""
+    )
     mixed = (
         "a Hugging Face model's loss given labels= (this rank's share of the whole batch's mean, which the "
         "strategy sums over the ranks) combined with a term of the step's own, such as a distillation or "
@@ -480,7 +511,7 @@ def check_step_losses(
     raise ValueError(
         f"the {hook} computes something across the tokens of its slice: on {where} its loss is "
         f"{sharded:.10g} when each rank runs its slice, but {whole:.10g} when one process runs them all. "
-        f"Common causes: {mixed}shifting targets in the step (logits[:, :-1] against ids[:, 1:]; shift "
+        f"Common causes: {chunked}{mixed}shifting targets in the step (logits[:, :-1] against ids[:, 1:]; shift "
         f"them in the data, or pass labels= to a Hugging Face model), a loss reduced per sequence or computed from "
         f"one position of each row (a pooled output: the last real token, [CLS], a mean over the sequence; each "
         f"rank holds a slice of every row, so such heads train under a strategy that keeps rows whole), a loss "
@@ -843,20 +874,39 @@ class StepCheck:
         batch_index: int | None = None,
     ) -> None:
         """The check itself (see the module docstring); ``step_fn`` is the module's step, on the fit's
-        ``batch_index``-th batch."""
+        ``batch_index``-th batch. It runs ``8p + 1`` of the batch's tokens; a step that splits the sequence into
+        chunks longer than that is checked again on more (:func:`longer_probe`)."""
+        longer = self._run(cycle, trainer, group, device, step_fn, args, kwargs, batch_index)
+        if longer is not None:
+            self._run(cycle, trainer, group, device, step_fn, args, kwargs, batch_index, longer)
+
+    def _run(
+        self,
+        cycle: StepCycle,
+        trainer: pl.Trainer,
+        group: Group,
+        device: torch.device,
+        step_fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        batch_index: int | None,
+        probe_len: int | None = None,
+    ) -> int | None:
+        """One run of the check on ``probe_len`` of the batch's tokens (default ``8p + 1``); returns how many to run
+        again on (:func:`longer_probe`), or ``None``."""
         module = cycle.module
         assert isinstance(module, pl.LightningModule), "the strategy checks its LightningModule's step"
         info, step = cycle.pending, cycle.runner.step
         assert info is not None and step is not None
         plan, rank = step.plan, step.rank
-        self.left -= 1
+        self.left = max(self.left - 1, 0)
         if self.training:
             cycle.fixed.exclude()  # the check's forward passes are no part of this step's costs
         batch = args[0] if args else kwargs.get("batch")
         p = group_size(group)
         # 8p + 1 tokens: the ranks hold unequal numbers of them, so a value the ranks average (the mean of their
         # losses gathered with self.all_gather) differs from one process's as it does on most real batches
-        m = min(info.seq_len, 8 * p + 1)
+        m = min(info.seq_len, 8 * p + 1) if probe_len is None else probe_len
         rows = rows_with_target(batch, info.batch, info.seq_len)  # [s] (host reads: once a fit)
         columns = probe_columns(rows, info.batch, info.seq_len, m)
         self.until_untargeted = rows is not None and bool((rows == info.batch).all())
@@ -871,11 +921,11 @@ class StepCheck:
                 rank_zero_warn(
                     "[paradyse] check_step: no batch had a real target among the tokens it runs; not checked"
                 )
-            return
+            return None
         if not whole_weights_fit(module, group, device, trainer.world_size, copies=2):
             rank_zero_warn("[paradyse] check_step: the whole weights do not fit on every rank; the step is not checked")
             self.left, self.again = 0, None
-            return
+            return None
         metrics = outer_metrics(module)  # their values compared too: computed from the check's calls alone
         with torch.no_grad(), side_effects_undone(trainer, module, device):
             streams = rng_state(device)  # every call below starts from them: a draw of the step's is the same in each
@@ -930,7 +980,9 @@ class StepCheck:
         refuse_sequence_cuts(cuts.found, hook)
         if sharded is not None and whole is not None:
             where = f"the tokens {described_columns(columns)} of a batch of {info.seq_len}"
-            check_step_losses(sharded, float(whole), tol, hook, where, consumed, redrawn)
+            check_step_losses(
+                sharded, float(whole), tol, hook, where, consumed, redrawn, max(cuts.splits, default=None)
+            )
         found = differing_logs(sharded_logs, whole_logs, tol)
         if apart is not None and whole is not None:
             if not consumed:  # a Hugging Face loss given labels= divides by the whole batch's count on groups (the
@@ -941,6 +993,22 @@ class StepCheck:
         warn_differing_logs(found)
         warn_differing_returns(differing_logs(sharded_returns, whole_returns, tol), hook)
         warn_differing_metrics(differing_metrics(metrics, sharded_metrics, whole_metrics, trainer.precision), hook)
+        return longer_probe(cuts.splits, m, info.seq_len, group) if probe_len is None else None
+
+
+def longer_probe(splits: list[int], m: int, s: int, group: Group) -> int | None:
+    """How many of a batch of ``s`` positions the check runs again where the step split the sequence into chunks
+    (``splits``, this rank's; the largest over the ranks, one all-reduce, as every rank decides alike) so long that
+    the ``m`` tokens it ran held at most two per row, perhaps of equal counts of targets: a loss averaged per chunk
+    then equals one process's there, but not on the batch, whose last chunk is shorter. ``1.5 size + 1`` tokens hold
+    a chunk and half of one, where every rank's slice holds one; ``None`` where the batch's rows hold one chunk."""
+    every = torch.zeros(group_size(group), dtype=torch.float64, device=collective_device(group))
+    every[group_rank(group)] = float(max(splits, default=0))
+    size = int(all_reduce_sum(every, group).max())  # [p] -> [p]: every rank's largest chunk (host read: per check)
+    longer = min(s, size + size // 2 + 1)
+    if size == 0 or size >= s or m > 2 * size + 1 or longer == m:
+        return None
+    return longer
 
 
 def whole_plan(plan: Plan) -> Plan:
@@ -978,6 +1046,7 @@ __all__ = [
     "described_columns",
     "differing_logs",
     "differing_metrics",
+    "longer_probe",
     "metric_values",
     "outer_metrics",
     "probe_batch",
@@ -986,6 +1055,8 @@ __all__ = [
     "reset_metrics",
     "rows_runs",
     "rows_with_target",
+    "sequence_index",
+    "sequence_split",
     "side_effects_undone",
     "step_check_tolerance",
     "warn_differing_logs",

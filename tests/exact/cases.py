@@ -144,6 +144,14 @@ def all_targets(window: Tensor) -> dict[str, Tensor]:
     return {"input_ids": window[:, :-1], "targets": window[:, 1:]}
 
 
+def last_untargeted(window: Tensor) -> dict[str, Tensor]:
+    """Targets shifted in the data, every position with one but the last (a row's end, as a collator pads the
+    shift)."""
+    targets = window[:, 1:].clone()
+    targets[:, -1] = -100
+    return {"input_ids": window[:, :-1], "targets": targets}
+
+
 def targets_after_first(window: Tensor) -> dict[str, Tensor]:
     """Every position has a target in the first batch (of ``LENGTHS[0]`` tokens); a few have none in the others."""
     batch = all_targets(window)
@@ -749,6 +757,26 @@ class RecipeMetricsLM(TinyLM):
         self.val_loss(loss)
         self.log("val/loss", self.val_loss, on_step=False, on_epoch=True)
         return loss
+
+
+class ChunkedLossLM(TinyLM):
+    """The cross-entropy computed chunk by chunk along the sequence, as memory-saving recipes do: summed over the
+    chunks and divided by the count of real targets (exact: a sum over the tokens), or ``mean_per_chunk``, each
+    chunk's mean averaged (not one process's under any split of the rows' tokens: refused)."""
+
+    def __init__(self, mean_per_chunk: bool = False, chunk: int = 16) -> None:
+        super().__init__()
+        self.mean_per_chunk, self.chunk = mean_per_chunk, chunk
+
+    @override
+    def loss(self, batch: dict[str, Tensor]) -> Tensor:
+        logits, targets = self.model(batch["input_ids"]), batch["targets"]  # [b, s, vocab], [b, s]
+        pieces = zip(logits.split(self.chunk, dim=1), targets.split(self.chunk, dim=1))  # [b, c, vocab], [b, c]
+        if self.mean_per_chunk:
+            means = [F.cross_entropy(lg.flatten(0, 1), lb.flatten()) for lg, lb in pieces if bool((lb != -100).any())]
+            return torch.stack(means).mean()
+        total = sum(F.cross_entropy(lg.flatten(0, 1), lb.flatten(), reduction="sum") for lg, lb in pieces)
+        return total / (targets != -100).sum()
 
 
 class Float64MetricsLM(RecipeMetricsLM):
@@ -1671,6 +1699,14 @@ def cases_p2() -> dict[str, Case]:
                 lambda: (loader(shifted_targets), loader(shifted_targets, (35, 52))),
                 trainer=dict(val_check_interval=2, limit_val_batches=2, max_steps=-1, max_epochs=1),
                 strategy=dict(plan=MIXED),
+            ),
+            "chunked-loss": Case(ChunkedLossLM, lambda: loader(ragged("targets"), rows=3)),  # groups and one group
+            "chunked-loss-one-group": Case(ChunkedLossLM, lambda: loader(shifted_targets), strategy=dict(plan="ring")),
+            "chunked-mean-loss": Case(  # chunks of 16: the check's 17 tokens hold one per row; it runs on more
+                lambda: ChunkedLossLM(mean_per_chunk=True),
+                lambda: loader(last_untargeted),  # the 17 tokens' one chunk with targets agrees: silent before
+                strategy=dict(plan="ring"),
+                refused="a loss averaged per chunk of the sequence (the step splits it into chunks of 16 tokens",
             ),
             "metric-float64-groups": Case(
                 Float64MetricsLM,

@@ -28,6 +28,7 @@ from lightning_paradyse.lightning.step_check import (
     probe_columns,
     rows_with_target,
     sequence_index,
+    sequence_split,
     step_check_tolerance,
     whole_plan,
 )
@@ -355,3 +356,13 @@ def test_cuts_along_the_sequence_are_told_from_cuts_of_rows() -> None:
     assert sequence_index(x, slice(0, 2)) is None and sequence_index(x, torch.tensor([0, 2])) is None  # rows
     assert sequence_index(x, x > 0) is None  # a mask over every dimension: the real targets, per token
     assert sequence_index(torch.zeros(3, 10, 4), (Ellipsis, slice(1, None))) is None  # a feature dimension
+
+
+def test_splits_into_chunks_along_the_sequence_are_told_by_their_size() -> None:
+    targets, logits, shapes = torch.zeros(3, 10), torch.zeros(3, 10, 5), {(3, 10)}
+    assert sequence_split(targets, (4,), {"dim": 1}, shapes) == 4
+    assert sequence_split(logits, (4, -2), {}, shapes) == 4  # the logits of the batch's [b, s]
+    assert sequence_split(targets, (), {"split_size_or_sections": 4, "dim": -1}, shapes) == 4  # torch.split's name
+    assert sequence_split(targets, (1,), {}, shapes) is None  # rows
+    assert sequence_split(targets, ([4, 6], 1), {}, shapes) is None  # sections: not one size
+    assert sequence_split(torch.zeros(3, 7), (4, 1), {}, shapes) is None  # not the batch's [b, s]
