@@ -880,6 +880,24 @@ class WeightedLM(TinyLM):
         return (ce * weights).sum() / weights.sum()
 
 
+class WeightedByTotalLM(TinyLM):
+    """Per-token weights from the batch, the loss normalised by the whole batch's sum of them, a 0-dim tensor the
+    loader puts in the batch (every rank and group is handed it whole): a sum over the tokens, exact with
+    ``ParaDySeStrategy(loss_reduction="sum")`` (the fix the step check names for :class:`WeightedLM`)."""
+
+    @override
+    def loss(self, batch: dict[str, Tensor]) -> Tensor:
+        logits = self.model(batch["input_ids"])  # [b, s, vocab]
+        ce = F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(), reduction="none")  # [b s]
+        return (ce * batch["weights"].flatten()).sum() / batch["weights_total"]
+
+
+def weighted_later_total(window: Tensor) -> dict[str, Tensor]:
+    """:func:`weighted_later` with the batch's sum of the weights (0-dim)."""
+    batch = weighted_later(window)
+    return batch | {"weights_total": batch["weights"].sum()}
+
+
 class PadIgnoredLM(TinyLM):
     """A loss that ignores the pad id (0) rather than -100."""
 
@@ -1901,7 +1919,12 @@ def cases_p2() -> dict[str, Case]:
             "every-position-mean-later": Case(EveryPositionLM, lambda: loader(targets_after_first), refused=ACROSS),
             "every-position-mean-all-targeted": Case(EveryPositionLM, lambda: loader(all_targets)),
             "every-position-z-loss": Case(ZLossLM, lambda: loader(shifted_targets), refused=ACROSS),
-            "weights-later": Case(WeightedLM, lambda: loader(weighted_later, rows=3), refused=ACROSS),
+            "weights-later": Case(
+                WeightedLM, lambda: loader(weighted_later, rows=3), refused="divide by the whole batch's sum of them"
+            ),
+            "weights-by-batch-total": Case(  # on groups and one group
+                WeightedByTotalLM, lambda: loader(weighted_later_total, rows=3), strategy=dict(loss_reduction="sum")
+            ),
             # losses the step check names (silent or crashing until 2026-11-30, thirteenth session)
             "ignore-index-pad": Case(PadIgnoredLM, lambda: loader(pad_targets_zero), refused="ignore_index=0"),
             "class-weights": Case(ClassWeightedLM, lambda: loader(shifted_targets), refused="weight=..."),
