@@ -206,14 +206,34 @@ class LossCalls(TorchFunctionMode):
             raise ValueError(f"the {hook} computes a loss ParaDySeStrategy cannot make exact: " + "; ".join(self.found))
 
 
+CUMULATIVE = frozenset(
+    {
+        torch.cumsum,
+        torch.Tensor.cumsum,
+        torch.cumprod,
+        torch.Tensor.cumprod,
+        torch.cummax,
+        torch.Tensor.cummax,
+        torch.cummin,
+        torch.Tensor.cummin,
+        torch.logcumsumexp,
+        torch.Tensor.logcumsumexp,
+    }
+)
+"""Scans: along the sequence of a rank's slice they start over at its first position."""
+
+
 class SequenceCuts(TorchFunctionMode):
-    """Where the step itself cuts a tensor of the batch along the sequence, outside the model's calls: an index or a
-    ``narrow`` of its second dimension (``ids[:, :512]``, ``targets[:, 1:]``, ``ids[:, 0]``, ``x[..., :-1]`` of a
-    ``[b, s]`` tensor). On a rank that holds a slice of every row such a cut is of the slice, not of the row: a
-    truncation longer than every slice cuts nothing on any rank (one process trains on the truncated rows), a shift
-    pairs the slice's positions otherwise than one process's. Watched on the check's sharded call (the same code on
-    every rank: every rank records the same cuts); a cut of the whole selection of rows (``x[mask]``, ``x[rows]``) is
-    not one."""
+    """Where the step itself works on positions of the sequence, outside the model's calls: an index, an assignment
+    at an index or a ``narrow`` of the second dimension of a tensor of the batch, or of any tensor of its
+    ``[b, s]`` (the logits, a clone of the targets): ``ids[:, :512]``, ``targets[:, 1:]``, ``ids[:, 0]``,
+    ``x[..., :-1]`` of a ``[b, s]`` tensor, ``t[:, :20] = -100``; a scan along it (``mask.cumsum(1)``: a response
+    found after a separator, the last tokens of each row); positions made with ``torch.arange(s)``. On a rank that
+    holds a slice of every row each is of the slice, not of the row: a truncation longer than every slice cuts
+    nothing on any rank (one process trains on the truncated rows), a shift pairs the slice's positions otherwise
+    than one process's, a scan or an ``arange`` starts over at the slice's first position. Watched on the check's
+    sharded call (the ranks agree on what they saw: :func:`agree_cuts`); a cut of the whole selection of rows
+    (``x[mask]``, ``x[rows]``) is not one."""
 
     def __init__(self, batch: Mapping[str, torch.Tensor], inside_model: Callable[[], bool]) -> None:
         super().__init__()
@@ -226,42 +246,106 @@ class SequenceCuts(TorchFunctionMode):
         differs from one process's only where a row has more than one chunk (:meth:`StepCheck.run` then runs the
         check again on enough tokens)."""
         self._shapes = {tuple(t.shape[:2]) for t in self.watched.values() if t.dim() >= 2}
+        self._lengths = {s for b, s in self._shapes if s != b}  # an arange of the rows' count is not of positions
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if args and isinstance(args[0], torch.Tensor) and not self.inside_model():
-            if func in (torch.Tensor.split, torch.split):
-                size = sequence_split(args[0], args[1:], kwargs, self._shapes)
-                if size is not None:
-                    self.splits.append(size)
-            name = next((k for k, t in self.watched.items() if t is args[0]), None)
-            if name is not None:
-                cut = None
-                if func is torch.Tensor.__getitem__ and len(args) > 1:
-                    cut = sequence_index(args[0], args[1])
-                elif func in (torch.Tensor.narrow, torch.narrow):
-                    given = inspect.signature(torch.narrow).bind(*args, **kwargs).arguments
-                    if given.get("dim") in (1, 1 - args[0].dim()):
-                        cut = f"narrow(1, {given.get('start')}, {given.get('length')})"
-                if cut is not None and f"{name}{cut}" not in self.found:
-                    self.found.append(f"{name}{cut}")
+        if not self.inside_model():
+            cut = self._cut(func, args, kwargs)
+            if cut is not None and cut not in self.found:
+                self.found.append(cut)
         return func(*args, **kwargs)
 
+    def _cut(self, func: Any, args: Any, kwargs: dict[str, Any]) -> str | None:
+        """What the call does to positions of the sequence, as written, or ``None``."""
+        if func is torch.arange:
+            end = args[0] if len(args) == 1 else args[1] if len(args) > 1 else kwargs.get("end")
+            return f"torch.arange({end})" if type(end) is int and end in self._lengths else None
+        if not args or not isinstance(args[0], torch.Tensor):
+            return None
+        t = args[0]
+        name = self._name(t)
+        if name is None:
+            return None
+        if func in (torch.Tensor.split, torch.split):
+            size = sequence_split(t, args[1:], kwargs, self._shapes)
+            if size is not None:
+                self.splits.append(size)
+            return None
+        cut = None
+        if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and len(args) > 1:
+            cut = sequence_index(t, args[1])
+            cut = f"{cut} = ..." if cut is not None and func is torch.Tensor.__setitem__ else cut
+        elif func in (torch.Tensor.narrow, torch.narrow):
+            cut = sequence_narrow(t, args[1:], kwargs)
+        elif func in CUMULATIVE:
+            dim = args[1] if len(args) > 1 else kwargs.get("dim")
+            cut = f".{func.__name__}(1)" if dim in (1, 1 - t.dim()) else None
+        return None if cut is None else f"{name}{cut}"
 
-def refuse_sequence_cuts(found: list[str], hook: str) -> None:
-    """Raise (alike on every rank) where the step cut a tensor of the batch along the sequence (:class:`SequenceCuts`),
-    naming the cuts and the fix."""
-    if not found:
-        return
-    shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
-    raise ValueError(
-        f"the {hook} cuts the batch along the sequence itself ({shown}): each rank holds a slice of every row, so a "
-        f"cut at a position cuts this rank's slice there, not the row (a truncation longer than every slice cuts "
-        f"nothing on any rank, and the run would train on whole rows where one process trains on the truncated "
-        f"ones; a shift pairs the slice's positions otherwise than one process's). Change the sequence where every "
-        f"rank holds the whole batch: in the data (the collator) or in on_after_batch_transfer; shift targets in the "
-        f"data (or pass labels= to a Hugging Face model, which the strategy shifts over the whole sequence) instead "
-        f"of logits[:, :-1] against ids[:, 1:]. ParaDySeStrategy(check_step=False) turns this check off"
+    def _name(self, t: torch.Tensor) -> str | None:
+        """The batch's name of ``t``, a description of a tensor of the batch's ``[b, s]``, or ``None``."""
+        name = next((k for k, w in self.watched.items() if w is t), None)
+        if name is None and t.dim() >= 2 and tuple(t.shape[:2]) in self._shapes:
+            return f"<a [{t.shape[0]}, {t.shape[1]}{', ...' if t.dim() > 2 else ''}] tensor>"
+        return name
+
+
+@contextlib.contextmanager
+def cut_failed(cuts: SequenceCuts, hook: str | None) -> Iterator[None]:
+    """An error of the step inside the block after it worked on positions of the sequence (``ids.narrow(1, 0,
+    512)`` longer than the slice) is refused naming them (:func:`refuse_sequence_cuts`), the error as its cause."""
+    try:
+        yield
+    except Exception as error:
+        if not cuts.found:
+            raise
+        raise cuts_refusal(cuts.found, hook or "step") from error
+
+
+def sequence_narrow(t: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """``t.narrow(dim, start, length)`` (``args`` after ``t``) as written where it narrows the second dimension (the
+    sequence), else ``None``."""
+    names = ("dim", "start", "length")
+    given = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
+    if given.get("dim") not in (1, 1 - t.dim()):
+        return None
+    return f".narrow(1, {given.get('start')}, {given.get('length')})"
+
+
+def agree_cuts(cuts: SequenceCuts, group: Group) -> tuple[int, bool]:
+    """What every rank's :class:`SequenceCuts` saw, agreed in one all-reduce (a tensor of this rank's ``[b, s]`` may
+    match on one rank and not on another): the largest chunk a step split the sequence into (0: none), and whether a
+    rank saw a cut."""
+    p, rank = group_size(group), group_rank(group)
+    every = torch.zeros(p, 2, dtype=torch.float64, device=collective_device(group))
+    every[rank, 0] = float(max(cuts.splits, default=0))
+    every[rank, 1] = float(len(cuts.found))
+    agreed = all_reduce_sum(every, group)  # [p, 2] -> [p, 2]: every rank's (host read: once per check)
+    return int(agreed[:, 0].max()), bool(agreed[:, 1].sum() > 0)
+
+
+def refuse_sequence_cuts(found: list[str], hook: str, anywhere: bool | None = None) -> None:
+    """Raise where the step worked on positions of the sequence (:class:`SequenceCuts`; ``anywhere``: on a rank, as
+    :func:`agree_cuts` agreed: every rank raises alike), naming them and the fix (:func:`cuts_refusal`)."""
+    if found or anywhere:
+        raise cuts_refusal(found, hook)
+
+
+def cuts_refusal(found: list[str], hook: str) -> ValueError:
+    """The refusal of a step that worked on positions of the sequence (``found``; none: seen on another rank)."""
+    shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "") or "seen on another rank"
+    return ValueError(
+        f"the {hook} works on positions of the sequence itself ({shown}): each rank holds a slice of every row, so "
+        f"an index, an assignment at positions, a scan (cumsum) or positions made with torch.arange are of this "
+        f"rank's slice, not of the row (a truncation longer than every slice cuts nothing on any rank, and the run "
+        f"would train on whole rows where one process trains on the truncated ones; a shift pairs the slice's "
+        f"positions otherwise than one process's; a prompt masked up to a position, a response found after a "
+        f"separator or the last tokens of a row are found in each slice anew). Change the sequence, or make such "
+        f"masks and weights, where every rank holds the whole batch: in the data (the collator) or in "
+        f"on_after_batch_transfer, as tensors of the batch the step then uses; shift targets in the data (or pass "
+        f"labels= to a Hugging Face model, which the strategy shifts over the whole sequence) instead of "
+        f"logits[:, :-1] against ids[:, 1:]. ParaDySeStrategy(check_step=False) turns this check off"
     )
 
 
@@ -939,7 +1023,7 @@ class StepCheck:
             calls = parallel.call_streams(module)  # its stack is not empty inside a call of the model
             cuts = SequenceCuts(sliced, lambda: bool(calls.saved))  # inside a call of the model: not the step's
             with recorded_logs(module) as sharded_logs, cycle.logs.trial():  # logged as the strategy logs them
-                with cycle.logs.capture(module), cuts:
+                with cycle.logs.capture(module), cuts, cut_failed(cuts, module._current_fx_name):
                     output = step_fn(*a, **k)
                     local = step_loss(output)
                 sharded_returns = returned_values(output, local)
@@ -977,14 +1061,13 @@ class StepCheck:
         dtype = whole.dtype if whole is not None else torch.get_default_dtype()
         tol = step_check_tolerance(dtype, trainer.precision, losses.dtypes)
         hook = module._current_fx_name or ("training_step" if self.training else "evaluation step")
+        chunk, cut = agree_cuts(cuts, group)  # before any refusal: every rank raises alike
         if cycle.options.mean_loss:
             losses.refuse(hook)
-        refuse_sequence_cuts(cuts.found, hook)
+        refuse_sequence_cuts(cuts.found, hook, cut)
         if sharded is not None and whole is not None:
             where = f"the tokens {described_columns(columns)} of a batch of {info.seq_len}"
-            check_step_losses(
-                sharded, float(whole), tol, hook, where, consumed, redrawn, max(cuts.splits, default=None)
-            )
+            check_step_losses(sharded, float(whole), tol, hook, where, consumed, redrawn, chunk or None)
         found = differing_logs(sharded_logs, whole_logs, tol)
         if apart is not None and whole is not None:
             if not consumed:  # a Hugging Face loss given labels= divides by the whole batch's count on groups (the
@@ -995,18 +1078,15 @@ class StepCheck:
         warn_differing_logs(found)
         warn_differing_returns(differing_logs(sharded_returns, whole_returns, tol), hook)
         warn_differing_metrics(differing_metrics(metrics, sharded_metrics, whole_metrics, trainer.precision), hook)
-        return longer_probe(cuts.splits, m, info.seq_len, group) if probe_len is None else None
+        return longer_probe(chunk, m, info.seq_len) if probe_len is None else None
 
 
-def longer_probe(splits: list[int], m: int, s: int, group: Group) -> int | None:
-    """How many of a batch of ``s`` positions the check runs again where the step split the sequence into chunks
-    (``splits``, this rank's; the largest over the ranks, one all-reduce, as every rank decides alike) so long that
-    the ``m`` tokens it ran held at most two per row, perhaps of equal counts of targets: a loss averaged per chunk
-    then equals one process's there, but not on the batch, whose last chunk is shorter. ``1.5 size + 1`` tokens hold
-    a chunk and half of one, where every rank's slice holds one; ``None`` where the batch's rows hold one chunk."""
-    every = torch.zeros(group_size(group), dtype=torch.float64, device=collective_device(group))
-    every[group_rank(group)] = float(max(splits, default=0))
-    size = int(all_reduce_sum(every, group).max())  # [p] -> [p]: every rank's largest chunk (host read: per check)
+def longer_probe(size: int, m: int, s: int) -> int | None:
+    """How many of a batch of ``s`` positions the check runs again where the step split the sequence into chunks of
+    ``size`` (the largest the ranks saw: :func:`agree_cuts`) so long that the ``m`` tokens it ran held at most two
+    per row, perhaps of equal counts of targets: a loss averaged per chunk then equals one process's there, but not
+    on the batch, whose last chunk is shorter. ``1.5 size + 1`` tokens hold a chunk and half of one, where every
+    rank's slice holds one; ``None`` where the batch's rows hold one chunk."""
     longer = min(s, size + size // 2 + 1)
     if size == 0 or size >= s or m > 2 * size + 1 or longer == m:
         return None
@@ -1043,8 +1123,10 @@ __all__ = [
     "LossCalls",
     "RowsRuns",
     "StepCheck",
+    "agree_cuts",
     "check_rows_losses",
     "check_step_losses",
+    "cuts_refusal",
     "described_columns",
     "differing_logs",
     "differing_metrics",
@@ -1058,6 +1140,7 @@ __all__ = [
     "rows_runs",
     "rows_with_target",
     "sequence_index",
+    "sequence_narrow",
     "sequence_split",
     "side_effects_undone",
     "step_check_tolerance",

@@ -9,6 +9,7 @@ on by Trainer flags, and the optimizers and hooks of common recipes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import json
 import tempfile
@@ -591,6 +592,36 @@ class TruncatingLM(TinyLM):
     def loss(self, batch: dict[str, Tensor]) -> Tensor:
         short = {k: v[:, :48] for k, v in batch.items()}  # [b, s] -> [b, min(s, 48)]
         return super().loss(short)
+
+
+class PositionsInStepLM(TinyLM):
+    """Works on positions of the sequence in the step, beyond the step check's first tokens (position 20; until
+    2026-11-30, eighteenth session, each rank applied it to its slice's positions, silently, or crashed): a prompt
+    masked up to a position on a clone of the targets (``t[:, :20] = -100``), a response found after a separator
+    (``(ids == 3).cumsum(1) > 0``), weights by position (``torch.arange(s) < 20``), a truncation with ``narrow``
+    (``narrow(1, 0, 20)``: crashed inside the check). Refused naming what it did."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+
+    @override
+    def loss(self, batch: dict[str, Tensor]) -> Tensor:
+        ids, targets = batch["input_ids"], batch["targets"]
+        if self.kind == "narrow":
+            return super().loss({"input_ids": ids.narrow(1, 0, 20), "targets": targets.narrow(1, 0, 20)})
+        logits = self.model(ids)  # [b, s, vocab]
+        ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)  # [b, s]
+        real = (targets != -100).to(ce.dtype)
+        if self.kind == "mask-prefix":
+            kept = targets.clone()
+            kept[:, :20] = -100
+            real = (kept != -100).to(ce.dtype)
+        elif self.kind == "after-separator":
+            real = real * ((ids == 3).cumsum(1) > 0).to(ce.dtype)
+        elif self.kind == "weights-by-position":
+            real = real * torch.where(torch.arange(ids.shape[1]) < 20, 1.0, 0.5)[None, :]  # [s] -> [1, s]
+        return (ce * real).sum() / real.sum().clamp(min=1)
 
 
 class HookedWeightLM(TinyLM):
@@ -1646,6 +1677,20 @@ def cases_p2() -> dict[str, Case]:
                 trainer=dict(max_steps=12),
                 refused="computes something across the tokens",
             ),
+            **{
+                f"positions-in-step-{kind}": Case(
+                    functools.partial(PositionsInStepLM, kind),
+                    lambda: loader(shifted_targets),
+                    strategy=dict(plan="ring"),
+                    refused=f"works on positions of the sequence itself ({shown}",
+                )
+                for kind, shown in (
+                    ("mask-prefix", "<a [2, 9] tensor>[:, :20] = ..."),  # rank 0 holds 9 of the check's 17 tokens
+                    ("after-separator", "<a [2, 9] tensor>.cumsum(1)"),
+                    ("weights-by-position", "torch.arange(9)"),
+                    ("narrow", "input_ids.narrow(1, 0, 20)"),
+                )
+            },
             "truncate-in-step": Case(
                 TruncatingLM, lambda: loader(shifted_targets), strategy=dict(plan="ring"), refused="input_ids[:, :48]"
             ),
@@ -1910,7 +1955,7 @@ def cases_p2() -> dict[str, Case]:
             "self-shift": Case(  # the step's own shift of the batch's tokens: named as a cut along the sequence
                 SelfShift,
                 lambda: loader(tokens_only),
-                refused="cuts the batch along the sequence itself (input_ids[:, 1:])",
+                refused="works on positions of the sequence itself (input_ids[:, 1:])",
             ),
             # a mean over every position: one process's where every position has a target, refused where one has
             # none (silent until 2026-11-30, thirteenth session: the check's first tokens all had targets)
