@@ -1955,7 +1955,7 @@ def cases_p2() -> dict[str, Case]:
             "self-shift": Case(  # the step's own shift of the batch's tokens: named as a cut along the sequence
                 SelfShift,
                 lambda: loader(tokens_only),
-                refused="works on positions of the sequence itself (input_ids[:, 1:])",
+                refused="works on positions of the sequence itself (<a [2, 9, ...] tensor>[:, :-1], input_ids[:, 1:])",
             ),
             # a mean over every position: one process's where every position has a target, refused where one has
             # none (silent until 2026-11-30, thirteenth session: the check's first tokens all had targets)
