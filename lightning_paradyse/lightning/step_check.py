@@ -40,6 +40,7 @@ import functools
 import inspect
 import math
 import warnings
+import zlib
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any, NamedTuple
@@ -624,24 +625,55 @@ LoggedValues = dict[tuple[str | None, str], float]
 
 
 @contextlib.contextmanager
-def recorded_logs(module: pl.LightningModule) -> Iterator[LoggedValues]:
+def recorded_logs(
+    module: pl.LightningModule, summed: list[tuple[str | None, str]] | None = None
+) -> Iterator[LoggedValues]:
     """What ``module`` logs inside the block, recorded and not logged: every one-number value (a tensor, read on the
     host, or a Python number) by hook and name, and the ``batch_size`` given with it (under the name followed by
     ``" batch_size"``: Lightning weighs an epoch's mean by it). Other values (a metric, several numbers) are not
-    compared. ``log`` is replaced on the instance and put back after (an instance attribute of the user's too)."""
+    compared. ``log`` is replaced on the instance and put back after (an instance attribute of the user's too).
+    ``summed``: where given, the keys of the values logged summed over the ranks (``sync_dist=True,
+    reduce_fx="sum"``), in order (:func:`summed_over_ranks`)."""
     out: LoggedValues = {}
 
     def record(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         fx = module._current_fx_name
         number = float(torch.tensor(value, dtype=number_dtype())) if type(value) is float else one_number(value)
+        given = log_arguments(name, args, kwargs)
         if number is not None:  # a Python float as Lightning makes it a tensor
             out[(fx, name)] = number
-        size = log_arguments(name, args, kwargs).get("batch_size")
+            if summed is not None and given.get("sync_dist") and given.get("reduce_fx", "mean") in ("sum", torch.sum):
+                summed.append((fx, name))
+        size = given.get("batch_size")
         if isinstance(size, (int, torch.Tensor)) and not isinstance(size, bool):
             out[(fx, f"{name} batch_size")] = float(size)
 
     with log_replaced(module, record):
         yield out
+
+
+SUMMED_SLOTS = 16
+"""The most values a step logs summed over the ranks that the check compares summed (:func:`summed_over_ranks`)."""
+
+
+def summed_over_ranks(logs: LoggedValues, summed: list[tuple[str | None, str]], group: Group) -> None:
+    """The values the sharded call logged summed over the ranks (``summed``: :func:`recorded_logs`) made their sum
+    over the ranks in ``logs``, as Lightning logs them (a count of the slice's tokens summed is one process's count):
+    one all-reduce of one size on every rank. Where the ranks logged other such values (their number or names
+    differ) or more than :data:`SUMMED_SLOTS`, they stay this rank's."""
+    keys = list(dict.fromkeys(summed))  # [k] in the order first logged
+    every = torch.zeros(group_size(group), 2 + SUMMED_SLOTS, dtype=torch.float64, device=collective_device(group))
+    mine = every[group_rank(group)]  # [2 + K]: how many, their names, their values
+    mine[0], mine[1] = len(keys), zlib.crc32(repr(keys).encode())
+    for i, key in enumerate(keys[:SUMMED_SLOTS]):
+        mine[2 + i] = logs[key]
+    agreed = all_reduce_sum(every, group)  # [p, 2 + K] -> [p, 2 + K]: every rank's (host read: once per check)
+    alike = bool((agreed[:, :2] == agreed[0, :2]).all())
+    if not keys or len(keys) > SUMMED_SLOTS or not alike:
+        return
+    totals = agreed[:, 2:].sum(0)  # [p, K] -> [K]
+    for i, key in enumerate(keys):
+        logs[key] = float(totals[i])
 
 
 class LogDifference(NamedTuple):
@@ -842,7 +874,8 @@ class RowsRuns(NamedTuple):
     """The two parts' losses combined as the strategy combines groups' (weighed by their real targets for a mean
     loss, summed for a summed one)."""
     logs: LoggedValues
-    """What the first part's step logged, its loss left out (the strategy makes a logged loss global)."""
+    """What the first part's step logged, its loss left out (the strategy makes a logged loss global); a value logged
+    summed over the ranks (``sync_dist=True, reduce_fx="sum"``), the two parts' sum."""
     split: tuple[int, int]
     """The rows of each part."""
 
@@ -868,6 +901,7 @@ def rows_runs(
     units = Units(False, (m,) * b, tuple((0, m) for _ in range(b)), b, m)  # rows cut, every column kept
     half = b // 2
     combined, first_logs = 0.0, None
+    summed: list[tuple[str | None, str]] = []
     for members in (list(range(half)), list(range(half, b))):
         part = units.cut(probe, members)  # [b, m, ...] -> [b_part, m, ...]
         try:
@@ -877,7 +911,7 @@ def rows_runs(
         piece = parallel.configure_whole(module, part, part_info, plan)
         reset_metrics(module)  # a metric given the part's loss holds it alone, as the strategy makes it global
         rewind()
-        with recorded_logs(module) as logs:
+        with recorded_logs(module, None if first_logs else summed) as logs:
             loss = step_loss(step_fn(piece, *rest[0], **rest[1]))
         if loss is None:
             return None
@@ -886,6 +920,10 @@ def rows_runs(
         if first_logs is None:  # the loss as logged (a tensor, a number, a float32 metric given it) left out
             near = LOSS_AS_LOGGED * max(abs(value), 1e-12)
             first_logs = {k: v for k, v in logs.items() if abs(v - value) > near or k[1].endswith(" batch_size")}
+        else:  # a value logged summed over the ranks: summed over the groups' ranks, so over the parts
+            for key in dict.fromkeys(summed):
+                if key in first_logs and key in logs:
+                    first_logs[key] += logs[key]
     return RowsRuns(combined, first_logs or {}, (half, b - half))
 
 
@@ -1022,7 +1060,8 @@ class StepCheck:
             sliced = {src.key: src.local for src in parallel.step_state(module).sources}
             calls = parallel.call_streams(module)  # its stack is not empty inside a call of the model
             cuts = SequenceCuts(sliced, lambda: bool(calls.saved))  # inside a call of the model: not the step's
-            with recorded_logs(module) as sharded_logs, cycle.logs.trial():  # logged as the strategy logs them
+            summed: list[tuple[str | None, str]] = []
+            with recorded_logs(module, summed) as sharded_logs, cycle.logs.trial():  # as the strategy logs them
                 with cycle.logs.capture(module), cuts, cut_failed(cuts, module._current_fx_name):
                     output = step_fn(*a, **k)
                     local = step_loss(output)
@@ -1062,6 +1101,7 @@ class StepCheck:
         tol = step_check_tolerance(dtype, trainer.precision, losses.dtypes)
         hook = module._current_fx_name or ("training_step" if self.training else "evaluation step")
         chunk, cut = agree_cuts(cuts, group)  # before any refusal: every rank raises alike
+        summed_over_ranks(sharded_logs, summed, group)
         if cycle.options.mean_loss:
             losses.refuse(hook)
         refuse_sequence_cuts(cuts.found, hook, cut)
@@ -1117,6 +1157,7 @@ __all__ = [
     "LOSS_AS_LOGGED",
     "LOW_PRECISION_TOLERANCE",
     "STEP_CHECK_TOLERANCE",
+    "SUMMED_SLOTS",
     "TF32_TOLERANCE",
     "LogDifference",
     "LoggedValues",
@@ -1144,6 +1185,7 @@ __all__ = [
     "sequence_split",
     "side_effects_undone",
     "step_check_tolerance",
+    "summed_over_ranks",
     "warn_differing_logs",
     "warn_differing_metrics",
     "whole_plan",

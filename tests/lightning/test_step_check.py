@@ -20,6 +20,7 @@ from lightning_paradyse import ParaDySeStrategy
 from lightning_paradyse.distributed.spawn import run_distributed
 from lightning_paradyse.lightning.language_model import LanguageModel
 from lightning_paradyse.lightning.step_check import (
+    SequenceCuts,
     check_step_losses,
     described_columns,
     differing_logs,
@@ -186,7 +187,8 @@ def test_logged_values_that_differ_are_named_in_the_sharded_calls_order() -> Non
 
 class PerplexityLM(LanguageModel):
     """Logs what recipes log in the step: the loss (as the tensor and as a number), a MeanMetric of it and its
-    value, a learning rate, and values derived from the loss and the slice (these two are this rank's)."""
+    value, a learning rate, values derived from the loss and the slice (these two are this rank's), and a count of
+    the slice's targets summed over the ranks (``sync_dist=True, reduce_fx="sum"``: one process's count)."""
 
     def __init__(self) -> None:
         super().__init__("llama-tiny")
@@ -202,6 +204,8 @@ class PerplexityLM(LanguageModel):
         self.log("ppl", torch.exp(loss))
         self.log("tokens", float(batch["input_ids"].numel()))
         self.log("targets", (batch["targets"] != -100).sum())  # an integer tensor
+        real = (batch["targets"] != -100).sum().to(loss.dtype)  # the slice's count, summed over the ranks: exact
+        self.log("targets_summed", real, sync_dist=True, reduce_fx="sum")
         self.log("rows", loss, batch_size=batch["input_ids"].shape[0])  # the rows: alike on one group
         self.log("real", loss, batch_size=int((batch["targets"] != -100).sum()))  # the slice's targets
         tokens = int(batch["input_ids"].numel())
@@ -262,7 +266,7 @@ def test_the_check_names_logged_values_that_are_this_ranks_own() -> None:
     assert "'ppl' (" in named and "'tokens' (18 on rank 0, 34 in one process)" in named, training
     assert "'targets' (18 on rank 0, 34 in one process)" in named, training
     assert "'real batch_size' (18 on rank 0, 34 in one process)" in named, training
-    names = ("loss", "loss_item", "mean_loss", "lr", "rows", "rows batch_size", "real")
+    names = ("loss", "loss_item", "mean_loss", "lr", "rows", "rows batch_size", "real", "targets_summed")
     assert not any(f"'{name}' (" in named for name in names), training
     assert "on_train_batch_end" in training, training
     named = validation.split("(the step check")[0]
@@ -279,7 +283,8 @@ def test_the_check_names_values_of_a_groups_rows() -> None:
     training = next(m for m in told[0] if m.startswith("[paradyse] training_step logs"))
     named = training.split("(the step check")[0]
     assert "'rows batch_size' (1 on rank 0, 2 in one process)" in named, training
-    assert not any(f"'{name}' (" in named for name in ("loss", "loss_item", "mean_loss", "lr")), training
+    names = ("loss", "loss_item", "mean_loss", "lr", "targets_summed")  # the count summed over the groups' ranks
+    assert not any(f"'{name}' (" in named for name in names), training
 
 
 class RowMetricsLM(LanguageModel):
@@ -366,3 +371,27 @@ def test_splits_into_chunks_along_the_sequence_are_told_by_their_size() -> None:
     assert sequence_split(targets, (1,), {}, shapes) is None  # rows
     assert sequence_split(targets, ([4, 6], 1), {}, shapes) is None  # sections: not one size
     assert sequence_split(torch.zeros(3, 7), (4, 1), {}, shapes) is None  # not the batch's [b, s]
+
+
+def test_work_on_positions_is_told_from_work_on_rows_and_tokens() -> None:
+    targets = torch.arange(30).reshape(3, 10)  # [b, s]: a tensor of the batch
+    inside = [False]
+    cuts = SequenceCuts({"targets": targets}, lambda: inside[0])
+    with cuts:
+        kept = targets.clone()
+        kept[:, :4] = -100  # a prompt masked up to a position, on a clone
+        (targets == 3).cumsum(1)  # a response after a separator
+        torch.arange(10)  # positions of the sequence
+        targets.narrow(1, 0, 5)
+        torch.zeros(3, 10, 7)[:, 1:]  # the logits' shift
+        kept[kept == 5] = -100  # a mask over every dimension: per token
+        targets.cumsum(0), targets.narrow(0, 0, 2), torch.arange(3)  # rows; an arange of the rows' count
+        inside[0] = True
+        targets[:, :2]  # inside a call of the model: not the step's
+    assert cuts.found == [
+        "<a [3, 10] tensor>[:, :4] = ...",
+        "<a [3, 10] tensor>.cumsum(1)",
+        "torch.arange(10)",
+        "targets.narrow(1, 0, 5)",
+        "<a [3, 10, ...] tensor>[:, 1:]",
+    ]
