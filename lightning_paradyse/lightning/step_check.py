@@ -564,6 +564,14 @@ def check_step_losses(
     alone."""
     if abs(sharded - whole) <= tol * max(abs(whole), 1e-12):
         return
+    if math.isnan(sharded) and math.isnan(whole):
+        raise ValueError(
+            f"the {hook}'s loss is nan on {where}, both when each rank runs its slice and when one process runs them "
+            f"all: a mean over no real target, though the batch has real targets there, so the step itself masks "
+            f"them (a prompt masked or a response found in the step). Make such masks where every rank holds the "
+            f"whole batch: in the data (the collator) or in on_after_batch_transfer, as tensors of the batch the step "
+            f"then uses. ParaDySeStrategy(check_step=False) turns this check off"
+        )
     if redrawn is not None and abs(redrawn - whole) > tol * max(abs(whole), 1e-12):
         raise ValueError(
             f"the {hook} draws random numbers: its loss on {where} is {whole:.10g}, and {redrawn:.10g} when the "

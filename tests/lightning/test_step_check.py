@@ -3,6 +3,7 @@ a step that shifts its own targets, are cases of :mod:`tests.exact.cases`)."""
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from collections import deque
@@ -108,6 +109,10 @@ def test_losses_that_differ_beyond_the_tolerance_name_the_fix() -> None:
         check_step_losses(2.0, 3.0, tol, redrawn=4.0)  # the whole call seeded afresh moved: the draws named alone
     with pytest.raises(ValueError, match="computes something across the tokens"):
         check_step_losses(2.0, 3.0, tol, redrawn=3.0)  # the same whole loss seeded afresh: not random
+    with pytest.raises(ValueError, match=r"nan on .* a mean over no real target.*on_after_batch_transfer"):
+        check_step_losses(math.nan, math.nan, tol)  # the step masked every target it was handed
+    with pytest.raises(ValueError, match=r"chunks of 16 tokens"):
+        check_step_losses(2.0, 3.0, tol, chunk=16)  # a loss averaged per chunk named first
     assert step_check_tolerance(torch.float32, "bf16-mixed") > step_check_tolerance(torch.float32, "32-true")
     # a float64 step whose loss function ran in float32 (Hugging Face's cross-entropy): float32's rounding of a
     # mean over the probe's few tokens (~1e-7; an exact auxiliary term beside it was refused at 4.9e-8 before), still
