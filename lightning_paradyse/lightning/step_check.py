@@ -7,6 +7,14 @@ step runs, and whole on every rank (a group of one holding every weight). The tw
 precision's tolerance; otherwise the step computes across its slice (e.g. shifts the targets itself) and the run
 stops on every rank with the fix (:func:`check_step_losses`).
 
+Position rules further into the sequence than those tokens are seen in the step's code instead: its sharded call
+watches what the step does to positions of the sequence outside the model's calls (:class:`SequenceCuts`: an index,
+an assignment at positions or a ``narrow`` of a ``[b, s]`` tensor, a scan such as ``cumsum`` along it, positions
+made with ``torch.arange(s)``), which is refused naming it (:func:`refuse_sequence_cuts`); a split of the sequence
+into chunks longer than the tokens run has the check run again on a chunk and a half (:func:`longer_probe`: a loss
+averaged per chunk). A value the step logs summed over the ranks (``sync_dist=True, reduce_fx="sum"``) is compared
+summed (:func:`summed_over_ranks`).
+
 The tokens are three runs of the batch's positions side by side: at its start, at its end and between
 (:func:`probe_columns`), so that a step that weighs positions unevenly (a loss averaged over every position, those
 without a target included; weights that change along the sequence) is seen where the batch's positions differ. After
@@ -919,7 +927,7 @@ def rows_runs(
         piece = parallel.configure_whole(module, part, part_info, plan)
         reset_metrics(module)  # a metric given the part's loss holds it alone, as the strategy makes it global
         rewind()
-        with recorded_logs(module, None if first_logs else summed) as logs:
+        with recorded_logs(module, summed if first_logs is None else None) as logs:  # the first part's
             loss = step_loss(step_fn(piece, *rest[0], **rest[1]))
         if loss is None:
             return None
