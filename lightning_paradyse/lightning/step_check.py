@@ -249,6 +249,9 @@ class SequenceCuts(TorchFunctionMode):
         self.watched = dict(batch)  # name -> the step's tensor (held: ids stay theirs)
         self.inside_model = inside_model
         self.found: list[str] = []
+        self.aranges: list[str] = []
+        """``torch.arange`` of this rank's slice length: of positions where every rank made one of its own length
+        (the ranks hold unequal numbers of the check's tokens), else perhaps of another count (:func:`agree_cuts`)."""
         self.splits: list[int] = []
         """The chunk sizes of the step's splits along the sequence (``targets.split(1024, dim=1)``, of a batch
         tensor or of a tensor of its ``[b, s]``, such as the logits): not a cut, but a loss averaged per chunk
@@ -261,8 +264,9 @@ class SequenceCuts(TorchFunctionMode):
         kwargs = kwargs or {}
         if not self.inside_model():
             cut = self._cut(func, args, kwargs)
-            if cut is not None and cut not in self.found:
-                self.found.append(cut)
+            seen = self.aranges if func is torch.arange else self.found
+            if cut is not None and cut not in seen:
+                seen.append(cut)
         return func(*args, **kwargs)
 
     def _cut(self, func: Any, args: Any, kwargs: dict[str, Any]) -> str | None:
@@ -307,9 +311,9 @@ def cut_failed(cuts: SequenceCuts, hook: str | None) -> Iterator[None]:
     try:
         yield
     except Exception as error:
-        if not cuts.found:
+        if not cuts.found and not cuts.aranges:
             raise
-        raise cuts_refusal(cuts.found, hook or "step") from error
+        raise cuts_refusal(cuts.found + cuts.aranges, hook or "step") from error
 
 
 def sequence_narrow(t: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
@@ -322,22 +326,24 @@ def sequence_narrow(t: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, An
     return f".narrow(1, {given.get('start')}, {given.get('length')})"
 
 
-def agree_cuts(cuts: SequenceCuts, group: Group) -> tuple[int, bool]:
+def agree_cuts(cuts: SequenceCuts, group: Group) -> tuple[int, list[str] | None]:
     """What every rank's :class:`SequenceCuts` saw, agreed in one all-reduce (a tensor of this rank's ``[b, s]`` may
-    match on one rank and not on another): the largest chunk a step split the sequence into (0: none), and whether a
-    rank saw a cut."""
+    match on one rank and not on another): the largest chunk a step split the sequence into (0: none), and the work
+    on positions to refuse (``None``: none on any rank): this rank's cuts where a rank saw one, and its
+    ``torch.arange`` of the slice's length where every rank made one of its own."""
     p, rank = group_size(group), group_rank(group)
-    every = torch.zeros(p, 2, dtype=torch.float64, device=collective_device(group))
-    every[rank, 0] = float(max(cuts.splits, default=0))
-    every[rank, 1] = float(len(cuts.found))
-    agreed = all_reduce_sum(every, group)  # [p, 2] -> [p, 2]: every rank's (host read: once per check)
-    return int(agreed[:, 0].max()), bool(agreed[:, 1].sum() > 0)
+    every = torch.zeros(p, 3, dtype=torch.float64, device=collective_device(group))
+    every[rank] = torch.tensor([float(max(cuts.splits, default=0)), len(cuts.found), len(cuts.aranges)])
+    agreed = all_reduce_sum(every, group)  # [p, 3] -> [p, 3]: every rank's (host read: once per check)
+    cut, positions = bool(agreed[:, 1].sum() > 0), bool((agreed[:, 2] > 0).all())
+    refused = cuts.found + (cuts.aranges if positions else [])
+    return int(agreed[:, 0].max()), refused if cut or positions else None
 
 
-def refuse_sequence_cuts(found: list[str], hook: str, anywhere: bool | None = None) -> None:
-    """Raise where the step worked on positions of the sequence (:class:`SequenceCuts`; ``anywhere``: on a rank, as
-    :func:`agree_cuts` agreed: every rank raises alike), naming them and the fix (:func:`cuts_refusal`)."""
-    if found or anywhere:
+def refuse_sequence_cuts(found: list[str] | None, hook: str) -> None:
+    """Raise where the step worked on positions of the sequence (``found``, as :func:`agree_cuts` agreed: every rank
+    raises alike; ``None``: not), naming them and the fix (:func:`cuts_refusal`)."""
+    if found is not None:
         raise cuts_refusal(found, hook)
 
 
@@ -1120,7 +1126,7 @@ class StepCheck:
         summed_over_ranks(sharded_logs, summed, group)
         if cycle.options.mean_loss:
             losses.refuse(hook)
-        refuse_sequence_cuts(cuts.found, hook, cut)
+        refuse_sequence_cuts(cut, hook)
         if sharded is not None and whole is not None:
             where = f"the tokens {described_columns(columns)} of a batch of {info.seq_len}"
             check_step_losses(sharded, float(whole), tol, hook, where, consumed, redrawn, chunk or None)
