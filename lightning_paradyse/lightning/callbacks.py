@@ -58,6 +58,16 @@ class _Timed:
     record: StepRecord
     metrics: dict[str, float]
     span: Span
+    logged_at: int
+    """The step the loggers get the batch's numbers at: Lightning's own for the batch's logs (its count of batches
+    that stepped, one behind ``global_step`` at the batch's end), so a logger sees the steps in order."""
+
+
+def loggers_step(trainer: Any) -> int:
+    """The step Lightning logs the current training batch's values at (``self.log`` in its step, the
+    ``LearningRateMonitor``'s): its count of batches that stepped, which it raises after the batch's end."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    return int(getattr(loop, "_batches_that_stepped", trainer.global_step))
 
 
 def logs_step(trainer: Any, step: int) -> bool:
@@ -165,7 +175,7 @@ class ParaDySeSwitcher(pl.Callback):
         elif tracker is not None:
             measured["plan/measured_peak_mib"] = tracker.peak / 2**20
         self.metrics.update(measured)
-        self._timed.append(_Timed(trainer.global_step, record, dict(self.metrics), span))
+        self._timed.append(_Timed(trainer.global_step, record, dict(self.metrics), span, loggers_step(trainer)))
         self._settle(trainer, wait=False)
 
     def _settle(self, trainer: pl.Trainer, wait: bool) -> None:
@@ -180,17 +190,18 @@ class ParaDySeSwitcher(pl.Callback):
             timed.metrics["plan/measured_time_s"] = elapsed
             if record is self._reported:  # :attr:`metrics` still holds this batch's numbers
                 self.metrics["plan/measured_time_s"] = elapsed
-            self._log(trainer, timed.metrics, timed.step)
+            self._log(trainer, timed.metrics, timed.step, timed.logged_at)
 
-    def _log(self, trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
-        """``metrics`` to every logger of the Trainer, at global step ``step``, every ``log_every_n_steps`` steps."""
+    def _log(self, trainer: pl.Trainer, metrics: dict[str, float], step: int, logged_at: int) -> None:
+        """``metrics`` of global step ``step`` to every logger of the Trainer, at their step ``logged_at``, every
+        ``log_every_n_steps`` steps."""
         if not self.log_plan or trainer.global_rank != 0 or not trainer.loggers:
             return
         if not logs_step(trainer, step) or step == self._logged_step:
             return  # once per optimizer step (micro-batches of gradient accumulation share one global step)
         self._logged_step = step
         for logger in trainer.loggers:
-            logger.log_metrics(dict(metrics), step=step)
+            logger.log_metrics(dict(metrics), step=logged_at)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -248,10 +259,10 @@ class ParaDySeSwitcher(pl.Callback):
         self.metrics = {k: float(v) for k, v in record.metrics.items()}
         self._reported = record
         if record.stage != "train":  # a training batch's numbers go out with its measurements
-            self._log(trainer, self.metrics, trainer.global_step)
+            self._log(trainer, self.metrics, trainer.global_step, loggers_step(trainer))
         if record.line is not None:
             announce(trainer, record.line)
         return record
 
 
-__all__ = ["ParaDySeSwitcher", "announce", "logs_step", "plan_digest"]
+__all__ = ["ParaDySeSwitcher", "announce", "loggers_step", "logs_step", "plan_digest"]
