@@ -231,6 +231,26 @@ CUMULATIVE = frozenset(
 )
 """Scans: along the sequence of a rank's slice they start over at its first position."""
 
+KEEPS_TOKENS = frozenset(
+    {
+        torch.Tensor.clone,
+        torch.clone,
+        torch.Tensor.detach,
+        torch.Tensor.to,
+        torch.Tensor.float,
+        torch.Tensor.double,
+        torch.Tensor.long,
+        torch.Tensor.contiguous,
+        torch.Tensor.masked_fill,
+        torch.Tensor.flatten,
+        torch.flatten,
+        torch.Tensor.view,
+        torch.Tensor.reshape,
+        torch.reshape,
+    }
+)
+"""Calls whose result holds the same tokens as their tensor (a copy, a cast, a flattening): named after it."""
+
 
 class SequenceCuts(TorchFunctionMode):
     """Where the step itself works on positions of the sequence, outside the model's calls: an index, an assignment
@@ -252,6 +272,10 @@ class SequenceCuts(TorchFunctionMode):
         self.aranges: list[str] = []
         """``torch.arange`` of this rank's slice length: of positions where every rank made one of its own length
         (the ranks hold unequal numbers of the check's tokens), else perhaps of another count (:func:`agree_cuts`)."""
+        self.sums: list[str] = []
+        """Sums of a floating tensor of the batch over the sequence (``weights.sum()``): per-token weights normalised
+        by their sum on the slice, named first where the losses then differ (:func:`check_step_losses`)."""
+        self._derived: dict[int, tuple[torch.Tensor, str]] = {}  # id -> (a tensor of the batch's tokens, its name)
         self.splits: list[int] = []
         """The chunk sizes of the step's splits along the sequence (``targets.split(1024, dim=1)``, of a batch
         tensor or of a tensor of its ``[b, s]``, such as the logits): not a cut, but a loss averaged per chunk
@@ -262,12 +286,18 @@ class SequenceCuts(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if not self.inside_model():
-            cut = self._cut(func, args, kwargs)
-            seen = self.aranges if func is torch.arange else self.found
-            if cut is not None and cut not in seen:
-                seen.append(cut)
-        return func(*args, **kwargs)
+        if self.inside_model():
+            return func(*args, **kwargs)
+        cut = self._cut(func, args, kwargs)
+        seen = self.aranges if func is torch.arange else self.found
+        if cut is not None and cut not in seen:
+            seen.append(cut)
+        out = func(*args, **kwargs)
+        if func in KEEPS_TOKENS and isinstance(out, torch.Tensor) and args and isinstance(args[0], torch.Tensor):
+            name = self._name(args[0], described=False)
+            if name is not None:  # targets.clone(): named after the tensor it copies
+                self._derived[id(out)] = (out, f"{name}.{func.__name__}()")
+        return out
 
     def _cut(self, func: Any, args: Any, kwargs: dict[str, Any]) -> str | None:
         """What the call does to positions of the sequence, as written, or ``None``."""
@@ -279,6 +309,11 @@ class SequenceCuts(TorchFunctionMode):
         t = args[0]
         name = self._name(t)
         if name is None:
+            return None
+        if func in (torch.Tensor.sum, torch.sum) and t.is_floating_point():
+            dim = args[1] if len(args) > 1 else kwargs.get("dim")
+            if (dim is None or t.dim() == 1 or 1 in _dims(dim, t.dim())) and not name.startswith("<"):
+                self.sums.append(f"{name}.sum()")
             return None
         if func in (torch.Tensor.split, torch.split):
             size = sequence_split(t, args[1:], kwargs, self._shapes)
@@ -296,10 +331,14 @@ class SequenceCuts(TorchFunctionMode):
             cut = f".{func.__name__}(1)" if dim in (1, 1 - t.dim()) else None
         return None if cut is None else f"{name}{cut}"
 
-    def _name(self, t: torch.Tensor) -> str | None:
-        """The batch's name of ``t``, a description of a tensor of the batch's ``[b, s]``, or ``None``."""
+    def _name(self, t: torch.Tensor, described: bool = True) -> str | None:
+        """The batch's name of ``t`` (or of the tensor it copies: ``targets.clone()``), else with ``described`` a
+        description of a tensor of the batch's ``[b, s]`` (the logits), else ``None``."""
         name = next((k for k, w in self.watched.items() if w is t), None)
-        if name is None and t.dim() >= 2 and tuple(t.shape[:2]) in self._shapes:
+        derived = self._derived.get(id(t))
+        if name is None and derived is not None and derived[0] is t:
+            name = derived[1]
+        if name is None and described and t.dim() >= 2 and tuple(t.shape[:2]) in self._shapes:
             return f"<a [{t.shape[0]}, {t.shape[1]}{', ...' if t.dim() > 2 else ''}] tensor>"
         return name
 
@@ -314,6 +353,12 @@ def cut_failed(cuts: SequenceCuts, hook: str | None) -> Iterator[None]:
         if not cuts.found and not cuts.aranges:
             raise
         raise cuts_refusal(cuts.found + cuts.aranges, hook or "step") from error
+
+
+def _dims(dim: Any, ndim: int) -> set[int]:
+    """``dim`` (an int or a sequence of them, perhaps negative) as non-negative dimensions of an ``ndim`` tensor."""
+    dims = dim if isinstance(dim, (list, tuple)) else [dim]
+    return {d % ndim for d in dims if isinstance(d, int)}
 
 
 def sequence_narrow(t: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
@@ -570,6 +615,7 @@ def check_step_losses(
     consumed: bool = False,
     redrawn: float | None = None,
     chunk: int | None = None,
+    weights_sum: str | None = None,
 ) -> None:
     """Raise when the sharded step's loss on the probe (``where``) differs from the whole step's (the same on every
     rank). ``consumed``: a Hugging Face model was handed ``labels=`` in the sharded step (its loss is this rank's share
@@ -598,6 +644,11 @@ def check_step_losses(
             f"statistics, not one process's values; every rank draws the same numbers for its slice), turn this "
             f"check off: ParaDySeStrategy(check_step=False)"
         )
+    weights = (
+        f"per-token weights normalised by their sum on the slice ({weights_sum or '(ce * w).sum() / w.sum()'}: "
+        f"divide by the whole batch's sum of them, a 0-dim tensor the data loader puts in the batch, and tell the "
+        f"strategy the loss is a sum, ParaDySeStrategy(loss_reduction='sum')), "
+    )
     chunked = (
         f"a loss averaged per chunk of the sequence (the step splits it into chunks of {chunk} tokens: each rank "
         f"splits its slice, so its chunks are not one process's; sum the chunks' losses, reduction='sum', and "
@@ -605,6 +656,7 @@ def check_step_losses(
         if chunk is not None
         else ""
     )
+    lead = chunked + (weights if weights_sum else "")  # what the step was seen doing, first
     mixed = (
         "a Hugging Face model's loss given labels= (this rank's share of the whole batch's mean, which the "
         "strategy sums over the ranks) combined with a term of the step's own, such as a distillation or "
@@ -618,15 +670,13 @@ def check_step_losses(
     raise ValueError(
         f"the {hook} computes something across the tokens of its slice: on {where} its loss is "
         f"{sharded:.10g} when each rank runs its slice, but {whole:.10g} when one process runs them all. "
-        f"Common causes: {chunked}{mixed}shifting targets in the step (logits[:, :-1] against ids[:, 1:]; shift "
+        f"Common causes: {lead}{mixed}shifting targets in the step (logits[:, :-1] against ids[:, 1:]; shift "
         f"them in the data, or pass labels= to a Hugging Face model), a loss reduced per sequence or computed from "
         f"one position of each row (a pooled output: the last real token, [CLS], a mean over the sequence; each "
         f"rank holds a slice of every row, so such heads train under a strategy that keeps rows whole), a loss "
         f"averaged over every position, those without a target included (padding, a prompt: reduction='none' "
         f"then .mean(), or a term over all tokens such as a z-loss: average over the real targets, "
-        f"targets != -100), per-token weights normalised by their sum on the slice ((ce * w).sum() / w.sum(): "
-        f"divide by the whole batch's sum of them, a 0-dim tensor the data loader puts in the batch, and tell the "
-        f"strategy the loss is a sum), a loss "
+        f"targets != -100), {'' if weights_sum else weights}a loss "
         f"summed over the tokens (reduction='sum': tell the strategy, ParaDySeStrategy(loss_reduction='sum')), "
         f"or a term computed from self.parameters(), such as an L2 penalty (each rank holds a slice of every "
         f"weight: use the optimizer's weight_decay, or add the penalty's gradient in on_before_optimizer_step "
@@ -1129,7 +1179,8 @@ class StepCheck:
         refuse_sequence_cuts(cut, hook)
         if sharded is not None and whole is not None:
             where = f"the tokens {described_columns(columns)} of a batch of {info.seq_len}"
-            check_step_losses(sharded, float(whole), tol, hook, where, consumed, redrawn, chunk or None)
+            weights_sum = next(iter(cuts.sums), None)  # a floating tensor of the batch summed: weights normalised
+            check_step_losses(sharded, float(whole), tol, hook, where, consumed, redrawn, chunk or None, weights_sum)
         found = differing_logs(sharded_logs, whole_logs, tol)
         if apart is not None and whole is not None:
             if not consumed:  # a Hugging Face loss given labels= divides by the whole batch's count on groups (the

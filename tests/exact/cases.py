@@ -1685,7 +1685,7 @@ def cases_p2() -> dict[str, Case]:
                     refused=f"works on positions of the sequence itself ({shown}",
                 )
                 for kind, shown in (
-                    ("mask-prefix", "<a [2, 9] tensor>[:, :20] = ..."),  # rank 0 holds 9 of the check's 17 tokens
+                    ("mask-prefix", "targets.clone()[:, :20] = ..."),  # named after the tensor it copies
                     ("after-separator", "<a [2, 9] tensor>.cumsum(1)"),
                     ("weights-by-position", "torch.arange(9)"),
                     ("narrow", "input_ids.narrow(1, 0, 20)"),
@@ -1965,7 +1965,9 @@ def cases_p2() -> dict[str, Case]:
             "every-position-mean-all-targeted": Case(EveryPositionLM, lambda: loader(all_targets)),
             "every-position-z-loss": Case(ZLossLM, lambda: loader(shifted_targets), refused=ACROSS),
             "weights-later": Case(
-                WeightedLM, lambda: loader(weighted_later, rows=3), refused="divide by the whole batch's sum of them"
+                WeightedLM,
+                lambda: loader(weighted_later, rows=3),
+                refused="causes: per-token weights normalised by their sum on the slice (weights.flatten().sum():",
             ),
             "weights-by-batch-total": Case(  # on groups and one group
                 WeightedByTotalLM, lambda: loader(weighted_later_total, rows=3), strategy=dict(loss_reduction="sum")

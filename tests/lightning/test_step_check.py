@@ -394,9 +394,18 @@ def test_work_on_positions_is_told_from_work_on_rows_and_tokens() -> None:
         inside[0] = True
         targets[:, :2]  # inside a call of the model: not the step's
     assert cuts.found == [
-        "<a [3, 10] tensor>[:, :4] = ...",
+        "targets.clone()[:, :4] = ...",  # named after the tensor it copies
         "<a [3, 10] tensor>.cumsum(1)",
         "targets.narrow(1, 0, 5)",
         "<a [3, 10, ...] tensor>[:, 1:]",
     ]
     assert cuts.aranges == ["torch.arange(10)"]  # refused where every rank made one of its own slice's length
+
+
+def test_a_floating_tensor_of_the_batch_summed_is_named_as_normalising_weights() -> None:
+    weights, targets = torch.rand(3, 10, dtype=torch.float64), torch.zeros(3, 10, dtype=torch.long)
+    cuts = SequenceCuts({"weights": weights, "targets": targets}, lambda: False)
+    with cuts:
+        weights.sum(0), (targets != -100).sum(), (weights * 2).sum()  # per position; a count; a product (unnamed)
+        weights.flatten().sum()
+    assert cuts.sums == ["weights.flatten().sum()"] and cuts.found == []
