@@ -312,8 +312,9 @@ class SequenceCuts(TorchFunctionMode):
             return None
         if func in (torch.Tensor.sum, torch.sum) and t.is_floating_point():
             dim = args[1] if len(args) > 1 else kwargs.get("dim")
-            if (dim is None or t.dim() == 1 or 1 in _dims(dim, t.dim())) and not name.startswith("<"):
-                self.sums.append(f"{name}.sum()")
+            named = self._name(t, described=False)  # the batch's tensor, not one of its shape
+            if named is not None and (dim is None or t.dim() == 1 or 1 in _dims(dim, t.dim())):
+                self.sums.append(f"{named}.sum()")
             return None
         if func in (torch.Tensor.split, torch.split):
             size = sequence_split(t, args[1:], kwargs, self._shapes)
@@ -376,13 +377,18 @@ def agree_cuts(cuts: SequenceCuts, group: Group) -> tuple[int, list[str] | None]
     match on one rank and not on another): the largest chunk a step split the sequence into (0: none), and the work
     on positions to refuse (``None``: none on any rank): this rank's cuts where a rank saw one, and its
     ``torch.arange`` of the slice's length where every rank made one of its own."""
-    p, rank = group_size(group), group_rank(group)
-    every = torch.zeros(p, 3, dtype=torch.float64, device=collective_device(group))
-    every[rank] = torch.tensor([float(max(cuts.splits, default=0)), len(cuts.found), len(cuts.aranges)])
-    agreed = all_reduce_sum(every, group)  # [p, 3] -> [p, 3]: every rank's (host read: once per check)
+    agreed = every_ranks([max(cuts.splits, default=0), len(cuts.found), len(cuts.aranges)], group)  # [p, 3]
     cut, positions = bool(agreed[:, 1].sum() > 0), bool((agreed[:, 2] > 0).all())
     refused = cuts.found + (cuts.aranges if positions else [])
     return int(agreed[:, 0].max()), refused if cut or positions else None
+
+
+def every_ranks(row: list[float], group: Group) -> torch.Tensor:
+    """Every rank's ``row`` of numbers, ``[p, k]`` float64 on the host (the same length on every rank): one
+    all-reduce of a table whose row ``r`` rank ``r`` fills (host reads: the check's, once per run)."""
+    table = torch.zeros(group_size(group), len(row), dtype=torch.float64)
+    table[group_rank(group)] = torch.tensor(row, dtype=torch.float64)
+    return all_reduce_sum(table.to(collective_device(group)), group).cpu()  # [p, k] -> [p, k]
 
 
 def refuse_sequence_cuts(found: list[str] | None, hook: str) -> None:
@@ -734,12 +740,9 @@ def summed_over_ranks(logs: LoggedValues, summed: list[tuple[str | None, str]], 
     one all-reduce of one size on every rank. Where the ranks logged other such values (their number or names
     differ) or more than :data:`SUMMED_SLOTS`, they stay this rank's."""
     keys = list(dict.fromkeys(summed))  # [k] in the order first logged
-    every = torch.zeros(group_size(group), 2 + SUMMED_SLOTS, dtype=torch.float64, device=collective_device(group))
-    mine = every[group_rank(group)]  # [2 + K]: how many, their names, their values
-    mine[0], mine[1] = len(keys), zlib.crc32(repr(keys).encode())
-    for i, key in enumerate(keys[:SUMMED_SLOTS]):
-        mine[2 + i] = logs[key]
-    agreed = all_reduce_sum(every, group)  # [p, 2 + K] -> [p, 2 + K]: every rank's (host read: once per check)
+    values = [logs[key] for key in keys[:SUMMED_SLOTS]]
+    row = [len(keys), zlib.crc32(repr(keys).encode()), *values, *[0.0] * (SUMMED_SLOTS - len(values))]
+    agreed = every_ranks(row, group)  # [p, 2 + K]: how many, their names, their values
     alike = bool((agreed[:, :2] == agreed[0, :2]).all())
     if not keys or len(keys) > SUMMED_SLOTS or not alike:
         return
@@ -1244,6 +1247,7 @@ __all__ = [
     "described_columns",
     "differing_logs",
     "differing_metrics",
+    "every_ranks",
     "longer_probe",
     "metric_values",
     "outer_metrics",
