@@ -61,6 +61,10 @@ from lightning_paradyse.modes.specs import (
 from lightning_paradyse.modes.zero3 import zero3_linear, zero3_linear_t
 
 
+class SliceLengthError(ValueError):
+    """A dispatch module handed a tensor whose second dimension is not this rank's slice of the sequence."""
+
+
 @dataclass(frozen=True)
 class ShardSource:
     """Where a shard parameter comes from in the plain block.
@@ -297,7 +301,7 @@ class OpDispatch(nn.Module):
             raise self.unconfigured()
         expected = self.ctx.layout.local_len(self.ctx.rank)
         if x.shape[1] != expected:
-            raise ValueError(
+            raise SliceLengthError(
                 f"layer {self.layer}: the input has {x.shape[1]} tokens where this rank's slice of the batch has "
                 f"{expected}: the model was called on a sequence of another length than the batch's (truncated, a "
                 f"token or a prompt prepended, positions dropped in the step). Each rank holds a slice of every row, "

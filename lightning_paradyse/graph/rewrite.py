@@ -42,6 +42,7 @@ from lightning_paradyse.graph.dispatch import (
     OpaqueDispatch,
     OpDispatch,
     RowDispatch,
+    SliceLengthError,
 )
 from lightning_paradyse.graph.passes import SOFTMAX, RoleError, find_attention, find_mlp
 from lightning_paradyse.graph.program import PROBE_TOKENS, ProgramError, probe, probe_tail, tolerance
@@ -56,6 +57,14 @@ EXAMPLE_LEN = 7
 """Tokens in the example input: a size no other dimension of the tiny example has."""
 EXAMPLE_GRID = (7, 5)
 """Frames and patches of the example input of a grid model (``axes=2``): ``[1, 7, 5, h]``."""
+
+BIAS_ARGS = ("alibi", "position_bias", "attention_bias")
+"""Required block arguments that carry an attention bias (refused by name: :func:`example_inputs`)."""
+UNREAD = (
+    "The families the rewrite reads are listed in the README (Graph rewriting); a model it cannot read trains "
+    "under another strategy (e.g. strategy='ddp' or 'fsdp')"
+)
+"""The end of every refusal of a block the rewrite cannot read."""
 
 
 def _hidden_size(block: nn.Module) -> int:
@@ -117,6 +126,11 @@ def example_inputs(
             kwargs[p.name] = rope(args[0], torch.arange(t, device=device)[None], block)
         elif p.name == "position_embeddings":
             kwargs[p.name] = _cos_sin(t, _head_dim(block, hidden), dtype, device)
+        elif p.default is inspect.Parameter.empty and p.name in BIAS_ARGS:
+            raise RoleError(
+                f"its forward takes an attention bias ({p.name!r}: ALiBi or a relative position bias, as Bloom's, "
+                f"MPT's, Falcon's and T5's blocks do), which the parallel modes do not apply"
+            )
         elif p.default is inspect.Parameter.empty:
             raise RoleError(f"cannot build an example for the required argument {p.name!r} of {name}'s forward")
     return args, kwargs
@@ -438,12 +452,17 @@ def rewrite_block(
                 op.attend_axis = axis
         return ops
     except RoleError as err:
-        raise RoleError(f"cannot parallelize block {name} ({type(block).__name__}): {err}") from None
+        raise RoleError(f"cannot parallelize block {name} ({type(block).__name__}): {err}. {UNREAD}") from None
     except Exception as err:  # anything else the block's own code raised on our inputs: name it, never raw
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        if isinstance(err, SliceLengthError):  # the block's own code reshaped the tokens between its parts
+            first = (
+                "a part of the block was handed a tensor whose second dimension is not the block's tokens (the "
+                "block reshapes them, as OPT's flattens [b, s, h] into [b * s, h] around its MLP)"
+            )
         raise RoleError(
             f"cannot parallelize block {name} ({type(block).__name__}): {type(err).__name__} while {stage}: "
             f"{first}. The rewrite reads blocks whose attention is q/k/v/o linears around one scaled-dot-product "
             f"attention call (Hugging Face: build the model with attn_implementation='sdpa'); name the block list "
-            f"with ParaDySeStrategy(blocks=...) if these are not the transformer blocks"
+            f"with ParaDySeStrategy(blocks=...) if these are not the transformer blocks. {UNREAD}"
         ) from err

@@ -54,6 +54,14 @@ from lightning_paradyse.modes.dsp import GridState
 from lightning_paradyse.modes.plan import Plan
 from lightning_paradyse.modes.specs import SeqContext, row_sizes, shard_rows
 from lightning_paradyse.runtime.hf_outputs import refuse_attention_weights
+from lightning_paradyse.runtime.hf_positions import (
+    embeds_positions,
+    masks_packed_documents,
+    own_positions,
+    packed_documents,
+    same_documents,
+    uses_cache,
+)
 from lightning_paradyse.runtime.plain_view import Parts, Shadows
 from lightning_paradyse.runtime.slicing import (
     IGNORE_INDEX,
@@ -98,6 +106,9 @@ class StepState:
     rewrite); carried by a deep copy too."""
     streams: CallStreams = field(default_factory=CallStreams)
     """Which random stream the model's calls draw from (:mod:`~lightning_paradyse.runtime.streams`)."""
+    call_documents: int | None = None
+    """The module (its ``id``) whose call runs now with the packed documents its ``position_ids`` mark
+    (:func:`_packed_call`); emptied by :func:`configure`."""
     whole_runs: list[int] = field(default_factory=list)
     """The module (its ``id``) whose call runs on whole sequences now: a model holding blocks ``blocks=`` leaves whole
     (:func:`_whole_in`; emptied by :func:`configure`)."""
@@ -553,7 +564,9 @@ def _install_hooks(module: nn.Module, block_names: list[str], state: StepState) 
         owner = module.get_submodule(path) if path else module
         arg = next((a for a in ("positions", "position_ids") if _accepts(owner.forward, a)), None)
         if arg is not None:
-            owner.register_forward_pre_hook(_StepHook(state, _position_hook(arg)), with_kwargs=True)
+            hook = _position_hook(arg, own_positions(owner), embeds_positions(owner), masks_packed_documents(owner))
+            owner.register_forward_pre_hook(_StepHook(state, hook), with_kwargs=True)
+            owner.register_forward_hook(_StepHook(state, _documents_out), always_call=True)
             break
     for path in chain:
         owner = module.get_submodule(path) if path else module
@@ -766,11 +779,16 @@ def _agree(ok: bool, ctx: SeqContext, device: torch.device) -> bool:
         return float(all_reduce_sum(flag, ctx.group)) == 0.0  # [1] summed over the group
 
 
-def _position_hook(arg: str) -> Any:
+def _position_hook(arg: str, numbering: Any, embeds_start: int, packs: bool) -> Any:
     """Give the model the global positions of its local tokens when the call gives none (``None`` = absent).
 
     Positions the call does give must be the layout's own or a slice of the batch (packed positions); anything
     else (e.g. ``arange`` of the local length) would train another model, so it is refused on every rank.
+
+    ``numbering``: the model numbers its tokens itself from their ids (:func:`~lightning_paradyse.runtime.hf_positions.
+    own_positions`, RoBERTa's family): the hook numbers the whole batch's ids so and hands each rank its tokens'
+    numbers (``embeds_start``: where it numbers a row given as embeddings). ``packs``: the model keeps packed
+    documents apart when called with restarting ``position_ids`` (:func:`_packed_call`).
     """
 
     def hook(
@@ -784,12 +802,16 @@ def _position_hook(arg: str) -> Any:
         device = _device_of(args, kwargs, mod)
         if given is None:
             positions = ctx.positions(device)  # [s_r] global positions of the local tokens
+            if numbering is not None and arg == "position_ids":
+                call.set(arg, _numbered(state, mod, call, numbering, embeds_start, positions, device))
+                return call.result()
             call.set(arg, positions if arg == "positions" else positions[None])  # position_ids: [1, s_r]
             return call.result()
         if not state.sources:  # the library used directly (no batch registered): the caller owns its positions
             return args, kwargs
-        ok = isinstance(given, torch.Tensor) and (  # the batch's own slice first: known without a read
-            _trace(given, state.sources) is not None or _same_values(given, ctx.positions(given.device))
+        source = _trace(given, state.sources) if isinstance(given, torch.Tensor) else None
+        ok = source is not None or (  # the batch's own slice first: known without a read
+            isinstance(given, torch.Tensor) and _same_values(given, ctx.positions(given.device))
         )
         if not _agree(ok, ctx, device):
             raise ValueError(
@@ -797,9 +819,98 @@ def _position_hook(arg: str) -> Any:
                 f"a tensor of the batch; leave {arg} out (or None) and ParaDySeStrategy gives the model the global "
                 f"positions, or put per-token positions in the batch (e.g. batch['{arg}'])"
             )
+        if packs and source is not None and arg == "position_ids":
+            _packed_call(state, mod, call, source)
         return args, kwargs
 
     return hook
+
+
+def _numbered(
+    state: StepState,
+    mod: nn.Module,
+    call: _Call,
+    numbering: Any,
+    embeds_start: int,
+    positions: torch.Tensor,
+    device: torch.device,
+) -> torch.Tensor:
+    """The model's own numbering of this rank's tokens (:func:`_position_hook`): ``[b, s_r]`` from the whole batch's
+    token ids, or ``[1, s_r]`` for a row given as embeddings. Token ids that are no tensor of the batch are refused
+    on every rank (their numbering runs over the whole row, which no rank holds)."""
+    ctx = state.ctx
+    assert ctx is not None
+    ids = call.get("input_ids")
+    if ids is None:
+        return (positions + embeds_start)[None]  # [1, s_r]
+    source = _trace(ids, state.sources) if isinstance(ids, torch.Tensor) and state.sources else None
+    whole = source.whole if source is not None else (ids if ctx.p == 1 else None)
+    if not _agree(whole is not None and whole.dim() == 2, ctx, device):
+        raise ValueError(
+            f"{type(mod).__name__} numbers its tokens from their ids over the whole row (position "
+            f"padding_idx + 1 onwards, as RoBERTa does) and was called with input_ids that are not a tensor of the "
+            f"batch, so no rank can number its slice of them; pass the batch's own input_ids, or put position_ids in "
+            f"the batch and pass them"
+        )
+    assert whole is not None
+    numbers = numbering(whole)  # [b, s]: the model's own numbering of the whole rows
+    return numbers.index_select(1, positions.to(numbers.device)).to(device)  # [b, s] -> [b, s_r]
+
+
+def _packed_call(state: StepState, mod: nn.Module, call: _Call, source: BatchSource) -> None:
+    """A Hugging Face model's packed documents (:mod:`~lightning_paradyse.runtime.hf_positions`): called with the
+    batch's ``position_ids``, no ``attention_mask`` and no cache, it keeps the documents of a row whose positions
+    restart apart; the modes then apply the same documents for this call (:func:`_documents_out` undoes it). Decided
+    from the whole batch and the call's arguments: alike on every rank, so what cannot be done is refused on every
+    rank before the call's collectives."""
+    ctx = state.ctx
+    assert ctx is not None
+    if call.get("attention_mask") is not None:
+        return
+    docs = packed_documents(source.whole)  # [b, s] document ids, or None: no position restarts
+    if docs is None:
+        return
+    name = type(mod).__name__
+    cache = uses_cache(mod, call.get("use_cache"))
+    if cache is None:
+        raise ValueError(
+            f"{name} was called with position_ids that restart (packed documents) and no attention_mask while "
+            f"gradient checkpointing trains with use_cache on: transformers' versions differ in whether such a call "
+            f"keeps the documents apart, so ParaDySeStrategy cannot tell what one process would compute; call the "
+            f"model with use_cache=False"
+        )
+    if cache:  # a cache is made: the masks attend across the documents, as the modes do
+        return
+    if docs.shape[0] != 1:
+        raise ValueError(
+            f"{name} was called with position_ids that restart in a batch of {docs.shape[0]} rows (packed documents, "
+            f"kept apart in every row): ParaDySeStrategy keeps the documents of one packed row apart; pack the "
+            f"documents of a batch into one row (batch size 1), as DataCollatorWithFlattening does"
+        )
+    if ctx.doc_ids is not None:
+        if not same_documents(ctx.doc_ids, docs[0]):
+            raise ValueError(
+                f"{name} was called with position_ids whose restarts (packed documents, which the model keeps apart) "
+                f"are not the batch's doc_ids: make the positions restart where doc_ids change, or leave one of them "
+                f"out"
+            )
+        return
+    packed = dataclasses.replace(ctx, doc_ids=docs[0].to(source.local.device), host_doc_ids=docs[0].cpu())  # [s]
+    for _, op in dispatchers(mod):
+        if op.op_plan is not None:
+            op.configure(packed, op.op_plan)
+    state.call_documents = id(mod)
+
+
+def _documents_out(state: StepState, mod: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+    """After a call that applied a packed row's documents (:func:`_packed_call`): the step's own layout again."""
+    if state.call_documents != id(mod):
+        return
+    state.call_documents = None
+    if state.ctx is not None:
+        for _, op in dispatchers(mod):
+            if op.op_plan is not None:
+                op.configure(state.ctx, op.op_plan)
 
 
 def _same_values(value: torch.Tensor, positions: torch.Tensor) -> bool:
@@ -1026,7 +1137,7 @@ def configure(module: nn.Module, ctx: SeqContext, plan: Plan) -> None:
     check_plan(module, plan, ctx.p)
     state = step_state(module)
     state.ctx, state.sources, state.padding, state.labels_consumed = ctx, (), None, False
-    state.masked_lengths, state.batch, state.whole_runs = None, None, []
+    state.masked_lengths, state.batch, state.whole_runs, state.call_documents = None, None, [], None
     if state.grid is not None:
         if ctx.layout.balanced or ctx.doc_ids is not None:
             raise ValueError(

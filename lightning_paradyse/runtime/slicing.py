@@ -104,6 +104,15 @@ def find_tokens(batch: Any) -> Tensor:
     if isinstance(batch, Tensor):
         found = batch
     elif isinstance(batch, Mapping):  # the first of TOKEN_KEYS, else the first tensor
+        if not any(isinstance(batch.get(k), Tensor) for k in TOKEN_KEYS) and isinstance(
+            batch.get("pixel_values"), Tensor
+        ):
+            raise TypeError(
+                "ParaDySeStrategy splits every batch along its token sequence, and this batch is images (pixel_values "
+                "[batch, channels, height, width]), whose sequence of patches a vision model makes inside itself: no "
+                "rank can be handed its slice of them; train a vision model under another strategy (e.g. "
+                "strategy='ddp')"
+            )
         for value in (*(batch.get(k) for k in TOKEN_KEYS if k in batch), *batch.values()):
             if isinstance(value, Tensor):
                 found = value

@@ -104,6 +104,28 @@ PACKED = ((20, 13, 9), (31, 17), (12, 25, 8, 11), (44,))
 """Documents per packed batch (uneven over 2 and 3 ranks and over the groups)."""
 
 
+class FlattenedBatches(Dataset[Any]):
+    """Packed rows as Hugging Face's ``DataCollatorWithFlattening`` makes them (``input_ids``, ``labels`` with -100 at
+    each document's first token, ``position_ids`` restarting at 0 in each document; no ``attention_mask``), seeded
+    per index; ``rows``: that many rows of such documents stacked (a batch HF keeps apart per row)."""
+
+    def __init__(self, documents: tuple[tuple[int, ...], ...], rows: int = 1) -> None:
+        from transformers import DataCollatorWithFlattening
+
+        self.documents, self.rows, self.collate = documents, rows, DataCollatorWithFlattening()
+
+    def __len__(self) -> int:
+        return len(self.documents)
+
+    def __getitem__(self, i: int) -> dict[str, Tensor]:
+        gen = torch.Generator().manual_seed(300 + i)
+        rows = [
+            self.collate([{"input_ids": torch.randint(3, 128, (n,), generator=gen).tolist()} for n in self.documents[i]])
+            for _ in range(self.rows)
+        ]
+        return {k: torch.cat([row[k] for row in rows]) for k in rows[0]}  # [rows, s] each
+
+
 def shifted_targets(window: Tensor) -> dict[str, Tensor]:
     """Targets shifted in the data (the package's convention), a few without a target."""
     targets = window[:, 1:].clone()
@@ -1079,6 +1101,10 @@ class HFModule(pl.LightningModule):
             return self.model(input_ids=ids, labels=ids, shift_labels=batch["shift_labels"]).loss
         if self.call == "masked":
             return self.model(input_ids=ids, attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
+        if self.call == "flattened":  # DataCollatorWithFlattening's batch, no cache: the documents kept apart
+            return self.model(**batch, use_cache=False).loss
+        if self.call == "flattened-cache":  # the same batch with the config's cache: the masks attend across them
+            return self.model(**batch).loss
         masked = dict(input_ids=ids, attention_mask=batch["attention_mask"], labels=batch["labels"])
         if self.call == "ignore-zero":  # the pad id ignored by the loss, as a keyword of the call
             return self.model(**masked, ignore_index=0).loss
@@ -1439,15 +1465,21 @@ def mlm_labels(window: Tensor) -> dict[str, Tensor]:
 
 class MaskedLM(pl.LightningModule):
     """A Hugging Face ``BertForMaskedLM`` called as its documentation shows (``labels=`` unshifted, a mean over the
-    targets): no label shift, no ``num_items_in_batch``."""
+    targets): no label shift, no ``num_items_in_batch``. ``roberta``: a ``RobertaForMaskedLM``, which numbers its
+    tokens itself from their ids (``padding_idx + 1`` onwards; the data's tokens equal to its padding id 1 at
+    ``padding_idx``): the strategy gave it positions ``0, 1, ...`` until 2026-12-01, silently."""
 
-    def __init__(self) -> None:
+    def __init__(self, roberta: bool = False) -> None:
         super().__init__()
-        from transformers import BertConfig, BertForMaskedLM
+        import transformers
 
         fields = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
         fields |= dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation="sdpa")
-        self.model = BertForMaskedLM(BertConfig(**fields))
+        family = "Roberta" if roberta else "Bert"
+        if roberta:
+            fields |= dict(pad_token_id=1, bos_token_id=0, eos_token_id=2, max_position_embeddings=256)
+        config = getattr(transformers, f"{family}Config")(**fields)
+        self.model = getattr(transformers, f"{family}ForMaskedLM")(config)
         gen = torch.Generator().manual_seed(0)
         with torch.no_grad():  # BERT starts its biases at 0: the key bias (zero gradient) would stay at rounding noise
             for name, param in self.model.named_parameters():
@@ -1655,6 +1687,29 @@ def cases_p2() -> dict[str, Case]:
                 refused="ran outside a step the strategy configured",
             ),
             "hf-bert-mlm": Case(MaskedLM, lambda: loader(mlm_labels), strategy=dict(plan=MIXED_BIDIRECTIONAL)),
+            "hf-roberta-mlm": Case(
+                lambda: MaskedLM(roberta=True), lambda: loader(mlm_labels), strategy=dict(plan=MIXED_BIDIRECTIONAL)
+            ),
+            "hf-roberta-mlm-groups": Case(lambda: MaskedLM(roberta=True), lambda: loader(mlm_labels)),
+            # Hugging Face's packed rows (DataCollatorWithFlattening): their documents attended to each other under
+            # the strategy until 2026-12-01, silently, where one process keeps them apart (called without a cache)
+            "hf-flattened": Case(
+                hf("flattened"), lambda: DataLoader(FlattenedBatches(PACKED), batch_size=None), strategy=dict(plan=MIXED)
+            ),
+            "hf-flattened-groups": Case(hf("flattened"), lambda: DataLoader(FlattenedBatches(PACKED), batch_size=None)),
+            "hf-flattened-cache": Case(
+                hf("flattened-cache"), lambda: DataLoader(FlattenedBatches(PACKED), batch_size=None)
+            ),
+            "hf-flattened-checkpointing": Case(  # transformers' versions differ: refused, naming use_cache=False
+                hf("flattened-cache", checkpointing={}),
+                lambda: DataLoader(FlattenedBatches(PACKED), batch_size=None),
+                refused="use_cache=False",
+            ),
+            "hf-flattened-rows": Case(
+                hf("flattened"),
+                lambda: DataLoader(FlattenedBatches(PACKED, rows=2), batch_size=None),
+                refused="pack the documents of a batch into one row",
+            ),
             "hf-moe": Case(  # the step check and the checkpoint's optimizer state of experts and per-head norms
                 lambda: HFModule("labels-key", family="qwen3moe"),
                 lambda: loader(hf_labels),
