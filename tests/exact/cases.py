@@ -120,7 +120,9 @@ class FlattenedBatches(Dataset[Any]):
     def __getitem__(self, i: int) -> dict[str, Tensor]:
         gen = torch.Generator().manual_seed(300 + i)
         rows = [
-            self.collate([{"input_ids": torch.randint(3, 128, (n,), generator=gen).tolist()} for n in self.documents[i]])
+            self.collate(
+                [{"input_ids": torch.randint(3, 128, (n,), generator=gen).tolist()} for n in self.documents[i]]
+            )
             for _ in range(self.rows)
         ]
         return {k: torch.cat([row[k] for row in rows]) for k in rows[0]}  # [rows, s] each
@@ -1694,7 +1696,9 @@ def cases_p2() -> dict[str, Case]:
             # Hugging Face's packed rows (DataCollatorWithFlattening): their documents attended to each other under
             # the strategy until 2026-12-01, silently, where one process keeps them apart (called without a cache)
             "hf-flattened": Case(
-                hf("flattened"), lambda: DataLoader(FlattenedBatches(PACKED), batch_size=None), strategy=dict(plan=MIXED)
+                hf("flattened"),
+                lambda: DataLoader(FlattenedBatches(PACKED), batch_size=None),
+                strategy=dict(plan=MIXED),
             ),
             "hf-flattened-groups": Case(hf("flattened"), lambda: DataLoader(FlattenedBatches(PACKED), batch_size=None)),
             "hf-flattened-cache": Case(
@@ -2302,6 +2306,15 @@ def cases_shared_device() -> dict[str, Case]:
 def cases_p3() -> dict[str, Case]:
     """Paths where 3 ranks differ: uneven chunks, heads not divisible by 3."""
     return {
+        "hf-flattened": Case(  # documents and slices cut unevenly over 3 ranks
+            lambda: HFModule("flattened"),
+            lambda: DataLoader(FlattenedBatches(PACKED), batch_size=None),
+            strategy=dict(plan="ring"),
+        ),
+        "hf-flattened-groups": Case(
+            lambda: HFModule("flattened"), lambda: DataLoader(FlattenedBatches(PACKED), batch_size=None)
+        ),
+        "hf-roberta-mlm": Case(lambda: MaskedLM(roberta=True), lambda: loader(mlm_labels), strategy=dict(plan="ring")),
         "lm-main": Case(  # and the command line's predictions (uneven shards of the whole weights)
             lm_main,
             _lm_data,
