@@ -304,9 +304,10 @@ class OpDispatch(nn.Module):
             raise SliceLengthError(
                 f"layer {self.layer}: the input has {x.shape[1]} tokens where this rank's slice of the batch has "
                 f"{expected}: the model was called on a sequence of another length than the batch's (truncated, a "
-                f"token or a prompt prepended, positions dropped in the step). Each rank holds a slice of every row, "
-                f"so change the sequence where every rank holds the whole batch: in the data (the collator) or in "
-                f"on_after_batch_transfer"
+                f"token or a prompt prepended, positions dropped in the step), or it makes a sequence of its own (a "
+                f"vision model's patches, tokens it prepends). Each rank holds a slice of every row, so change the "
+                f"sequence where every rank holds the whole batch: in the data (the collator) or in "
+                f"on_after_batch_transfer; a model that makes its own sequence trains under another strategy"
             )
         return self.ctx, self.op_plan
 
