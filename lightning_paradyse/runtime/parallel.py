@@ -865,13 +865,13 @@ def _packed_call(state: StepState, mod: nn.Module, call: _Call, source: BatchSou
     rank before the call's collectives."""
     ctx = state.ctx
     assert ctx is not None
-    if call.get("attention_mask") is not None:
-        return
-    docs = packed_documents(source.whole)  # [b, s] document ids, or None: no position restarts
+    cache = uses_cache(mod, call.get("use_cache"))
+    if call.get("attention_mask") is not None or cache:  # a mask, or a cache made: the masks attend across the
+        return  # documents, as the modes do (nothing read)
+    docs = packed_documents(source.whole)  # [b, s] document ids, or None: no position restarts (one read)
     if docs is None:
         return
     name = type(mod).__name__
-    cache = uses_cache(mod, call.get("use_cache"))
     if cache is None:
         raise ValueError(
             f"{name} was called with position_ids that restart (packed documents) and no attention_mask while "
@@ -879,8 +879,6 @@ def _packed_call(state: StepState, mod: nn.Module, call: _Call, source: BatchSou
             f"keeps the documents apart, so ParaDySeStrategy cannot tell what one process would compute; call the "
             f"model with use_cache=False"
         )
-    if cache:  # a cache is made: the masks attend across the documents, as the modes do
-        return
     if docs.shape[0] != 1:
         raise ValueError(
             f"{name} was called with position_ids that restart in a batch of {docs.shape[0]} rows (packed documents, "
