@@ -61,8 +61,8 @@ EXAMPLE_GRID = (7, 5)
 BIAS_ARGS = ("alibi", "position_bias", "attention_bias")
 """Required block arguments that carry an attention bias (refused by name: :func:`example_inputs`)."""
 UNREAD = (
-    "The families the rewrite reads are listed in the README (Graph rewriting); a model it cannot read trains "
-    "under another strategy (e.g. strategy='ddp' or 'fsdp')"
+    "The families the rewrite reads are listed in the README (Graph rewriting); where no setting named above helps, "
+    "a model it cannot read trains under another strategy (e.g. strategy='ddp' or 'fsdp')"
 )
 """The end of every refusal of a block the rewrite cannot read."""
 
@@ -128,8 +128,9 @@ def example_inputs(
             kwargs[p.name] = _cos_sin(t, _head_dim(block, hidden), dtype, device)
         elif p.default is inspect.Parameter.empty and p.name in BIAS_ARGS:
             raise RoleError(
-                f"its forward takes an attention bias ({p.name!r}: ALiBi or a relative position bias, as Bloom's, "
-                f"MPT's, Falcon's and T5's blocks do), which the parallel modes do not apply"
+                f"its forward requires an attention-bias argument ({p.name!r}: ALiBi, as Bloom's and MPT's blocks "
+                f"take, and Falcon's even where its config uses rotary positions), which the parallel modes do not "
+                f"apply"
             )
         elif p.default is inspect.Parameter.empty:
             raise RoleError(f"cannot build an example for the required argument {p.name!r} of {name}'s forward")

@@ -1,7 +1,7 @@
 """Positions a Hugging Face model derives itself: from the token ids (RoBERTa's family), and packed documents read
 from restarting ``position_ids``.
 
-* **Positions from the token ids.** RoBERTa and the models built like it (XLM-RoBERTa, CamemBERT, Data2Vec text, ESM,
+* **Positions from the token ids.** RoBERTa and the models built like it (XLM-RoBERTa, CamemBERT, Data2Vec text,
   ...) number a row's tokens ``padding_idx + 1, padding_idx + 2, ...`` with padding tokens at ``padding_idx``
   (``create_position_ids_from_input_ids``: a running count of the row's non-padding tokens). Called without
   ``position_ids``, the strategy's position hook gave them the global positions ``0, 1, ...`` of their tokens instead:
@@ -9,12 +9,13 @@ from restarting ``position_ids``.
   2026-12-01). :func:`own_positions` finds the model's own numbering; the hook applies it to the whole batch's token
   ids and hands each rank its tokens' numbers.
 * **Packed documents by ``position_ids``** (Hugging Face's ``DataCollatorWithFlattening``: one row of concatenated
-  documents, positions restarting at 0 in each, no ``attention_mask``). A model whose masks come from
+  documents, positions restarting at 0 in each, no ``attention_mask``). A causal model whose masks come from
   ``transformers.masking_utils`` keeps each document's attention to itself when called with such ``position_ids``,
   no ``attention_mask`` and no key/value cache: a new document starts wherever a position is not the one before
   plus 1 (``find_packed_sequence_indices``). The parallel modes attended across the documents there, silently (until
-  2026-12-01). :func:`hf_packing` says whether a call is such a call, and :func:`packed_documents` numbers its
-  documents as Hugging Face does, for the modes' ``doc_ids``.
+  2026-12-01). Whether a call's masks keep them apart depends on the model, its configuration and ``transformers``'
+  version, so it is not guessed: :func:`watch_packing` sees the masks ask for the documents, and
+  :func:`packed_documents` numbers them as Hugging Face does over the whole row, for the modes' ``doc_ids``.
 """
 
 from __future__ import annotations
@@ -22,37 +23,49 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 from torch import Tensor
 
-MASK_BUILDERS = (
-    "create_causal_mask",
-    "create_sliding_window_causal_mask",
-    "create_chunked_causal_mask",
-    "create_masks_for_generate",
-)
-"""``transformers.masking_utils``' functions that read packed documents from ``position_ids`` (a model's module that
-imports one builds its masks with them)."""
+PACKING_HOOK = "find_packed_sequence_indices"
+"""The function of ``transformers.masking_utils`` its masks call (a global of that module) exactly when they keep
+packed documents apart: a call given ``position_ids``, no ``attention_mask`` and no cache, of a model whose masks
+read the positions (a causal mask built with them; not a bidirectional one, nor one built without them)."""
 
 
-def own_positions(owner: nn.Module) -> Callable[[Tensor], Tensor] | None:
-    """The numbering ``owner`` gives its tokens from their ids when called without ``position_ids`` (``[b, s]`` ids
-    -> ``[b, s]`` positions), or ``None`` when it numbers them ``0, 1, ...`` (every other model).
+NUMBERING = "create_position_ids_from_input_ids"
+"""The name of the function that numbers a row's tokens from their ids (RoBERTa's family)."""
 
-    Found on an embeddings module that has a ``padding_idx`` and position embeddings and whose class (or its module)
-    defines ``create_position_ids_from_input_ids(input_ids, padding_idx)``."""
+
+@dataclass(frozen=True)
+class Numbering:
+    """A model's own numbering of its tokens (:func:`own_positions`)."""
+
+    of_ids: Callable[[Tensor], Tensor]
+    """``[b, s]`` token ids -> ``[b, s]`` positions."""
+    embeds_start: int
+    """The first position of a row given as embeddings (``inputs_embeds``)."""
+
+
+def own_positions(owner: nn.Module) -> Numbering | None:
+    """The numbering ``owner`` gives its tokens from their ids when called without ``position_ids``, or ``None`` when
+    it numbers them ``0, 1, ...`` (every other model).
+
+    Found on an embeddings module that has an integer ``padding_idx`` and ``nn.Embedding`` position embeddings, and
+    ``create_position_ids_from_input_ids(input_ids, padding_idx)`` as a method (static or not) or in the module of
+    its class or of a base class; a row given as embeddings is numbered from ``padding_idx + 1``."""
     for sub in owner.modules():
         padding_idx = getattr(sub, "padding_idx", None)
         if not isinstance(padding_idx, int) or not isinstance(getattr(sub, "position_embeddings", None), nn.Embedding):
             continue
-        make = getattr(type(sub), "create_position_ids_from_input_ids", None)
-        if make is None:
-            make = getattr(sys.modules.get(type(sub).__module__), "create_position_ids_from_input_ids", None)
+        make = getattr(sub, NUMBERING, None)  # bound: a static method and a method alike
+        for cls in type(sub).__mro__:
+            if make is None:
+                make = getattr(sys.modules.get(cls.__module__), NUMBERING, None)
         if callable(make):
-            return functools.partial(_numbered, make, padding_idx)
+            return Numbering(functools.partial(_numbered, make, padding_idx), padding_idx + 1)
     return None
 
 
@@ -60,41 +73,27 @@ def _numbered(make: Callable[[Tensor, int], Tensor], padding_idx: int, ids: Tens
     return make(ids, padding_idx)  # [b, s] ids -> [b, s] positions
 
 
-def embeds_positions(owner: nn.Module) -> int:
-    """The first position ``owner`` numbers a row given as embeddings (``inputs_embeds``) from: ``padding_idx + 1``
-    for the models of :func:`own_positions`, else 0."""
-    for sub in owner.modules():
-        padding_idx = getattr(sub, "padding_idx", None)
-        if isinstance(padding_idx, int) and isinstance(getattr(sub, "position_embeddings", None), nn.Embedding):
-            return padding_idx + 1
-    return 0
-
-
-def masks_packed_documents(owner: nn.Module) -> bool:
-    """Whether ``owner`` (a Hugging Face model) builds its attention masks with ``transformers.masking_utils``, which
-    reads packed documents from restarting ``position_ids`` (a ``transformers`` that has
-    ``find_packed_sequence_indices``)."""
-    if not hasattr(owner, "config"):
-        return False
+def watch_packing(asked: Callable[[], None]) -> Callable[[], None]:
+    """Have ``asked()`` called whenever ``transformers``' masks read packed documents from ``position_ids``
+    (:data:`PACKING_HOOK`, replaced until the returned function is called, which restores it; nothing is replaced
+    where ``transformers`` is not imported or has no packing). The masks are built at the model's entry, before any
+    block runs, and every rank runs the same code: ``asked()`` runs alike on every rank, before any collective of the
+    call."""
     masking = sys.modules.get("transformers.masking_utils")
-    if masking is None or not hasattr(masking, "find_packed_sequence_indices"):
-        return False
-    module = sys.modules.get(type(owner).__module__)
-    imported = vars(module) if module is not None else {}
-    builders = [getattr(masking, name) for name in MASK_BUILDERS if hasattr(masking, name)]
-    return any(value is builder for value in imported.values() for builder in builders)
+    original = getattr(masking, PACKING_HOOK, None)
+    if masking is None or original is None:
+        return _nothing
+
+    def watched(position_ids: Tensor) -> Tensor | None:
+        asked()
+        return original(position_ids)  # the model's own local mask (the modes apply the documents themselves)
+
+    setattr(masking, PACKING_HOOK, watched)
+    return functools.partial(setattr, masking, PACKING_HOOK, original)
 
 
-def uses_cache(owner: nn.Module, use_cache: Any) -> bool | None:
-    """Whether a call of ``owner`` with ``use_cache=`` (``None``: not given) makes a key/value cache: ``True``,
-    ``False``, or ``None`` where ``transformers``' versions differ (a cache asked for while gradient checkpointing
-    trains, which recent versions turn off for the call and older ones after the masks are built)."""
-    wanted = use_cache if use_cache is not None else getattr(getattr(owner, "config", None), "use_cache", False)
-    if not wanted:
-        return False
-    if getattr(owner, "gradient_checkpointing", False) and owner.training and torch.is_grad_enabled():
-        return None
-    return True
+def _nothing() -> None:
+    return None
 
 
 def packed_documents(position_ids: Tensor) -> Tensor | None:

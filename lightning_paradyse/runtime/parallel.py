@@ -55,12 +55,11 @@ from lightning_paradyse.modes.plan import Plan
 from lightning_paradyse.modes.specs import SeqContext, row_sizes, shard_rows
 from lightning_paradyse.runtime.hf_outputs import refuse_attention_weights
 from lightning_paradyse.runtime.hf_positions import (
-    embeds_positions,
-    masks_packed_documents,
+    Numbering,
     own_positions,
     packed_documents,
     same_documents,
-    uses_cache,
+    watch_packing,
 )
 from lightning_paradyse.runtime.plain_view import Parts, Shadows
 from lightning_paradyse.runtime.slicing import (
@@ -108,7 +107,10 @@ class StepState:
     """Which random stream the model's calls draw from (:mod:`~lightning_paradyse.runtime.streams`)."""
     call_documents: int | None = None
     """The module (its ``id``) whose call runs now with the packed documents its ``position_ids`` mark
-    (:func:`_packed_call`); emptied by :func:`configure`."""
+    (:func:`_apply_documents`); emptied by :func:`configure`."""
+    packing: tuple[int, Any] | None = None
+    """The module (its ``id``) whose call is watched for packed documents now, and the function that stops watching
+    (:func:`_watch_documents`); stopped by :func:`configure` too."""
     whole_runs: list[int] = field(default_factory=list)
     """The module (its ``id``) whose call runs on whole sequences now: a model holding blocks ``blocks=`` leaves whole
     (:func:`_whole_in`; emptied by :func:`configure`)."""
@@ -564,7 +566,7 @@ def _install_hooks(module: nn.Module, block_names: list[str], state: StepState) 
         owner = module.get_submodule(path) if path else module
         arg = next((a for a in ("positions", "position_ids") if _accepts(owner.forward, a)), None)
         if arg is not None:
-            hook = _position_hook(arg, own_positions(owner), embeds_positions(owner), masks_packed_documents(owner))
+            hook = _position_hook(arg, own_positions(owner))
             owner.register_forward_pre_hook(_StepHook(state, hook), with_kwargs=True)
             owner.register_forward_hook(_StepHook(state, _documents_out), always_call=True)
             break
@@ -779,16 +781,16 @@ def _agree(ok: bool, ctx: SeqContext, device: torch.device) -> bool:
         return float(all_reduce_sum(flag, ctx.group)) == 0.0  # [1] summed over the group
 
 
-def _position_hook(arg: str, numbering: Any, embeds_start: int, packs: bool) -> Any:
+def _position_hook(arg: str, numbering: Numbering | None) -> Any:
     """Give the model the global positions of its local tokens when the call gives none (``None`` = absent).
 
     Positions the call does give must be the layout's own or a slice of the batch (packed positions); anything
     else (e.g. ``arange`` of the local length) would train another model, so it is refused on every rank.
 
-    ``numbering``: the model numbers its tokens itself from their ids (:func:`~lightning_paradyse.runtime.hf_positions.
-    own_positions`, RoBERTa's family): the hook numbers the whole batch's ids so and hands each rank its tokens'
-    numbers (``embeds_start``: where it numbers a row given as embeddings). ``packs``: the model keeps packed
-    documents apart when called with restarting ``position_ids`` (:func:`_packed_call`).
+    ``numbering``: the model numbers its tokens itself from their ids
+    (:func:`~lightning_paradyse.runtime.hf_positions.own_positions`, RoBERTa's family): the hook numbers the whole
+    batch's ids so and hands each rank its tokens' numbers. A call given the batch's ``position_ids`` is watched for
+    packed documents (:func:`_watch_documents`).
     """
 
     def hook(
@@ -803,13 +805,13 @@ def _position_hook(arg: str, numbering: Any, embeds_start: int, packs: bool) -> 
         if given is None:
             positions = ctx.positions(device)  # [s_r] global positions of the local tokens
             if numbering is not None and arg == "position_ids":
-                call.set(arg, _numbered(state, mod, call, numbering, embeds_start, positions, device))
-                return call.result()
-            call.set(arg, positions if arg == "positions" else positions[None])  # position_ids: [1, s_r]
+                call.set(arg, _numbered(state, mod, call, numbering, positions, device))
+            else:
+                call.set(arg, positions if arg == "positions" else positions[None])  # position_ids: [1, s_r]
             return call.result()
         if not state.sources:  # the library used directly (no batch registered): the caller owns its positions
             return args, kwargs
-        source = _trace(given, state.sources) if isinstance(given, torch.Tensor) else None
+        source = _trace_named(given, state.sources, POSITION_KEYS) if isinstance(given, torch.Tensor) else None
         ok = source is not None or (  # the batch's own slice first: known without a read
             isinstance(given, torch.Tensor) and _same_values(given, ctx.positions(given.device))
         )
@@ -819,19 +821,35 @@ def _position_hook(arg: str, numbering: Any, embeds_start: int, packs: bool) -> 
                 f"a tensor of the batch; leave {arg} out (or None) and ParaDySeStrategy gives the model the global "
                 f"positions, or put per-token positions in the batch (e.g. batch['{arg}'])"
             )
-        if packs and source is not None and arg == "position_ids":
-            _packed_call(state, mod, call, source)
+        if source is not None and arg == "position_ids":
+            _watch_documents(state, mod, source)
         return args, kwargs
 
     return hook
+
+
+POSITION_KEYS = ("position_ids", "positions")
+"""The batch keys a model's positions are traced to first (:func:`_trace_named`)."""
+TOKEN_ID_KEYS = ("input_ids",)
+"""The batch keys a model's token ids are traced to first."""
+
+
+def _trace_named(value: torch.Tensor, sources: tuple[BatchSource, ...], keys: tuple[str, ...]) -> BatchSource | None:
+    """:func:`_trace` that, where ``value`` is no batch tensor itself, takes a batch tensor of equal values named
+    ``keys`` before any other: two batch tensors (the ids and the labels) may hold equal values on one rank's slice
+    and differ on another's, and every rank must find the same one."""
+    same = next((src for src in sources if value is src.local), None)
+    if same is not None:
+        return same
+    named = next((src for src in sources if src.key in keys and _is_slice(value, src)), None)
+    return named if named is not None else _trace(value, sources)
 
 
 def _numbered(
     state: StepState,
     mod: nn.Module,
     call: _Call,
-    numbering: Any,
-    embeds_start: int,
+    numbering: Numbering,
     positions: torch.Tensor,
     device: torch.device,
 ) -> torch.Tensor:
@@ -842,53 +860,51 @@ def _numbered(
     assert ctx is not None
     ids = call.get("input_ids")
     if ids is None:
-        return (positions + embeds_start)[None]  # [1, s_r]
-    source = _trace(ids, state.sources) if isinstance(ids, torch.Tensor) and state.sources else None
+        return (positions + numbering.embeds_start)[None]  # [1, s_r]
+    source = _trace_named(ids, state.sources, TOKEN_ID_KEYS) if isinstance(ids, torch.Tensor) else None
     whole = source.whole if source is not None else (ids if ctx.p == 1 else None)
     if not _agree(whole is not None and whole.dim() == 2, ctx, device):
         raise ValueError(
-            f"{type(mod).__name__} numbers its tokens from their ids over the whole row (position "
-            f"padding_idx + 1 onwards, as RoBERTa does) and was called with input_ids that are not a tensor of the "
-            f"batch, so no rank can number its slice of them; pass the batch's own input_ids, or put position_ids in "
-            f"the batch and pass them"
+            f"{type(mod).__name__} numbers its tokens from their ids over the whole row (position padding_idx + 1 "
+            f"onwards, as RoBERTa does) and was called with input_ids that are not a tensor of the batch, so no rank "
+            f"can number its slice of them; pass the batch's own input_ids, or put position_ids in the batch and "
+            f"pass them"
         )
     assert whole is not None
-    numbers = numbering(whole)  # [b, s]: the model's own numbering of the whole rows
+    numbers = numbering.of_ids(whole)  # [b, s]: the model's own numbering of the whole rows
     return numbers.index_select(1, positions.to(numbers.device)).to(device)  # [b, s] -> [b, s_r]
 
 
-def _packed_call(state: StepState, mod: nn.Module, call: _Call, source: BatchSource) -> None:
-    """A Hugging Face model's packed documents (:mod:`~lightning_paradyse.runtime.hf_positions`): called with the
-    batch's ``position_ids``, no ``attention_mask`` and no cache, it keeps the documents of a row whose positions
-    restart apart; the modes then apply the same documents for this call (:func:`_documents_out` undoes it). Decided
-    from the whole batch and the call's arguments: alike on every rank, so what cannot be done is refused on every
-    rank before the call's collectives."""
+def _watch_documents(state: StepState, mod: nn.Module, source: BatchSource) -> None:
+    """A call given the batch's ``position_ids``: if the model's masks keep the packed documents they mark apart
+    (``transformers.masking_utils`` asks for them: :func:`~lightning_paradyse.runtime.hf_positions.watch_packing`),
+    the modes keep the same documents apart for this call (:func:`_apply_documents`); :func:`_documents_out` stops
+    watching and undoes it after the call."""
+    _stop_watching(state)
+    state.packing = (id(mod), watch_packing(lambda: _apply_documents(state, mod, source)))
+
+
+def _apply_documents(state: StepState, mod: nn.Module, source: BatchSource) -> None:
+    """The documents Hugging Face's masks keep apart (positions that restart over the whole batch) applied by every
+    dispatch module under ``mod`` for this call. Decided from the whole batch: alike on every rank, so what cannot be
+    done is refused on every rank, while the model builds its masks, before any collective of the call."""
     ctx = state.ctx
-    assert ctx is not None
-    cache = uses_cache(mod, call.get("use_cache"))
-    if call.get("attention_mask") is not None or cache:  # a mask, or a cache made: the masks attend across the
-        return  # documents, as the modes do (nothing read)
+    if ctx is None or state.call_documents is not None:  # a model that builds several masks asks more than once
+        return
     docs = packed_documents(source.whole)  # [b, s] document ids, or None: no position restarts (one read)
     if docs is None:
         return
     name = type(mod).__name__
-    if cache is None:
-        raise ValueError(
-            f"{name} was called with position_ids that restart (packed documents) and no attention_mask while "
-            f"gradient checkpointing trains with use_cache on: transformers' versions differ in whether such a call "
-            f"keeps the documents apart, so ParaDySeStrategy cannot tell what one process would compute; call the "
-            f"model with use_cache=False"
-        )
     if docs.shape[0] != 1:
         raise ValueError(
             f"{name} was called with position_ids that restart in a batch of {docs.shape[0]} rows (packed documents, "
-            f"kept apart in every row): ParaDySeStrategy keeps the documents of one packed row apart; pack the "
-            f"documents of a batch into one row (batch size 1), as DataCollatorWithFlattening does"
+            f"which its masks keep apart in every row): ParaDySeStrategy keeps the documents of one packed row "
+            f"apart; pack the documents of a batch into one row (batch size 1), as DataCollatorWithFlattening does"
         )
     if ctx.doc_ids is not None:
         if not same_documents(ctx.doc_ids, docs[0]):
             raise ValueError(
-                f"{name} was called with position_ids whose restarts (packed documents, which the model keeps apart) "
+                f"{name} was called with position_ids whose restarts (packed documents, which its masks keep apart) "
                 f"are not the batch's doc_ids: make the positions restart where doc_ids change, or leave one of them "
                 f"out"
             )
@@ -900,8 +916,17 @@ def _packed_call(state: StepState, mod: nn.Module, call: _Call, source: BatchSou
     state.call_documents = id(mod)
 
 
+def _stop_watching(state: StepState) -> None:
+    if state.packing is not None:
+        state.packing[1]()  # transformers' own function back
+        state.packing = None
+
+
 def _documents_out(state: StepState, mod: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-    """After a call that applied a packed row's documents (:func:`_packed_call`): the step's own layout again."""
+    """After a call watched for packed documents (:func:`_watch_documents`): transformers' own function back, and the
+    step's own layout again where the call applied documents."""
+    if state.packing is not None and state.packing[0] == id(mod):
+        _stop_watching(state)
     if state.call_documents != id(mod):
         return
     state.call_documents = None
@@ -1136,6 +1161,7 @@ def configure(module: nn.Module, ctx: SeqContext, plan: Plan) -> None:
     state = step_state(module)
     state.ctx, state.sources, state.padding, state.labels_consumed = ctx, (), None, False
     state.masked_lengths, state.batch, state.whole_runs, state.call_documents = None, None, [], None
+    _stop_watching(state)
     if state.grid is not None:
         if ctx.layout.balanced or ctx.doc_ids is not None:
             raise ValueError(

@@ -1469,10 +1469,12 @@ class MaskedLM(pl.LightningModule):
     """A Hugging Face ``BertForMaskedLM`` called as its documentation shows (``labels=`` unshifted, a mean over the
     targets): no label shift, no ``num_items_in_batch``. ``roberta``: a ``RobertaForMaskedLM``, which numbers its
     tokens itself from their ids (``padding_idx + 1`` onwards; the data's tokens equal to its padding id 1 at
-    ``padding_idx``): the strategy gave it positions ``0, 1, ...`` until 2026-12-01, silently."""
+    ``padding_idx``): the strategy gave it positions ``0, 1, ...`` until 2026-12-01, silently. ``positions``: called
+    with the batch's ``position_ids`` and ``use_cache=False``."""
 
-    def __init__(self, roberta: bool = False) -> None:
+    def __init__(self, roberta: bool = False, positions: bool = False) -> None:
         super().__init__()
+        self.positions = positions
         import transformers
 
         fields = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
@@ -1490,6 +1492,9 @@ class MaskedLM(pl.LightningModule):
 
     @override
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        if self.positions:  # a packed row's restarting positions, no cache (as a decoder's packing is called)
+            call = dict(position_ids=batch["position_ids"], use_cache=False)
+            return self.model(input_ids=batch["input_ids"], labels=batch["labels"], **call).loss  # type: ignore[no-any-return]
         return self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss  # type: ignore[no-any-return]
 
     @override
@@ -1704,10 +1709,13 @@ def cases_p2() -> dict[str, Case]:
             "hf-flattened-cache": Case(
                 hf("flattened-cache"), lambda: DataLoader(FlattenedBatches(PACKED), batch_size=None)
             ),
-            "hf-flattened-checkpointing": Case(  # transformers' versions differ: refused, naming use_cache=False
+            "hf-flattened-checkpointing": Case(  # transformers 5 turns the cache off: the documents kept apart
                 hf("flattened-cache", checkpointing={}),
                 lambda: DataLoader(FlattenedBatches(PACKED), batch_size=None),
-                refused="use_cache=False",
+            ),
+            "hf-roberta-restarting-positions": Case(  # a bidirectional model's masks never read the positions: no
+                lambda: MaskedLM(roberta=True, positions=True),  # documents, with or without the strategy
+                lambda: DataLoader(FlattenedBatches(PACKED), batch_size=None),
             ),
             "hf-flattened-rows": Case(
                 hf("flattened"),

@@ -9,11 +9,10 @@ import torch
 import transformers
 
 from lightning_paradyse.runtime.hf_positions import (
-    masks_packed_documents,
     own_positions,
     packed_documents,
     same_documents,
-    uses_cache,
+    watch_packing,
 )
 from lightning_paradyse.runtime.parallel import parallelize
 from lightning_paradyse.runtime.slicing import find_tokens
@@ -34,33 +33,43 @@ def test_documents_start_where_a_position_is_not_the_one_before_plus_one() -> No
 
 def test_roberta_numbers_its_tokens_from_their_ids_and_llama_does_not() -> None:
     config = transformers.RobertaConfig(**TINY, pad_token_id=1, max_position_embeddings=64)
-    roberta = transformers.RobertaModel(config)
-    numbering = own_positions(roberta)
-    assert numbering is not None
+    numbering = own_positions(transformers.RobertaModel(config))
+    assert numbering is not None and numbering.embeds_start == 2
     ids = torch.tensor([[5, 1, 7, 8], [1, 1, 9, 3]])  # 1: the padding id
-    assert numbering(ids).tolist() == [[2, 1, 3, 4], [1, 1, 2, 3]]  # padding_idx + running count, padding at 1
-    llama = transformers.LlamaModel(transformers.LlamaConfig(**TINY))
-    assert own_positions(llama) is None
-    assert masks_packed_documents(llama)  # its masks come from transformers.masking_utils
-    assert not masks_packed_documents(torch.nn.Linear(2, 2))
+    assert numbering.of_ids(ids).tolist() == [[2, 1, 3, 4], [1, 1, 2, 3]]  # padding_idx + running count
+    assert own_positions(transformers.LlamaModel(transformers.LlamaConfig(**TINY))) is None
 
 
-def test_whether_a_call_makes_a_cache_follows_the_call_then_the_config() -> None:
-    llama = transformers.LlamaModel(transformers.LlamaConfig(**TINY)).train()
-    assert uses_cache(llama, None) is bool(llama.config.use_cache)
-    assert uses_cache(llama, False) is False
-    llama.config.use_cache = False
-    assert uses_cache(llama, None) is False
-    assert uses_cache(llama, True) is True
-    llama.gradient_checkpointing = True  # transformers' versions differ here: neither answer is safe
-    assert uses_cache(llama, True) is None
-    with torch.no_grad():
-        assert uses_cache(llama, True) is True
+def _asks_for_documents(model: torch.nn.Module, **call: object) -> bool:
+    """Whether a call of ``model`` with restarting ``position_ids`` has transformers' masks ask for packed documents
+    (what the strategy follows: it does not guess from the model's class or configuration)."""
+    asked: list[bool] = []
+    stop = watch_packing(lambda: asked.append(True))
+    try:
+        ids = torch.randint(3, 60, (1, 9))
+        with torch.no_grad():
+            model(input_ids=ids, position_ids=torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]]), **call)
+    finally:
+        stop()
+    return bool(asked)
+
+
+def test_the_masks_ask_for_packed_documents_only_where_one_process_keeps_them_apart() -> None:
+    from transformers import masking_utils
+
+    own = masking_utils.find_packed_sequence_indices
+    llama = transformers.LlamaModel(transformers.LlamaConfig(**TINY, attn_implementation="sdpa")).eval()
+    assert _asks_for_documents(llama, use_cache=False)
+    assert not _asks_for_documents(llama, use_cache=True)  # a cache: the masks attend across the documents
+    assert not _asks_for_documents(llama, use_cache=False, attention_mask=torch.ones(1, 9, dtype=torch.long))
+    roberta = transformers.RobertaModel(transformers.RobertaConfig(**TINY, max_position_embeddings=64)).eval()
+    assert not _asks_for_documents(roberta, use_cache=False)  # bidirectional: its masks never read the positions
+    assert masking_utils.find_packed_sequence_indices is own  # transformers' own function back after each call
 
 
 def test_blocks_the_rewrite_cannot_read_are_refused_naming_why_and_what_to_use() -> None:
     bloom = transformers.BloomForCausalLM(transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=4))
-    with pytest.raises(ValueError, match=r"attention bias \('alibi'.*strategy='ddp'"):
+    with pytest.raises(ValueError, match=r"attention-bias argument \('alibi'.*strategy='ddp'"):
         parallelize(bloom.double(), None)
     opt_config = transformers.OPTConfig(
         vocab_size=64, hidden_size=32, ffn_dim=64, num_hidden_layers=1, num_attention_heads=4, word_embed_proj_dim=32
