@@ -285,7 +285,11 @@ def find_attention(trace: BlockTrace) -> AttentionRoles:
         raise RoleError(f"{core}: the q projection's input is not traced")
     hidden = _find_ref(call, hidden_node)
     if hidden is None or k_lin.args[0] is not hidden_node or v_lin.args[0] is not hidden_node:
-        raise RoleError(f"{core}: q, k and v must project the sub-module's input directly")
+        inner = ""
+        if hidden is None and hidden_node.op == "call_module":  # e.g. ESM's attention normalises its input itself
+            inner_module = type(trace.module(str(hidden_node.target))).__name__
+            inner = f" (here they project its {hidden_node.target}'s output: {inner_module})"
+        raise RoleError(f"{core}: q, k and v must project the sub-module's input directly{inner}")
     head_dim = int(node.meta["shape"][-1])
     if isinstance(found, _Eager):
         flags = {f for m in trace.module(core).modules() if isinstance(f := getattr(m, "is_causal", None), bool)}
