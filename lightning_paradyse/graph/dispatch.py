@@ -360,7 +360,7 @@ class AttentionDispatch(OpDispatch):
         self._qkv_same_embed_dim = False
         self._add_weights(core, roles, group)
         program = roles.program
-        for code in (program, roles.tail):  # the norms / rotary / dropout the model's own code calls
+        for code in (roles.head, program, roles.tail):  # the norms / rotary / dropout the model's own code calls
             for path in () if code is None else code.modules:
                 self.adopt(core, path)
         # the head program's modules, read every call (a plain attribute: they stay registered where adopted)
@@ -490,7 +490,8 @@ class AttentionDispatch(OpDispatch):
             prepare_params=self._prepare_params(),
         )
         w = self.weights()  # read now: a recomputation runs what the forward ran (an adapter switched off in between)
-        y = self._run(lambda inp: mode.attention(inp, w, spec, ctx), x)
+        head, refs = self.roles.head, self.roles.head_values
+        y = self._run(lambda inp: mode.attention(self.run_tail(head, refs, inp, args, kwargs), w, spec, ctx), x)
         y = self.run_tail(self.roles.tail, self.roles.tail_values, y, args, kwargs)
         if self.roles.output_item is None:
             return y

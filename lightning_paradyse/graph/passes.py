@@ -283,13 +283,9 @@ def find_attention(trace: BlockTrace) -> AttentionRoles:
     hidden_node = q_lin.args[0]
     if not isinstance(hidden_node, fx.Node):
         raise RoleError(f"{core}: the q projection's input is not traced")
-    hidden = _find_ref(call, hidden_node)
-    if hidden is None or k_lin.args[0] is not hidden_node or v_lin.args[0] is not hidden_node:
-        inner = ""
-        if hidden is None and hidden_node.op == "call_module":  # e.g. ESM's attention normalises its input itself
-            inner_module = type(trace.module(str(hidden_node.target))).__name__
-            inner = f" (here they project its {hidden_node.target}'s output: {inner_module})"
-        raise RoleError(f"{core}: q, k and v must project the sub-module's input directly{inner}")
+    if k_lin.args[0] is not hidden_node or v_lin.args[0] is not hidden_node:
+        raise RoleError(f"{core}: q, k and v must project one input, the sub-module's or its norm's")
+    hidden, head = _input_and_head(trace, core, call, hidden_node)
     head_dim = int(node.meta["shape"][-1])
     if isinstance(found, _Eager):
         flags = {f for m in trace.module(core).modules() if isinstance(f := getattr(m, "is_causal", None), bool)}
@@ -335,8 +331,50 @@ def find_attention(trace: BlockTrace) -> AttentionRoles:
         tail=None if tail is None else tail.program,
         tail_values=() if tail is None else tail.positions,
         tail_token_dims=() if tail is None else tail.token_dims,
+        head=None if head is None else head.program,
+        head_values=() if head is None else head.positions,
+        head_token_dims=() if head is None else head.token_dims,
         softcap=found.softcap if isinstance(found, _Eager) else None,
     )
+
+
+def _input_and_head(
+    trace: BlockTrace, core: str, call: ModuleCall, hidden_node: fx.Node
+) -> tuple[ArgRef, Extracted | None]:
+    """Where the projections' input ``hidden_node`` sits in the core's call, or the argument the core's own code
+    turns into it and that code (the head: ESM's attention normalises its input itself)."""
+    hidden = _find_ref(call, hidden_node)
+    if hidden is not None:
+        return hidden, None
+    start = _head_start(trace, call, hidden_node)
+    found = None if start is None else _find_ref(call, start)
+    if start is None or found is None:
+        raise RoleError(f"{core}: q, k and v must project the sub-module's input or a norm of it")
+    try:
+        return found, extract_tail(trace, core, call, start, hidden_node)
+    except ProgramError as err:
+        raise RoleError(f"{core}: the code before its projections: {err}") from None
+
+
+def _head_start(trace: BlockTrace, call: ModuleCall, hidden: fx.Node) -> fx.Node | None:
+    """The argument of the attention sub-module's call that its own code turns into the projections' input
+    ``hidden`` (a norm of it: :attr:`~.roles.AttentionRoles.head`): the one argument of ``hidden``'s shape that
+    ``hidden`` is computed from, else ``None``."""
+    refs, shape = call.refs(), hidden.meta.get("shape")
+    found: set[fx.Node] = set()
+    seen: set[fx.Node] = set()
+    todo = [hidden]
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node in refs and node.op != "get_attr":
+            if node.meta.get("shape") == shape:
+                found.add(node)
+            continue
+        todo.extend(node.all_input_nodes)
+    return found.pop() if len(found) == 1 else None
 
 
 def _starts(

@@ -248,6 +248,10 @@ def probe_program(block: nn.Module, attention: AttentionRoles, mlp: MlpRoles, ex
         _probe_opaque(reference.get_submodule(mlp.core), mlp.core, *seen["call_mlp"])
     args, kwargs = seen["call"]
     try:
+        if attention.head is not None:  # the core's code before its projections, on its input
+            values = [ref.get(args, kwargs) for ref in attention.head_values]
+            core = reference.get_submodule(attention.core)
+            probe_tail(attention.head, core, attention.hidden.get(args, kwargs), values, attention.head_token_dims)
         if attention.tail is not None:
             values = [ref.get(args, kwargs) for ref in attention.tail_values]
             core = reference.get_submodule(attention.core)
@@ -257,7 +261,7 @@ def probe_program(block: nn.Module, attention: AttentionRoles, mlp: MlpRoles, ex
             values = [ref.get(m_args, m_kwargs) for ref in mlp.tail_values]
             probe_tail(mlp.tail, reference.get_submodule(mlp.core), seen["down"], values, mlp.tail_token_dims)
     except ProgramError as err:
-        raise RoleError(f"the code after the output projection: {err}") from None
+        raise RoleError(f"the code before the projections or after the output projection: {err}") from None
     if attention.program is None:
         return attention
     values = [ref.get(args, kwargs) for ref in attention.positions]
@@ -385,7 +389,7 @@ def refuse_hidden_casts(attention: AttentionRoles, mlp: MlpRoles, traced: torch.
     from a cast to the call's dtype (the programs read the traced dtype as the latter): refused, never guessed."""
     if traced == torch.float64:
         return
-    for program in (attention.program, attention.tail, mlp.tail):
+    for program in (attention.head, attention.program, attention.tail, mlp.tail):
         if program is None:
             continue
         steps = any(_casts_to((step.args, step.kwargs or {}), traced) for step in program.steps)

@@ -35,7 +35,8 @@ class AttentionRoles:
     causal: bool | None
     """``None`` when decided per call (``nn.MultiheadAttention``'s mask / ``is_causal``)."""
     hidden: ArgRef
-    """The normalised input in the core module's call."""
+    """The normalised input in the core module's call (the input the core normalises itself where it has a
+    :attr:`head`)."""
     program: Program | None = None
     """The block's own code from the projections to the attention inputs (norms, rotary), replayed in every mode;
     ``None`` when it only splits the projections into heads."""
@@ -58,6 +59,13 @@ class AttentionRoles:
     """The tail's inputs from the op module's call (a residual)."""
     tail_token_dims: tuple[int | None, ...] = ()
     """The token dimension of each tail input (``None``: not per token)."""
+    head: Program | None = None
+    """The core's own code from :attr:`hidden` to the projections' input, per token (ESM's attention normalises its
+    input itself); ``None`` where q, k and v project :attr:`hidden`."""
+    head_values: tuple[ArgRef, ...] = ()
+    """The head's other inputs from the core's call."""
+    head_token_dims: tuple[int | None, ...] = ()
+    """The token dimension of each head input (``None``: not per token)."""
     softcap: float | None = None
     """Logit soft-capping of a written-out (eager) attention (Gemma 2)."""
 

@@ -61,6 +61,7 @@ from lightning_paradyse.runtime.hf_positions import (
     same_documents,
     watch_packing,
 )
+from lightning_paradyse.runtime.hf_token_dropout import dropped_embeddings, dropping_modules
 from lightning_paradyse.runtime.plain_view import Parts, Shadows
 from lightning_paradyse.runtime.slicing import (
     IGNORE_INDEX,
@@ -570,6 +571,8 @@ def _install_hooks(module: nn.Module, block_names: list[str], state: StepState) 
             owner.register_forward_pre_hook(_StepHook(state, hook), with_kwargs=True)
             owner.register_forward_hook(_StepHook(state, _documents_out), always_call=True)
             break
+    for sub in dropping_modules(module):  # ESM's embeddings: their token dropout counted over the whole row
+        sub.register_forward_pre_hook(_StepHook(state, _token_dropout_hook), with_kwargs=True)
     for path in chain:
         owner = module.get_submodule(path) if path else module
         if _accepts(owner.forward, "labels") and _shifts_labels(owner):
@@ -914,6 +917,46 @@ def _apply_documents(state: StepState, mod: nn.Module, source: BatchSource) -> N
         if op.op_plan is not None:
             op.configure(packed, op.op_plan)
     state.call_documents = id(mod)
+
+
+def _token_dropout_hook(
+    state: StepState, mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """ESM's token dropout (:mod:`~lightning_paradyse.runtime.hf_token_dropout`) with the share of mask tokens of the
+    whole row: the slice's embeddings made so are handed to the module as ``inputs_embeds`` and its ``input_ids``
+    left out (its own dropout, which would count the slice's share, then skipped; the positions the strategy gave
+    kept). Checked alike on every rank, before the blocks' collectives."""
+    ctx = state.ctx
+    call = _Call(mod, args, kwargs)
+    ids, mask = call.get("input_ids"), call.get("attention_mask")
+    if ctx is None or ctx.p == 1 or not state.sources or not mod.token_dropout or not isinstance(ids, torch.Tensor):
+        return args, kwargs
+    if call.get("inputs_embeds") is not None:
+        return args, kwargs
+    given = call.get("position_ids") is not None
+    known = any(ids is src.local for src in state.sources) and (
+        mask is None or any(mask is src.local for src in state.sources)
+    )  # the batch's own tensors: alike on every rank without a read
+    source = _trace_named(ids, state.sources, TOKEN_ID_KEYS)
+    mask_source = _trace(mask, state.sources) if isinstance(mask, torch.Tensor) else None
+    ok = given and source is not None and (mask is None or mask_source is not None or bool(mask.bool().all()))
+    if not (known and ok) and not _agree(ok, ctx, ids.device):
+        raise ValueError(
+            f"{type(mod).__name__} drops mask tokens (token_dropout) and scales each row's embeddings by its share of "
+            f"them, which a rank's slice cannot count, and was called with input_ids or an attention_mask that are not "
+            f"tensors of the batch, or without position_ids: pass the batch's own input_ids (and attention_mask), "
+            f"or set token_dropout=False in the model's config"
+        )
+    assert source is not None
+    whole = source.whole  # [b, s] the rows' ids
+    if mask is None:
+        tokens: torch.Tensor | int = whole.shape[1]
+    else:  # the whole rows' mask: the batch's, or ones (a mask of ones on every rank)
+        whole_mask = mask_source.whole if mask_source is not None else mask.new_ones(whole.shape)
+        tokens = whole_mask.sum(-1)  # [b, s] -> [b]
+    call.set("inputs_embeds", dropped_embeddings(mod, ids, whole, tokens))  # [b, s_r, h]
+    call.set("input_ids", None)
+    return call.result()
 
 
 def _stop_watching(state: StepState) -> None:

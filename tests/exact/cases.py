@@ -1465,23 +1465,35 @@ def mlm_labels(window: Tensor) -> dict[str, Tensor]:
     return {"input_ids": ids, "labels": labels}
 
 
+def esm_masked(window: Tensor) -> dict[str, Tensor]:
+    """:func:`mlm_labels` with the targets of each row's first half replaced by ESM's mask token (4): a row's share
+    of mask tokens differs from each of its slices' shares."""
+    item = mlm_labels(window)
+    ids = item["input_ids"].clone()
+    ids[:, : ids.shape[1] // 2 : 3] = 4  # [b, s]: masked targets in the first half only
+    return {"input_ids": ids, "labels": item["labels"]}
+
+
 class MaskedLM(pl.LightningModule):
     """A Hugging Face ``BertForMaskedLM`` called as its documentation shows (``labels=`` unshifted, a mean over the
     targets): no label shift, no ``num_items_in_batch``. ``roberta``: a ``RobertaForMaskedLM``, which numbers its
     tokens itself from their ids (``padding_idx + 1`` onwards; the data's tokens equal to its padding id 1 at
     ``padding_idx``): the strategy gave it positions ``0, 1, ...`` until 2026-12-01, silently. ``positions``: called
-    with the batch's ``position_ids`` and ``use_cache=False``."""
+    with the batch's ``position_ids`` and ``use_cache=False``. ``esm``: an ``EsmForMaskedLM`` with these config
+    fields, its token dropout on (ESM-2's), whose attention normalises its input itself."""
 
-    def __init__(self, roberta: bool = False, positions: bool = False) -> None:
+    def __init__(self, roberta: bool = False, positions: bool = False, esm: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.positions = positions
         import transformers
 
         fields = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
         fields |= dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation="sdpa")
-        family = "Roberta" if roberta else "Bert"
-        if roberta:
+        family = "Esm" if esm is not None else "Roberta" if roberta else "Bert"
+        if roberta or esm is not None:
             fields |= dict(pad_token_id=1, bos_token_id=0, eos_token_id=2, max_position_embeddings=256)
+        if esm is not None:  # the data's tokens equal to 4 are its mask token (uneven shares over a row's slices)
+            fields |= dict(mask_token_id=4, token_dropout=True) | esm
         config = getattr(transformers, f"{family}Config")(**fields)
         self.model = getattr(transformers, f"{family}ForMaskedLM")(config)
         gen = torch.Generator().manual_seed(0)
@@ -1698,6 +1710,17 @@ def cases_p2() -> dict[str, Case]:
                 lambda: MaskedLM(roberta=True), lambda: loader(mlm_labels), strategy=dict(plan=MIXED_BIDIRECTIONAL)
             ),
             "hf-roberta-mlm-groups": Case(lambda: MaskedLM(roberta=True), lambda: loader(mlm_labels)),
+            # ESM-2 (rotary) and ESM-1b (learned positions, a norm of the embeddings): their attention normalises its
+            # input itself (refused until 2026-12-01) and their token dropout scales a row by its share of masks
+            "hf-esm-mlm": Case(
+                lambda: MaskedLM(esm={}), lambda: loader(esm_masked), strategy=dict(plan=MIXED_BIDIRECTIONAL)
+            ),
+            "hf-esm-mlm-groups": Case(lambda: MaskedLM(esm={}), lambda: loader(esm_masked)),
+            "hf-esm-absolute": Case(
+                lambda: MaskedLM(esm=dict(position_embedding_type="absolute", emb_layer_norm_before=True)),
+                lambda: loader(esm_masked),
+                strategy=dict(plan=MIXED_BIDIRECTIONAL),
+            ),
             # Hugging Face's packed rows (DataCollatorWithFlattening): their documents attended to each other under
             # the strategy until 2026-12-01, silently, where one process keeps them apart (called without a cache)
             "hf-flattened": Case(
@@ -2323,6 +2346,7 @@ def cases_p3() -> dict[str, Case]:
             lambda: HFModule("flattened"), lambda: DataLoader(FlattenedBatches(PACKED), batch_size=None)
         ),
         "hf-roberta-mlm": Case(lambda: MaskedLM(roberta=True), lambda: loader(mlm_labels), strategy=dict(plan="ring")),
+        "hf-esm-mlm": Case(lambda: MaskedLM(esm={}), lambda: loader(esm_masked), strategy=dict(plan="ring")),
         "lm-main": Case(  # and the command line's predictions (uneven shards of the whole weights)
             lm_main,
             _lm_data,
