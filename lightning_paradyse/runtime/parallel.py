@@ -457,11 +457,12 @@ def _refuse_router_loss(module: nn.Module) -> None:
 
 
 def _rotary_embedding(module: nn.Module) -> Any:
-    """The model's own rotary embedding (a module with ``inv_freq`` called with ``position_ids``, as Hugging Face
-    models have), as ``rope(x, position_ids, block)`` for the blocks' example inputs; ``None`` if there is none."""
+    """The model's own rotary embedding (a module with ``inv_freq``, or a ``...RotaryEmbedding`` with a table of
+    positions as GPT-J's, called with ``position_ids``, as Hugging Face models have), as ``rope(x, position_ids,
+    block)`` for the blocks' example inputs; ``None`` if there is none."""
     for rope in module.modules():
         has_freq = any(n.endswith("inv_freq") for n, _ in rope.named_buffers(recurse=False))
-        if has_freq and _accepts(rope.forward, "position_ids"):
+        if (has_freq or type(rope).__name__.endswith("RotaryEmbedding")) and _accepts(rope.forward, "position_ids"):
             return functools.partial(_call_rope, rope)
     return None
 

@@ -101,6 +101,16 @@ HF_FAMILIES: dict[str, tuple[str, str, dict[str, object]]] = {
         {"rotary_pct": 0.5, "use_parallel_residual": True, "attention_bias": True, "num_key_value_heads": None},
     ),
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {"sliding_window": 6, "use_bias": True}),
+    "gptj": (
+        "GPTJConfig",
+        "GPTJForCausalLM",
+        {"rotary_dim": 4, "n_inner": 192, "attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0},
+    ),
+    "codegen": (
+        "CodeGenConfig",
+        "CodeGenForCausalLM",
+        {"rotary_dim": 4, "n_inner": 192, "attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0},
+    ),
     "gemma2": (
         "Gemma2Config",
         "Gemma2ForCausalLM",
@@ -148,6 +158,9 @@ HF_FAMILIES: dict[str, tuple[str, str, dict[str, object]]] = {
 * ``gpt2-eager``: the same with ``attn_implementation="eager"`` (the attention written out, its dropout a module);
 * ``neox``: a fused ``query_key_value`` interleaved head by head (``[q_h | k_h | v_h]`` per head), half of each head
   rotated, parallel residual, biases;
+* ``gptj``, ``codegen``: a rotary table of positions (``embed_positions``, not ``inv_freq``) giving ``(sin, cos)``,
+  the first 4 features of each head rotated pairwise (``rotate_every_two``), parallel attention and MLP; CodeGen's
+  q, k and v from one fused ``qkv_proj`` cut into 4 model-parallel parts of ``[q | v | k]``;
 * ``starcoder2``: functional dropout after the output projection, a sliding window shorter than the sequence,
   biases, a plain (non-gated) MLP;
 * ``gemma2``: eager attention (Hugging Face runs no other for it) with logit soft-capping (a small cap: tanh far
