@@ -363,7 +363,8 @@ class AttentionDispatch(OpDispatch):
         for code in (roles.head, program, roles.tail):  # the norms / rotary / dropout the model's own code calls
             for path in () if code is None else code.modules:
                 self.adopt(core, path)
-        # the head program's modules, read every call (a plain attribute: they stay registered where adopted)
+        # the modules of the code between projections and attention, read every call (a plain attribute: they stay
+        # registered where adopted)
         self.__dict__["_program_modules"] = tuple(self.get_submodule(n) for n in (program.modules if program else ()))
         h = self.req("o_t").shape[1]
         self.spec = AttnSpec(

@@ -25,6 +25,7 @@ Two more pieces of the block's code are replayed the same way:
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -664,11 +665,8 @@ def probe(
     """Run the float64 probes of the module docstring on the example; ``owner`` is a float64 copy of the attention
     module. Returns the program with :attr:`Program.mixes_heads` set; raises :class:`ProgramError` when the
     program does not act on each token alone."""
-    gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for name in program.modules:  # parameters that differ per element: a head cannot pass for another
-            for p in owner.get_submodule(name).parameters():
-                p.copy_(1.0 + 0.5 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+        _perturb(program, owner)  # a head cannot pass for another
         q, k, v = projections
         full = program.run((q, k, v), values, owner)
         _check_tokens(program, owner, (q, k, v), values, dims, full, token_dim=2)
@@ -706,10 +704,22 @@ def _check_tokens(
         raise ProgramError("it mixes tokens (a token's result depends on other tokens)")
 
 
+def _perturb(program: Program, owner: nn.Module) -> None:
+    """Give the parameters of the modules ``program`` calls values that differ per element (a weight that starts at
+    zero or one, say a token-mixing gate, could hide what the module does once trained)."""
+    gen = torch.Generator().manual_seed(0)
+    for name in program.modules:
+        for p in owner.get_submodule(name).parameters():
+            p.copy_(1.0 + 0.5 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+
+
 def probe_tail(
     program: Program, owner: nn.Module, output: torch.Tensor, values: Sequence[Any], dims: tuple[int | None, ...]
 ) -> None:
-    """The token probe for a tail (in float64, ``owner`` in eval mode): it must act on each token alone."""
+    """The token probe for the code before an op's projections or after its last one (in float64, ``owner`` in eval
+    mode; a copy of it perturbed): it must act on each token alone."""
+    owner = copy.deepcopy(owner)  # its parameters are perturbed
     with torch.no_grad():
+        _perturb(program, owner)
         full = program.run((output,), values, owner)
         _check_tokens(program, owner, (output,), values, dims, full, token_dim=1)

@@ -24,6 +24,7 @@ import functools
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -73,20 +74,20 @@ def _numbered(make: Callable[[Tensor, int], Tensor], padding_idx: int, ids: Tens
     return make(ids, padding_idx)  # [b, s] ids -> [b, s] positions
 
 
-def watch_packing(asked: Callable[[], None]) -> Callable[[], None]:
-    """Have ``asked()`` called whenever ``transformers``' masks read packed documents from ``position_ids``
-    (:data:`PACKING_HOOK`, replaced until the returned function is called, which restores it; nothing is replaced
-    where ``transformers`` is not imported or has no packing). The masks are built at the model's entry, before any
-    block runs, and every rank runs the same code: ``asked()`` runs alike on every rank, before any collective of the
-    call."""
+def watch_packing(asked: Callable[[Tensor], None]) -> Callable[[], None]:
+    """Have ``asked(position_ids)`` called whenever ``transformers``' masks read packed documents from the
+    ``position_ids`` they are given (:data:`PACKING_HOOK`, replaced until the returned function is called, which
+    restores it; nothing is replaced where ``transformers`` is not imported or has no packing). The masks are built
+    at the model's entry, before any block runs, and every rank runs the same code: ``asked`` runs alike on every
+    rank, before any collective of the call."""
     masking = sys.modules.get("transformers.masking_utils")
     original = getattr(masking, PACKING_HOOK, None)
     if masking is None or original is None:
         return _nothing
 
-    def watched(position_ids: Tensor) -> Tensor | None:
-        asked()
-        return original(position_ids)  # the model's own local mask (the modes apply the documents themselves)
+    def watched(position_ids: Tensor, *args: Any, **kwargs: Any) -> Tensor | None:
+        asked(position_ids)
+        return original(position_ids, *args, **kwargs)  # the model's own local mask (the modes apply the documents)
 
     setattr(masking, PACKING_HOOK, watched)
     return functools.partial(setattr, masking, PACKING_HOOK, original)

@@ -815,16 +815,19 @@ def _position_hook(arg: str, numbering: Numbering | None) -> Any:
             return call.result()
         if not state.sources:  # the library used directly (no batch registered): the caller owns its positions
             return args, kwargs
-        source = _trace_named(given, state.sources, POSITION_KEYS) if isinstance(given, torch.Tensor) else None
-        ok = source is not None or (  # the batch's own slice first: known without a read
-            isinstance(given, torch.Tensor) and _same_values(given, ctx.positions(given.device))
-        )
-        if not _agree(ok, ctx, device):
-            raise ValueError(
-                f"the model was called with {arg}= that are neither the global positions of this rank's tokens nor "
-                f"a tensor of the batch; leave {arg} out (or None) and ParaDySeStrategy gives the model the global "
-                f"positions, or put per-token positions in the batch (e.g. batch['{arg}'])"
-            )
+        n = len(state.sources)
+        source = _identical(given, state.sources)  # the batch's own slice: alike on every rank, no read
+        if source is None:  # else by values, the same batch tensor (or the layout's positions) on every rank
+            found = _trace_named(given, state.sources, POSITION_KEYS) if isinstance(given, torch.Tensor) else None
+            own = found is None and isinstance(given, torch.Tensor) and _same_values(given, ctx.positions(device))
+            choice = _agreed_choice(_index(found, state.sources) if found else n if own else n + 1, n + 2, ctx, device)
+            source = state.sources[choice] if choice is not None and choice < n else None
+            if choice is None or choice == n + 1:
+                raise ValueError(
+                    f"the model was called with {arg}= that are neither the global positions of this rank's tokens "
+                    f"nor a tensor of the batch; leave {arg} out (or None) and ParaDySeStrategy gives the model the "
+                    f"global positions, or put per-token positions in the batch (e.g. batch['{arg}'])"
+                )
         if source is not None and arg == "position_ids":
             _watch_documents(state, mod, source)
         return args, kwargs
@@ -847,6 +850,41 @@ def _trace_named(value: torch.Tensor, sources: tuple[BatchSource, ...], keys: tu
         return same
     named = next((src for src in sources if src.key in keys and _is_slice(value, src)), None)
     return named if named is not None else _trace(value, sources)
+
+
+def _identical(value: Any, sources: tuple[BatchSource, ...]) -> BatchSource | None:
+    """The batch tensor whose slice ``value`` is itself (the same object: alike on every rank, nothing read)."""
+    return next((src for src in sources if value is src.local), None)
+
+
+def _index(source: BatchSource, sources: tuple[BatchSource, ...]) -> int:
+    return next(i for i, src in enumerate(sources) if src is source)
+
+
+def _agreed_choice(choice: int, n: int, ctx: SeqContext, device: torch.device) -> int | None:
+    """``choice`` (one of ``n``) where every rank of the group made it, else ``None`` on every rank (one all-reduce
+    of ``n`` numbers): a batch tensor matched by values may be another one on another rank's slice."""
+    if ctx.p == 1:
+        return choice
+    votes = torch.zeros(n, dtype=torch.float64)
+    votes[choice] = 1.0
+    with no_counting():
+        total = all_reduce_sum(to_device(votes, device), ctx.group).cpu()  # [n] summed over the group
+    agreed = int(total.argmax())
+    return agreed if float(total[agreed]) == ctx.p else None
+
+
+def _agreed_trace(
+    value: Any, sources: tuple[BatchSource, ...], keys: tuple[str, ...], ctx: SeqContext, device: torch.device
+) -> BatchSource | None:
+    """:func:`_trace_named` the same on every rank: the batch tensor ``value`` is, else the one of equal values that
+    every rank finds (``None`` on every rank where they differ or none is)."""
+    same = _identical(value, sources)
+    if same is not None:
+        return same
+    found = _trace_named(value, sources, keys) if isinstance(value, torch.Tensor) else None
+    choice = _agreed_choice(_index(found, sources) if found else len(sources), len(sources) + 1, ctx, device)
+    return sources[choice] if choice is not None and choice < len(sources) else None
 
 
 def _numbered(
@@ -885,20 +923,27 @@ def _watch_documents(state: StepState, mod: nn.Module, source: BatchSource) -> N
     the modes keep the same documents apart for this call (:func:`_apply_documents`); :func:`_documents_out` stops
     watching and undoes it after the call."""
     _stop_watching(state)
-    state.packing = (id(mod), watch_packing(lambda: _apply_documents(state, mod, source)))
+    state.packing = (id(mod), watch_packing(lambda asked: _apply_documents(state, mod, source, asked)))
 
 
-def _apply_documents(state: StepState, mod: nn.Module, source: BatchSource) -> None:
+def _apply_documents(state: StepState, mod: nn.Module, source: BatchSource, asked: torch.Tensor) -> None:
     """The documents Hugging Face's masks keep apart (positions that restart over the whole batch) applied by every
     dispatch module under ``mod`` for this call. Decided from the whole batch: alike on every rank, so what cannot be
-    done is refused on every rank, while the model builds its masks, before any collective of the call."""
+    done is refused on every rank, while the model builds its masks, before any collective of the call. ``asked``:
+    the ``position_ids`` the masks read, which must be the call's (the batch's)."""
     ctx = state.ctx
     if ctx is None or state.call_documents is not None:  # a model that builds several masks asks more than once
         return
+    name = type(mod).__name__
+    if asked is not source.local and not _agree(_is_slice(asked, source), ctx, asked.device):
+        raise ValueError(
+            f"{name}'s masks read packed documents from other position_ids than the batch's it was called with (a "
+            f"model that derives its own, as multimodal rotary models do), which ParaDySeStrategy cannot number over "
+            f"the whole row; give the model an attention_mask, or pack with doc_ids in the batch"
+        )
     docs = packed_documents(source.whole)  # [b, s] document ids, or None: no position restarts (one read)
     if docs is None:
         return
-    name = type(mod).__name__
     if docs.shape[0] != 1:
         raise ValueError(
             f"{name} was called with position_ids that restart in a batch of {docs.shape[0]} rows (packed documents, "
@@ -930,30 +975,29 @@ def _token_dropout_hook(
     ctx = state.ctx
     call = _Call(mod, args, kwargs)
     ids, mask = call.get("input_ids"), call.get("attention_mask")
-    if ctx is None or ctx.p == 1 or not state.sources or not mod.token_dropout or not isinstance(ids, torch.Tensor):
-        return args, kwargs
+    if ctx is None or ctx.p == 1 or state.whole_runs or not mod.token_dropout or not isinstance(ids, torch.Tensor):
+        return args, kwargs  # one rank's whole rows (a group of one, a model left whole): the module's own is exact
     if call.get("inputs_embeds") is not None:
         return args, kwargs
-    given = call.get("position_ids") is not None
-    known = any(ids is src.local for src in state.sources) and (
-        mask is None or any(mask is src.local for src in state.sources)
-    )  # the batch's own tensors: alike on every rank without a read
-    source = _trace_named(ids, state.sources, TOKEN_ID_KEYS)
-    mask_source = _trace(mask, state.sources) if isinstance(mask, torch.Tensor) else None
-    ok = given and source is not None and (mask is None or mask_source is not None or bool(mask.bool().all()))
-    if not (known and ok) and not _agree(ok, ctx, ids.device):
+    sources, device = state.sources, ids.device
+    source = _agreed_trace(ids, sources, TOKEN_ID_KEYS, ctx, device) if sources else None
+    mask_source = _agreed_trace(mask, sources, PAD_MASK_KEYS, ctx, device) if sources and mask is not None else None
+    ok = call.get("position_ids") is not None and source is not None  # alike on every rank
+    if mask is not None and mask_source is None:  # a mask of ones on every rank (any other is refused before)
+        ok = _agree(ok and isinstance(mask, torch.Tensor) and bool(mask.bool().all()), ctx, device)
+    if not ok:
         raise ValueError(
             f"{type(mod).__name__} drops mask tokens (token_dropout) and scales each row's embeddings by its share of "
             f"them, which a rank's slice cannot count, and was called with input_ids or an attention_mask that are not "
             f"tensors of the batch, or without position_ids: pass the batch's own input_ids (and attention_mask), "
             f"or set token_dropout=False in the model's config"
         )
-    assert source is not None
+    assert source is not None and (mask is None or isinstance(mask, torch.Tensor))
     whole = source.whole  # [b, s] the rows' ids
     if mask is None:
         tokens: torch.Tensor | int = whole.shape[1]
-    else:  # the whole rows' mask: the batch's, or ones (a mask of ones on every rank)
-        whole_mask = mask_source.whole if mask_source is not None else mask.new_ones(whole.shape)
+    else:  # the whole rows' mask in the call's dtype (its sum's dtype sets the share's): the batch's, or ones
+        whole_mask = mask_source.whole.to(mask.dtype) if mask_source is not None else mask.new_ones(whole.shape)
         tokens = whole_mask.sum(-1)  # [b, s] -> [b]
     call.set("inputs_embeds", dropped_embeddings(mod, ids, whole, tokens))  # [b, s_r, h]
     call.set("input_ids", None)

@@ -105,7 +105,11 @@ def find_tokens(batch: Any) -> Tensor:
         found = batch
     elif isinstance(batch, Mapping):  # the first of TOKEN_KEYS, else the first tensor
         images = batch.get("pixel_values")
-        if isinstance(images, Tensor) and images.dim() == 4 and not any(k in batch for k in TOKEN_KEYS):
+        if (
+            isinstance(images, Tensor)
+            and images.dim() == 4
+            and not any(isinstance(batch.get(k), Tensor) for k in TOKEN_KEYS)
+        ):
             raise TypeError(
                 "ParaDySeStrategy splits every batch along its token sequence, and this batch is images (pixel_values "
                 "[batch, channels, height, width]), whose sequence of patches a vision model makes inside itself: no "

@@ -1471,7 +1471,7 @@ def esm_masked(window: Tensor) -> dict[str, Tensor]:
     item = mlm_labels(window)
     ids = item["input_ids"].clone()
     ids[:, : ids.shape[1] // 2 : 3] = 4  # [b, s]: masked targets in the first half only
-    return {"input_ids": ids, "labels": item["labels"]}
+    return {"input_ids": ids, "labels": item["labels"], "attention_mask": torch.ones_like(ids)}
 
 
 class MaskedLM(pl.LightningModule):
@@ -1480,11 +1480,14 @@ class MaskedLM(pl.LightningModule):
     tokens itself from their ids (``padding_idx + 1`` onwards; the data's tokens equal to its padding id 1 at
     ``padding_idx``): the strategy gave it positions ``0, 1, ...`` until 2026-12-01, silently. ``positions``: called
     with the batch's ``position_ids`` and ``use_cache=False``. ``esm``: an ``EsmForMaskedLM`` with these config
-    fields, its token dropout on (ESM-2's), whose attention normalises its input itself."""
+    fields, its token dropout on (ESM-2's), whose attention normalises its input itself. ``mask``: called with the
+    batch's ``attention_mask`` in the model's dtype."""
 
-    def __init__(self, roberta: bool = False, positions: bool = False, esm: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, roberta: bool = False, positions: bool = False, esm: dict[str, Any] | None = None, mask: bool = False
+    ) -> None:
         super().__init__()
-        self.positions = positions
+        self.positions, self.mask = positions, mask
         import transformers
 
         fields = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
@@ -1507,6 +1510,9 @@ class MaskedLM(pl.LightningModule):
         if self.positions:  # a packed row's restarting positions, no cache (as a decoder's packing is called)
             call = dict(position_ids=batch["position_ids"], use_cache=False)
             return self.model(input_ids=batch["input_ids"], labels=batch["labels"], **call).loss  # type: ignore[no-any-return]
+        if self.mask:  # the batch's mask in the model's float dtype: its sum's dtype sets ESM's share of masks
+            mask = batch["attention_mask"].to(self.dtype)
+            return self.model(input_ids=batch["input_ids"], labels=batch["labels"], attention_mask=mask).loss  # type: ignore[no-any-return]
         return self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss  # type: ignore[no-any-return]
 
     @override
@@ -1716,6 +1722,9 @@ def cases_p2() -> dict[str, Case]:
                 lambda: MaskedLM(esm={}), lambda: loader(esm_masked), strategy=dict(plan=MIXED_BIDIRECTIONAL)
             ),
             "hf-esm-mlm-groups": Case(lambda: MaskedLM(esm={}), lambda: loader(esm_masked)),
+            "hf-esm-float-mask": Case(  # its share of masks in float64, as one process counts it over a float64 mask
+                lambda: MaskedLM(esm={}, mask=True), lambda: loader(esm_masked), strategy=dict(plan="ring")
+            ),
             "hf-esm-absolute": Case(
                 lambda: MaskedLM(esm=dict(position_embedding_type="absolute", emb_layer_norm_before=True)),
                 lambda: loader(esm_masked),

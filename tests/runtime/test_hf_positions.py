@@ -44,7 +44,7 @@ def _asks_for_documents(model: torch.nn.Module, **call: object) -> bool:
     """Whether a call of ``model`` with restarting ``position_ids`` has transformers' masks ask for packed documents
     (what the strategy follows: it does not guess from the model's class or configuration)."""
     asked: list[bool] = []
-    stop = watch_packing(lambda: asked.append(True))
+    stop = watch_packing(lambda position_ids: asked.append(position_ids is not None))
     try:
         ids = torch.randint(3, 60, (1, 9))
         with torch.no_grad():
