@@ -903,7 +903,7 @@ def _numbered(
     ids = call.get("input_ids")
     if ids is None:
         return (positions + numbering.embeds_start)[None]  # [1, s_r]
-    source = _trace_named(ids, state.sources, TOKEN_ID_KEYS) if isinstance(ids, torch.Tensor) else None
+    source = _agreed_trace(ids, state.sources, TOKEN_ID_KEYS, ctx, device) if state.sources else None
     whole = source.whole if source is not None else (ids if ctx.p == 1 else None)
     if not _agree(whole is not None and whole.dim() == 2, ctx, device):
         raise ValueError(
