@@ -62,9 +62,9 @@ def own_positions(owner: nn.Module) -> Numbering | None:
         if not isinstance(padding_idx, int) or not isinstance(getattr(sub, "position_embeddings", None), nn.Embedding):
             continue
         make = getattr(sub, NUMBERING, None)  # bound: a static method and a method alike
-        for cls in type(sub).__mro__:
-            if make is None:
-                make = getattr(sys.modules.get(cls.__module__), NUMBERING, None)
+        if make is None:  # else a function of the module of its class or of a base class
+            found = (getattr(sys.modules.get(cls.__module__), NUMBERING, None) for cls in type(sub).__mro__)
+            make = next((f for f in found if f is not None), None)
         if callable(make):
             return Numbering(functools.partial(_numbered, make, padding_idx), padding_idx + 1)
     return None

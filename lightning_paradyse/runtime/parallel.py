@@ -845,7 +845,7 @@ def _trace_named(value: torch.Tensor, sources: tuple[BatchSource, ...], keys: tu
     """:func:`_trace` that, where ``value`` is no batch tensor itself, takes a batch tensor of equal values named
     ``keys`` before any other: two batch tensors (the ids and the labels) may hold equal values on one rank's slice
     and differ on another's, and every rank must find the same one."""
-    same = next((src for src in sources if value is src.local), None)
+    same = _identical(value, sources)
     if same is not None:
         return same
     named = next((src for src in sources if src.key in keys and _is_slice(value, src)), None)
@@ -1040,7 +1040,7 @@ def _is_slice(value: torch.Tensor, src: BatchSource) -> bool:
 def _trace(value: torch.Tensor, sources: tuple[BatchSource, ...]) -> BatchSource | None:
     """The batch tensor whose slice ``value`` is, else ``None``: the slice itself first (known without reading a
     value; on a GPU each comparison of values waits for it), then one of equal values."""
-    same = next((src for src in sources if value is src.local), None)
+    same = _identical(value, sources)
     return same if same is not None else next((src for src in sources if _is_slice(value, src)), None)
 
 
