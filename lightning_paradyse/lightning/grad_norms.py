@@ -24,6 +24,8 @@ replaced: call it through ``lightning.pytorch.utilities.grad_norm``, or log norm
 
 from __future__ import annotations
 
+import itertools
+import operator
 import sys
 import types
 from collections.abc import Callable, Iterable, Mapping
@@ -176,6 +178,8 @@ class GradNormInterception:
             if id(space) in spaces or not isinstance(space, dict):
                 continue
             spaces[id(space)] = space
+            if not any(map(operator.is_, space.values(), itertools.repeat(_ORIGINAL))):  # most: identity in C
+                continue
             for name in [name for name, value in space.items() if value is _ORIGINAL]:
                 space[name] = self.grad_norm
                 self._replaced.append((space, name))

@@ -40,6 +40,7 @@ from typing_extensions import override
 from lightning_paradyse import ParaDySeStrategy
 from lightning_paradyse.distributed.spawn import run_distributed
 from tests.support.dist import free_port
+from tests.support.frozen import freeze_survivors
 from tests.support.lightning import quiet_trainer, strategy_environment
 
 TOL = 1e-9
@@ -236,6 +237,7 @@ def _worker(rank: int, world: int, make: Callable[[], dict[str, Case]], store_pa
         with dealt_splits(case.splits):
             result = run(case, world, ParaDySeStrategy(**({"timeout": 60.0} | case.strategy)), port)
         out[name] = _portable(result) if rank == 0 else Result(error=result.error, predictions=result.predictions)
+        freeze_survivors()  # the next case's setup collects only what it makes (tests/support/frozen.py)
     return out
 
 
