@@ -181,9 +181,10 @@ class BenchSettings:
 
     @classmethod
     def quick(cls) -> BenchSettings:
-        """A smoke run: a tiny model, one short trace in global batches of 512 tokens, five runs, five timed
-        passes (its steps take 10-30 ms: one pass's times swing by a third between invocations, and three passes'
-        medians still moved the adaptive/DDP ratio by 0.75-1.21x), a short search."""
+        """A smoke run: a tiny model, one short trace in global batches of 512 tokens, five runs, eleven timed
+        passes (its steps take 10-30 ms: one pass's times swing by a third between invocations; DDP's steps fall in
+        two modes, 8-9 ms and 12-16 ms on 2 cores, so the median of three passes moved the adaptive/DDP ratio by
+        0.75-1.21x and of five by 0.84-1.26x, with the same code), a short search."""
         return cls(
             # 8 heads: every head-sharded mode runs on up to 8 ranks
             model=ModelSettings(layers=2, hidden=64, heads=8, kv_heads=2, ffn=128, max_seq_len=4096),
@@ -191,7 +192,7 @@ class BenchSettings:
             batch_tokens=512,
             runs=QUICK_RUNS,
             budget=8 * MiB,
-            repeats=5,
+            repeats=11,
             search=SearchSettings(start=256, cap=1024, resolution=0.25, min_step=128),
             preset="quick",
         )
