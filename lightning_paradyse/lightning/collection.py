@@ -12,28 +12,18 @@ fit made since. :func:`thaw` gives them back to the collector at the teardown (:
 was alive at the setup and becomes garbage in a reference cycle during the fit waits for Python's next full
 collection after the teardown.
 
-A process that froze objects itself (a server that forks its workers) before its first fit is left as it is: nothing
-is frozen or thawed in it. That is read once a process (:func:`gc.get_freeze_count` walks every frozen object: 40 ms
-a fit in a forked worker that inherits 400,000 of them).
+A process that froze objects itself (a server that forks its workers) is left as it is: nothing is frozen or thawed.
 """
 
 from __future__ import annotations
 
 import gc
-import os
-
-_FROZE_ITSELF: dict[int, bool] = {}
-"""Per process id: whether the process had frozen objects itself at its first :func:`freeze` (a forked child reads
-its own)."""
 
 
 def freeze() -> bool:
-    """Every tracked object out of later collections (call right after a full collection); ``False`` in a process that
-    had frozen some itself before its first call (they stay as they are)."""
-    pid = os.getpid()
-    if pid not in _FROZE_ITSELF:
-        _FROZE_ITSELF[pid] = gc.get_freeze_count() > 0
-    if _FROZE_ITSELF[pid]:
+    """Every tracked object out of later collections (call right after a full collection); ``False`` where some are
+    frozen already (by the process itself: they stay as they are)."""
+    if gc.get_freeze_count():
         return False
     gc.freeze()
     return True

@@ -125,12 +125,28 @@ def find_tokens(batch: Any) -> Tensor:
             if isinstance(value, Tensor):
                 found = value
                 break
+    if found is None and _holds_batches(batch):
+        raise TypeError(
+            f"ParaDySeStrategy cannot find the token tensor [batch, seq] in a batch of type {type(batch).__name__} "
+            "that holds batches (several loaders' batches, as Lightning's CombinedLoader yields them): one batch is "
+            "split along one token sequence; train on one loader (join the datasets, e.g. "
+            "torch.utils.data.ConcatDataset, or sample them in one dataset) whose batch is a tensor, a tuple/list or "
+            f"a dict with one of {TOKEN_KEYS}"
+        )
     if found is None or found.dim() < 2:
         raise TypeError(
             f"ParaDySeStrategy cannot find the token tensor [batch, seq] in a batch of type {type(batch).__name__}: "
             f"yield a tensor, a tuple/list whose first tensor holds the tokens, or a dict with one of {TOKEN_KEYS}"
         )
     return found
+
+
+def _holds_batches(batch: Any) -> bool:
+    """Whether a dict or sequence batch with no tensor of its own holds dicts or sequences that hold tensors (the
+    batches of several loaders)."""
+    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, Sequence) else ()
+    inner = [v for v in values if isinstance(v, (Mapping, Sequence)) and not isinstance(v, (str, bytes))]
+    return any(isinstance(x, Tensor) for v in inner for x in (v.values() if isinstance(v, Mapping) else v))
 
 
 def find_targets(batch: Any) -> tuple[str | None, Tensor | None]:

@@ -490,6 +490,10 @@ def test_batches_are_sliced_along_the_sequence_without_padding() -> None:
     assert torch.equal(layout.unshard([p["labels"] for p in pieces]), targets)
     with pytest.raises(TypeError, match="cannot find the token tensor"):
         find_tokens({"x": 3})
+    combined = {"code": {"input_ids": tokens}, "text": (tokens, targets)}  # Lightning's CombinedLoader yields these
+    for nested in (combined, [combined["code"], combined["text"]]):
+        with pytest.raises(TypeError, match=r"holds batches .*CombinedLoader.*ConcatDataset"):
+            find_tokens(nested)
 
 
 def test_compile_wraps_each_rewritten_block() -> None:
