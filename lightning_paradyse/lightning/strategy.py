@@ -102,6 +102,7 @@ from lightning_paradyse.lightning.refusals import (
     explain_grad_view_error,
     refuse_averaged_models,
     refuse_callbacks,
+    refuse_encoder_decoders,
     refuse_neftune,
     refuse_pooling_heads,
 )
@@ -503,6 +504,7 @@ class ParaDySeStrategy(ParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if trainer.state.fn != TrainerFn.PREDICTING:  # every rank alike, before any broadcast (predictions run whole)
             refuse_pooling_heads(self._module)
+            refuse_encoder_decoders(self._module)
         register_output_capture(self._module)  # a model unpickled in a spawned worker: its hidden states recorded
         if fitting:  # they act in a fit only
             refuse_callbacks(trainer.callbacks)  # type: ignore[attr-defined]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_paradyse.lightning.refusals import explain_grad_view_error
+from lightning_paradyse.lightning.refusals import explain_grad_view_error, refuse_encoder_decoders
 
 
 def _after_closure() -> None:  # named as Lightning's function that runs the hooks before the optimizer step
@@ -32,3 +32,23 @@ def test_the_same_error_elsewhere_is_left_as_it_is() -> None:
     with pytest.raises(RuntimeError) as caught:
         p.add_(1.0)  # a leaf that requires grad changed in place, in the step itself
     explain_grad_view_error(caught.value)  # returns: not a hook's
+
+
+def test_a_trainable_encoder_decoder_is_refused_and_a_frozen_one_left() -> None:
+    """``nn.Transformer`` and a module whose ``config.is_encoder_decoder`` is true are refused while they train; a
+    frozen one (a teacher) and a decoder-only config are left (Hugging Face's models: ``tests/exact`` ``hf-bart*``)."""
+    model = torch.nn.Module()
+    model.seq2seq = torch.nn.Transformer(d_model=8, nhead=2, num_encoder_layers=1, num_decoder_layers=1)
+    with pytest.raises(ValueError, match=r"Module\.seq2seq is an encoder-decoder \(Transformer\)"):
+        refuse_encoder_decoders(model)
+    model.seq2seq.requires_grad_(False)
+    refuse_encoder_decoders(model)
+
+    class WithConfig(torch.nn.Linear):
+        def __init__(self, is_encoder_decoder: bool) -> None:
+            super().__init__(2, 2)
+            self.config = type("Config", (), {"is_encoder_decoder": is_encoder_decoder})()
+
+    refuse_encoder_decoders(WithConfig(False))
+    with pytest.raises(ValueError, match="is an encoder-decoder"):
+        refuse_encoder_decoders(WithConfig(True))
