@@ -40,6 +40,7 @@ from lightning_paradyse.models import build_model
 from tests.exact.harness import Case
 from tests.support.families import (
     HF_FAMILIES,
+    MORE_FAMILIES,
     EncoderLM,
     ListMoELM,
     hf_family,
@@ -1472,7 +1473,7 @@ def family_cases() -> dict[str, Case]:
             strategy=dict(plan="ulysses", groups=True, check_step=False),
             splits=SPLITS_2,
         )
-        for family in HF_FAMILIES
+        for family in (*HF_FAMILIES, *MORE_FAMILIES)
         if family not in FLOAT32_FAMILIES and family != "gpt2-eager"
     }
 

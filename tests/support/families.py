@@ -172,6 +172,32 @@ HF_FAMILIES: dict[str, tuple[str, str, dict[str, object]]] = {
 """
 
 
+MORE_FAMILIES: dict[str, tuple[str, str, dict[str, object]]] = {
+    "olmo": ("OlmoConfig", "OlmoForCausalLM", {"clip_qkv": 0.5}),
+    "nemotron": ("NemotronConfig", "NemotronForCausalLM", {"partial_rotary_factor": 0.5, "head_dim": 8}),
+    "persimmon": (
+        "PersimmonConfig",
+        "PersimmonForCausalLM",
+        {"partial_rotary_factor": 0.5, "qk_layernorm": True, "num_key_value_heads": None},
+    ),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {"no_rope_layers": [1, 0]}),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", {"head_dim": 8, "partial_rotary_factor": 0.5}),
+    "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", {"head_dim": 8, "sliding_window": None}),
+    "seedoss": (
+        "SeedOssConfig",
+        "SeedOssForCausalLM",
+        {"head_dim": 8, "attention_dropout": 0.0, "residual_dropout": 0.0},
+    ),
+}
+"""More Hugging Face decoder families, checked through Lightning only (``tests/exact`` ``family-*`` cases: on groups,
+then ``ulysses`` on one group of 2, AdamW, the checkpoint's weights and optimizer state to 1e-9; probed on 2026-12-01),
+each with its own block code as transformers writes it: OLMo with ``clip_qkv`` (q, k and v clamped), Nemotron and
+GLM-4 with half of each head rotated, Persimmon (a fused ``query_key_value``, LayerNorms on q and k, half rotated),
+SmolLM3 with a layer without rotary, EXAONE 4, Seed-OSS (biases on q, k and v; its dropouts off, as every comparison
+here has them: dropout draws per rank). Helium is exact once its RMS norm computes in the model's dtype; as it stands
+it computes in float32 (3.7e-9 apart, as Cohere's and Gemma's)."""
+
+
 def hf_family(
     family: str, n_kv_heads: int = 4, n_layers: int = 2, user_defaults: bool = False, **overrides: object
 ) -> nn.Module:
@@ -180,7 +206,7 @@ def hf_family(
     ``overrides``: config fields over the family's (``num_experts=8``)."""
     import transformers
 
-    config_cls, model_cls, fields = HF_FAMILIES[family]
+    config_cls, model_cls, fields = {**HF_FAMILIES, **MORE_FAMILIES}[family]
     fields = {**fields, **overrides}
     if user_defaults:
         fields = {k: v for k, v in fields.items() if k != "experts_implementation"}
