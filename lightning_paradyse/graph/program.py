@@ -363,6 +363,8 @@ MOVES: tuple[Any, ...] = (
     torch.narrow,
     torch.Tensor.unflatten,
     torch.Tensor.flatten,
+    torch.Tensor.unsqueeze,  # GPT-BigCode's multi-query c_attn: [b, t, F] -> [b, 1, t, F], then split
+    torch.unsqueeze,
     torch.Tensor.__getitem__,
     _getitem,
 )

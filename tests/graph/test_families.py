@@ -155,7 +155,7 @@ HF_CASES = {
     2: [*HF_FAMILIES, "bert", "modernbert", "list-moe"],
     3: [
         *("qwen3", "olmo2", "phi", "gemma3", "gemma2", "mistral", "phi3", "gpt2", "neox", "bert", "mixtral"),
-        *("qwen3moe", "list-moe", "gptj", "codegen"),
+        *("qwen3moe", "list-moe", "gptj", "codegen", "bigcode"),
     ],
 }
 """Families per group size; at 3 the lengths are not divisible by the group (and there are 6 kv heads)."""

@@ -111,6 +111,11 @@ HF_FAMILIES: dict[str, tuple[str, str, dict[str, object]]] = {
         "CodeGenForCausalLM",
         {"rotary_dim": 4, "n_inner": 192, "attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0},
     ),
+    "bigcode": (
+        "GPTBigCodeConfig",
+        "GPTBigCodeForCausalLM",
+        {"n_inner": 192, "multi_query": True, "attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0},
+    ),
     "gemma2": (
         "Gemma2Config",
         "Gemma2ForCausalLM",
@@ -161,6 +166,8 @@ HF_FAMILIES: dict[str, tuple[str, str, dict[str, object]]] = {
 * ``gptj``, ``codegen``: a rotary table of positions (``embed_positions``, not ``inv_freq``) giving ``(sin, cos)``,
   the first 4 features of each head rotated pairwise (``rotate_every_two``), parallel attention and MLP; CodeGen's
   q, k and v from one fused ``qkv_proj`` cut into 4 model-parallel parts of ``[q | v | k]``;
+* ``bigcode``: GPT-BigCode (StarCoder 1, SantaCoder): multi-query attention, one fused ``c_attn`` unsqueezed and
+  cut ``[q | k | v]`` (one key/value head), learned absolute positions, ``nn.Linear`` projections with biases;
 * ``starcoder2``: functional dropout after the output projection, a sliding window shorter than the sequence,
   biases, a plain (non-gated) MLP;
 * ``gemma2``: eager attention (Hugging Face runs no other for it) with logit soft-capping (a small cap: tanh far
@@ -183,6 +190,11 @@ MORE_FAMILIES: dict[str, tuple[str, str, dict[str, object]]] = {
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {"no_rope_layers": [1, 0]}),
     "glm4": ("Glm4Config", "Glm4ForCausalLM", {"head_dim": 8, "partial_rotary_factor": 0.5}),
     "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", {"head_dim": 8, "sliding_window": None}),
+    "bigcode-mha": (
+        "GPTBigCodeConfig",
+        "GPTBigCodeForCausalLM",
+        {"n_inner": 192, "multi_query": False, "attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0},
+    ),
     "seedoss": (
         "SeedOssConfig",
         "SeedOssForCausalLM",
@@ -193,7 +205,8 @@ MORE_FAMILIES: dict[str, tuple[str, str, dict[str, object]]] = {
 then ``ulysses`` on one group of 2, AdamW, the checkpoint's weights and optimizer state to 1e-9; probed on 2026-12-01),
 each with its own block code as transformers writes it: OLMo with ``clip_qkv`` (q, k and v clamped), Nemotron and
 GLM-4 with half of each head rotated, Persimmon (a fused ``query_key_value``, LayerNorms on q and k, half rotated),
-SmolLM3 with a layer without rotary, EXAONE 4, Seed-OSS (biases on q, k and v; its dropouts off, as every comparison
+SmolLM3 with a layer without rotary, EXAONE 4, GPT-BigCode without multi-query attention (its ``c_attn`` cut
+head by head), Seed-OSS (biases on q, k and v; its dropouts off, as every comparison
 here has them: dropout draws per rank). Helium is exact once its RMS norm computes in the model's dtype; as it stands
 it computes in float32 (3.7e-9 apart, as Cohere's and Gemma's)."""
 
