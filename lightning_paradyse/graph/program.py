@@ -389,6 +389,11 @@ def replay_index(source: fx.Node, target: fx.Node) -> torch.Tensor:
                 f"{node.name} ({getattr(node.target, '__name__', node.target)}) acts on the fused projection "
                 f"{source.target} before it is cut into its parts (only reshapes and selections may)"
             )
+        if node.target in (torch.Tensor.unsqueeze, torch.unsqueeze) and _unsqueezes_batch(node):
+            raise ProgramError(  # traced with one row: [1, b, t, F] could not be told from [b, 1, t, F]
+                f"{node.name} (unsqueeze) adds a leading dimension to the fused projection {source.target} before it "
+                f"is cut into its parts (only after the batch dimension may)"
+            )
         chain.add(node)
         todo.extend(node.all_input_nodes)
     for node in sorted(chain, key=order.__getitem__):
@@ -397,6 +402,14 @@ def replay_index(source: fx.Node, target: fx.Node) -> torch.Tensor:
         fn: Any = node.target
         env[node] = fn(*args, **kwargs)
     return env[target]  # type: ignore[no-any-return]
+
+
+def _unsqueezes_batch(node: fx.Node) -> bool:
+    """Whether an ``unsqueeze`` call adds its dimension before its input's first (the batch's)."""
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    source = node.args[0]
+    rank = len(source.meta.get("shape") or ()) if isinstance(source, fx.Node) else 0
+    return isinstance(dim, int) and dim % (rank + 1) == 0
 
 
 @dataclass(frozen=True)

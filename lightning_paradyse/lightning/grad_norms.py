@@ -178,7 +178,7 @@ class GradNormInterception:
             if id(space) in spaces or not isinstance(space, dict):
                 continue
             spaces[id(space)] = space
-            if not any(map(operator.is_, space.values(), itertools.repeat(_ORIGINAL))):  # most: identity in C
+            if not any(map(operator.is_, space.values(), itertools.repeat(_ORIGINAL))):  # skipped without a Python loop
                 continue
             for name in [name for name, value in space.items() if value is _ORIGINAL]:
                 space[name] = self.grad_norm

@@ -96,16 +96,15 @@ def refuse_pooling_heads(module: nn.Module) -> None:
 
 
 def refuse_encoder_decoders(module: nn.Module) -> None:
-    """An encoder-decoder (a Hugging Face model whose ``config.is_encoder_decoder``, such as T5 or BART, or PyTorch's
-    ``nn.Transformer``) runs two sequences of their own lengths, and its decoder's cross-attention reads the encoder's
-    whole output: under the strategy each rank would hold a slice of both, so no rank holds what the cross-attention
-    reads. Refused when the fit, validation or test is set up, whichever blocks are named (before 2026-12-01 the
-    default said to choose a list with ``blocks=``, after which the encoder's blocks could not be read and the
-    decoder's were refused by the step check as a loss computed across the tokens, which named other causes).
-    Predictions run each batch whole on every rank: ``trainer.predict`` is left to run (exact for BART with its
-    decoder's blocks named; T5's blocks cannot be read); a frozen one (a distillation teacher, every parameter
-    ``requires_grad=False``) is not refused here (a teacher's calls run on whole sequences; an encoder-decoder teacher
-    is not tested)."""
+    """An encoder-decoder (a module holding an ``encoder`` and a ``decoder``: a Hugging Face model whose
+    ``config.is_encoder_decoder``, such as T5 or BART, or PyTorch's ``nn.Transformer``) runs two sequences of their
+    own lengths, and its decoder's cross-attention reads the encoder's whole output: under the strategy each rank
+    holds a slice of both, so no rank holds what the cross-attention reads. Refused when the fit, validation or test
+    is set up, whichever blocks are named and whether or not it trains (a frozen one in a validation, or beside a
+    trainable head, would run its encoder on whole sequences and hand the decoder this rank's slice of its output).
+    An encoder or a decoder alone (``BartModel.get_encoder()``, ``T5EncoderModel``, ``BartForCausalLM``) is left to
+    the rewrite. Predictions run each batch whole on every rank: ``trainer.predict`` is left to run (exact for BART
+    with its decoder's blocks named; T5's blocks cannot be read)."""
     found = [
         (name, type(sub).__name__)
         for name, sub in module.named_modules()
@@ -113,15 +112,17 @@ def refuse_encoder_decoders(module: nn.Module) -> None:
             isinstance(sub, nn.Transformer)
             or getattr(getattr(sub, "config", None), "is_encoder_decoder", False) is True
         )
-        and any(w.requires_grad for w in sub.parameters())  # a frozen one (a teacher) runs whole sequences
+        and isinstance(getattr(sub, "encoder", None), nn.Module)
+        and isinstance(getattr(sub, "decoder", None), nn.Module)
     ]
     if found:
         name, cls = found[0]
+        where = f"{type(module).__name__}.{name}" if name else type(module).__name__
         raise ValueError(
-            f"{type(module).__name__}.{name} is an encoder-decoder ({cls}): its decoder's cross-attention reads the "
-            f"encoder's whole output, and ParaDySeStrategy hands each rank a slice of every sequence, so no rank holds "
-            f"it. Train it with a strategy that keeps each sequence whole (DDP, FSDP); ParaDySeStrategy trains "
-            f"decoder-only and encoder-only transformers"
+            f"{where} is an encoder-decoder ({cls}): its decoder's cross-attention reads the encoder's whole output, "
+            f"and ParaDySeStrategy hands each rank a slice of every sequence, so no rank holds it. Train it with a "
+            f"strategy that keeps each sequence whole (DDP, FSDP); ParaDySeStrategy trains decoder-only and "
+            f"encoder-only transformers"
         )
 
 

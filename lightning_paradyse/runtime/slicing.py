@@ -128,10 +128,10 @@ def find_tokens(batch: Any) -> Tensor:
     if found is None and _holds_batches(batch):
         raise TypeError(
             f"ParaDySeStrategy cannot find the token tensor [batch, seq] in a batch of type {type(batch).__name__} "
-            "that holds batches (several loaders' batches, as Lightning's CombinedLoader yields them): one batch is "
-            "split along one token sequence; train on one loader (join the datasets, e.g. "
-            "torch.utils.data.ConcatDataset, or sample them in one dataset) whose batch is a tensor, a tuple/list or "
-            f"a dict with one of {TOKEN_KEYS}"
+            "that holds batches or samples (several loaders' batches, as Lightning's CombinedLoader yields them, or "
+            "rows left unstacked, e.g. collate_fn=list): one batch is split along one token sequence; stack the rows "
+            "(the default collate) and train on one loader (join datasets with torch.utils.data.ConcatDataset, or "
+            f"sample them in one dataset), whose batch is a tensor, a tuple/list or a dict with one of {TOKEN_KEYS}"
         )
     if found is None or found.dim() < 2:
         raise TypeError(
@@ -143,7 +143,7 @@ def find_tokens(batch: Any) -> Tensor:
 
 def _holds_batches(batch: Any) -> bool:
     """Whether a dict or sequence batch with no tensor of its own holds dicts or sequences that hold tensors (the
-    batches of several loaders)."""
+    batches of several loaders, or rows left unstacked)."""
     values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, Sequence) else ()
     inner = [v for v in values if isinstance(v, (Mapping, Sequence)) and not isinstance(v, (str, bytes))]
     return any(isinstance(x, Tensor) for v in inner for x in (v.values() if isinstance(v, Mapping) else v))

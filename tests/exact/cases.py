@@ -1180,7 +1180,7 @@ class EncoderDecoderLM(pl.LightningModule):
     (``input_ids`` and ``labels=``, the loss the model returns); its predictions are the decoder's logits. Refused for
     a fit, whichever blocks are named; predicted whole."""
 
-    def __init__(self, kind: str = "bart") -> None:
+    def __init__(self, kind: str = "bart", frozen: bool = False) -> None:
         super().__init__()
         import transformers
 
@@ -1197,10 +1197,15 @@ class EncoderDecoderLM(pl.LightningModule):
                 dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
             )  # fmt: skip
             self.model = transformers.T5ForConditionalGeneration(config)
+        self.model.requires_grad_(not frozen)
 
     @override
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         return self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss  # type: ignore[no-any-return]
+
+    @override
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        return self.training_step(batch, batch_idx)
 
     @override
     def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
@@ -1573,7 +1578,7 @@ def lm_granite() -> pl.LightningModule:
 
 class CombinedLM(TinyLM):
     """Two datasets' batches in one step, as Lightning's ``CombinedLoader`` yields them (a dict of batches): refused
-    by name, before any collective (until 2026-12-01 the refusal said only that no token tensor was found)."""
+    by name, before any collective."""
 
     @override
     def training_step(self, batch: dict[str, dict[str, Tensor]], batch_idx: int) -> Tensor:
@@ -1745,7 +1750,9 @@ def cases_p2() -> dict[str, Case]:
             "hf-tied": Case(hf("labels-key", tied=True), lambda: loader(hf_labels), strategy=dict(plan="metp")),
             "hf-pad-right": Case(hf("masked"), lambda: loader(padded("right")), strategy=dict(plan=MIXED)),
             "hf-pad-left": Case(hf("masked"), lambda: loader(padded("left")), refused="left padding"),
-            "combined-loader": Case(CombinedLM, _combined_data, refused="holds batches (several loaders' batches"),
+            "combined-loader": Case(
+                CombinedLM, _combined_data, refused="holds batches or samples (several loaders' batches"
+            ),
             "generate-in-step": Case(
                 GeneratingLM, lambda: (loader(hf_labels), loader(hf_labels, (35,))), trainer=val, refused="generate()"
             ),
@@ -2142,13 +2149,20 @@ def cases_p2() -> dict[str, Case]:
                 fit=False,
             ),
             "neftune": Case(NEFTuneLM, lambda: loader(ragged("labels")), refused="NEFTune"),
-            # encoder-decoders refused at the setup, whichever blocks are named (until 2026-12-01 the decoder's blocks
-            # were refused by the step check, naming other causes); predicted whole
+            # encoder-decoders refused at the setup, whichever blocks are named, trained or frozen; predicted whole
             "hf-bart": Case(EncoderDecoderLM, lambda: loader(hf_labels), refused="is an encoder-decoder"),
             "hf-t5": Case(lambda: EncoderDecoderLM("t5"), lambda: loader(hf_labels), refused="is an encoder-decoder"),
             "hf-bart-decoder-blocks": Case(
                 EncoderDecoderLM,
                 lambda: loader(hf_labels),
+                strategy=dict(blocks="model.model.decoder.layers"),
+                refused="is an encoder-decoder",
+            ),
+            "hf-bart-frozen-validate": Case(  # frozen: the encoder would run whole, the decoder on a slice of it
+                lambda: EncoderDecoderLM(frozen=True),
+                lambda: (loader(hf_labels), loader(hf_labels, (35, 52))),
+                validate=True,
+                fit=False,
                 strategy=dict(blocks="model.model.decoder.layers"),
                 refused="is an encoder-decoder",
             ),

@@ -22,6 +22,7 @@ refused records the error instead.
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import os
 import tempfile
@@ -40,7 +41,6 @@ from typing_extensions import override
 from lightning_paradyse import ParaDySeStrategy
 from lightning_paradyse.distributed.spawn import run_distributed
 from tests.support.dist import free_port
-from tests.support.frozen import freeze_survivors
 from tests.support.lightning import quiet_trainer, strategy_environment
 
 TOL = 1e-9
@@ -237,7 +237,12 @@ def _worker(rank: int, world: int, make: Callable[[], dict[str, Case]], store_pa
         with dealt_splits(case.splits):
             result = run(case, world, ParaDySeStrategy(**({"timeout": 60.0} | case.strategy)), port)
         out[name] = _portable(result) if rank == 0 else Result(error=result.error, predictions=result.predictions)
-        freeze_survivors()  # the next case's setup collects only what it makes (tests/support/frozen.py)
+        # what the case left alive (modules it imported, caches) frozen out of the next cases' collections, as the fork
+        # server froze its imports (tests/support/frozen.py): each case's setup collection scans only what the case
+        # makes (it scanned every earlier case's survivors: 0.24 s a case). Here, not at import: the tests' own process
+        # imports this module and must keep the strategy's own freeze and thaw
+        gc.collect()
+        gc.freeze()
     return out
 
 

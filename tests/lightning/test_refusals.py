@@ -34,21 +34,28 @@ def test_the_same_error_elsewhere_is_left_as_it_is() -> None:
     explain_grad_view_error(caught.value)  # returns: not a hook's
 
 
-def test_a_trainable_encoder_decoder_is_refused_and_a_frozen_one_left() -> None:
-    """``nn.Transformer`` and a module whose ``config.is_encoder_decoder`` is true are refused while they train; a
-    frozen one (a teacher) and a decoder-only config are left (Hugging Face's models: ``tests/exact`` ``hf-bart*``)."""
+def test_an_encoder_decoder_is_refused_frozen_or_not_and_its_halves_left() -> None:
+    """``nn.Transformer`` and a module holding an encoder and a decoder whose ``config.is_encoder_decoder`` is true are
+    refused, frozen too (a frozen one's decoder would read this rank's slice of the encoder's output); an encoder or a
+    decoder alone is left (Hugging Face's models through Lightning: ``tests/exact`` ``hf-bart*``, ``hf-t5``)."""
+    import transformers
+
     model = torch.nn.Module()
     model.seq2seq = torch.nn.Transformer(d_model=8, nhead=2, num_encoder_layers=1, num_decoder_layers=1)
     with pytest.raises(ValueError, match=r"Module\.seq2seq is an encoder-decoder \(Transformer\)"):
         refuse_encoder_decoders(model)
     model.seq2seq.requires_grad_(False)
-    refuse_encoder_decoders(model)
-
-    class WithConfig(torch.nn.Linear):
-        def __init__(self, is_encoder_decoder: bool) -> None:
-            super().__init__(2, 2)
-            self.config = type("Config", (), {"is_encoder_decoder": is_encoder_decoder})()
-
-    refuse_encoder_decoders(WithConfig(False))
     with pytest.raises(ValueError, match="is an encoder-decoder"):
-        refuse_encoder_decoders(WithConfig(True))
+        refuse_encoder_decoders(model)
+    refuse_encoder_decoders(model.seq2seq.encoder)  # its halves alone
+    refuse_encoder_decoders(model.seq2seq.decoder)
+
+    config = transformers.BartConfig(
+        vocab_size=32, d_model=8, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=16, decoder_ffn_dim=16, max_position_embeddings=32,
+    )  # fmt: skip
+    bart = transformers.BartModel(config)
+    with pytest.raises(ValueError, match=r"^BartModel is an encoder-decoder \(BartModel\)"):
+        refuse_encoder_decoders(bart)
+    refuse_encoder_decoders(bart.get_encoder())  # is_encoder_decoder in its config, but no decoder
+    refuse_encoder_decoders(bart.get_decoder())

@@ -492,7 +492,7 @@ def test_batches_are_sliced_along_the_sequence_without_padding() -> None:
         find_tokens({"x": 3})
     combined = {"code": {"input_ids": tokens}, "text": (tokens, targets)}  # Lightning's CombinedLoader yields these
     for nested in (combined, [combined["code"], combined["text"]]):
-        with pytest.raises(TypeError, match=r"holds batches .*CombinedLoader.*ConcatDataset"):
+        with pytest.raises(TypeError, match=r"holds batches or samples .*CombinedLoader.*ConcatDataset"):
             find_tokens(nested)
 
 
