@@ -612,10 +612,33 @@ def _install_call_refusals(owners: list[nn.Module], state: StepState) -> None:
     """Refusals of what a call of an owner of the blocks asks for that no rank holds: the attention weights (asked by
     keyword or through the model's config) and ``logits_to_keep``."""
     for owner in owners:
+        owner.register_forward_pre_hook(_StepHook(state, _unsliced_input_hook), with_kwargs=True)
         if "output_attentions" in _parameters(owner.forward) or hasattr(owner, "config"):
             owner.register_forward_pre_hook(refuse_attention_weights, with_kwargs=True, prepend=True)
         if "logits_to_keep" in _parameters(owner.forward):
             owner.register_forward_pre_hook(_StepHook(state, _logits_to_keep_hook), with_kwargs=True)
+
+
+def _unsliced_input_hook(state: StepState, mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Refuse a call of the model on a ``[batch, seq]`` tensor of the batch that the strategy did not slice: one of
+    another length or other rows than the batch's tokens (a second loader's batch, a second task's sequences). Each
+    rank would run the whole of it as if it were its slice, a model no process trains (silently so where its length
+    happens to be a slice's). Alike on every rank: the same batch and code, tested by identity, with no read."""
+    if state.ctx is None or not state.sources:
+        return
+    given = args[0] if args else kwargs.get("input_ids")
+    if not isinstance(given, torch.Tensor) or given.dim() < 2 or any(given is s.local for s in state.sources):
+        return
+    if _in_batch(given, state):
+        raise ValueError(
+            f"the model was called on a tensor of the batch of shape {tuple(given.shape)} that the strategy did not "
+            f"slice: ParaDySeStrategy slices the [batch, seq] tensors of the token tensor's shape only (a dict's "
+            f"input_ids, the first tensor of a tuple or list batch), and one of other rows or another length reaches "
+            f"every rank whole, where each rank would run it as its slice of the sequence. A batch holding sequences "
+            f"of two lengths (several loaders' batches, as Lightning's CombinedLoader yields them; two tasks) is not "
+            f"supported: train on one loader (join datasets with torch.utils.data.ConcatDataset), or pad the sequences "
+            f"to one length in the collator and stack them as rows of one batch"
+        )
 
 
 CACHE_REFUSAL = (

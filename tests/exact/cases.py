@@ -1591,6 +1591,43 @@ def _combined_data() -> CombinedLoader:
     )
 
 
+class Windows(Dataset[Any]):
+    """Item ``i`` is a tensor batch of ``rows`` windows of ``lengths[i]`` tokens (no dict, no tuple)."""
+
+    def __init__(self, lengths: tuple[int, ...], rows: int = 2):
+        self.lengths, self.rows = lengths, rows
+
+    @override
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @override
+    def __getitem__(self, i: int) -> Tensor:
+        return torch.randint(0, 128, (self.rows, self.lengths[i]), generator=torch.Generator().manual_seed(2000 + i))
+
+
+class CombinedTensorsLM(TinyLM):
+    """Two loaders' tensor batches in one step, a list of two tensors as ``CombinedLoader`` yields them: the first is
+    taken as the tokens and sliced, the second, of another length, reaches every rank whole. Refused where the model
+    is called on it; before 2026-12-01 a second length equal to a slice's ran that tensor as each rank's slice,
+    silently, where the step check was off."""
+
+    def reconstruction(self, window: Tensor) -> Tensor:
+        logits = self.model(window)  # [b, s, vocab]
+        return F.cross_entropy(logits.flatten(0, 1), window.flatten())
+
+    @override
+    def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
+        return self.reconstruction(batch[0]) + self.reconstruction(batch[1])
+
+
+def _combined_tensors(second: tuple[int, ...]) -> Callable[[], CombinedLoader]:
+    return lambda: CombinedLoader(
+        [DataLoader(Windows((48, 48, 48, 48)), batch_size=None), DataLoader(Windows(second), batch_size=None)],
+        "max_size_cycle",
+    )
+
+
 def _lm_data() -> tuple[DataLoader[Any], DataLoader[Any]]:
     return loader(shifted_targets), loader(shifted_targets, (35, 52))
 
@@ -1753,6 +1790,16 @@ def cases_p2() -> dict[str, Case]:
             "combined-loader": Case(
                 CombinedLM, _combined_data, refused="holds batches or samples (several loaders' batches"
             ),
+            "combined-loader-tensors": Case(
+                CombinedTensorsLM, _combined_tensors((35, 52, 35, 52)), refused="that the strategy did not slice"
+            ),
+            "combined-loader-tensors-slice-long": Case(  # the second tensor as long as a slice: silent until 2026-12-01
+                CombinedTensorsLM,
+                _combined_tensors((24, 24, 24, 24)),
+                strategy=dict(plan="ring", check_step=False),
+                refused="that the strategy did not slice",
+            ),
+            "combined-loader-tensors-one-length": Case(CombinedTensorsLM, _combined_tensors((48, 48, 48, 48))),
             "generate-in-step": Case(
                 GeneratingLM, lambda: (loader(hf_labels), loader(hf_labels, (35,))), trainer=val, refused="generate()"
             ),
