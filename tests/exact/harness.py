@@ -170,9 +170,7 @@ def _loaders(data: Any) -> tuple[Any, Any]:
     return data if isinstance(data, tuple) else (data, None)
 
 
-def run(
-    case: Case, devices: int, strategy: Any, port: Callable[[str], int] | None = None, caller: bool = False
-) -> Result:
+def run(case: Case, devices: int, strategy: Any, caller: bool = False) -> Result:
     """Train ``case`` with ``strategy`` (``"auto"`` for plain Lightning); the result as rank 0 sees it (``caller``:
     and as the calling process holds it, :attr:`Result.caller`)."""
     result = Result()
@@ -191,20 +189,14 @@ def run(
             trainer = quiet_trainer(devices, strategy, callbacks, **settings)
             if case.validate and val is not None:
                 trainer.validate(module, val, verbose=False)
-                if port is not None:  # the fit launches anew (as the test after it)
-                    os.environ["MASTER_PORT"] = str(port("fit-after-validate"))
             if case.fit:
                 trainer.fit(module, train, val)
             if caller:
                 state = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
                 result.caller = {"weights": state, "rng": torch.get_rng_state()}
             if case.test and val is not None:
-                if port is not None:  # under the strategy (the plain run has no port and needs none)
-                    os.environ["MASTER_PORT"] = str(port("test"))
                 trainer.test(module, val, verbose=False)
             if case.predict is not None:
-                if port is not None:
-                    os.environ["MASTER_PORT"] = str(port("predict"))
                 predictions = trainer.predict(module, case.predict())
                 result.predictions = [p.detach().cpu().tolist() for p in predictions or []]
             if trainer.global_rank == 0 and os.path.exists(path):
@@ -222,20 +214,18 @@ def run(
 
 
 def _worker(rank: int, world: int, make: Callable[[], dict[str, Case]], store_path: str) -> dict[str, Result]:
-    store = dist.FileStore(store_path, world)  # ports picked by rank 0 just before use, shared through a file
+    store = dist.FileStore(store_path, world)  # the port rank 0 picked, shared through a file
     strategy_environment(rank, world)
+    if rank == 0:
+        store.set("port", str(free_port()))
+    # every call of every case (fit, validate, test, predict) on one port: the strategy keeps one store there for
+    # the process, each call under a prefix of its own (distributed/rendezvous.py). A port per call made a new store and
+    # rendezvous per call: 135 s for the 2-process job in the suite before, 126 s after
+    os.environ["MASTER_PORT"] = str(int(store.get("port")))
     out = {}
     for name, case in make().items():
-
-        def port(what: str, name: str = name) -> int:
-            key = f"{name}/{what}"
-            if rank == 0:
-                store.set(key, str(free_port()))
-            return int(store.get(key))
-
-        os.environ["MASTER_PORT"] = str(port("fit"))
         with dealt_splits(case.splits):
-            result = run(case, world, ParaDySeStrategy(**({"timeout": 60.0} | case.strategy)), port)
+            result = run(case, world, ParaDySeStrategy(**({"timeout": 60.0} | case.strategy)))
         out[name] = _portable(result) if rank == 0 else Result(error=result.error, predictions=result.predictions)
         # what the case left alive (modules it imported, caches) frozen out of the next cases' collections, as the fork
         # server froze its imports (tests/support/frozen.py): each case's setup collection scans only what the case

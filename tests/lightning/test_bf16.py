@@ -165,15 +165,16 @@ def precision_settings(precision: str) -> dict[str, Any]:
 
 
 def _worker(rank: int, world: int) -> bytes:
-    """Every (precision, run) in turn; each Trainer creates (and destroys) its own process group on a port that
-    rank 0 found free (a fixed range may hold another job's port on a shared machine)."""
+    """Every (precision, run) in turn; each Trainer creates (and destroys) its own process group, all on one port that
+    rank 0 found free (a fixed range may hold another job's port on a shared machine): the strategy keeps one store
+    there for the process (``distributed/rendezvous.py``), and no fit waits for a new one."""
     cases = [(p, n) for p in PRECISIONS for n in RUNS]
-    ports: list[Any] = free_ports(len(cases)) if rank == 0 else [None] * len(cases)
+    ports: list[Any] = free_ports(1) if rank == 0 else [None]
     dist.broadcast_object_list(ports, src=0)  # over the harness's group, before it is left
     strategy_environment(rank, world)
+    os.environ["MASTER_PORT"] = str(ports[0])
     out: dict[str, Any] = {}
-    for port, (precision, name) in zip(ports, cases):
-        os.environ["MASTER_PORT"] = str(port)
+    for precision, name in cases:
         model, plan = RUNS[name]
         with dealt_splits(SPLITS.get(name)):
             result = fit(model, precision, world, plan)

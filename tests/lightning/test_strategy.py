@@ -275,14 +275,15 @@ def run_scenario(sc: Scenario, devices: int, parallel: bool = True) -> dict[str,
 
 
 def scenario_worker(rank: int, world: int, scenarios: list[Scenario], base_port: int) -> bytes:
-    """Run every scenario in turn on this rank; each Trainer creates (and destroys) its own process group.
+    """Run every scenario in turn on this rank; each Trainer creates (and destroys) its own process group, all on
+    ``base_port``, where the strategy keeps one store for the process (``distributed/rendezvous.py``).
 
     Returns the results serialised (tensors in a queue would be shared memory the exiting worker takes along).
     """
     strategy_environment(rank, world)
+    os.environ["MASTER_PORT"] = str(base_port)
     out = {}
-    for k, sc in enumerate(scenarios):
-        os.environ["MASTER_PORT"] = str(base_port + k)
+    for sc in scenarios:
         result = run_scenario(sc, world)
         if rank != 0:
             result.pop("state", None)  # the same consolidated weights on every rank

@@ -159,16 +159,17 @@ def fit(model: str, ckpt_dir: str, devices: int, plan: Any = None, resume: str |
 
 
 def strategy_worker(rank: int, world: int, root: str, port: int) -> bytes:
-    """Our runs, one Trainer after the other (each makes and destroys its own process group)."""
+    """Our runs, one Trainer after the other (each makes and destroys its own process group, all on ``port``, where
+    the strategy keeps one store for the process: ``distributed/rendezvous.py``)."""
     strategy_environment(rank, world)
+    os.environ["MASTER_PORT"] = str(port)
     runs = [
         ("llama", "ours", PLAN, None),
         ("llama", "from-plain", OTHER_PLAN, "plain/step=3.ckpt"),
         ("llama", "ours-other-plan", OTHER_PLAN, "ours/step=3.ckpt"),
         ("hf-tied", "tied", PLAN, None),
     ]
-    for k, (model, out, plan, resume) in enumerate(runs):
-        os.environ["MASTER_PORT"] = str(port + k)
+    for model, out, plan, resume in runs:
         fit(model, f"{root}/{out}", world, plan, f"{root}/{resume}" if resume else None)
     return b""
 
