@@ -66,6 +66,7 @@ from lightning_paradyse.runtime.plain_view import Parts, Shadows
 from lightning_paradyse.runtime.slicing import (
     IGNORE_INDEX,
     PAD_MASK_KEYS,
+    TOKEN_KEYS,
     BatchInfo,
     BatchSource,
     check_padding_targets,
@@ -620,13 +621,19 @@ def _install_call_refusals(owners: list[nn.Module], state: StepState) -> None:
 
 
 def _unsliced_input_hook(state: StepState, mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Refuse a call of the model on a ``[batch, seq]`` tensor of the batch that the strategy did not slice: one of
-    another length or other rows than the batch's tokens (a second loader's batch, a second task's sequences). Each
-    rank would run the whole of it as if it were its slice, a model no process trains (silently so where its length
-    happens to be a slice's). Alike on every rank: the same batch and code, tested by identity, with no read."""
+    """Refuse a call of the model on a ``[batch, seq]`` tensor of the batch that the strategy did not slice, given as
+    its tokens (the first argument where the forward names it as tokens, :data:`TOKEN_KEYS`, or one of those by
+    keyword): one of another length or other rows than the batch's tokens (a second loader's batch, a second task's
+    sequences). Each rank would run the whole of it as if it were its slice, a model no process trains (silently so
+    where its length happens to be a slice's). Another first argument (a per-row condition a forward takes before
+    its tokens) is left alone. Alike on every rank: the same batch and code, tested by identity, with no read."""
     if state.ctx is None or not state.sources:
         return
-    given = args[0] if args else kwargs.get("input_ids")
+    if args:
+        names = _positional_names(mod.forward)
+        given = args[0] if names and names[0] in TOKEN_KEYS else None
+    else:
+        given = next((kwargs[k] for k in TOKEN_KEYS if k in kwargs), None)
     if not isinstance(given, torch.Tensor) or given.dim() < 2 or any(given is s.local for s in state.sources):
         return
     if _in_batch(given, state):
