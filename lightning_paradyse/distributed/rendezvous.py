@@ -45,6 +45,12 @@ def call_store(address: str, port: int, rank: int, world: int, timeout: timedelt
     return dist.PrefixStore(f"paradyse/call-{next(calls)}", store)
 
 
-atexit.register(_STORES.clear)  # the stores closed while Python still runs, not during its finalisation
+def close_stores() -> None:
+    """Close this process's stores (rank 0 stops serving its own): the next call on a port makes a new one there and
+    counts its calls from 1. Every rank of a job must close together, between calls."""
+    _STORES.clear()
 
-__all__ = ["call_store", "needs_own_store"]
+
+atexit.register(close_stores)  # the stores closed while Python still runs, not during its finalisation
+
+__all__ = ["call_store", "close_stores", "needs_own_store"]

@@ -25,7 +25,22 @@ from torch import Tensor
 
 from lightning_paradyse.distributed.devices import to_device
 from lightning_paradyse.modes.specs import document_bounds
-from lightning_paradyse.runtime.slicing import IGNORE_INDEX, TOKEN_1D_KEYS, BatchInfo, shifted_labels
+from lightning_paradyse.runtime.slicing import (
+    IGNORE_INDEX,
+    PAD_MASK_KEYS,
+    TARGET_KEYS,
+    TOKEN_1D_KEYS,
+    TOKEN_KEYS,
+    BatchInfo,
+    shifted_labels,
+)
+
+ALIGNED_KEYS = (*PAD_MASK_KEYS, *TARGET_KEYS, *TOKEN_1D_KEYS, "shift_labels", "token_type_ids")
+"""Keys of a dict batch's ``[b, s]`` tensors padded where the tokens are (their padding holds nothing a loss reads:
+the targets' is -100, checked), beside the tokens' own key (the first of
+:data:`~lightning_paradyse.runtime.slicing.TOKEN_KEYS` the batch holds): a group may cut its rows' padding off them.
+Any other tensor of ``b`` rows (a second sequence padded otherwise, per-token loss weights, a per-row value) keeps
+every row's columns."""
 
 
 @dataclass(frozen=True)
@@ -42,15 +57,21 @@ class Units:
     s: int
 
     @classmethod
-    def of(cls, info: BatchInfo) -> Units | None:
+    def of(cls, info: BatchInfo, batch: Any = None) -> Units | None:
         """The batch's units, or ``None`` when it holds a single document (nothing to share out). A single row is one
-        unit: the groups may run it on fewer ranks than all, leaving the others idle (:meth:`cut`)."""
+        unit: the groups may run it on fewer ranks than all, leaving the others idle (:meth:`cut`).
+
+        A padded row's unit is its real tokens, unless ``batch`` (a dict) holds a tensor of ``b`` rows other than
+        those :data:`ALIGNED_KEYS` name: then every row keeps its ``s`` columns, padding included (computed exactly,
+        as a step on one group computes it). Until 2026-12-01 such a tensor was cut to the tokens' longest real row
+        in the group: the real tokens of a second sequence padded otherwise (a preference pair's rejected answer)
+        were dropped, silently (``tests/exact`` case ``pairs-padded-apart``)."""
         if info.doc_ids is not None:
             spans = tuple(document_bounds(info.doc_ids, info.seq_len))
             if len(spans) < 2:
                 return None
             return cls(True, tuple(b - a for a, b in spans), spans, 1, info.seq_len)
-        if info.padding is None:
+        if info.padding is None or _holds_unaligned(batch, info.batch):
             lengths = (info.seq_len,) * info.batch
         else:
             real = (~info.padding).sum(dim=1).tolist()  # right padding: the real tokens come first
@@ -114,6 +135,18 @@ class Units:
             k: (cut[k].contiguous(), int((shifted[k] != IGNORE_INDEX).sum()), int((whole[k] != IGNORE_INDEX).sum()))
             for k in shifted
         }
+
+
+def _holds_unaligned(batch: Any, b: int) -> bool:
+    """Whether a dict ``batch`` holds a tensor of ``b`` rows (and a dimension beyond them) other than its tokens that
+    no key of :data:`ALIGNED_KEYS` names."""
+    if not isinstance(batch, Mapping):
+        return False
+    tokens = next((k for k in TOKEN_KEYS if isinstance(batch.get(k), Tensor)), None)
+    return any(
+        isinstance(v, Tensor) and v.dim() >= 2 and v.shape[0] == b and k != tokens and k not in ALIGNED_KEYS
+        for k, v in batch.items()
+    )
 
 
 def _cut(batch: Any, b: int, s: int, tokens: Any, rows: Tensor | None) -> Any:

@@ -249,7 +249,7 @@ class StepCycle:
         info = self.inspect(host)  # described on the host (its tensors there)
         checked = check_wanted is not None and info.doc_ids is None and check_wanted(info)
         grouped = self.runner.ready and stage == "train" and not checked
-        units = Units.of(info) if grouped else None
+        units = Units.of(info, host) if grouped else None
         self.runner.times = ()
         deciding = time.perf_counter()
         if units is not None:

@@ -626,7 +626,10 @@ def _unsliced_input_hook(state: StepState, mod: nn.Module, args: tuple[Any, ...]
     keyword): one of another length or other rows than the batch's tokens (a second loader's batch, a second task's
     sequences). Each rank would run the whole of it as if it were its slice, a model no process trains (silently so
     where its length happens to be a slice's). Another first argument (a per-row condition a forward takes before
-    its tokens) is left alone. Alike on every rank: the same batch and code, tested by identity, with no read."""
+    its tokens) is left alone. Alike on every rank: the same batch and code, tested by identity, with no read; on
+    steps on groups too, whose rows keep every column where the batch holds such a tensor
+    (:meth:`~lightning_paradyse.groups.units.Units.of`), so that no group slices it where another does not (but for
+    a packed batch's groups, or an idle group's placeholder, whose length it would have to match)."""
     if state.ctx is None or not state.sources:
         return
     if args:
@@ -638,10 +641,11 @@ def _unsliced_input_hook(state: StepState, mod: nn.Module, args: tuple[Any, ...]
         return
     if _in_batch(given, state):
         raise ValueError(
-            f"the model was called on a tensor of the batch of shape {tuple(given.shape)} that the strategy did not "
-            f"slice: ParaDySeStrategy slices the [batch, seq] tensors of the token tensor's shape only (a dict's "
-            f"input_ids, the first tensor of a tuple or list batch), and one of other rows or another length reaches "
-            f"every rank whole, where each rank would run it as its slice of the sequence. A batch holding sequences "
+            f"the model was called with a tensor of the batch of shape {tuple(given.shape)} as its tokens that the "
+            f"strategy did not slice: ParaDySeStrategy slices along the sequence only the [batch, seq] tensors of the "
+            f"token tensor's shape (the batch's first of {TOKEN_KEYS} in a dict, its first tensor in a tuple or list, "
+            f"the batch itself), and would run one of other rows or another length on every rank as if it were that "
+            f"rank's slice. A batch holding sequences "
             f"of two lengths (several loaders' batches, as Lightning's CombinedLoader yields them; two tasks) is not "
             f"supported: train on one loader (join datasets with torch.utils.data.ConcatDataset), or pad the sequences "
             f"to one length in the collator and stack them as rows of one batch"

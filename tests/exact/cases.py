@@ -1628,6 +1628,45 @@ def _combined_tensors(second: tuple[int, ...]) -> Callable[[], CombinedLoader]:
     )
 
 
+def pairs_padded_apart(window: Tensor) -> dict[str, Tensor]:
+    """A preference pair per row, both answers ``[b, s]`` and right-padded, each its own way: the chosen one about
+    half real (its ``attention_mask``), the rejected one nearly whole; targets -100 at each one's padding; the batch's
+    count of real targets of both (0-dim)."""
+    ids = window[:, :-1].clone()
+    b, s = ids.shape
+    chosen, rejected = torch.ones_like(ids), torch.ones_like(ids)
+    for r in range(b):
+        chosen[r, s // 2 + r :] = 0
+        rejected[r, s - 2 - r :] = 0
+    ids[chosen == 0] = 0
+    other = window[:, 1:].flip(1).clone()
+    other[rejected == 0] = 0
+
+    def targets(tokens: Tensor, real: Tensor) -> Tensor:
+        t = tokens.roll(-1, 1)  # [b, s]: the next token, shifted in the data
+        t[:, :-1][real[:, 1:] == 0] = -100  # the last real token predicts nothing
+        t[real == 0], t[:, -1] = -100, -100
+        return t
+
+    t, rt = targets(ids, chosen), targets(other, rejected)
+    count = (t != -100).sum() + (rt != -100).sum()
+    return dict(input_ids=ids, attention_mask=chosen, targets=t, rejected_ids=other, rejected_targets=rt, count=count)
+
+
+class PairsLM(TinyLM):
+    """Both answers of a preference pair through the model, their token losses summed over the batch's count: a
+    second sequence of the tokens' shape, padded otherwise. On steps on groups each group's rows were cut to the
+    chosen answers' longest real row, dropping the rejected ones' tail, silently (until 2026-12-01)."""
+
+    @override
+    def loss(self, batch: dict[str, Tensor]) -> Tensor:
+        chosen = self.model(batch["input_ids"])  # [b, s, vocab]
+        rejected = self.model(batch["rejected_ids"])  # [b, s, vocab]
+        total = F.cross_entropy(chosen.flatten(0, 1), batch["targets"].flatten(), reduction="sum")
+        total = total + F.cross_entropy(rejected.flatten(0, 1), batch["rejected_targets"].flatten(), reduction="sum")
+        return total / batch["count"]
+
+
 def _lm_data() -> tuple[DataLoader[Any], DataLoader[Any]]:
     return loader(shifted_targets), loader(shifted_targets, (35, 52))
 
@@ -1800,6 +1839,15 @@ def cases_p2() -> dict[str, Case]:
                 refused="that the strategy did not slice",
             ),
             "combined-loader-tensors-one-length": Case(CombinedTensorsLM, _combined_tensors((48, 48, 48, 48))),
+            "pairs-padded-apart": Case(  # a preference pair's two answers padded apart, on groups
+                PairsLM,
+                lambda: loader(pairs_padded_apart, rows=3),
+                strategy=dict(loss_reduction="sum"),
+                splits=SPLITS_2,
+            ),
+            "pairs-padded-apart-auto": Case(
+                PairsLM, lambda: loader(pairs_padded_apart, rows=3), strategy=dict(loss_reduction="sum")
+            ),
             "generate-in-step": Case(
                 GeneratingLM, lambda: (loader(hf_labels), loader(hf_labels, (35,))), trainer=val, refused="generate()"
             ),

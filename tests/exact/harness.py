@@ -4,7 +4,8 @@ A *case* (:class:`Case`) names a module, its data and the Trainer settings a use
 twice, in float64 (``precision="64-true"``, rounding ~1e-15):
 
 * under ``ParaDySeStrategy`` on ``p`` ranks, inside one spawned gloo job that runs many cases one after the
-  other (each Trainer makes and destroys its own process group, on a port of its own);
+  other (each Trainer call makes and destroys its own process group, all on one port, where the strategy keeps one
+  rendezvous store for the process; a case that raised on any rank sends the next case to a fresh port);
 * in one plain Lightning process (``devices=1``, no strategy), in the test's own process.
 
 A case may instead be *launched* (:func:`run_launched`): ``Trainer(devices=p)`` in the test's own process, whose
@@ -39,6 +40,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_paradyse import ParaDySeStrategy
+from lightning_paradyse.distributed.rendezvous import close_stores
 from lightning_paradyse.distributed.spawn import run_distributed
 from tests.support.dist import free_port
 from tests.support.lightning import quiet_trainer, strategy_environment
@@ -233,7 +235,21 @@ def _worker(rank: int, world: int, make: Callable[[], dict[str, Case]], store_pa
         # imports this module and must keep the strategy's own freeze and thaw
         gc.collect()
         gc.freeze()
+        _meet_anew_after_an_error(store, name, rank, world, result.error is not None)
     return out
+
+
+def _meet_anew_after_an_error(store: dist.Store, name: str, rank: int, world: int, failed: bool) -> None:
+    """After a case that raised on any rank, every rank closes its rendezvous store and the next case meets on a
+    fresh port: a rank that raised may have stopped short of a call the others made (a test, a predict), and the
+    ranks would then pair calls that differ under the store's per-call count (``distributed/rendezvous.py``)."""
+    store.set(f"{name}/failed/{rank}", "1" if failed else "0")
+    if not any(store.get(f"{name}/failed/{r}") == b"1" for r in range(world)):
+        return
+    close_stores()
+    if rank == 0:
+        store.set(f"{name}/next-port", str(free_port()))
+    os.environ["MASTER_PORT"] = store.get(f"{name}/next-port").decode()
 
 
 @contextlib.contextmanager

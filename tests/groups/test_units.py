@@ -40,6 +40,20 @@ def test_rows_of_a_right_padded_batch_are_cut_to_the_groups_longest_row() -> Non
     assert shifts["labels"][2] == int((batch["labels"] != -100).sum())
 
 
+def test_rows_keep_their_padding_where_the_batch_holds_another_tensor_of_its_rows() -> None:
+    """A second sequence padded otherwise (a preference pair's rejected answer), per-token weights or a per-row
+    vector: no key says it is padded where the tokens are, so no row is cut (until 2026-12-01 the rejected answer's
+    real tokens past the group's longest real row were dropped)."""
+    batch = _ragged()
+    for key, extra in (("rejected_ids", batch["input_ids"].flip(1)), ("w", torch.ones(3, 8)), ("x", torch.ones(3, 4))):
+        units = Units.of(describe_batch(batch, 2, 0, causal=True), {**batch, key: extra})
+        assert units is not None and units.lengths == (8, 8, 8)  # "x" names tokens, but the batch's are "input_ids"
+        assert torch.equal(units.cut({**batch, key: extra}, [2, 1])[key], extra[[2, 1]])
+    aligned = {**batch, "position_ids": torch.arange(8).expand(3, 8), "token_type_ids": torch.zeros(3, 8)}
+    units = Units.of(describe_batch(batch, 2, 0, causal=True), aligned)
+    assert units is not None and units.lengths == (8, 5, 2)
+
+
 def test_a_tuple_or_tensor_batchs_labels_are_counted_over_the_whole_batch() -> None:
     batch = _ragged()
     units = Units.of(describe_batch(batch, 2, 0, causal=True))

@@ -67,7 +67,7 @@ from lightning_paradyse.distributed.spawn import run_distributed
 from lightning_paradyse.lightning.language_model import LanguageModel
 from tests.exact.harness import dealt_splits
 from tests.modes.test_dsp import GridLM, grid_batches
-from tests.support.dist import free_ports
+from tests.support.dist import free_port
 from tests.support.lightning import ACCELERATOR, quiet_trainer, strategy_environment
 
 STEPS = 3
@@ -169,10 +169,10 @@ def _worker(rank: int, world: int) -> bytes:
     rank 0 found free (a fixed range may hold another job's port on a shared machine): the strategy keeps one store
     there for the process (``distributed/rendezvous.py``), and no fit waits for a new one."""
     cases = [(p, n) for p in PRECISIONS for n in RUNS]
-    ports: list[Any] = free_ports(1) if rank == 0 else [None]
-    dist.broadcast_object_list(ports, src=0)  # over the harness's group, before it is left
+    port: list[Any] = [free_port() if rank == 0 else None]
+    dist.broadcast_object_list(port, src=0)  # over the harness's group, before it is left
     strategy_environment(rank, world)
-    os.environ["MASTER_PORT"] = str(ports[0])
+    os.environ["MASTER_PORT"] = str(port[0])
     out: dict[str, Any] = {}
     for precision, name in cases:
         model, plan = RUNS[name]

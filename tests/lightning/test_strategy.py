@@ -578,7 +578,8 @@ class GroupsReady(pl.Callback):
 
 
 def fit_then_validate_worker(rank: int, world: int, base_port: int) -> list[tuple[str, bool, bool]]:
-    """A fit on groups, then ``trainer.validate`` with the same Trainer (each its own process group)."""
+    """A fit on groups, then ``trainer.validate`` with the same Trainer (each its own process group, on the one store
+    the strategy keeps for the process)."""
     strategy_environment(rank, world)
     os.environ["MASTER_PORT"] = str(base_port)
     pl.seed_everything(0, verbose=False)
@@ -587,7 +588,6 @@ def fit_then_validate_worker(rank: int, world: int, base_port: int) -> list[tupl
     trainer = quiet_trainer(world, strategy, [seen], max_steps=2, num_sanity_val_steps=0, limit_val_batches=0)
     module = TinyLM()
     trainer.fit(module, train_dataloaders=loader((40, 60)))
-    os.environ["MASTER_PORT"] = str(base_port + 1)
     trainer.limit_val_batches = 1.0
     trainer.validate(module, loader((40,)), verbose=False)
     return seen.seen

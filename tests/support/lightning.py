@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 def strategy_environment(rank: int, world: int) -> None:
     """Leave the harness's process group and describe the job to Lightning, so that the strategy makes its own
-    (set ``MASTER_PORT`` per Trainer: each creates and destroys a group)."""
+    (set ``MASTER_PORT`` once: each Trainer call creates and destroys a group there, meeting on the store the strategy
+    keeps for the process, ``distributed/rendezvous.py``)."""
     dist.destroy_process_group()
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
 
