@@ -141,8 +141,10 @@ class ParaDySeStrategy(ParallelStrategy):
             layer, each a mode name or a mapping such as ``{attention: ring, mlp: metp, recompute: true}``.
         thresholds: ``(short_max, middle_max)``: with ``plan="auto"`` and no ``profile``, use the simple
             length-threshold policy (:class:`~lightning_paradyse.planning.fixed.ThresholdPolicy`) instead of the
-            planner. memory_budget: Per-rank memory budget in bytes or as a string such as ``"4GiB"``, for the planner
-            (default: 90% of the GPU's memory on CUDA, none on CPU).
+            planner (otherwise not used).
+        memory_budget: Per-rank memory budget in bytes or as a string such as ``"4GiB"``, for the planner (default on
+            CUDA: what the GPU leaves to this rank's tensors, less 5% for the allocator's fragmentation,
+            :func:`~lightning_paradyse.distributed.devices.gpu_budget`; none on CPU).
         profile: Path of a cost profile (``python cli.py profile``) or a cluster file. With ``plan="auto"`` the
             exact planner picks, per batch, the fastest plan within ``memory_budget`` on its cost model: the
             profile's calibrated one, or without a profile one whose kernel rates and collectives are measured
