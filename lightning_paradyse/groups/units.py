@@ -30,15 +30,15 @@ from lightning_paradyse.runtime.slicing import (
     PAD_MASK_KEYS,
     TARGET_KEYS,
     TOKEN_1D_KEYS,
-    TOKEN_KEYS,
     BatchInfo,
+    find_tokens,
     shifted_labels,
 )
 
 ALIGNED_KEYS = (*PAD_MASK_KEYS, *TARGET_KEYS, *TOKEN_1D_KEYS, "shift_labels", "token_type_ids")
 """Keys of a dict batch's ``[b, s]`` tensors padded where the tokens are (their padding holds nothing a loss reads:
-the targets' is -100, checked), beside the tokens' own key (the first of
-:data:`~lightning_paradyse.runtime.slicing.TOKEN_KEYS` the batch holds): a group may cut its rows' padding off them.
+the targets' is -100, checked), beside the tokens themselves
+(:func:`~lightning_paradyse.runtime.slicing.find_tokens`): a group may cut its rows' padding off them.
 Any other tensor of ``b`` rows (a second sequence padded otherwise, per-token loss weights, a per-row value) keeps
 every row's columns."""
 
@@ -142,9 +142,9 @@ def _holds_unaligned(batch: Any, b: int) -> bool:
     no key of :data:`ALIGNED_KEYS` names."""
     if not isinstance(batch, Mapping):
         return False
-    tokens = next((k for k in TOKEN_KEYS if isinstance(batch.get(k), Tensor)), None)
+    tokens = find_tokens(batch)
     return any(
-        isinstance(v, Tensor) and v.dim() >= 2 and v.shape[0] == b and k != tokens and k not in ALIGNED_KEYS
+        isinstance(v, Tensor) and v.dim() >= 2 and v.shape[0] == b and v is not tokens and k not in ALIGNED_KEYS
         for k, v in batch.items()
     )
 
