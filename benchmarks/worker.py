@@ -246,9 +246,9 @@ def bench_worker(
     os.environ.setdefault("MASTER_PORT", "29500")  # never used: the group exists before Lightning looks
     quiet()
     device = select_device(rank)
-    extra: dict[str, Any] = {"thresholds": settings.thresholds}
-    if profile is not None:
-        extra.update(profile=profile, on_infeasible="skip")  # a batch no plan fits is skipped and counted
+    extra: dict[str, Any] = {"thresholds": settings.thresholds}  # the stand-in planner without a profile
+    if profile is not None:  # the cost model plans; a batch no plan fits is skipped and counted
+        extra = {"profile": profile, "on_infeasible": "skip"}
     ctx = Context(rank, world, settings, store_dir, device, extra=extra)
     rate = matmul_rate(device)
     if rank == 0:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_paradyse.distributed.devices import resolve_backend
 from lightning_paradyse.planning.fixed import PlanSpec, parse_memory_budget, validate_modes, validate_plan_spec
@@ -88,6 +89,8 @@ class StrategyOptions:
         if axes == 2 and groups:
             raise ValueError("groups=True works on language-model batches ([b, s]); use it with axes=1")
         allowed = validate_modes(modes)
+        if thresholds is not None:
+            _warn_unused_thresholds(plan, profile, axes)
         if axes == 2 and "dsp" not in allowed:
             allowed = (*allowed, "dsp")
         return cls(
@@ -122,6 +125,25 @@ class StrategyOptions:
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _warn_unused_thresholds(plan: PlanSpec, profile: str | None, axes: int) -> None:
+    """``thresholds`` choose the plan only with ``plan="auto"``, no ``profile`` and ``axes=1``: a warning where the
+    run's planner is another and the thresholds given go unused."""
+    reason = (
+        "the plan is fixed"
+        if plan != "auto"
+        else "a profile is given (the cost model plans)"
+        if profile is not None
+        else "axes=2 plans on the grid"
+        if axes == 2
+        else None
+    )
+    if reason is not None:
+        rank_zero_warn(
+            f"ParaDySeStrategy(thresholds=...) is unused: {reason}; thresholds choose the plan only with "
+            "plan='auto', no profile and axes=1 (drop thresholds, or the option that overrides them)"
+        )
 
 
 def _choice(option: str, value: str, choices: Sequence[str]) -> str:

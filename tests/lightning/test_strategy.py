@@ -26,6 +26,7 @@ import io
 import os
 import re
 import types
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -250,7 +251,8 @@ def run_scenario(sc: Scenario, devices: int, parallel: bool = True) -> dict[str,
         callbacks.append(ModelCheckpoint(dirpath=sc.ckpt_dir, filename="{step}", save_top_k=-1, every_n_train_steps=3))
     strategy: Any = "auto"
     if parallel:
-        kwargs = {"plan": sc.plan, "modes": sc.modes, "thresholds": THRESHOLDS, "max_seq_len": sc.max_seq_len}
+        thresholds = THRESHOLDS if sc.plan == "auto" else None  # a fixed plan's run would warn them unused
+        kwargs = {"plan": sc.plan, "modes": sc.modes, "thresholds": thresholds, "max_seq_len": sc.max_seq_len}
         kwargs.update(sc.strategy_kwargs)
         strategy = ParaDySeStrategy(**kwargs, timeout=60, loss_reduction=sc.reduction)
     trainer = quiet_trainer(
@@ -437,6 +439,25 @@ def plain_reference() -> dict[str, Any]:
 def test_options_are_validated(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=re.escape(match)):
         ParaDySeStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reason"),
+    [
+        ({"plan": "tp_sp"}, "the plan is fixed"),
+        ({"profile": "profile.json"}, "a profile is given"),
+        ({"axes": 2}, "axes=2 plans on the grid"),
+    ],
+)
+def test_unused_thresholds_warn(kwargs: dict[str, Any], reason: str, tmp_path: Path) -> None:
+    if "profile" in kwargs:
+        kwargs["profile"] = str(tmp_path / kwargs["profile"])
+        Path(kwargs["profile"]).write_text("{}")
+    with pytest.warns(UserWarning, match=re.escape(f"(thresholds=...) is unused: {reason}")):
+        ParaDySeStrategy(thresholds=(64, 160), **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ParaDySeStrategy(thresholds=(64, 160))  # plan="auto", no profile: they choose the plan
 
 
 def test_options_are_stored_and_registered(tmp_path: Path) -> None:
