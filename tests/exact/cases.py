@@ -588,6 +588,18 @@ class RandomMaskLM(TinyLM):
         return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten())
 
 
+class TransferMaskLM(TinyLM):
+    """:class:`RandomMaskLM`'s masking drawn where its refusal says: in ``on_after_batch_transfer``, on the whole batch,
+    before the strategy slices it (every rank draws what one process draws): exact (probe of 2026-12-01)."""
+
+    @override
+    def on_after_batch_transfer(self, batch: dict[str, Tensor], dataloader_idx: int) -> dict[str, Tensor]:
+        if not self.trainer.training:
+            return batch
+        ids = batch["input_ids"]
+        return dict(batch, input_ids=ids.masked_fill(torch.rand(ids.shape) < 0.15, 0))  # [b, s]
+
+
 class RandomBranchLM(TinyLM):
     """A step that draws a number and branches on it (a task sampled per step: on about half the steps a second call
     of the model), and weighs its loss by a drawn factor: every rank draws what one process draws (until 2026-11-30
@@ -1960,6 +1972,7 @@ def cases_p2() -> dict[str, Case]:
             "random-masking-in-step": Case(
                 RandomMaskLM, lambda: loader(shifted_targets), refused="draws random numbers"
             ),
+            "random-masking-after-transfer": Case(TransferMaskLM, lambda: loader(ragged("targets"), rows=3)),
             "sum-over-rows-on-groups": Case(  # refused by the step check's rows runs, naming the cause
                 RowsDividedLM, lambda: loader(shifted_targets), strategy=dict(loss_reduction="sum"), refused="the rows"
             ),
