@@ -154,7 +154,13 @@ class BenchSettings:
     """Unrecorded warm-up steps at the start of every fit (the trace's first global batch, repeated), the same for
     every run: the one-time step check of the ParaDySe strategy runs on the first, the group planners are made on
     the second, and its replica check runs after each of the first three optimizer steps
-    (``ParaDySeStrategy(check_replicas_every=...)``: then every 50th); DDP's first step rebuilds its buckets."""
+    (``ParaDySeStrategy(check_replicas_every=...)``: then every 50th); DDP's first step rebuilds its buckets. The full
+    preset warms up through the 10th batch, where the step check runs again
+    (:data:`~lightning_paradyse.lightning.step_check.AGAIN_EVERY`: then at the 100th, 1,000th, ...; on one group of
+    every rank, with its extra forward passes): with three, the 10th batch was a timed step of every trace of 7 steps or
+    more, and the adaptive run paid the check there (`mixed` 2026-12-01: its 7th step on one group of both ranks, 639
+    against about 420 ms data parallel); a long fit pays it three times in a thousand steps. The quick preset's fits
+    end before their 10th batch."""
     thresholds: tuple[int, int] = (256, 1024)
     """``ParaDySeStrategy(thresholds=...)`` of the adaptive run (used by its stand-in threshold policy)."""
     profile: str | None = None
@@ -177,7 +183,7 @@ class BenchSettings:
             TraceSettings("corpus", n=10, max_len=2048, seed=3),
             TraceSettings("mixed", n=80, max_len=2048, seed=4, order="shuffled"),
         )
-        return cls(traces=traces, batch_tokens=4096, search=SearchSettings(cap=8192), preset="full")
+        return cls(traces=traces, batch_tokens=4096, search=SearchSettings(cap=8192), warmup=10, preset="full")
 
     @classmethod
     def quick(cls) -> BenchSettings:

@@ -141,7 +141,7 @@ class ParaDySeStrategy(ParallelStrategy):
             layer, each a mode name or a mapping such as ``{attention: ring, mlp: metp, recompute: true}``.
         thresholds: ``(short_max, middle_max)``: with ``plan="auto"`` and no ``profile``, use the simple
             length-threshold policy (:class:`~lightning_paradyse.planning.fixed.ThresholdPolicy`) instead of the
-            planner (otherwise not used).
+            planner (otherwise not used, with a warning naming the option that overrides them).
         memory_budget: Per-rank memory budget in bytes or as a string such as ``"4GiB"``, for the planner (default on
             CUDA: what the GPU leaves to this rank's tensors, less 5% for the allocator's fragmentation,
             :func:`~lightning_paradyse.distributed.devices.gpu_budget`; none on CPU).

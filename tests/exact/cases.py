@@ -30,13 +30,15 @@ from lightning.pytorch.callbacks import (
 )
 from lightning.pytorch.utilities import CombinedLoader, grad_norm
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
 from lightning_paradyse import gather_like_params, shard_like_params
 from lightning_paradyse.data.batching import pack_documents
 from lightning_paradyse.lightning.language_model import LanguageModel
-from lightning_paradyse.models import build_model
+from lightning_paradyse.models import build_model, resolve_config
+from lightning_paradyse.models.llama import Llama, resolve_positions
 from tests.exact.harness import Case
 from tests.support.families import (
     HF_FAMILIES,
@@ -598,6 +600,32 @@ class TransferMaskLM(TinyLM):
             return batch
         ids = batch["input_ids"]
         return dict(batch, input_ids=ids.masked_fill(torch.rand(ids.shape) < 0.15, 0))  # [b, s]
+
+
+class CheckpointedLlama(Llama):
+    """The reference Llama whose own forward calls every block through ``torch.utils.checkpoint``."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__(resolve_config("llama-tiny"))
+        self.reentrant = reentrant
+
+    @override
+    def forward(self, idx: Tensor, positions: Tensor | None = None) -> Tensor:
+        positions = resolve_positions(positions, idx.shape[1], self.config.max_seq_len, idx.device)  # [s]
+        x = self.tok_emb(idx)  # [b, s] -> [b, s, h]
+        for block in self.layers:
+            x = checkpoint(block, x, positions, use_reentrant=self.reentrant)
+        return self.lm_head(self.norm(x))  # [b, s, h] -> [b, s, vocab]
+
+
+class CheckpointedBlocksLM(TinyLM):
+    """A model that recomputes its blocks itself (:class:`CheckpointedLlama`, a recomputation the strategy does not
+    know of: each rewritten block, collectives included, runs again in the backward): exact, reentrant or not (probe
+    of 2026-12-01, in every mode, on groups and on one group)."""
+
+    def __init__(self, reentrant: bool = True) -> None:
+        super().__init__(built=False)
+        self.model = CheckpointedLlama(reentrant)
 
 
 class RandomBranchLM(TinyLM):
@@ -2105,6 +2133,9 @@ def cases_p2() -> dict[str, Case]:
                 strategy=dict(thresholds=(40, 56)),
                 plans=("tp_sp+rc,tp_sp+rc | tp_sp,tp_sp", "ring+rc,metp+rc | ring+rc,metp+rc")
                 * 2,  # lengths 40, 57, ...
+            ),
+            "user-checkpointed-blocks": Case(
+                CheckpointedBlocksLM, lambda: loader(ragged("targets"), rows=3), strategy=dict(plan=MIXED, groups=True)
             ),
             "hf-grad-ckpt-offload": Case(
                 hf("labels-key", checkpointing={"offload": True}), lambda: loader(hf_labels), refused="offload=True"
