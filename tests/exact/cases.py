@@ -621,7 +621,7 @@ class CheckpointedLlama(Llama):
 class CheckpointedBlocksLM(TinyLM):
     """A model that recomputes its blocks itself (:class:`CheckpointedLlama`, a recomputation the strategy does not
     know of: each rewritten block, collectives included, runs again in the backward): exact, reentrant or not (probe
-    of 2026-12-01, in every mode, on groups and on one group)."""
+    of 2026-12-01: on groups, on one group in ``ring``, and a mixed plan with recomputation)."""
 
     def __init__(self, reentrant: bool = True) -> None:
         super().__init__(built=False)
