@@ -39,14 +39,17 @@ from lightning_paradyse.groups.cost import group_cost, group_shape_cost, placeho
 from lightning_paradyse.groups.runner import WARM_BUCKETS, group_sizes
 from lightning_paradyse.models import ModelConfig
 from lightning_paradyse.modes import MODES
-from lightning_paradyse.planning.planner import CostPlanner, group_planning, make_planner
+from lightning_paradyse.planning.planner import CostPlanner, forget_solutions, group_planning, make_planner
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def planners(config: ModelConfig, cluster: str, budget: int) -> Callable[[int], CostPlanner]:
     """Fresh planners, one per group size, made on first use (as :class:`~lightning_paradyse.groups.GroupRunner`
-    makes them)."""
+    makes them), as a process's first fit makes them: no search of an earlier set of planners is kept for them
+    (:func:`~lightning_paradyse.planning.planner.forget_solutions`; a later fit of one process finds its first
+    fit's searches done)."""
+    forget_solutions()
     made: dict[int, CostPlanner] = {}
 
     def planner_for(g: int) -> CostPlanner:

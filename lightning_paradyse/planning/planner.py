@@ -33,6 +33,7 @@ from __future__ import annotations
 import bisect
 import logging
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -171,6 +172,11 @@ class CostPlanner:
         self._least: dict[tuple[int, int], int | None] = {}
         self._frontiers: dict[tuple[int, int], int] = {}
         """Per length and fine row bucket, the most rows that fit in it (:meth:`_frontier`)."""
+        self._solved = _solutions(
+            (repr(model), self.budget, self.modes, self.recompute, self.allowed, self.prefer_tp_sp)
+        )
+        """Every shape this process searched for a planner of the same cost model, budget and options
+        (:func:`_solutions`): what :meth:`_solve` found there, searched once."""
 
     def bucket(self, seq_len: int) -> int:
         """The upper end of ``seq_len``'s bucket: the next power of two up to ``bucket_tokens`` (a short batch is not
@@ -331,6 +337,14 @@ class CostPlanner:
         return self.step(seq_len, batch).plan
 
     def _solve(self, seq_len: int, batch: int) -> PlannedStep | None:
+        """The fastest plan of exactly ``batch`` rows of ``seq_len`` tokens within the budget (``None``: none fits),
+        searched once per process for planners alike (:attr:`_solved`)."""
+        key = (seq_len, batch)
+        if key not in self._solved:
+            self._solved[key] = self._search_plan(seq_len, batch)
+        return self._solved[key]
+
+    def _search_plan(self, seq_len: int, batch: int) -> PlannedStep | None:
         problem = self.problem(seq_len, batch)
         simple = self._simple(problem, seq_len, batch) if self.prefer_tp_sp > 0 else None
         if simple is not None and self.prefer_tp_sp == math.inf:  # taken whenever it fits: nothing to search
@@ -389,6 +403,33 @@ class CostPlanner:
 
 FINE = 8
 """Fine row buckets per coarse one (:meth:`CostPlanner.fine_rows`)."""
+
+
+SOLVED_CONFIGS = 16
+"""Planner configurations whose searches a process keeps (:func:`_solutions`), the least recently made dropped."""
+
+_SOLVED: OrderedDict[tuple[Any, ...], dict[tuple[int, int], PlannedStep | None]] = OrderedDict()
+
+
+def _solutions(config: tuple[Any, ...]) -> dict[tuple[int, int], PlannedStep | None]:
+    """The shapes searched so far in this process for a planner of ``config`` (the cost model's ``repr``, which
+    names every field of it, the budget, the modes, the recompute flags, the allowed modes per op and
+    ``prefer_tp_sp``: everything a search reads) and what each search found.
+
+    A search is a pure function of these, so a planner made again for the same model and machine (every fit,
+    validation or test call sets one up, and warms it: :meth:`CostPlanner.warm`) finds its plans here rather than
+    searching them again; a different budget or profile is another configuration. Per process: ranks still plan
+    alike, each computing what the others compute."""
+    found = _SOLVED.pop(config, None)
+    _SOLVED[config] = {} if found is None else found  # the most recently made last
+    while len(_SOLVED) > SOLVED_CONFIGS:
+        _SOLVED.popitem(last=False)
+    return _SOLVED[config]
+
+
+def forget_solutions() -> None:
+    """Drop every kept search (:func:`_solutions`): the next planner searches every shape itself."""
+    _SOLVED.clear()
 
 
 def _source_model(dims: ModelDims, p: int, source: Any, **model_kwargs: Any) -> CostModel:

@@ -33,6 +33,7 @@ from lightning_paradyse.planning.planner import (
     CostPlanner,
     PlanInfeasible,
     PlanSkipped,
+    forget_solutions,
     group_calibration,
     group_planning,
     make_planner,
@@ -132,14 +133,54 @@ def test_infeasible_budget_names_length_budget_and_minimum() -> None:
 
 
 def test_plans_are_deterministic_and_cached_by_bucket() -> None:
-    a, b = _tiny_planner(40 * 2**20), _tiny_planner(40 * 2**20)
+    forget_solutions()
+    a = _tiny_planner(40 * 2**20)
     lengths = [700, 1024, 1025, 3000, 513, 2048, 700]
-    assert [a.plan(s, 1) for s in lengths] == [b.plan(s, 1) for s in lengths]
+    first = [a.plan(s, 1) for s in lengths]
+    forget_solutions()  # b searches every shape itself (as another process would)
+    b = _tiny_planner(40 * 2**20)
+    assert first == [b.plan(s, 1) for s in lengths]
     assert sorted(a._cache) == [(1024, 1), (1536, 1), (2048, 1), (3072, 1)]
     step = a.step(700, 1)
     assert step.seq_len == 1024 and a.step(513, 1) is step  # one search per bucket, for its upper end
     assert a.step(1025, 1).seq_len == 1536
     assert isinstance(a.plan(700, 1), Plan) and len(a.plan(700, 1)) == 3
+
+
+def test_a_planner_made_again_alike_finds_its_searches_done(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every fit, validation and test call makes and warms its planners: one made for the same cost model, budget
+    and options as an earlier one in the process takes what that one's searches found (the same plans, searched
+    once); another budget, another profile or other modes search anew."""
+    import lightning_paradyse.planning.planner as planner_module
+
+    forget_solutions()
+    searched: list[tuple[int, int]] = []
+    real = CostPlanner._search_plan
+
+    def counted(self: CostPlanner, seq_len: int, batch: int) -> object:
+        searched.append((seq_len, batch))
+        return real(self, seq_len, batch)
+
+    monkeypatch.setattr(CostPlanner, "_search_plan", counted)
+    budget = _tiny_planner(2**30).step(100, 40).peak_bytes
+    first = _tiny_planner(budget)
+    shapes = [(s, b) for s in (7, 100, 129, 700) for b in (1, 3, 40, 65)]
+    plans = [first.try_step(s, b) for s, b in shapes]
+    assert searched and first.warm(4096) > 0
+    done = len(searched)
+    again = _tiny_planner(budget)
+    assert [again.try_step(s, b) for s, b in shapes] == plans and again.warm(4096) > 0
+    assert len(searched) == done  # nothing searched again: every answer, feasible or not, kept
+    other = _tiny_planner(budget + 1)
+    other.try_step(100, 40)
+    assert len(searched) == done + 1  # another budget: another configuration
+    modes = _tiny_planner(budget, modes=("tp_sp", "ulysses"))
+    modes.try_step(100, 40)
+    assert len(searched) == done + 2
+    for n in range(planner_module.SOLVED_CONFIGS + 1):  # the least recently made configuration is dropped
+        _tiny_planner(budget + 2 + n)
+    _tiny_planner(budget).try_step(100, 40)
+    assert len(searched) == done + 3
 
 
 def test_batches_are_planned_per_power_of_two_bucket() -> None:
