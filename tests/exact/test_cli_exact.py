@@ -27,7 +27,37 @@ STEPS = 6
 pytestmark = pytest.mark.dist
 
 
-def _fit(tmp: Path, *extra: str) -> dict[str, Any]:
+def _environment() -> dict[str, str]:
+    """The CLI's environment: no distributed variables of the test's process, the repository importable, and one
+    thread a process, as the suite's own (tests/conftest.py) and as Lightning gives each rank here: the plain run
+    otherwise takes every core. Twice in CI the reference moved (p = 2 and 3 differed from it alike, by 7e-9 in
+    layer 0's q and k); a threaded BLAS that sums in another order is one suspect, not reproduced."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK")}
+    return env | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def _run_at_once(commands: dict[int, list[str]], folder: Path) -> dict[int, str]:
+    """Every command started at once (each ``python cli.py`` spends seconds importing, and a launched run waits for
+    its ranks' imports: run one after the other, the 2 cores idled through half of it), then waited for; the output
+    of each (into a file: no run waits on a reader). Raises with a run's output if it failed."""
+    procs = {}
+    for key, cmd in commands.items():
+        with (folder / f"{key}.log").open("w") as log:
+            procs[key] = subprocess.Popen(cmd, cwd=ROOT, env=_environment(), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        for proc in procs.values():
+            proc.wait(timeout=400)
+    finally:
+        for proc in procs.values():  # a run that timed out is not left running
+            if proc.poll() is None:
+                proc.kill()
+    outputs = {key: (folder / f"{key}.log").read_text() for key in commands}
+    for key, proc in procs.items():
+        assert proc.returncode == 0, f"{key}: {outputs[key][-4000:]}"
+    return outputs
+
+
+def _fit_command(tmp: Path, *extra: str) -> list[str]:
     cmd = [sys.executable, str(ROOT / "cli.py"), "fit", "--config", str(ROOT / "configs/cpu_2proc.yaml")]
     cmd += ["--trainer.precision=64-true", f"--trainer.max_steps={STEPS}", "--trainer.limit_val_batches=1"]
     cmd += [
@@ -36,26 +66,23 @@ def _fit(tmp: Path, *extra: str) -> dict[str, Any]:
         "--trainer.enable_checkpointing=true",
     ]
     cmd += ["--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint", f"--trainer.callbacks.dirpath={tmp}"]
-    cmd += [f"--trainer.callbacks.every_n_train_steps={STEPS}", "--trainer.enable_progress_bar=false", *extra]
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK")}
-    env["PYTHONPATH"] = str(ROOT)
-    # one thread a process, as the suite's own (tests/conftest.py) and as Lightning gives each rank here: the plain
-    # run otherwise takes every core. Twice in CI the reference moved (p = 2 and 3 differed from it alike, by 7e-9 in
-    # layer 0's q and k); a threaded BLAS that sums in another order is one suspect, not reproduced
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output[-4000:]
-    return {"ckpt": torch.load(next(tmp.glob("*.ckpt")), weights_only=False), "output": output}
+    return [*cmd, f"--trainer.callbacks.every_n_train_steps={STEPS}", "--trainer.enable_progress_bar=false", *extra]
+
+
+def _checkpoint(tmp: Path) -> dict[str, Any]:
+    return torch.load(next(tmp.glob("*.ckpt")), weights_only=False)  # type: ignore[no-any-return]
 
 
 def test_main_job_trains_the_same_model_on_1_2_and_3_processes(tmp_path: Path) -> None:
-    plain = _fit(tmp_path / "p1", "--trainer.strategy=auto", "--trainer.devices=1")["ckpt"]
     budget = "--trainer.strategy.init_args.memory_budget=20MiB"
-    runs = {
-        2: _fit(tmp_path / "p2", "--trainer.devices=2", budget),
-        3: _fit(tmp_path / "p3", "--trainer.devices=3", budget, "--trainer.strategy.init_args.profile=null"),
+    commands = {
+        1: _fit_command(tmp_path / "p1", "--trainer.strategy=auto", "--trainer.devices=1"),
+        2: _fit_command(tmp_path / "p2", "--trainer.devices=2", budget),
+        3: _fit_command(tmp_path / "p3", "--trainer.devices=3", budget, "--trainer.strategy.init_args.profile=null"),
     }
+    outputs = _run_at_once(commands, tmp_path)
+    plain = _checkpoint(tmp_path / "p1")
+    runs = {p: {"ckpt": _checkpoint(tmp_path / f"p{p}"), "output": outputs[p]} for p in (2, 3)}
     lines = [line for line in runs[2]["output"].splitlines() if "[paradyse] train length" in line]
     assert lines and all(line.startswith("[paradyse]") for line in lines), "each plan change on a line of its own"
     assert "final loss" in runs[2]["output"], runs[2]["output"][-4000:]
@@ -84,16 +111,16 @@ def _differences(p: int, run: dict[str, Any], plain: dict[str, Any], folder: Pat
 def test_predict_writes_one_process_document_scores_on_2_processes(tmp_path: Path) -> None:
     """``python cli.py predict`` with the main job's config: the strategy on 2 processes writes the lines one plain
     process writes (every document, its token count, and its log-likelihood within 1e-9 in float64), once."""
-    runs = {}
+    commands = {}
     for p, extra in ((1, ["--trainer.strategy=auto"]), (2, [])):
         cmd = [sys.executable, str(ROOT / "cli.py"), "predict", "--config", str(ROOT / "configs/cpu_2proc.yaml")]
         cmd += ["--trainer.precision=64-true", "--trainer.limit_predict_batches=3", f"--trainer.devices={p}"]
         cmd += [f"--trainer.default_root_dir={tmp_path / f'p{p}'}", "--trainer.enable_progress_bar=false", *extra]
-        env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK")}
-        env |= {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-        assert "BasePredictionWriter writes them once per rank" not in proc.stderr  # the writer writes one copy
+        commands[p] = cmd
+    outputs = _run_at_once(commands, tmp_path)
+    runs = {}
+    for p, output in outputs.items():
+        assert "BasePredictionWriter writes them once per rank" not in output  # the writer writes one copy
         folder = tmp_path / f"p{p}" / "predictions"
         assert [f.name for f in folder.iterdir()] == ["predictions.jsonl"]
         runs[p] = [json.loads(line) for line in (folder / "predictions.jsonl").read_text().splitlines()]
