@@ -22,7 +22,9 @@ without a search.
 
 **Determinism.** The inputs (model dimensions, profile or cluster, budget, length, batch) are the same
 on every rank and the search breaks ties deterministically, so every rank computes the same plan
-without communicating. **Infeasibility** is detected in that computation, i.e. on every rank before
+without communicating; a process keeps what its searches found for planners alike (the same cost model, budget and
+options: every fit, validation and test call makes its planners anew), so each shape is searched once per process.
+**Infeasibility** is detected in that computation, i.e. on every rank before
 any collective of the step: :class:`PlanInfeasible` names the length, the budget and the least memory
 any plan needs; with ``on_infeasible="skip"`` it is :class:`PlanSkipped` instead (a subclass, counted in
 ``skipped``, logged as a warning) so that the caller can skip the batch.
