@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import pytest
 import torch
 
 from tests.exact.harness import TOL, rel
+from tests.support.processes import run_at_once
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 6
@@ -39,22 +39,11 @@ def _environment() -> dict[str, str]:
 def _run_at_once(commands: dict[int, list[str]], folder: Path) -> dict[int, str]:
     """Every command started at once (each ``python cli.py`` spends seconds importing, and a launched run waits for
     its ranks' imports: run one after the other, the 2 cores idled through half of it), then waited for; the output
-    of each (into a file: no run waits on a reader). Raises with a run's output if it failed."""
-    procs = {}
-    for key, cmd in commands.items():
-        with (folder / f"{key}.log").open("w") as log:
-            procs[key] = subprocess.Popen(cmd, cwd=ROOT, env=_environment(), stdout=log, stderr=subprocess.STDOUT)
-    try:
-        for proc in procs.values():
-            proc.wait(timeout=400)
-    finally:
-        for proc in procs.values():  # a run that timed out is not left running
-            if proc.poll() is None:
-                proc.kill()
-    outputs = {key: (folder / f"{key}.log").read_text() for key in commands}
-    for key, proc in procs.items():
-        assert proc.returncode == 0, f"{key}: {outputs[key][-4000:]}"
-    return outputs
+    of each. Raises with a run's output if it failed."""
+    done = run_at_once(commands, folder, ROOT, 400, _environment())
+    for key, (code, output) in done.items():
+        assert code == 0, f"{key}: {output[-4000:]}"
+    return {key: output for key, (_, output) in done.items()}
 
 
 def _fit_command(tmp: Path, *extra: str) -> list[str]:

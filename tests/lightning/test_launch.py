@@ -25,6 +25,7 @@ from lightning_paradyse import ParaDySeStrategy
 from lightning_paradyse.lightning.launch import refuse_parameter_hooks, stop_workers
 from lightning_paradyse.models import build_model
 from tests.support.lightning import quiet_trainer
+from tests.support.processes import run_at_once
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,25 +53,13 @@ def test_a_stalled_rank_does_not_outlive_the_run(tmp_path: Path) -> None:
     sleeping rank would wait for torch's SIGKILL, 30 s on, which this test would only wait out). The collective
     timeout leaves ``popen``'s workers time to start (it also bounds the rendezvous).
     """
-    runs, logs = {}, {}
+    commands = {}
     for start_method, timeout in (("spawn", 5), ("popen", 15)):
         args = ["--start-method", start_method, "--stall-rank", "1", "--timeout", str(timeout), "--grace", "20"]
         args += ["--sigterm-ends-stall"] if start_method == "spawn" else []
-        logs[start_method] = tmp_path / f"{start_method}.log"  # a file, not a pipe: neither run waits on a reader
-        with logs[start_method].open("w") as log:
-            runs[start_method] = subprocess.Popen(
-                [sys.executable, "benchmarks/stall_check.py", *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
-            )
-    try:
-        for proc in runs.values():
-            proc.wait(timeout=200)
-    finally:
-        for proc in runs.values():  # a check that timed out is not left running
-            if proc.poll() is None:
-                proc.kill()
-    for method, proc in runs.items():
-        output = logs[method].read_text()
-        assert proc.returncode == 0, f"{method}: {output[-8000:]}"
+        commands[start_method] = [sys.executable, "benchmarks/stall_check.py", *args]
+    for method, (code, output) in run_at_once(commands, tmp_path, ROOT, 200).items():
+        assert code == 0, f"{method}: {output[-8000:]}"
         assert "processes of the run left 20 s after the fit: 0" in output, f"{method}: {output[-8000:]}"
 
 
