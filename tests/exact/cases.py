@@ -2504,6 +2504,16 @@ def group_cases(p: int) -> dict[str, Case]:
     return cases
 
 
+def cases_p2_part(part: int, parts: int) -> dict[str, Case]:
+    """Every ``parts``-th case of :func:`cases_p2` from its ``part``-th, the cases that are another's second run (named
+    ``<case>-again``) with their first, which must run in the same job (it reads the machine the first measured): the
+    2-rank cases cut into jobs that run side by side (:class:`~tests.exact.harness.Jobs`)."""
+    every = cases_p2()
+    firsts = list(dict.fromkeys(name.removesuffix("-again") for name in every))
+    mine = set(firsts[part::parts])
+    return {name: case for name, case in every.items() if name.removesuffix("-again") in mine}
+
+
 def cases_p4() -> dict[str, Case]:
     """Groups of different sizes on 4 ranks; a mixture of experts with fewer experts than ranks; LoRA adapters on groups
     and in ``tp_sp`` with fewer key/value heads than ranks (their ``B`` rows gathered and picked per head)."""

@@ -1,7 +1,8 @@
 """Every user path, under ParaDySeStrategy on 2 and 3 processes, against plain Lightning in float64.
 
-Each case of :mod:`tests.exact.cases` is trained under the strategy (one spawned job per process count runs them
-all) and in one plain Lightning process; per-step losses, validation and test losses, every weight of the final
+Each case of :mod:`tests.exact.cases` is trained under the strategy (spawned jobs run them, the 2-rank cases in
+:data:`P2_PARTS` jobs, every job the tests collected started together: :class:`~tests.exact.harness.Jobs`) and in
+one plain Lightning process; per-step losses, validation and test losses, every weight of the final
 checkpoint and every optimizer state tensor must agree to 1e-9 relative, or the case must be refused with its
 named error on every rank. The cases of :func:`~tests.exact.cases.cases_launched` are launched by the strategy
 itself from the test's process (its default start method, spawn), each in a fresh pair of workers.
@@ -9,12 +10,14 @@ itself from the test's process (its default start method, spawn), each in a fres
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from tests.exact.cases import cases_launched, cases_p2, cases_p3, cases_p4, cases_shared_device
-from tests.exact.harness import Case, Result, differences, run_launched, run_parallel, run_plain
+from tests.exact.cases import cases_launched, cases_p2, cases_p2_part, cases_p3, cases_p4, cases_shared_device
+from tests.exact.harness import Case, Jobs, Result, differences, run_launched, run_plain
 
 pytestmark = pytest.mark.dist
 
@@ -46,19 +49,52 @@ def _check(name: str, case: Case, ours: Result) -> list[str]:
     return [f"{name}: {line}" for line in differences(ours, plain)]
 
 
-@pytest.fixture(scope="module")
-def results_p2() -> dict[str, Any]:
-    return run_parallel(cases_p2, 2, timeout=900)
+P2_PARTS = 2
+"""The jobs the 2-rank cases are cut into (:func:`~tests.exact.cases.cases_p2_part`)."""
+
+JOBS = {
+    **{f"p2-{k}": (functools.partial(cases_p2_part, k, P2_PARTS), 2) for k in range(P2_PARTS)},
+    "p3": (cases_p3, 3),
+    "p4": (cases_p4, 4),
+}
+"""Every spawned job of this module: its cases and its ranks."""
+
+RESULTS = {"results_p2": [f"p2-{k}" for k in range(P2_PARTS)], "results_p3": ["p3"], "results_p4": ["p4"]}
+"""Each results fixture's jobs."""
 
 
 @pytest.fixture(scope="module")
-def results_p3() -> dict[str, Any]:
-    return run_parallel(cases_p3, 3, timeout=600)
+def jobs(request: pytest.FixtureRequest) -> Iterator[Jobs]:
+    """The jobs of every results fixture a collected test asks for (by name or as a parameter), started together on
+    first use; a job asked for later starts then."""
+    running = Jobs(JOBS, timeout=900)
+    asked: set[str] = set()
+    for item in request.session.items:
+        if getattr(item, "module", None) is not request.module:
+            continue
+        params = getattr(item, "callspec", None)
+        asked |= set(getattr(item, "fixturenames", ()))
+        asked |= {value for value in (params.params.values() if params else ()) if isinstance(value, str)}
+    running.start(job for fixture, names in RESULTS.items() if fixture in asked for job in names)
+    try:
+        yield running
+    finally:
+        running.close()
 
 
 @pytest.fixture(scope="module")
-def results_p4() -> dict[str, Any]:
-    return run_parallel(cases_p4, 4, timeout=900)
+def results_p2(jobs: Jobs) -> dict[str, Any]:
+    return {name: result for job in RESULTS["results_p2"] for name, result in jobs.result(job).items()}
+
+
+@pytest.fixture(scope="module")
+def results_p3(jobs: Jobs) -> dict[str, Any]:
+    return jobs.result("p3")
+
+
+@pytest.fixture(scope="module")
+def results_p4(jobs: Jobs) -> dict[str, Any]:
+    return jobs.result("p4")
 
 
 @pytest.mark.parametrize("name", list(cases_p2()))
