@@ -339,10 +339,9 @@ class Jobs:
     One job of 2 ranks leaves about a quarter of 2 cores idle (its ranks wait for each other in the collectives and
     the rendezvous, rank 0 alone writes the checkpoints); jobs started together fill those gaps: the 2-rank cases in
     two jobs with the 3- and 4-rank ones beside them: ``tests/exact/test_exact.py`` 271-277 s before, 234-273 s after
-    (2 cores, three runs and two). Each job keeps
-    its measured machines in a folder of its own, a copy of the session's at its start (``plan="auto"`` measures on
-    first use; a job that read another's measurement, written while it ran, could plan a case's second run unlike its
-    first)."""
+    (2 cores; two runs before, three after). Each job keeps its measured machines in a folder of its own, a copy of
+    the session's at its start (``plan="auto"`` measures on first use; a job that read another's measurement, written
+    while it ran, could plan a case's second run unlike its first)."""
 
     def __init__(self, jobs: dict[str, tuple[Callable[[], dict[str, Case]], int]], timeout: float) -> None:
         self.jobs, self.timeout = jobs, timeout
