@@ -16,7 +16,9 @@ the rewrite does not reach yet are refused by name.
 from __future__ import annotations
 
 import copy
+import functools
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -39,7 +41,7 @@ from lightning_paradyse.runtime.parallel import (
 )
 from lightning_paradyse.runtime.slicing import BatchSource
 from lightning_paradyse.tools.mode_check import TOLERANCES, backward_and_compare, tolerance_failures
-from tests.support.dist import run_distributed
+from tests.support.dist import Together, run_distributed
 from tests.support.families import (
     HF_FAMILIES,
     BertLM,
@@ -161,13 +163,21 @@ HF_CASES = {
 """Families per group size; at 3 the lengths are not divisible by the group (and there are 6 kv heads)."""
 
 
+@pytest.fixture(scope="module")
+def hf_jobs(request: pytest.FixtureRequest) -> Iterator[Together]:
+    """The jobs of :func:`test_hugging_face_families_match_single_process_in_float64`, run side by side."""
+    calls = {p: functools.partial(run_distributed, _hf_worker, p, cases, timeout=400) for p, cases in HF_CASES.items()}
+    with Together.of(request, "test_hugging_face_families_match_single_process_in_float64", calls) as jobs:
+        yield jobs
+
+
 @pytest.mark.parametrize("p", sorted(HF_CASES))
-def test_hugging_face_families_match_single_process_in_float64(p: int) -> None:
+def test_hugging_face_families_match_single_process_in_float64(p: int, hf_jobs: Together) -> None:
     """Loss and every gradient in float64 against one process, every feasible uniform plan and mixed plans.
 
     OLMo 2 and StableLM run code that mixes heads before the attention: their feasible modes exclude the
     head-splitting ones (checked here too)."""
-    results = run_distributed(_hf_worker, p, HF_CASES[p], timeout=400)[0]
+    results = hf_jobs.result(p)[0]
     labels = {label.split("/")[0] for label, _ in results}
     assert labels == set(HF_CASES[p])
     for kind in ("olmo2", "stablelm"):
@@ -219,9 +229,17 @@ whose own attention computes its softmax in float32 (Gemma 2's eager attention; 
 dtype): their gradients carry float32 rounding (~2e-7 here) in every mode alike."""
 
 
+@pytest.fixture(scope="module")
+def family_jobs(request: pytest.FixtureRequest) -> Iterator[Together]:
+    """The jobs of :func:`test_families_match_single_process`, run side by side."""
+    calls = {p: functools.partial(run_distributed, _worker, p, timeout=400) for p in (2, 3, 4)}
+    with Together.of(request, "test_families_match_single_process", calls) as jobs:
+        yield jobs
+
+
 @pytest.mark.parametrize("p", [2, 3, 4])
-def test_families_match_single_process(p: int) -> None:
-    results = run_distributed(_worker, p, timeout=400)[0]
+def test_families_match_single_process(p: int, family_jobs: Together) -> None:
+    results = family_jobs.result(p)[0]
     labels = [label for label, _ in results]
     assert any(label.startswith("hf/") for label in labels) and any(label.startswith("tel/") for label in labels)
     assert any("mixed" in label for label in labels)

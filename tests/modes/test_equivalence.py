@@ -11,10 +11,13 @@ divisible and not divisible by p. One spawn per world size keeps the suite fast.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterator
+
 import pytest
 
 from lightning_paradyse.tools.mode_check import CaseResult, CheckSettings, check_worker, format_report
-from tests.support.dist import run_distributed
+from tests.support.dist import Together, run_distributed
 
 MODELS = ["llama-tiny", "llama-tiny-mqa", "llama-tiny-mha", "gpt-tiny", "bert-tiny"]
 
@@ -49,10 +52,18 @@ def test_single_process_matches_reference() -> None:
     _assert_all_ok(1, settings, _worker(0, 1, settings))
 
 
+@pytest.fixture(scope="module")
+def jobs(request: pytest.FixtureRequest) -> Iterator[Together]:
+    """The jobs of :func:`test_modes_and_mixed_plans_match_reference`, run side by side."""
+    calls = {p: functools.partial(run_distributed, _worker, p, _settings(p), timeout=400) for p in (2, 3, 4)}
+    with Together.of(request, "test_modes_and_mixed_plans_match_reference", calls) as started:
+        yield started
+
+
 @pytest.mark.parametrize("p", [2, 3, 4])
-def test_modes_and_mixed_plans_match_reference(p: int) -> None:
+def test_modes_and_mixed_plans_match_reference(p: int, jobs: Together) -> None:
     settings = _settings(p)
-    results = run_distributed(_worker, p, settings, timeout=400)
+    results = jobs.result(p)
     _assert_all_ok(p, settings, results[0])
     for rank in range(1, p):  # every rank computed the same errors (same consolidated gradients)
         assert [[c.grad_errs for c in r] for r in results[rank]] == [[c.grad_errs for c in r] for r in results[0]]

@@ -1,13 +1,21 @@
 """The spawned-gloo test harness (re-exported from the package, where ``cli.py check`` uses it too), and the ports
 its runs rendezvous on."""
 
+from __future__ import annotations
+
 import random
 import socket
+from collections.abc import Callable, Hashable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import pytest
 
 from lightning_paradyse.distributed.spawn import run_distributed
 
-__all__ = ["free_port", "free_ports", "run_distributed"]
+__all__ = ["Together", "free_port", "free_ports", "run_distributed"]
 
 LOWEST = 10_000
 """The lowest port handed out."""
@@ -51,3 +59,48 @@ def free_ports(n: int) -> tuple[int, ...]:
 def free_port() -> int:
     """One port of :func:`free_ports`."""
     return free_ports(1)[0]
+
+
+class Together:
+    """Spawned jobs (``run_distributed`` calls, each a thunk) run side by side, each from a thread of this process,
+    for the tests of one parametrized function that each wait for one of them.
+
+    One job leaves part of the cores idle (its ranks wait for each other in their collectives); jobs started together
+    fill those gaps. Used as a module fixture's context (:meth:`of`): the jobs of the function's collected parameters
+    start at once on first use, another when a test asks for it."""
+
+    def __init__(self, calls: Mapping[Hashable, Callable[[], Any]]) -> None:
+        self.calls = calls
+        self.pool = ThreadPoolExecutor(max_workers=max(1, len(calls)))
+        self.futures: dict[Hashable, Future[Any]] = {}
+
+    @classmethod
+    def of(
+        cls, request: pytest.FixtureRequest, test: str, calls: Mapping[Hashable, Callable[[], Any]], param: str = "p"
+    ) -> Together:
+        """The jobs of ``calls`` (keyed by the value of ``param``) that the collected tests ``test`` of the requesting
+        module ask for, started."""
+        together = cls(calls)
+        for item in request.session.items:
+            spec = getattr(item, "callspec", None)
+            ours = getattr(item, "module", None) is request.module and getattr(item, "originalname", None) == test
+            if ours and spec is not None and param in spec.params:
+                together.start(spec.params[param])
+        return together
+
+    def start(self, key: Hashable) -> None:
+        if key not in self.futures:
+            self.futures[key] = self.pool.submit(self.calls[key])
+
+    def result(self, key: Hashable) -> Any:
+        """The job's result (started now if it was not); its error raised here."""
+        self.start(key)
+        return self.futures[key].result()
+
+    def __enter__(self) -> Together:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        self.pool.shutdown(wait=True)
