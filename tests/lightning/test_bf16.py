@@ -49,6 +49,7 @@ exceeds it), a 5% error gives 7-10x (bf16-mixed) and 4-5x (bf16-true) on the run
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import os
@@ -67,7 +68,7 @@ from lightning_paradyse.distributed.spawn import run_distributed
 from lightning_paradyse.lightning.language_model import LanguageModel
 from tests.exact.harness import dealt_splits
 from tests.modes.test_dsp import GridLM, grid_batches
-from tests.support.dist import free_port
+from tests.support.dist import Together, free_port
 from tests.support.lightning import ACCELERATOR, quiet_trainer, strategy_environment
 
 STEPS = 3
@@ -225,8 +226,10 @@ def test_bf16_in_every_mode_matches_one_process(monkeypatch: pytest.MonkeyPatch)
     for var in ("MASTER_PORT", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK"):
         monkeypatch.delenv(var, raising=False)
     models = sorted({model for model, _ in RUNS.values()})
-    refs = {(m, p): fit(m, p, 1) for m in models for p in ("64-true", *PRECISIONS)}
-    raw = run_distributed(_worker, 2, timeout=240)
+    with Together({"ranks": functools.partial(run_distributed, _worker, 2, timeout=240)}) as job:
+        job.start("ranks")  # the 2-rank job runs while this process fits the references
+        refs = {(m, p): fit(m, p, 1) for m in models for p in ("64-true", *PRECISIONS)}
+        raw = job.result("ranks")
     per_rank = [torch.load(io.BytesIO(r), weights_only=False) for r in raw]
     report, failures = [], []
     for precision in PRECISIONS:
