@@ -2507,7 +2507,7 @@ def group_cases(p: int) -> dict[str, Case]:
 def cases_p2_part(part: int, parts: int) -> dict[str, Case]:
     """Every ``parts``-th case of :func:`cases_p2` from its ``part``-th, the cases that are another's second run (named
     ``<case>-again``) with their first, which must run in the same job (it reads the machine the first measured): the
-    2-rank cases cut into jobs that run side by side (:class:`~tests.exact.harness.Jobs`)."""
+    2-rank cases cut into jobs that run side by side (:func:`tests.exact.test_exact.jobs`)."""
     every = cases_p2()
     firsts = list(dict.fromkeys(name.removesuffix("-again") for name in every))
     mine = set(firsts[part::parts])

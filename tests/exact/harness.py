@@ -6,7 +6,7 @@ twice, in float64 (``precision="64-true"``, rounding ~1e-15):
 * under ``ParaDySeStrategy`` on ``p`` ranks, inside one spawned gloo job that runs many cases one after the
   other (each Trainer call makes and destroys its own process group, all on one port, where the strategy keeps one
   rendezvous store for the process; a case that raised on any rank sends the next case to a fresh port), beside
-  the other process counts' jobs (:class:`Jobs`);
+  the other jobs (:class:`~tests.support.dist.Together`);
 * in one plain Lightning process (``devices=1``, no strategy), in the test's own process.
 
 A case may instead be *launched* (:func:`run_launched`): ``Trainer(devices=p)`` in the test's own process, whose
@@ -31,8 +31,7 @@ import os
 import shutil
 import tempfile
 import traceback
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -223,7 +222,7 @@ def run(case: Case, devices: int, strategy: Any, caller: bool = False) -> Result
 def _worker(
     rank: int, world: int, make: Callable[[], dict[str, Case]], store_path: str, cache_dir: str | None = None
 ) -> dict[str, Result]:
-    if cache_dir is not None:  # the job's own measured machines (:func:`start_parallel`)
+    if cache_dir is not None:  # the job's own measured machines (:func:`job_cache`)
         os.environ["PARADYSE_CACHE_DIR"] = cache_dir
     store = dist.FileStore(store_path, world)  # the port rank 0 picked, shared through a file
     strategy_environment(rank, world)
@@ -333,41 +332,16 @@ def run_parallel(
     return results
 
 
-class Jobs:
-    """Spawned jobs of cases (:func:`run_parallel`) run side by side, each from a thread of this process.
-
-    One job of 2 ranks leaves about a quarter of 2 cores idle (its ranks wait for each other in the collectives and
-    the rendezvous, rank 0 alone writes the checkpoints); jobs started together fill those gaps: the 2-rank cases in
-    two jobs with the 3- and 4-rank ones beside them: ``tests/exact/test_exact.py`` 271-277 s before, 234-273 s after
-    (2 cores; two runs before, three after). Each job keeps its measured machines in a folder of its own, a copy of
-    the session's at its start (``plan="auto"`` measures on first use; a job that read another's measurement, written
-    while it ran, could plan a case's second run unlike its first)."""
-
-    def __init__(self, jobs: dict[str, tuple[Callable[[], dict[str, Case]], int]], timeout: float) -> None:
-        self.jobs, self.timeout = jobs, timeout
-        self.pool = ThreadPoolExecutor(max_workers=len(jobs))
-        self.futures: dict[str, Future[dict[str, Result]]] = {}
-        self.cache = tempfile.mkdtemp(prefix="paradyse-jobs-", dir=os.environ.get("PARADYSE_CACHE_DIR"))
-
-    def start(self, names: Iterable[str]) -> None:
-        """Start the jobs ``names`` not started yet (each at once, beside the others)."""
-        for name in names:
-            if name not in self.futures:
-                make, world = self.jobs[name]
-                cache = os.path.join(self.cache, name)
-                os.makedirs(cache)
-                for kept in glob.glob(os.path.join(os.environ.get("PARADYSE_CACHE_DIR", ""), "machine-*.json")):
-                    shutil.copy(kept, cache)  # the session's measurements so far: read, not measured again
-                self.futures[name] = self.pool.submit(run_parallel, make, world, self.timeout, cache)
-
-    def result(self, name: str) -> dict[str, Result]:
-        """The job's results (started now if it was not)."""
-        self.start([name])
-        return self.futures[name].result()
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=True)
-        shutil.rmtree(self.cache, ignore_errors=True)
+def job_cache(root: str, name: str) -> str:
+    """A folder of its own for a spawned job's measured machines (``run_parallel(cache_dir=...)``), ``root/name``,
+    holding a copy of the test session's so far (read, not measured again). Jobs that run side by side (the 2-rank
+    cases cut in two) would otherwise share one: a job that read another's measurement, written while it ran, could
+    plan a case's second run (``plan="auto"`` measures on first use) unlike its first."""
+    cache = os.path.join(root, name)
+    os.makedirs(cache)
+    for kept in glob.glob(os.path.join(os.environ.get("PARADYSE_CACHE_DIR", ""), "machine-*.json")):
+        shutil.copy(kept, cache)
+    return cache
 
 
 def run_launched(case: Case, devices: int) -> Result:

@@ -62,12 +62,12 @@ def free_port() -> int:
 
 
 class Together:
-    """Spawned jobs (``run_distributed`` calls, each a thunk) run side by side, each from a thread of this process,
-    for the tests of one parametrized function that each wait for one of them.
+    """Spawned jobs (thunks, e.g. ``functools.partial`` of ``run_distributed``) run side by side, each from a thread
+    of this process, for the tests that each wait for one of them.
 
     One job leaves part of the cores idle (its ranks wait for each other in their collectives); jobs started together
-    fill those gaps. Used as a module fixture's context (:meth:`of`): the jobs of the function's collected parameters
-    start at once on first use, another when a test asks for it."""
+    fill those gaps. A module fixture's context: :meth:`of` starts the jobs of a parametrized function's collected
+    parameters at once; :meth:`result` starts a job not started yet, then waits for it."""
 
     def __init__(self, calls: Mapping[Hashable, Callable[[], Any]]) -> None:
         self.calls = calls
