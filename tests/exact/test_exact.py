@@ -19,7 +19,7 @@ import pytest
 
 from tests.exact.cases import cases_launched, cases_p2, cases_p2_part, cases_p3, cases_p4, cases_shared_device
 from tests.exact.harness import Case, Result, differences, job_cache, run_launched, run_parallel, run_plain
-from tests.support.dist import Together
+from tests.support.dist import Together, module_items
 
 pytestmark = pytest.mark.dist
 
@@ -74,9 +74,7 @@ def jobs(request: pytest.FixtureRequest) -> Iterator[Together]:
     the rendezvous, rank 0 alone writes the checkpoints): the 2-rank cases in two jobs with the 3- and 4-rank ones
     beside them took this file from 271-277 s to 234-273 s (2 cores; two runs before, three after)."""
     asked: set[str] = set()
-    for item in request.session.items:
-        if getattr(item, "module", None) is not request.module:
-            continue
+    for item in module_items(request):
         params = getattr(item, "callspec", None)
         asked |= set(getattr(item, "fixturenames", ()))
         asked |= {value for value in (params.params.values() if params else ()) if isinstance(value, str)}

@@ -15,7 +15,7 @@ import pytest
 
 from lightning_paradyse.distributed.spawn import run_distributed
 
-__all__ = ["Together", "free_port", "free_ports", "run_distributed"]
+__all__ = ["Together", "free_port", "free_ports", "module_items", "run_distributed"]
 
 LOWEST = 10_000
 """The lowest port handed out."""
@@ -61,6 +61,11 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
+def module_items(request: pytest.FixtureRequest) -> list[pytest.Item]:
+    """The collected (not deselected) tests of the requesting fixture's module: which jobs a module fixture starts."""
+    return [item for item in request.session.items if getattr(item, "module", None) is request.module]
+
+
 class Together:
     """Spawned jobs (thunks, e.g. ``functools.partial`` of ``run_distributed``) run side by side, each from a thread
     of this process, for the tests that each wait for one of them.
@@ -81,10 +86,9 @@ class Together:
         """The jobs of ``calls`` (keyed by the value of ``param``) that the collected tests ``test`` of the requesting
         module ask for, started."""
         together = cls(calls)
-        for item in request.session.items:
+        for item in module_items(request):
             spec = getattr(item, "callspec", None)
-            ours = getattr(item, "module", None) is request.module and getattr(item, "originalname", None) == test
-            if ours and spec is not None and param in spec.params:
+            if getattr(item, "originalname", None) == test and spec is not None and param in spec.params:
                 together.start(spec.params[param])
         return together
 
