@@ -134,7 +134,11 @@ def run_distributed(
     fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0, backend: str = "gloo"
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks (gloo; ``backend="nccl"``: rank ``r`` on GPU
-    ``r``); return the per-rank results."""
+    ``r``); return the per-rank results.
+
+    A job whose process group did not form on every rank is stopped and started again (up to ``INIT_TRIES`` times),
+    with the same ``args``: a rank of the stopped start may have run ``fn`` already, so what ``fn`` writes outside
+    the job (a file of ``args``) must be named per start (e.g. by a name rank 0 broadcasts first)."""
     for attempt in range(1, INIT_TRIES + 1):
         results, errors, again = _run_once(fn, world_size, args, timeout, backend)
         if not errors:

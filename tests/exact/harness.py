@@ -31,6 +31,7 @@ import os
 import shutil
 import tempfile
 import traceback
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -220,11 +221,17 @@ def run(case: Case, devices: int, strategy: Any, caller: bool = False) -> Result
 
 
 def _worker(
-    rank: int, world: int, make: Callable[[], dict[str, Case]], store_path: str, cache_dir: str | None = None
+    rank: int, world: int, make: Callable[[], dict[str, Case]], store_dir: str, cache_dir: str | None = None
 ) -> dict[str, Result]:
     if cache_dir is not None:  # the job's own measured machines (:func:`job_cache`)
         os.environ["PARADYSE_CACHE_DIR"] = cache_dir
-    store = dist.FileStore(store_path, world)  # the port rank 0 picked, shared through a file
+    # the port rank 0 picks, shared through a file of this start's own: ``run_distributed`` starts a job again when
+    # its process group did not form on every rank, and a rank of the stopped start may have written its port to a
+    # file shared by both starts. A rank of the next start read that stale port there while its rank 0 served a
+    # fresh one: the first case timed out at the rendezvous ("1/2 clients joined"; once in CI, 2026-12-01)
+    start = [uuid.uuid4().hex if rank == 0 else ""]
+    dist.broadcast_object_list(start, src=0)  # over the job's own group, which strategy_environment leaves next
+    store = dist.FileStore(os.path.join(store_dir, start[0]), world)
     strategy_environment(rank, world)
     if rank == 0:
         store.set("port", str(free_port()))
@@ -320,16 +327,24 @@ def run_parallel(
     raised: a refusal must happen on every rank). ``cache_dir``: where the job keeps the machines ``plan="auto"``
     measures (default: the test session's)."""
     with tempfile.TemporaryDirectory() as tmp:
-        per_rank = run_distributed(_worker, world, make, os.path.join(tmp, "ports"), cache_dir, timeout=timeout)
+        per_rank = run_distributed(_worker, world, make, tmp, cache_dir, timeout=timeout)
     results = {name: _restored(r) for name, r in per_rank[0].items()}
     for name in results:
         errors = [r[name].error for r in per_rank]
         if any(errors) and not all(errors):
             results[name].error = f"only ranks {[i for i, e in enumerate(errors) if e]} raised: {errors}"
+        elif any(errors) and len({_last_line(e) for e in errors}) > 1:  # what each rank met, not rank 0's alone
+            others = "".join(f"\nrank {i}: {_last_line(e)}" for i, e in enumerate(errors) if i)
+            results[name].error = f"{errors[0]}\nthe other ranks raised otherwise:{others}"
         for i, other in enumerate(r[name].predictions for r in per_rank):  # every rank predicts every batch
             if differences(Result(predictions=other), Result(predictions=results[name].predictions)):
                 results[name].error = f"rank {i}'s predictions differ from rank 0's"
     return results
+
+
+def _last_line(error: str | None) -> str:
+    """An error's last line (its type and message, after the traceback)."""
+    return (error or "").strip().splitlines()[-1] if (error or "").strip() else ""
 
 
 def job_cache(root: str, name: str) -> str:
