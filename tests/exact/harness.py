@@ -380,6 +380,14 @@ def run_plain(case: Case) -> Result:
     return run(case, 1, "auto", caller=True)
 
 
+def _float64(values: Any) -> Tensor:
+    """Recorded numbers (losses, logged values, predictions as nested lists) as a float64 tensor. Not the default
+    dtype: float32 in a test's process, where rounding both sides to float32 hid a difference below about 6e-8
+    relative from the 1e-9 comparison (until 2026-12-01), and float64 for a moment where another thread fits under
+    ``precision="64-true"``."""
+    return torch.tensor(values, dtype=torch.float64)
+
+
 def rel(a: Tensor, b: Tensor) -> float:
     """Relative error of ``a`` against ``b`` (exact zero when both are zero)."""
     a, b = a.detach().cpu().double(), b.detach().cpu().double()  # a GPU run's plain checkpoint holds CUDA tensors
@@ -397,13 +405,13 @@ def differences(ours: Result, plain: Result, tol: float = TOL) -> list[str]:
     ):
         if len(a) != len(b):
             bad.append(f"{what}: {len(a)} against {len(b)}")
-        elif a and rel(torch.tensor(a), torch.tensor(b)) > tol:
+        elif a and rel(_float64(a), _float64(b)) > tol:
             bad.append(f"{what}: {a} against {b}")
     bad += _logged_differences(ours.logged, plain.logged, tol)
     if len(ours.predictions) != len(plain.predictions):
         bad.append(f"predictions: {len(ours.predictions)} batches against {len(plain.predictions)}")
     for i, (a, b) in enumerate(zip(ours.predictions, plain.predictions)):
-        mine, one = torch.tensor(a), torch.tensor(b)
+        mine, one = _float64(a), _float64(b)
         if mine.shape != one.shape:
             bad.append(f"predictions of batch {i}: shape {tuple(mine.shape)} against {tuple(one.shape)}")
         elif rel(mine, one) > tol:
@@ -470,7 +478,7 @@ def _logged_differences(
         f"logged {name} at step {step}: {value} against {m_plain[name]}"
         for (step, m), (_, m_plain) in zip(ours, plain)
         for name, value in m.items()
-        if rel(torch.tensor(value), torch.tensor(m_plain[name])) > tol
+        if rel(_float64(value), _float64(m_plain[name])) > tol
     ]
 
 
