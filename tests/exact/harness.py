@@ -227,8 +227,9 @@ def _worker(
         os.environ["PARADYSE_CACHE_DIR"] = cache_dir
     # the port rank 0 picks, shared through a file of this start's own: ``run_distributed`` starts a job again when
     # its process group did not form on every rank, and a rank of the stopped start may have written its port to a
-    # file shared by both starts. A rank of the next start read that stale port there while its rank 0 served a
-    # fresh one: the first case timed out at the rendezvous ("1/2 clients joined"; once in CI, 2026-12-01)
+    # file shared by both starts, where a rank of the next start could read that stale port while its rank 0 served a
+    # fresh one: the likely cause of a first case timed out at the rendezvous ("1/2 clients joined"; once in CI,
+    # 2026-12-01)
     start = [uuid.uuid4().hex if rank == 0 else ""]
     dist.broadcast_object_list(start, src=0)  # over the job's own group, which strategy_environment leaves next
     store = dist.FileStore(os.path.join(store_dir, start[0]), world)
