@@ -345,7 +345,8 @@ def run_parallel(
 
 def _last_line(error: str | None) -> str:
     """An error's last line (its type and message, after the traceback)."""
-    return (error or "").strip().splitlines()[-1] if (error or "").strip() else ""
+    lines = (error or "").strip().splitlines()
+    return lines[-1] if lines else ""
 
 
 def job_cache(root: str, name: str) -> str:
