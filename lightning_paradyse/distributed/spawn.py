@@ -23,7 +23,7 @@ import queue
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -50,6 +50,18 @@ def use_forkserver(preload: Sequence[str]) -> None:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(preload))
     _START["method"] = "forkserver"
+
+
+def environ_now(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A copy of this process's environment (or of ``environ``). A job started from a thread (side by side with
+    others) copies it while another thread may set or delete a variable: the copy then raises (``RuntimeError``: the
+    mapping changed size during iteration; ``KeyError``: a variable listed is gone), and is made again."""
+    source = os.environ if environ is None else environ
+    while True:
+        try:
+            return dict(source)
+        except (RuntimeError, KeyError):
+            continue
 
 
 def _worker(
@@ -160,7 +172,7 @@ def _run_once(
         init_file = os.path.join(tmp, "store")
         procs = [
             ctx.Process(
-                target=_worker, args=(r, world_size, init_file, fn, args, out, dict(os.environ), backend), daemon=True
+                target=_worker, args=(r, world_size, init_file, fn, args, out, environ_now(), backend), daemon=True
             )
             for r in range(world_size)
         ]

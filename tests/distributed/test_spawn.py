@@ -4,6 +4,7 @@ started again (never a job whose ``fn`` failed)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from pathlib import Path
 
@@ -64,3 +65,33 @@ def test_a_group_that_never_forms_fails_after_the_last_try(tmp_path: Path) -> No
     with pytest.raises(AssertionError, match=f"did not form in {spawn.INIT_TRIES} tries"):
         run_distributed(_rank_and_world, 2, str(tmp_path / "log"), timeout=60, backend="no_such_backend")
     assert not (tmp_path / "log").exists()
+
+
+class _ChangingEnviron(Mapping[str, str]):
+    """An environment another thread changes while it is copied: the first listing raises as a dict changed during
+    iteration does, the next read of a listed variable finds it deleted; then it reads as ``values``."""
+
+    def __init__(self, values: dict[str, str]) -> None:
+        self.values = values
+        self.faults = ["iteration", "deleted"]
+
+    def __iter__(self) -> Iterator[str]:
+        if self.faults and self.faults[0] == "iteration":
+            self.faults.pop(0)
+            raise RuntimeError("dictionary changed size during iteration")
+        return iter(self.values)
+
+    def __getitem__(self, key: str) -> str:
+        if self.faults and self.faults[0] == "deleted":
+            self.faults.pop(0)
+            raise KeyError(key)
+        return self.values[key]
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+
+def test_the_environment_is_copied_again_when_another_thread_changes_it() -> None:
+    changing = _ChangingEnviron({"A": "1", "B": "2"})
+    assert spawn.environ_now(changing) == {"A": "1", "B": "2"} and changing.faults == []
+    assert spawn.environ_now() == dict(os.environ)
