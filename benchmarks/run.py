@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/run.py                     # the full benchmark (under 30 minutes on 2 CPU cores)
+    python benchmarks/run.py                     # the full benchmark (about 50 minutes on 2 CPU cores)
     python benchmarks/run.py --quick             # the smoke run (under 3 minutes), into benchmarks/results/quick/
 
 It spawns ``--devices`` processes (gloo on CPU with one thread each; NCCL with one GPU each when CUDA is

@@ -402,16 +402,16 @@ def cuts_refusal(found: list[str], hook: str) -> ValueError:
     """The refusal of a step that worked on positions of the sequence (``found``; none: seen on another rank)."""
     shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "") or "seen on another rank"
     return ValueError(
-        f"the {hook} works on positions of the sequence itself ({shown}): each rank holds a slice of every row, so "
-        f"an index, an assignment at positions, a scan (cumsum) or positions made with torch.arange are of this "
-        f"rank's slice, not of the row (a truncation longer than every slice cuts nothing on any rank, and the run "
-        f"would train on whole rows where one process trains on the truncated ones; a shift pairs the slice's "
-        f"positions otherwise than one process's; a prompt masked up to a position, a response found after a "
-        f"separator or the last tokens of a row are found in each slice anew). Change the sequence, or make such "
-        f"masks and weights, where every rank holds the whole batch: in the data (the collator) or in "
-        f"on_after_batch_transfer, as tensors of the batch the step then uses; shift targets in the data (or pass "
-        f"labels= to a Hugging Face model, which the strategy shifts over the whole sequence) instead of "
-        f"logits[:, :-1] against ids[:, 1:]. ParaDySeStrategy(check_step=False) turns this check off"
+        f"the {hook} works on positions of the sequence itself ({shown}). The fix: shift targets in the data (or "
+        f"pass labels= to a Hugging Face model, which the strategy shifts over the whole sequence) instead of "
+        f"logits[:, :-1] against ids[:, 1:]; change the sequence, or make such masks and weights, where every rank "
+        f"holds the whole batch: in the data (the collator) or in on_after_batch_transfer, as tensors of the batch "
+        f"the step then uses. Why: each rank holds a slice of every row, so an index, an assignment at positions, a "
+        f"scan (cumsum) or positions made with torch.arange are of this rank's slice, not of the row (a truncation "
+        f"longer than every slice cuts nothing on any rank, and the run would train on whole rows where one process "
+        f"trains on the truncated ones; a shift pairs the slice's positions otherwise than one process's; a prompt "
+        f"masked up to a position, a response found after a separator or the last tokens of a row are found in each "
+        f"slice anew). ParaDySeStrategy(check_step=False) turns this check off"
     )
 
 
