@@ -55,13 +55,19 @@ def use_forkserver(preload: Sequence[str]) -> None:
 def environ_now(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """A copy of this process's environment (or of ``environ``). A job started from a thread (side by side with
     others) copies it while another thread may set or delete a variable: the copy then raises (``RuntimeError``: the
-    mapping changed size during iteration; ``KeyError``: a variable listed is gone), and is made again."""
+    mapping changed size during iteration; ``KeyError``: a variable listed is gone), and is made again (up to
+    :data:`COPY_TRIES` times: an error that comes back every time is raised)."""
     source = os.environ if environ is None else environ
-    while True:
+    for _ in range(COPY_TRIES - 1):
         try:
             return dict(source)
         except (RuntimeError, KeyError):
             continue
+    return dict(source)
+
+
+COPY_TRIES = 100
+"""How many times :func:`environ_now` copies an environment that changes under it."""
 
 
 def _worker(

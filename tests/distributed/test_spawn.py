@@ -95,3 +95,7 @@ def test_the_environment_is_copied_again_when_another_thread_changes_it() -> Non
     changing = _ChangingEnviron({"A": "1", "B": "2"})
     assert spawn.environ_now(changing) == {"A": "1", "B": "2"} and changing.faults == []
     assert spawn.environ_now() == dict(os.environ)
+    broken = _ChangingEnviron({"A": "1"})
+    broken.faults = ["iteration"] * spawn.COPY_TRIES  # an error that comes back every time is raised, not looped on
+    with pytest.raises(RuntimeError, match="changed size"):
+        spawn.environ_now(broken)
