@@ -52,6 +52,10 @@ def use_forkserver(preload: Sequence[str]) -> None:
     _START["method"] = "forkserver"
 
 
+COPY_TRIES = 100
+"""How many times :func:`environ_now` copies an environment that changes under it."""
+
+
 def environ_now(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """A copy of this process's environment (or of ``environ``). A job started from a thread (side by side with
     others) copies it while another thread may set or delete a variable: the copy then raises (``RuntimeError``: the
@@ -64,10 +68,6 @@ def environ_now(environ: Mapping[str, str] | None = None) -> dict[str, str]:
         except (RuntimeError, KeyError):
             continue
     return dict(source)
-
-
-COPY_TRIES = 100
-"""How many times :func:`environ_now` copies an environment that changes under it."""
 
 
 def _worker(
