@@ -79,7 +79,14 @@ from lightning_paradyse.lightning.summary import whole_sizes
 from lightning_paradyse.modes.plan import LayerPlan, OpPlan, Plan
 from lightning_paradyse.runtime import parallel
 from lightning_paradyse.runtime.exactness import kept_rng
-from lightning_paradyse.runtime.slicing import IGNORE_INDEX, BatchInfo, describe_batch, find_targets, shifted_labels
+from lightning_paradyse.runtime.slicing import (
+    IGNORE_INDEX,
+    BatchInfo,
+    describe_batch,
+    find_targets,
+    find_tokens,
+    shifted_labels,
+)
 from lightning_paradyse.runtime.streams import rng_state, seed_streams, set_rng_state
 
 ATTEMPTS = 8
@@ -170,26 +177,106 @@ def described_columns(columns: torch.Tensor) -> str:
     return ", ".join(runs)
 
 
+def batch_tensors(batch: Any) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of a batch with their names as a message gives them: a dict's ``'key'``, a tuple's ``tensor i``."""
+    if isinstance(batch, Mapping):
+        return [(repr(k), v) for k, v in batch.items() if isinstance(v, torch.Tensor)]
+    if isinstance(batch, (list, tuple)):
+        return [(f"tensor {i}", v) for i, v in enumerate(batch) if isinstance(v, torch.Tensor)]
+    return []
+
+
+KEEPS_VALUES = frozenset(
+    {
+        torch.Tensor.clone,
+        torch.clone,
+        torch.Tensor.detach,
+        torch.Tensor.to,
+        torch.Tensor.long,
+        torch.Tensor.contiguous,
+        torch.Tensor.flatten,
+        torch.flatten,
+        torch.Tensor.view,
+        torch.Tensor.reshape,
+        torch.reshape,
+    }
+)
+"""Calls whose result holds the values of their tensor, element for element (a copy, a cast to integers, a
+flattening): a loss handed the result averages over that tensor's targets."""
+
+
 class LossCalls(TorchFunctionMode):
     """The loss functions a step calls (``F.cross_entropy``, ``F.nll_loss``, and the modules that call them), with
     what a mean loss over the ranks cannot honour: an ``ignore_index`` other than -100 (the strategy weighs each
-    rank's mean by its targets that are not -100) and class weights under ``reduction="mean"`` (a mean normalised by
-    the slice's sum of its targets' weights)."""
+    rank's mean by its targets that are not -100), class weights under ``reduction="mean"`` (a mean normalised by
+    the slice's sum of its targets' weights), and, given the ``batch`` the step is handed, a mean the step itself
+    computes over targets of the batch other than those the strategy weighs each rank's mean by
+    (:func:`~lightning_paradyse.runtime.slicing.find_targets`: a ``tgt`` or ``label_ids`` key, or a tuple
+    ``(ids, targets, mask)`` whose last tensor is not the targets). Such a run was exact while every batch held a
+    target at every position and trained silently away from one process from the first that did not (probe 16,
+    2026-12-02). A loss computed inside a call of the model (``inside_model``: a Hugging Face model handed
+    ``labels=``, which the strategy hands the global count) is left to that mechanism."""
 
     WATCHED = (F.cross_entropy, F.nll_loss)
 
-    def __init__(self) -> None:
+    def __init__(self, batch: Any = None, inside_model: Callable[[], bool] = lambda: False) -> None:
         super().__init__()
         self.found: list[str] = []
         self.dtypes: set[torch.dtype] = set()
         """The dtypes the losses were computed in (Hugging Face's upcasts its logits to float32 whatever the
         model's): the step's loss carries that rounding however wide the sum it ends in."""
+        self.inside_model = inside_model
+        self._named: dict[int, tuple[torch.Tensor, str, torch.Tensor]] = {}
+        """``id -> (tensor, name, the batch's tensor whose values it holds)`` for the batch's ``[b, s]`` tensors and
+        what :data:`KEEPS_VALUES` made of them."""
+        self._weighed: torch.Tensor | None = None
+        self._weighed_as = ""
+        self._tokens: torch.Tensor | None = None
+        """The batch's token tensor: it never holds -100 (it indexes an embedding), so a mean over it as the targets
+        (a reconstruction) is weighed right wherever the weighed targets hold none either."""
+        if batch is not None:
+            for name, t in batch_tensors(batch):
+                self._named[id(t)] = (t, name, t)
+            key, self._weighed = find_targets(batch)
+            with contextlib.suppress(TypeError, ValueError):
+                self._tokens = find_tokens(batch)
+            self._weighed_as = (
+                "its share of the batch's tokens (the batch holds no tensor under 'targets', 'target', 'y' or 'labels')"
+                if self._weighed is None
+                else f"its share of the real targets (not -100) in the batch's {key!r}"
+                if key is not None
+                else "its share of the real targets (not -100) in the batch's last tensor"
+            )
+
+    def _source(self, t: Any) -> tuple[str, torch.Tensor] | None:
+        """The name of the batch's tensor whose values ``t`` holds, and that tensor, else ``None``."""
+        named = self._named.get(id(t)) if isinstance(t, torch.Tensor) else None
+        return None if named is None or named[0] is not t else (named[1], named[2])
+
+    def _weighed_otherwise(self, averaged: torch.Tensor) -> bool:
+        """Whether a mean over the batch's tensor ``averaged`` as the targets is weighed by other targets than its own:
+        every tensor but the weighed targets, except the tokens where the weighed targets hold no -100 (read on the
+        host: the check's, once per run)."""
+        if averaged is self._weighed:
+            return False
+        if averaged is self._tokens:
+            return self._weighed is not None and bool((self._weighed == IGNORE_INDEX).any())
+        return True
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func in self.WATCHED:
             given = inspect.signature(func).bind(*args, **kwargs).arguments
             name, reduction = func.__name__, given.get("reduction", "mean")
+            source = None if reduction != "mean" or self.inside_model() else self._source(given.get("target"))
+            if source is not None and self._weighed_otherwise(source[1]):
+                self.found.append(
+                    f"{name}(...) averages over the targets in the batch's {source[0]}, but the strategy weighs "
+                    f"each rank's mean loss by {self._weighed_as}; put the targets "
+                    f"under the key 'targets' (or 'target', 'y', 'labels'; in a tuple batch, last), or return a "
+                    f"loss summed over the targets, divided by the whole batch's count of them (a value of the "
+                    f"batch), and tell the strategy, ParaDySeStrategy(loss_reduction='sum')"
+                )
             scores = given.get("input")
             if isinstance(scores, torch.Tensor) and scores.is_floating_point():
                 self.dtypes.add(scores.dtype)
@@ -207,7 +294,12 @@ class LossCalls(TorchFunctionMode):
                     f"batch's sum of those weights (computed in the data, a value of the batch) and tell the "
                     f"strategy, ParaDySeStrategy(loss_reduction='sum')"
                 )
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if func in KEEPS_VALUES and isinstance(out, torch.Tensor) and args:
+            source = self._source(args[0])
+            if source is not None:  # targets.view(-1): the batch's targets still
+                self._named[id(out)] = (out, source[0], source[1])
+        return out
 
     def refuse(self, hook: str) -> None:
         """Raise (alike on every rank: the same code on the same probe) where the step called such a loss."""
@@ -1152,7 +1244,8 @@ class StepCheck:
                 run = whole_plan(plan)
                 piece = parallel.configure_whole(module, probe, whole_info, run)  # as one process
                 rewind()
-                with recorded_logs(module) as whole_logs, LossCalls() as losses:  # logged as one process logs them
+                whole_losses = LossCalls(piece, lambda: bool(calls.saved))  # the step's own means, over which targets
+                with recorded_logs(module) as whole_logs, whole_losses as losses:  # logged as one process logs them
                     output = step_fn(piece, *rest[0], **rest[1])
                     whole = step_loss(output)
                 whole_returns = returned_values(output, whole)

@@ -308,7 +308,11 @@ def describe_batch(
             f"cut or drop longer sequences in the data, or raise max_seq_len"
         )
     if s < p:
-        raise ValueError(f"a batch of length {s} is shorter than the {p} processes: every rank needs a token")
+        raise ValueError(
+            f"a batch of length {s} is shorter than the {p} processes: every rank needs a token of each batch. The "
+            f"fix: drop or pad sequences shorter than {p} tokens in the data (a filter in the dataset, or right "
+            f"padding with targets -100 and the attention_mask 0)"
+        )
     layout = SeqLayout.for_sequence(s, p, causal)
     key, targets = find_targets(batch)
     counts = target_counts(targets, layout, b, s)

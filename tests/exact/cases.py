@@ -213,6 +213,16 @@ def pad_targets_zero(window: Tensor) -> dict[str, Tensor]:
     return {"input_ids": ids, "targets": targets}
 
 
+def tgt_targets(window: Tensor) -> dict[str, Tensor]:
+    """:func:`all_targets` under the key ``tgt`` (one the strategy does not read as the targets)."""
+    return {"input_ids": window[:, :-1], "tgt": window[:, 1:]}
+
+
+def targets_mid_tuple(window: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`all_targets` as a tuple ``(input_ids, targets, attention_mask)``: the targets not last."""
+    return window[:, :-1], window[:, 1:], torch.ones_like(window[:, :-1])
+
+
 def tokens_only(window: Tensor) -> dict[str, Tensor]:
     return {"input_ids": window[:, :-1]}
 
@@ -1010,6 +1020,18 @@ class PadIgnoredLM(TinyLM):
     def loss(self, batch: dict[str, Tensor]) -> Tensor:
         logits = self.model(batch["input_ids"])  # [b, s, vocab]
         return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(), ignore_index=0)
+
+
+class OtherTargetsLM(TinyLM):
+    """A mean cross-entropy over targets shifted in the data that the strategy does not find as the targets: under the
+    key ``tgt``, or second in a tuple ``(input_ids, targets, attention_mask)``. Exact while every position had a target,
+    silently off one process from the first batch with padding until 2026-12-02 (probe 16): refused since."""
+
+    @override
+    def loss(self, batch: Any) -> Tensor:
+        ids, targets = (batch[0], batch[1]) if isinstance(batch, (tuple, list)) else (batch["input_ids"], batch["tgt"])
+        logits = self.model(ids)  # [b, s, vocab]
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 class ClassWeightedLM(TinyLM):
@@ -2280,6 +2302,17 @@ def cases_p2() -> dict[str, Case]:
                 WeightedByTotalLM, lambda: loader(weighted_later_total, rows=3), strategy=dict(loss_reduction="sum")
             ),
             # losses the step check names (silent or crashing until 2026-11-30, thirteenth session)
+            # a mean over targets the strategy does not weigh by (probe 16, 2026-12-02), in training and validation
+            "targets-under-another-key": Case(OtherTargetsLM, lambda: loader(tgt_targets), refused="batch's 'tgt'"),
+            "targets-not-last-in-tuple": Case(
+                OtherTargetsLM, lambda: loader(targets_mid_tuple), refused="batch's tensor 1, but"
+            ),
+            "targets-under-another-key-validated": Case(
+                OtherTargetsLM,
+                lambda: (loader(tgt_targets), loader(tgt_targets, (35, 52))),
+                validate=True,
+                refused="averages over the targets in the batch's 'tgt'",
+            ),
             "ignore-index-pad": Case(PadIgnoredLM, lambda: loader(pad_targets_zero), refused="ignore_index=0"),
             "class-weights": Case(ClassWeightedLM, lambda: loader(shifted_targets), refused="weight=..."),
             "hf-ignore-index": Case(hf("ignore-zero"), lambda: loader(ragged("labels")), refused="ignore_index=0"),

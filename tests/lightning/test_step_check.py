@@ -21,6 +21,7 @@ from lightning_paradyse import ParaDySeStrategy
 from lightning_paradyse.distributed.spawn import run_distributed
 from lightning_paradyse.lightning.language_model import LanguageModel
 from lightning_paradyse.lightning.step_check import (
+    LossCalls,
     SequenceCuts,
     check_step_losses,
     described_columns,
@@ -409,3 +410,33 @@ def test_a_floating_tensor_of_the_batch_summed_is_named_as_normalising_weights()
         weights.sum(0), (targets != -100).sum(), (weights * 2).sum()  # per position; a count; a product (unnamed)
         weights.flatten().sum()
     assert cuts.sums == ["weights.flatten().sum()"] and cuts.found == []
+
+
+def _averaged(batch: Any, target: torch.Tensor, inside: bool = False, reduction: str = "mean") -> list[str]:
+    """What :class:`LossCalls` given ``batch`` finds in one cross-entropy over ``target`` (a tensor the step holds)."""
+    scores = torch.randn(target.numel(), 8, dtype=torch.float64)
+    with LossCalls(batch, lambda: inside) as losses:
+        torch.nn.functional.cross_entropy(scores, target.reshape(-1).clone(), reduction=reduction)
+    return losses.found
+
+
+def test_a_mean_over_targets_the_strategy_does_not_weigh_by_is_named() -> None:
+    """A mean over the batch's ``tgt``, or a tuple's targets that are not its last tensor, is named with the keys the
+    strategy reads (probe 16); the targets it weighs by, a sum, a loss inside the model's call (a Hugging Face model
+    handed ``labels=``) and the tokens as the targets where the weighed targets hold no -100 are not."""
+    ids, targets = torch.randint(0, 8, (2, 5)), torch.randint(0, 8, (2, 5))
+    (found,) = _averaged({"input_ids": ids, "tgt": targets}, targets)
+    assert (
+        "batch's 'tgt'" in found
+        and "'targets' (or 'target', 'y', 'labels'" in found
+        and "share of the batch's tokens" in found
+    )
+    batch = (ids, targets, torch.ones_like(ids))
+    assert "batch's tensor 1, but" in _averaged(batch, batch[1])[0]
+    assert _averaged({"input_ids": ids, "targets": targets}, targets) == []
+    assert _averaged({"input_ids": ids, "tgt": targets}, targets, inside=True) == []
+    assert _averaged({"input_ids": ids, "tgt": targets}, targets, reduction="sum") == []
+    assert _averaged([ids, targets], ids) == []  # a reconstruction of the tokens, every target real on both sides
+    padded = targets.clone()
+    padded[0, -2:] = -100
+    assert "batch's tensor 0" in _averaged([ids, padded], ids)[0]
