@@ -227,8 +227,8 @@ class LossCalls(TorchFunctionMode):
         model's): the step's loss carries that rounding however wide the sum it ends in."""
         self.inside_model = inside_model
         self._named: dict[int, tuple[torch.Tensor, str, torch.Tensor]] = {}
-        """``id -> (tensor, name, the batch's tensor whose values it holds)`` for the batch's ``[b, s]`` tensors and
-        what :data:`KEEPS_VALUES` made of them."""
+        """``id -> (tensor, name, the batch's tensor whose values it holds)`` for the batch's tensors and what
+        :data:`KEEPS_VALUES` made of them."""
         self._weighed: torch.Tensor | None = None
         self._weighed_as = ""
         self._tokens: torch.Tensor | None = None
