@@ -61,7 +61,7 @@ EXAMPLE_GRID = (7, 5)
 BIAS_ARGS = ("alibi", "position_bias", "attention_bias")
 """Required block arguments that carry an attention bias (refused by name: :func:`example_inputs`)."""
 UNREAD = (
-    "The families the rewrite reads are listed in the README (Graph rewriting); where no setting named above helps, "
+    "The families the rewrite reads are listed in docs/graph-rewriting.md; where no setting named above helps, "
     "a model it cannot read trains under another strategy (e.g. strategy='ddp' or 'fsdp')"
 )
 """The end of every refusal of a block the rewrite cannot read."""

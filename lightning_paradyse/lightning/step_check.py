@@ -887,7 +887,7 @@ def warn_differing_logs(found: list[LogDifference]) -> None:
         "value derived from the loss (torch.exp(loss), loss.clone()) or from the slice's tokens (a count, a "
         "batch_size= of its rows or targets) is not. Log it from "
         f"{end}, computed from its outputs (the step's global loss) or from the batch it is handed (the whole "
-        "batch) (README: The contract with your training_step)."
+        "batch) (docs/training-step.md)."
     )
 
 
@@ -917,7 +917,7 @@ def warn_differing_returns(found: list[LogDifference], hook: str) -> None:
         f"one process returns: {shown} (the step check, on a few of a batch's tokens). Only the "
         f"loss (and a view of it, such as loss.detach()) is made global; {_BATCH_END.get(hook, 'on_train_batch_end')} "
         "and the callbacks read the others as this rank's. Compute them there from outputs['loss'] (the global "
-        "loss) or from the batch it is handed (the whole batch) (README: The contract with your training_step)."
+        "loss) or from the batch it is handed (the whole batch) (docs/training-step.md)."
     )
 
 
@@ -1022,7 +1022,7 @@ def warn_differing_metrics(found: list[str], hook: str) -> None:
         "it once per rank, and targets shifted in the step (logits[:, :-1] against labels[:, 1:], as a perplexity "
         "update often does) pair tokens within this rank's slice only, dropping the pairs across its edges. Update "
         "metrics with values per token against targets shifted in the data (the ranks' states then add up to the "
-        "whole batch's) or with the loss itself under a mean (README: The contract with your training_step)."
+        "whole batch's) or with the loss itself under a mean (docs/training-step.md)."
     )
 
 

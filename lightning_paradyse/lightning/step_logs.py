@@ -262,7 +262,7 @@ class StepLogs:
                 "its share of the global mean, a fraction of it), not the value one process logs. If it is the "
                 f"step's loss, return it from {hook} (`return loss`): the strategy then logs the global loss under "
                 "the same name (and a metric it was given, such as a MeanMetric, holds the global loss). Log other "
-                "values from global quantities (README: The contract with your training_step)."
+                "values from global quantities (docs/training-step.md)."
             )
 
     def check_output(self, output: Any, fx: str | None) -> None:
