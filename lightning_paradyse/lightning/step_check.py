@@ -186,25 +186,6 @@ def batch_tensors(batch: Any) -> list[tuple[str, torch.Tensor]]:
     return []
 
 
-KEEPS_VALUES = frozenset(
-    {
-        torch.Tensor.clone,
-        torch.clone,
-        torch.Tensor.detach,
-        torch.Tensor.to,
-        torch.Tensor.long,
-        torch.Tensor.contiguous,
-        torch.Tensor.flatten,
-        torch.flatten,
-        torch.Tensor.view,
-        torch.Tensor.reshape,
-        torch.reshape,
-    }
-)
-"""Calls whose result holds the values of their tensor, element for element (a copy, a cast to integers, a
-flattening): a loss handed the result averages over that tensor's targets."""
-
-
 class LossCalls(TorchFunctionMode):
     """The loss functions a step calls (``F.cross_entropy``, ``F.nll_loss``, and the modules that call them), with
     what a mean loss over the ranks cannot honour: an ``ignore_index`` other than -100 (the strategy weighs each
@@ -238,8 +219,7 @@ class LossCalls(TorchFunctionMode):
             for name, t in batch_tensors(batch):
                 self._named[id(t)] = (t, name, t)
             key, self._weighed = find_targets(batch)
-            with contextlib.suppress(TypeError, ValueError):
-                self._tokens = find_tokens(batch)
+            self._tokens = find_tokens(batch)
             self._weighed_as = (
                 "its share of the batch's tokens (the batch holds no tensor under 'targets', 'target', 'y' or 'labels')"
                 if self._weighed is None
@@ -342,6 +322,9 @@ KEEPS_TOKENS = frozenset(
     }
 )
 """Calls whose result holds the same tokens as their tensor (a copy, a cast, a flattening): named after it."""
+KEEPS_VALUES = KEEPS_TOKENS - {torch.Tensor.masked_fill, torch.Tensor.float, torch.Tensor.double}
+"""Calls whose result holds the values of their tensor, element for element (a copy, a cast to integers, a
+flattening): a loss handed the result averages over that tensor's targets."""
 
 
 class SequenceCuts(TorchFunctionMode):
