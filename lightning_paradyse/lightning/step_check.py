@@ -196,7 +196,17 @@ class LossCalls(TorchFunctionMode):
     ``(ids, targets, mask)`` whose last tensor is not the targets). Such a run was exact while every batch held a
     target at every position and trained silently away from one process from the first that did not (probe 16,
     2026-12-02). A loss computed inside a call of the model (``inside_model``: a Hugging Face model handed
-    ``labels=``, which the strategy hands the global count) is left to that mechanism."""
+    ``labels=``, which the strategy hands the global count) is left to that mechanism.
+
+    And a mean loss that depends on a rule the step applies to the values of the batch's tokens or targets, one that
+    sets real class ids apart (``targets != 0`` for a pad id, ``targets > 0``, ``torch.isin(targets, special)``;
+    not ``targets != -100``): ``F.cross_entropy(logits[keep], targets[keep])``, targets ``masked_fill``-ed to -100
+    by it, ``(ce * mask).sum() / mask.sum()``. Such a mean divides by a count of the rule's, where the strategy weighs
+    by the batch's targets that are not -100: exact on batches where the rule sets nothing apart, silently off from
+    the first that it does (found 2026-12-02, twenty-ninth session). The rule is seen in the step's code, not in the
+    data: what the comparison's result flows into (:attr:`_ruled`) is followed through every call of the check's whole
+    call, the model's included, so it is refused on the first batch whatever that batch holds. A rule the step keeps
+    on the host (``int((targets != 0).sum())``) is not followed."""
 
     WATCHED = (F.cross_entropy, F.nll_loss)
 
@@ -215,11 +225,21 @@ class LossCalls(TorchFunctionMode):
         self._tokens: torch.Tensor | None = None
         """The batch's token tensor: it never holds -100 (it indexes an embedding), so a mean over it as the targets
         (a reconstruction) is weighed right wherever the weighed targets hold none either."""
+        self._valued: dict[int, tuple[torch.Tensor, str]] = {}
+        """``id -> (tensor, name)``: the batch's tokens and the targets the strategy weighs by, and what
+        :data:`KEEPS_TOKENS` or an index made of them: they hold ids, so a comparison of one with a number is a rule on
+        ids (not a mask's ``attention_mask == 1``, whose zeros must have -100 targets already)."""
+        self._ruled: dict[int, tuple[torch.Tensor, str]] = {}
+        """``id -> (tensor, rule)``: what a rule setting real ids apart (``'targets' != 0``) made, and everything
+        made from that (the tensors are held: an id is not reused while the check runs)."""
         if batch is not None:
             for name, t in batch_tensors(batch):
                 self._named[id(t)] = (t, name, t)
             key, self._weighed = find_targets(batch)
             self._tokens = find_tokens(batch)
+            for name, t in batch_tensors(batch):
+                if t is self._weighed or t is self._tokens:
+                    self._valued[id(t)] = (t, name)
             self._weighed_as = (
                 "its share of the batch's tokens (the batch holds no tensor under 'targets', 'target', 'y' or 'labels')"
                 if self._weighed is None
@@ -243,43 +263,125 @@ class LossCalls(TorchFunctionMode):
             return self._weighed is not None and bool((self._weighed == IGNORE_INDEX).any())
         return True
 
+    def _rule(self, func: Any, args: Any) -> str | None:
+        """The rule ``func`` applies to ids (``"the batch's 'targets' != 0"``) where it compares the values of the
+        batch's tokens or targets with numbers and sets some real (non-negative) ids apart, else ``None``."""
+        sign = COMPARISONS.get(func)
+        if sign is None or len(args) < 2 or not isinstance(args[0], torch.Tensor):
+            return None
+        valued = self._valued.get(id(args[0]))
+        if valued is None or valued[0] is not args[0]:
+            return None
+        other = args[1]
+        if isinstance(other, torch.Tensor):
+            if other.numel() > RULE_VALUES or (other.dim() > 0 and sign != "isin"):
+                return None  # a comparison with another tensor of values (an accuracy), not a rule
+            values = [float(v) for v in other.flatten().tolist()]  # host read: the check's, once per run
+        elif isinstance(other, (int, float)) and not isinstance(other, bool):
+            values = [float(other)]
+        elif isinstance(other, (list, tuple)) and sign == "isin" and len(other) <= RULE_VALUES:
+            values = [float(v) for v in other]
+        else:
+            return None
+        if sign == "isin":
+            apart = any(v >= 0 and v == int(v) for v in values)
+            shown = f"torch.isin({valued[1]}, {[int(v) if v == int(v) else v for v in values]})"
+        else:
+            ids = torch.arange(0, max(math.ceil(values[0]), 0) + 2)  # [k]: 0 .. just past the number
+            apart = bool(
+                torch.unique(func(ids, other if not isinstance(other, torch.Tensor) else other.cpu())).numel() > 1
+            )
+            shown = f"{valued[1]} {sign} {int(values[0]) if values[0] == int(values[0]) else values[0]}"
+        return f"the batch's {shown}" if apart else None
+
+    def _inherited(self, args: Any, kwargs: dict[str, Any]) -> str | None:
+        """The rule a tensor among ``args`` and ``kwargs`` was made by (:attr:`_ruled`), else ``None``."""
+        for t in _tensor_leaves((args, kwargs)):
+            ruled = self._ruled.get(id(t))
+            if ruled is not None and ruled[0] is t:
+                return ruled[1]
+        return None
+
+    def ruled(self, t: Any) -> str | None:
+        """The rule ``t`` depends on (:attr:`_ruled`), else ``None``."""
+        return self._inherited((t,), {})
+
+    def check_loss(self, loss: torch.Tensor | None) -> None:
+        """Name the step's mean ``loss`` where it depends on a rule setting real ids apart and no loss function the
+        step called was named for it already (``(ce * mask).sum() / mask.sum()`` over ``reduction="none"``)."""
+        rule = self.ruled(loss)
+        if rule is not None and not any(rule in found for found in self.found):
+            self.found.append(self._rule_found(f"the loss it returns depends on {rule}"))
+
+    def _rule_found(self, what: str) -> str:
+        return (
+            f"{what}, which sets some real ids apart: a mean over what it keeps divides by a count of its own, but "
+            f"the strategy weighs each rank's mean loss by {self._weighed_as}, and the two differ on every batch "
+            f"where the rule sets an id apart; mark the targets to leave out as -100 in the data (in the collate "
+            f"function, targets[targets == pad_id] = -100) and average over all of them (F.cross_entropy's default "
+            f"ignores -100), or return a loss summed over the targets kept, divided by the whole batch's count of "
+            f"them (a value of the batch), and tell the strategy, ParaDySeStrategy(loss_reduction='sum')"
+        )
+
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        rule = None if self.inside_model() else self._rule(func, args)
+        inherited = self._inherited(args, kwargs) if rule is None else None
         if func in self.WATCHED:
-            given = inspect.signature(func).bind(*args, **kwargs).arguments
-            name, reduction = func.__name__, given.get("reduction", "mean")
-            source = None if reduction != "mean" or self.inside_model() else self._source(given.get("target"))
-            if source is not None and self._weighed_otherwise(source[1]):
-                self.found.append(
-                    f"{name}(...) averages over the targets in the batch's {source[0]}, but the strategy weighs "
-                    f"each rank's mean loss by {self._weighed_as}; put the targets "
-                    f"under the key 'targets' (or 'target', 'y', 'labels'; in a tuple batch, last), or return a "
-                    f"loss summed over the targets, divided by the whole batch's count of them (a value of the "
-                    f"batch), and tell the strategy, ParaDySeStrategy(loss_reduction='sum')"
-                )
-            scores = given.get("input")
-            if isinstance(scores, torch.Tensor) and scores.is_floating_point():
-                self.dtypes.add(scores.dtype)
-            ignored = given.get("ignore_index", IGNORE_INDEX)
-            if ignored != IGNORE_INDEX and reduction != "sum":
-                self.found.append(
-                    f"{name}(ignore_index={ignored}): the strategy weighs each rank's mean loss by its targets that "
-                    f"are not -100; set the targets to ignore to -100 in the data (targets[targets == {ignored}] = "
-                    f"-100) and leave ignore_index out"
-                )
-            if given.get("weight") is not None and reduction == "mean":
-                self.found.append(
-                    f"{name}(weight=..., reduction='mean'): the mean is normalised by the sum of the targets' class "
-                    f"weights, which each rank sums over its slice alone; use reduction='sum', divide by the whole "
-                    f"batch's sum of those weights (computed in the data, a value of the batch) and tell the "
-                    f"strategy, ParaDySeStrategy(loss_reduction='sum')"
-                )
+            self._loss_call(func, args, kwargs, inherited)
         out = func(*args, **kwargs)
+        self._follow(func, args, out, rule or inherited)
+        return out
+
+    def _loss_call(self, func: Any, args: Any, kwargs: dict[str, Any], inherited: str | None) -> None:
+        """What a call of a watched loss function (:attr:`WATCHED`) does that a mean over the ranks cannot honour."""
+        given = inspect.signature(func).bind(*args, **kwargs).arguments
+        name, reduction = func.__name__, given.get("reduction", "mean")
+        if inherited is not None and reduction == "mean" and not self.inside_model():
+            self.found.append(self._rule_found(f"{name}(...) averages over what depends on {inherited}"))
+        source = None if reduction != "mean" or self.inside_model() else self._source(given.get("target"))
+        if source is not None and self._weighed_otherwise(source[1]):
+            self.found.append(
+                f"{name}(...) averages over the targets in the batch's {source[0]}, but the strategy weighs "
+                f"each rank's mean loss by {self._weighed_as}; put the targets "
+                f"under the key 'targets' (or 'target', 'y', 'labels'; in a tuple batch, last), or return a "
+                f"loss summed over the targets, divided by the whole batch's count of them (a value of the "
+                f"batch), and tell the strategy, ParaDySeStrategy(loss_reduction='sum')"
+            )
+        scores = given.get("input")
+        if isinstance(scores, torch.Tensor) and scores.is_floating_point():
+            self.dtypes.add(scores.dtype)
+        ignored = given.get("ignore_index", IGNORE_INDEX)
+        if ignored != IGNORE_INDEX and reduction != "sum":
+            self.found.append(
+                f"{name}(ignore_index={ignored}): the strategy weighs each rank's mean loss by its targets that "
+                f"are not -100; set the targets to ignore to -100 in the data (targets[targets == {ignored}] = "
+                f"-100) and leave ignore_index out"
+            )
+        if given.get("weight") is not None and reduction == "mean":
+            self.found.append(
+                f"{name}(weight=..., reduction='mean'): the mean is normalised by the sum of the targets' class "
+                f"weights, which each rank sums over its slice alone; use reduction='sum', divide by the whole "
+                f"batch's sum of those weights (computed in the data, a value of the batch) and tell the "
+                f"strategy, ParaDySeStrategy(loss_reduction='sum')"
+            )
+
+    def _follow(self, func: Any, args: Any, out: Any, made: str | None) -> None:
+        """Name ``func``'s result after what it was made from: the batch's targets (:attr:`_named`), the batch's ids
+        (:attr:`_valued`), a rule on ids (:attr:`_ruled`: ``made``, which an in-place call writes into its tensor)."""
         if func in KEEPS_VALUES and isinstance(out, torch.Tensor) and args:
             source = self._source(args[0])
             if source is not None:  # targets.view(-1): the batch's targets still
                 self._named[id(out)] = (out, source[0], source[1])
-        return out
+        if (func in KEEPS_TOKENS or func is torch.Tensor.__getitem__) and isinstance(out, torch.Tensor) and args:
+            valued = self._valued.get(id(args[0]))
+            if valued is not None and valued[0] is args[0]:  # targets[:, :-1], targets.flatten(): ids still
+                self._valued[id(out)] = (out, valued[1])
+        if made is not None:
+            for t in _tensor_leaves(out):
+                self._ruled[id(t)] = (t, made)
+            if args and isinstance(args[0], torch.Tensor) and _in_place(func):  # t[t == 0] = -100: t follows it
+                self._ruled[id(args[0])] = (args[0], made)
 
     def refuse(self, hook: str) -> None:
         """Raise (alike on every rank: the same code on the same probe) where the step called such a loss."""
@@ -325,6 +427,39 @@ KEEPS_TOKENS = frozenset(
 KEEPS_VALUES = KEEPS_TOKENS - {torch.Tensor.masked_fill, torch.Tensor.float, torch.Tensor.double}
 """Calls whose result holds the values of their tensor, element for element (a copy, a cast to integers, a
 flattening): a loss handed the result averages over that tensor's targets."""
+
+COMPARISONS: dict[Any, str] = {
+    **dict.fromkeys((torch.eq, torch.Tensor.eq, torch.Tensor.__eq__), "=="),
+    **dict.fromkeys((torch.ne, torch.Tensor.ne, torch.Tensor.__ne__), "!="),
+    **dict.fromkeys((torch.gt, torch.Tensor.gt, torch.Tensor.__gt__), ">"),
+    **dict.fromkeys((torch.ge, torch.Tensor.ge, torch.Tensor.__ge__), ">="),
+    **dict.fromkeys((torch.lt, torch.Tensor.lt, torch.Tensor.__lt__), "<"),
+    **dict.fromkeys((torch.le, torch.Tensor.le, torch.Tensor.__le__), "<="),
+    torch.isin: "isin",
+}
+"""Comparisons a step may set ids apart with (``targets != pad_id``), and how a message writes them
+(:meth:`LossCalls._rule`; ``0 != targets`` reaches it as ``targets.__ne__(0)``)."""
+RULE_VALUES = 64
+"""At most this many numbers compared with make a rule (``torch.isin(targets, special_ids)``); a longer tensor is
+values of another kind."""
+
+
+def _tensor_leaves(values: Any) -> Iterator[torch.Tensor]:
+    """The tensors in ``values`` (nested tuples, lists and dicts: a call's arguments, its result)."""
+    if isinstance(values, torch.Tensor):
+        yield values
+    elif isinstance(values, (tuple, list)):
+        for v in values:
+            yield from _tensor_leaves(v)
+    elif isinstance(values, dict):
+        for v in values.values():
+            yield from _tensor_leaves(v)
+
+
+def _in_place(func: Any) -> bool:
+    """Whether ``func`` writes into its first tensor (``t[mask] = -100``, ``t.masked_fill_``, ``t.mul_``)."""
+    name = getattr(func, "__name__", "")
+    return func is torch.Tensor.__setitem__ or (name.endswith("_") and not name.endswith("__"))
 
 
 class SequenceCuts(TorchFunctionMode):
@@ -1231,6 +1366,7 @@ class StepCheck:
                 with recorded_logs(module) as whole_logs, whole_losses as losses:  # logged as one process logs them
                     output = step_fn(piece, *rest[0], **rest[1])
                     whole = step_loss(output)
+                losses.check_loss(whole)
                 whole_returns = returned_values(output, whole)
                 whole_metrics = metric_values(metrics, None)  # one process's
                 redrawn = None
@@ -1253,9 +1389,9 @@ class StepCheck:
         hook = module._current_fx_name or ("training_step" if self.training else "evaluation step")
         chunk, cut = agree_cuts(cuts, group)  # before any refusal: every rank raises alike
         summed_over_ranks(sharded_logs, summed, group)
+        refuse_sequence_cuts(cut, hook)  # first: a step working across the slice is what to fix before its loss
         if cycle.options.mean_loss:
             losses.refuse(hook)
-        refuse_sequence_cuts(cut, hook)
         if sharded is not None and whole is not None:
             where = f"the tokens {described_columns(columns)} of a batch of {info.seq_len}"
             weights_sum = next(iter(cuts.sums), None)  # a floating tensor of the batch summed: weights normalised

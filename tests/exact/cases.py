@@ -218,6 +218,18 @@ def tgt_targets(window: Tensor) -> dict[str, Tensor]:
     return {"input_ids": window[:, :-1], "tgt": window[:, 1:]}
 
 
+def pad_zero_after_first(window: Tensor) -> dict[str, Tensor]:
+    """Targets shifted in the data, no id 0 in the first batch (of ``LENGTHS[0]`` tokens); in the others the second row
+    padded with the pad id 0 over its last third, its targets there 0 too (no -100, no attention mask)."""
+    ids, targets = window[:, :-1].clone(), window[:, 1:].clone()
+    ids[ids == 0], targets[targets == 0] = 1, 1
+    if ids.shape[1] != LENGTHS[0]:
+        s = ids.shape[1]
+        ids[1, s - s // 3 :] = 0
+        targets[1, s - s // 3 - 1 :] = 0
+    return {"input_ids": ids, "targets": targets}
+
+
 def targets_mid_tuple(window: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`all_targets` as a tuple ``(input_ids, targets, attention_mask)``: the targets not last."""
     return window[:, :-1], window[:, 1:], torch.ones_like(window[:, :-1])
@@ -1031,6 +1043,42 @@ class OtherTargetsLM(TinyLM):
     def loss(self, batch: Any) -> Tensor:
         ids, targets = (batch[0], batch[1]) if isinstance(batch, (tuple, list)) else (batch["input_ids"], batch["tgt"])
         logits = self.model(ids)  # [b, s, vocab]
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class PadSelectedLM(TinyLM):
+    """A mean cross-entropy over the positions whose target is not the pad id 0, selected in the step
+    (``keep = targets != pad``; ``ignore``: over those whose target is not -100, which the strategy weighs by)."""
+
+    def __init__(self, ignore: int = 0) -> None:
+        super().__init__()
+        self.ignore = ignore
+
+    @override
+    def loss(self, batch: dict[str, Tensor]) -> Tensor:
+        logits, targets = self.model(batch["input_ids"]).flatten(0, 1), batch["targets"].flatten()  # [b s, vocab]
+        keep = targets != self.ignore  # [b s]
+        return F.cross_entropy(logits[keep], targets[keep])
+
+
+class PadMaskedMeanLM(TinyLM):
+    """``reduction="none"`` and a mean over a mask of the targets that are not the pad id 0."""
+
+    @override
+    def loss(self, batch: dict[str, Tensor]) -> Tensor:
+        logits, targets = self.model(batch["input_ids"]), batch["targets"]  # [b, s, vocab], [b, s]
+        each = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")  # [b s]
+        mask = (targets != 0).flatten().to(each.dtype)  # [b s]
+        return (each * mask).sum() / mask.sum()
+
+
+class PadToIgnoreLM(TinyLM):
+    """The pad id 0 turned into -100 in the step (not in the data), then a mean cross-entropy."""
+
+    @override
+    def loss(self, batch: dict[str, Tensor]) -> Tensor:
+        logits, targets = self.model(batch["input_ids"]), batch["targets"].clone()  # [b, s, vocab], [b, s]
+        targets[targets == 0] = -100
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
@@ -2312,6 +2360,20 @@ def cases_p2() -> dict[str, Case]:
                 lambda: (loader(tgt_targets), loader(tgt_targets, (35, 52))),
                 validate=True,
                 refused="averages over the targets in the batch's 'tgt'",
+            ),
+            # a mean over targets the step sets apart by the pad id, the first batch without one (silent until
+            # 2026-12-02, twenty-ninth session: the check's first batch set nothing apart)
+            "targets-selected-by-pad-id": Case(
+                PadSelectedLM, lambda: loader(pad_zero_after_first), refused="depends on the batch's 'targets' != 0"
+            ),
+            "targets-masked-mean-by-pad-id": Case(
+                PadMaskedMeanLM, lambda: loader(pad_zero_after_first), refused="the loss it returns depends on"
+            ),
+            "targets-pad-id-to-ignore-in-step": Case(
+                PadToIgnoreLM, lambda: loader(pad_zero_after_first), refused="depends on the batch's 'targets' == 0"
+            ),
+            "targets-selected-by-ignore-index": Case(
+                functools.partial(PadSelectedLM, -100), lambda: loader(shifted_targets)
             ),
             "ignore-index-pad": Case(PadIgnoredLM, lambda: loader(pad_targets_zero), refused="ignore_index=0"),
             "class-weights": Case(ClassWeightedLM, lambda: loader(shifted_targets), refused="weight=..."),

@@ -7,6 +7,7 @@ import math
 import os
 import warnings
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -440,3 +441,60 @@ def test_a_mean_over_targets_the_strategy_does_not_weigh_by_is_named() -> None:
     padded = targets.clone()
     padded[0, -2:] = -100
     assert "batch's tensor 0" in _averaged([ids, padded], ids)[0]
+
+
+def _ruled(step: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> list[str]:
+    """What :class:`LossCalls` finds in ``step(scores, ids, targets)`` (a batch of ids and targets, every id real)
+    once its result is checked as the step's loss."""
+    ids, targets = torch.randint(1, 8, (2, 5)), torch.randint(1, 8, (2, 5))
+    scores = torch.randn(10, 8, dtype=torch.float64)
+    with LossCalls({"input_ids": ids, "targets": targets}) as losses:
+        loss = step(scores, ids, targets)
+    losses.check_loss(loss)
+    return losses.found
+
+
+def test_a_mean_over_ids_a_rule_sets_apart_is_named_whatever_the_batch_holds() -> None:
+    """A mean that depends on a rule setting real ids apart (a pad id compared with, in the step) is named on a batch
+    holding no such id; a rule that sets only -100 apart, a comparison with other values and a rule that the loss does
+    not depend on are not (a loss summed, ``loss_reduction="sum"``, is not refused: :meth:`LossCalls.refuse` runs for a
+    mean loss only)."""
+    ce = torch.nn.functional.cross_entropy
+
+    def selected(scores: torch.Tensor, ids: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        return ce(scores[keep.flatten()], targets.flatten()[keep.flatten()])
+
+    def masked_mean(scores: torch.Tensor, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        each = ce(scores, targets.flatten(), reduction="none")  # [b s]
+        mask = (targets.flatten() != 0).to(each.dtype)
+        return (each * mask).sum() / mask.sum()
+
+    def set_to_ignore(scores: torch.Tensor, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        t = targets.clone()
+        t[t == 0] = -100
+        return ce(scores, t.flatten())
+
+    def accuracy_logged(scores: torch.Tensor, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        _ = (scores.argmax(-1) == targets.flatten()).double().mean(), (targets != 0).sum()  # values logged
+        return ce(scores, targets.flatten())
+
+    (found,) = _ruled(lambda sc, i, t: selected(sc, i, t, t != 0))
+    assert "cross_entropy(...) averages over what depends on the batch's 'targets' != 0" in found
+    assert "loss_reduction='sum'" in found and "targets[targets == pad_id] = -100" in found
+    assert "the batch's 'targets' > 0" in _ruled(lambda sc, i, t: selected(sc, i, t, t > 0))[0]
+    assert "'input_ids' != 3" in _ruled(lambda sc, i, t: selected(sc, i, t, i != 3))[0]  # the tokens' pad id
+    assert (
+        "torch.isin('targets', [0, 2])"
+        in _ruled(lambda sc, i, t: selected(sc, i, t, ~torch.isin(t, torch.tensor([0, 2]))))[0]
+    )
+    assert "the loss it returns depends on the batch's 'targets' != 0" in _ruled(masked_mean)[0]
+    assert "the batch's 'targets' == 0" in _ruled(set_to_ignore)[0]
+    assert _ruled(lambda sc, i, t: selected(sc, i, t, t != -100)) == []
+    assert _ruled(lambda sc, i, t: selected(sc, i, t, t >= 0)) == []
+    assert _ruled(accuracy_logged) == []
+    ids, targets, mask = torch.randint(1, 8, (2, 5)), torch.randint(1, 8, (2, 5)), torch.ones(2, 5, dtype=torch.long)
+    with LossCalls({"input_ids": ids, "targets": targets, "attention_mask": mask}) as losses:  # a mask, not ids
+        keep = (mask == 1).flatten()
+        loss = ce(torch.randn(10, 8, dtype=torch.float64)[keep], targets.flatten()[keep])
+    losses.check_loss(loss)
+    assert losses.found == []
