@@ -51,10 +51,11 @@ def test_a_stalled_rank_does_not_outlive_the_run(tmp_path: Path) -> None:
     Under ``popen`` rank 0 launched rank 1 itself and stops it (before: it slept on after the run had failed);
     under ``spawn`` the launcher stops the workers (its SIGTERM ends the stall here: with Lightning's handler the
     sleeping rank would wait for torch's SIGKILL, 30 s on, which this test would only wait out). The collective
-    timeout leaves ``popen``'s workers time to start (it also bounds the rendezvous).
+    timeout leaves ``popen``'s workers time to start (it also bounds the rendezvous; 25 s: each imports Lightning, about
+    7 s alone on a 2-core machine, more beside the spawn run).
     """
     commands = {}
-    for start_method, timeout in (("spawn", 5), ("popen", 15)):
+    for start_method, timeout in (("spawn", 5), ("popen", 25)):
         args = ["--start-method", start_method, "--stall-rank", "1", "--timeout", str(timeout), "--grace", "20"]
         args += ["--sigterm-ends-stall"] if start_method == "spawn" else []
         commands[start_method] = [sys.executable, "benchmarks/stall_check.py", *args]
