@@ -286,6 +286,8 @@ class LossCalls(TorchFunctionMode):
         if sign == "isin":
             apart = any(v >= 0 and v == int(v) for v in values)
             shown = f"torch.isin({valued[1]}, {[int(v) if v == int(v) else v for v in values]})"
+        elif not math.isfinite(values[0]) or values[0] > RULE_IDS:
+            return None  # beyond any vocabulary: it sets no id apart
         else:
             ids = torch.arange(0, max(math.ceil(values[0]), 0) + 2)  # [k]: 0 .. just past the number
             apart = bool(
@@ -439,6 +441,8 @@ COMPARISONS: dict[Any, str] = {
 }
 """Comparisons a step may set ids apart with (``targets != pad_id``), and how a message writes them
 (:meth:`LossCalls._rule`; ``0 != targets`` reaches it as ``targets.__ne__(0)``)."""
+RULE_IDS = 1 << 24
+"""A number compared with above this sets no id apart (no vocabulary is so large): ``targets < 1e12`` is no rule."""
 RULE_VALUES = 64
 """At most this many numbers compared with make a rule (``torch.isin(targets, special_ids)``); a longer tensor is
 values of another kind."""

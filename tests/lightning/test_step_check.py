@@ -491,6 +491,7 @@ def test_a_mean_over_ids_a_rule_sets_apart_is_named_whatever_the_batch_holds() -
     assert "the batch's 'targets' == 0" in _ruled(set_to_ignore)[0]
     assert _ruled(lambda sc, i, t: selected(sc, i, t, t != -100)) == []
     assert _ruled(lambda sc, i, t: selected(sc, i, t, t >= 0)) == []
+    assert _ruled(lambda sc, i, t: selected(sc, i, t, (t > -math.inf) & (t < 1e12) & (t != 0.5))) == []  # no id apart
     assert _ruled(accuracy_logged) == []
     ids, targets, mask = torch.randint(1, 8, (2, 5)), torch.randint(1, 8, (2, 5)), torch.ones(2, 5, dtype=torch.long)
     with LossCalls({"input_ids": ids, "targets": targets, "attention_mask": mask}) as losses:  # a mask, not ids
