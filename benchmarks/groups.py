@@ -49,6 +49,7 @@ from lightning_paradyse.data.length_traces import length_trace
 from lightning_paradyse.distributed.spawn import run_distributed
 from lightning_paradyse.models import LlamaConfig
 from lightning_paradyse.models.llama import Llama
+from lightning_paradyse.runtime import parallel
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = LlamaConfig(vocab_size=256, n_layers=4, hidden=128, n_heads=8, n_kv_heads=4, ffn=384, max_seq_len=4096)
@@ -57,7 +58,10 @@ STATIC = ("tp_sp", "ulysses", "ring", "metp")
 
 
 class PackedLM(pl.LightningModule):
-    """An ordinary LightningModule for packed batches (positions from the batch)."""
+    """An ordinary LightningModule for packed batches (positions from the batch), whose documents attend only within
+    themselves, in one process too (each runs on its own there: ``keeps_documents_apart``)."""
+
+    keeps_documents_apart = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -65,7 +69,13 @@ class PackedLM(pl.LightningModule):
 
     @override
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        logits = self.model(batch["input_ids"], batch["positions"])  # [1, s_r, vocab]
+        ids, positions = batch["input_ids"], batch["positions"]
+        if parallel.is_parallelized(self.model):  # the strategy keeps the documents apart
+            logits = self.model(ids, positions)  # [1, s_r, vocab]
+        else:
+            sizes = torch.unique_consecutive(batch["doc_ids"], return_counts=True)[1].tolist()  # the documents' lengths
+            parts = zip(ids.split(sizes, dim=1), positions.split(sizes))
+            logits = torch.cat([self.model(t, pos) for t, pos in parts], dim=1)  # [1, s_i, vocab] -> [1, s, vocab]
         return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten())
 
     @override

@@ -60,6 +60,7 @@ from lightning_paradyse.lightning.records import (
     describe,
     plan_metrics,
 )
+from lightning_paradyse.lightning.refusals import refuse_joined_documents
 from lightning_paradyse.lightning.sigterm import SigtermFlag
 from lightning_paradyse.lightning.step_logs import StepLogs
 from lightning_paradyse.modes.plan import Plan
@@ -211,6 +212,7 @@ class StepCycle:
             mean_loss=self.options.mean_loss,
         )
         exactness.check_window(info.seq_len, self.window)
+        refuse_joined_documents(self.module, info.doc_ids is not None)
         return info
 
     def begin(

@@ -77,6 +77,10 @@ class LanguageModel(pl.LightningModule):
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16/fp16 up to float32, float64 kept
         return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(), ignore_index=-100)
 
+    keeps_documents_apart = True
+    """A packed batch's documents attend only within themselves here in one process too (:meth:`logits`): the
+    strategy, which keeps them apart, trains it exactly (it refuses ``doc_ids`` for a module that does not say so)."""
+
     def logits(self, batch: dict[str, Tensor]) -> Tensor:
         """Logits ``[b, s, vocab]`` of ``batch``. A packed batch (``doc_ids``: ``data.pack=true``) is one sequence
         whose documents attend only within themselves: under ``ParaDySeStrategy`` the rewritten attention keeps them

@@ -30,6 +30,7 @@ from lightning_paradyse.distributed.comm import Group, group_size
 from lightning_paradyse.graph.dispatch import AttentionDispatch
 from lightning_paradyse.groups.exchange import drop_group, enter_group
 from lightning_paradyse.lightning.cycle import StepCycle
+from lightning_paradyse.lightning.refusals import refuse_joined_documents
 from lightning_paradyse.lightning.step_check import whole_weights_fit
 from lightning_paradyse.modes.plan import LayerPlan, OpPlan, Plan
 from lightning_paradyse.runtime import parallel
@@ -85,6 +86,7 @@ class Predictions:
         causal = parallel.is_causal(module)
         max_len = cycle.options.max_seq_len
         info = describe_batch(cycle.on_host(batch), 1, 0, causal, max_len, require_targets=False, digest=False)
+        refuse_joined_documents(module, info.doc_ids is not None)
         whole = parallel.configure_whole(module, batch, info, self.plan)
         parallel.predict_padding(module, real_lengths(info.padding))  # masked where the model is given the mask
         try:

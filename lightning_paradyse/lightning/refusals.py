@@ -1,8 +1,8 @@
 """What the strategy refuses outside a step, each on every rank and naming the fix: Lightning callbacks it cannot run
 (weight averaging, the learning-rate finder), an ``AveragedModel`` the module builds before the fit, a Hugging Face
-head that pools one position of each row, NEFTune's noise, an
-``all_gather`` of tensors whose shapes differ between the ranks, and a hook that changes a gradient in a way PyTorch
-refuses on the strategy's gradients (PyTorch's own error, explained)."""
+head that pools one position of each row, NEFTune's noise, packed documents (``doc_ids``) that a module does not say
+it keeps apart, an ``all_gather`` of tensors whose shapes differ between the ranks, and a hook that changes a gradient
+in a way PyTorch refuses on the strategy's gradients (PyTorch's own error, explained)."""
 
 from __future__ import annotations
 
@@ -151,6 +151,30 @@ _GRAD_VIEW_ERRORS = (
 )
 """PyTorch's errors for a gradient that is a view of a shared buffer changed in place with an operand that requires a
 gradient, in grad mode."""
+
+
+KEEPS_DOCUMENTS_APART = "keeps_documents_apart"
+"""The LightningModule attribute that says its step keeps a packed batch's documents apart in one process as the
+strategy does (:class:`~lightning_paradyse.lightning.language_model.LanguageModel` sets it)."""
+
+
+def refuse_joined_documents(module: nn.Module, packed: bool) -> None:
+    """A batch with ``doc_ids`` (``packed``) has the strategy's attention keep its documents apart; one process runs
+    the module's model over the whole row, documents attending to each other, unless the step runs each document on
+    its own there (as ``LanguageModel.logits`` does). Which the step does cannot be read from it, so a module that
+    does not say so (``keeps_documents_apart = True``) is refused, naming both fixes (silent until 2026-12-02: 2e-1
+    off one process after four steps, probe 17). Raised alike on every rank, before any collective: the batch is the
+    same on every rank."""
+    if packed and getattr(module, KEEPS_DOCUMENTS_APART, False) is not True:
+        raise ValueError(
+            f"the batch holds 'doc_ids': ParaDySeStrategy keeps its packed documents apart in attention, but "
+            f"{type(module).__name__} does not say that one process does too; run alone, the model attends across the "
+            f"documents of the row unless the step runs each document on its own when the model is not parallelized "
+            f"(as LanguageModel.logits does, checking lightning_paradyse.runtime.parallel.is_parallelized). If "
+            f"it does, say so: set `{KEEPS_DOCUMENTS_APART} = True` on the LightningModule; if the documents should "
+            f"attend to each other, leave 'doc_ids' out of the batch (or name the key otherwise). See "
+            f"docs/training-step.md"
+        )
 
 
 def explain_grad_view_error(err: RuntimeError) -> None:

@@ -39,6 +39,7 @@ from lightning_paradyse.data.batching import pack_documents
 from lightning_paradyse.lightning.language_model import LanguageModel
 from lightning_paradyse.models import build_model, resolve_config
 from lightning_paradyse.models.llama import Llama, resolve_positions
+from lightning_paradyse.runtime import parallel
 from tests.exact.harness import Case
 from tests.support.families import (
     HF_FAMILIES,
@@ -1082,6 +1083,27 @@ class PadToIgnoreLM(TinyLM):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+class PackedOwnLM(TinyLM):
+    """A module of its own over packed batches (``doc_ids``, positions): the model over the whole row, as one process
+    runs it (documents attend to each other), or, with ``apart``, each document on its own when the model is not
+    parallelized, as ``LanguageModel.logits`` does, saying so (``keeps_documents_apart``)."""
+
+    def __init__(self, apart: bool = False) -> None:
+        super().__init__()
+        self.keeps_documents_apart = apart
+
+    @override
+    def loss(self, batch: dict[str, Tensor]) -> Tensor:
+        ids, positions = batch["input_ids"], batch["positions"]
+        if not self.keeps_documents_apart or parallel.is_parallelized(self.model):
+            logits = self.model(ids, positions)  # [1, s, vocab]
+        else:
+            sizes = torch.unique_consecutive(batch["doc_ids"], return_counts=True)[1].tolist()  # the documents' lengths
+            parts = zip(ids.split(sizes, dim=1), positions.split(sizes))
+            logits = torch.cat([self.model(t, pos) for t, pos in parts], dim=1)  # [1, s_i, vocab] -> [1, s, vocab]
+        return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten())
+
+
 class ClassWeightedLM(TinyLM):
     """A mean cross-entropy with class weights (normalised by the sum of the targets' weights)."""
 
@@ -1928,6 +1950,20 @@ def cases_p2() -> dict[str, Case]:
                 lm_main, lambda: DataLoader(PackedBatches(PACKED), batch_size=None), strategy=dict(plan=MIXED)
             ),
             "lm-packed-groups": Case(lm_main, lambda: DataLoader(PackedBatches(PACKED), batch_size=None)),
+            # a module of its own over packed batches: its documents attend to each other in one process, where the
+            # strategy kept them apart (silent until 2026-12-02, probe 17: 2e-1); exact where it says it keeps them
+            # apart and does
+            "packed-own-module": Case(
+                PackedOwnLM,
+                lambda: DataLoader(PackedBatches(PACKED), batch_size=None),
+                strategy=dict(plan="ring"),
+                refused="set `keeps_documents_apart = True`",
+            ),
+            "packed-own-module-apart": Case(
+                functools.partial(PackedOwnLM, True),
+                lambda: DataLoader(PackedBatches(PACKED), batch_size=None),
+                strategy=dict(plan="ring"),
+            ),
             "lm-hf-granite": Case(lm_granite, _lm_data, trainer=val, strategy=dict(plan=MIXED)),
             "hf-labels-key": Case(hf("labels-key"), lambda: loader(hf_labels), strategy=dict(plan="ulysses")),
             "hf-labels-ids": Case(hf("labels-ids"), lambda: loader(tokens_only), strategy=dict(plan=MIXED)),

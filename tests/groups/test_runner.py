@@ -32,6 +32,7 @@ from lightning_paradyse.data.batching import pack_documents
 from lightning_paradyse.distributed.spawn import run_distributed
 from lightning_paradyse.groups.solver import Assignment
 from lightning_paradyse.models import build_model
+from lightning_paradyse.runtime import parallel
 from tests.exact.harness import TOL
 from tests.lightning.test_strategy import assert_same_training
 from tests.support.dist import free_ports
@@ -42,7 +43,11 @@ SPLITS = [(2, 1, 1), (4,), (1, 1, 1, 1), (2, 2), (2, 1, 1), (2, 2)]
 
 
 class PackedLM(pl.LightningModule):
-    """An ordinary LightningModule for packed batches: positions from the batch, mean token cross-entropy."""
+    """An ordinary LightningModule for packed batches: positions from the batch, mean token cross-entropy, each
+    document on its own where the model is not parallelized (one process keeps the documents apart too:
+    ``keeps_documents_apart``)."""
+
+    keeps_documents_apart = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -50,7 +55,13 @@ class PackedLM(pl.LightningModule):
 
     @override
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        logits = self.model(batch["input_ids"], batch["positions"])  # [1, s_r, vocab] on this rank's tokens
+        ids, positions = batch["input_ids"], batch["positions"]
+        if parallel.is_parallelized(self.model):
+            logits = self.model(ids, positions)  # [1, s_r, vocab] on this rank's tokens
+        else:
+            sizes = torch.unique_consecutive(batch["doc_ids"], return_counts=True)[1].tolist()  # the documents' lengths
+            parts = zip(ids.split(sizes, dim=1), positions.split(sizes))
+            logits = torch.cat([self.model(t, pos) for t, pos in parts], dim=1)  # [1, s_i, vocab] -> [1, s, vocab]
         return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten())
 
     @override
