@@ -18,7 +18,11 @@ summed (:func:`summed_over_ranks`).
 The tokens are three runs of the batch's positions side by side: at its start, at its end and between
 (:func:`probe_columns`), so that a step that weighs positions unevenly (a loss averaged over every position, those
 without a target included; weights that change along the sequence) is seen where the batch's positions differ. After
-a batch whose every position has a target, the first batch with a position without one is checked too.
+a batch whose every position has a target, the first batch with a position without one is checked too. And the
+losses are compared once more on the same tokens with ids planted in the first row's last real targets (0 and a
+Hugging Face config's pad and end-of-sequence ids, and -100 where the data marks targets so: :func:`planted_probe`):
+a mean over the targets the step keeps by their ids (``targets.bool()``, a lookup) or a mean of each row's mean
+differs there on the first batch, whatever that batch holds (silent until 2026-12-02, probe 17).
 
 What the step logs is compared on the same two calls: the sharded call's logs as the strategy makes them (its loss,
 a number equal to it and a metric given it, made global: :class:`~lightning_paradyse.lightning.step_logs.StepLogs`)
@@ -815,6 +819,62 @@ RESEED = 0x5EED
 """The seed of the whole call run again to tell whether the step draws random numbers (:func:`loss_redrawn`)."""
 
 
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def manual_steps_held(module: pl.LightningModule) -> Iterator[list[torch.Tensor]]:
+    """Inside, a manual optimization step (``automatic_optimization = False``) runs without trace: its
+    ``manual_backward(loss)`` records ``loss`` in the list yielded and backs nothing, its optimizers' ``step`` calls
+    the closure it is given and nothing more, and their ``zero_grad``, its schedulers' ``step`` and
+    ``clip_gradients`` do nothing, so that the check compares what it backs (until 2026-12-02 the check skipped such
+    steps, and a loss it refuses trained silently otherwise there: probe 17, 7e-2 to 1.5e-1)."""
+    backed: list[torch.Tensor] = []
+
+    def held_step(closure: Callable[[], Any] | None = None, *args: Any, **kwargs: Any) -> Any:
+        return None if closure is None else closure()
+
+    def nothing(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    found = module.optimizers()
+    optimizers = found if isinstance(found, list) else [found]
+    schedulers = module.lr_schedulers()
+    schedulers = [] if schedulers is None else schedulers if isinstance(schedulers, list) else [schedulers]
+    patched: list[tuple[Any, str, Any]] = [
+        (module, "manual_backward", lambda loss, *args, **kwargs: backed.append(loss)),
+        (module, "clip_gradients", nothing),
+        *[(s, "step", nothing) for s in schedulers],
+    ]
+    for optimizer in optimizers:  # Lightning's wrapper and the optimizer it wraps
+        for target in (optimizer, getattr(optimizer, "optimizer", None)):
+            if target is not None:
+                patched += [(target, "step", held_step), (target, "zero_grad", nothing)]
+    saved = [(obj, name, vars(obj).get(name, _MISSING)) for obj, name, _ in patched]
+    for obj, name, replacement in patched:  # an attribute of the object's shadows its class's method
+        setattr(obj, name, replacement)
+    try:
+        yield backed
+    finally:
+        for obj, name, before in reversed(saved):  # a scheduler's own wrapper of ``optimizer.step`` kept
+            if before is _MISSING:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, before)
+
+
+def backed_loss(step_fn: Callable[..., Any], module: pl.LightningModule) -> Callable[..., Any]:
+    """``step_fn`` (a manual optimization step) as a step that returns the sum of the losses it backs
+    (:func:`manual_steps_held`), ``None`` where it backs none."""
+
+    def step(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+        with manual_steps_held(module) as backed:
+            step_fn(*args, **kwargs)
+        return None if not backed else functools.reduce(torch.add, backed)
+
+    return step
+
+
 def loss_redrawn(
     step_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device
 ) -> float | None:
@@ -836,14 +896,16 @@ def check_step_losses(
     redrawn: float | None = None,
     chunk: int | None = None,
     weights_sum: str | None = None,
+    planted: str | None = None,
 ) -> None:
     """Raise when the sharded step's loss on the probe (``where``) differs from the whole step's (the same on every
     rank). ``consumed``: a Hugging Face model was handed ``labels=`` in the sharded step (its loss is this rank's share
     of the global mean), named first among the causes. ``redrawn``: the whole step's loss with its random streams
     seeded afresh (:func:`loss_redrawn`); where it differs from ``whole`` the step draws random numbers, named
-    alone."""
+    alone. ``planted``: how ids were planted in the probe (:func:`planted_probe`), whose causes come first."""
     if abs(sharded - whole) <= tol * max(abs(whole), 1e-12):
         return
+    where += f", {planted}" if planted else ""
     if math.isnan(sharded) and math.isnan(whole):
         raise ValueError(
             f"the {hook}'s loss is nan on {where}, both when each rank runs its slice and when one process runs them "
@@ -876,7 +938,7 @@ def check_step_losses(
         if chunk is not None
         else ""
     )
-    lead = chunked + (weights if weights_sum else "")  # what the step was seen doing, first
+    lead = (PLANTED_CAUSES if planted else "") + chunked + (weights if weights_sum else "")  # what it was seen doing
     mixed = (
         "a Hugging Face model's loss given labels= (this rank's share of the whole batch's mean, which the "
         "strategy sums over the ranks) combined with a term of the step's own, such as a distillation or "
@@ -903,6 +965,75 @@ def check_step_losses(
         f"under torch.no_grad(), p.grad.add_(p, alpha=2 * l2), which is exact). "
         f"ParaDySeStrategy(check_step=False) turns this check off"
     )
+
+
+PLANTED_CAUSES = (
+    "a mean over the targets the step keeps by their ids (an id treated as padding: targets.bool(), targets != 0, "
+    "torch.sign, a lookup table[targets], nonzero(), as a mask or an index; mark padding -100 in the data, the "
+    "collate function's targets[targets == pad_id] = -100, and average over every target that is not -100), a mean "
+    "of each row's mean (((ce * m).sum(1) / m.sum(1)).mean(): each rank holds a slice of every row; average over "
+    "the batch's real targets at once, or put the weights each row's targets need in the batch, divided by the "
+    "whole batch's count, with loss_reduction='sum'), "
+)
+"""The causes a difference on a probe with ids planted (:func:`planted_probe`) names first."""
+PLANTED = 3
+"""Positions of the probe's first row that each planted value takes (:func:`planted_probe`)."""
+
+
+def pad_ids(module: nn.Module) -> tuple[int, ...]:
+    """The ids a step may treat as padding, planted by :func:`planted_probe`: 0, and the pad and end-of-sequence ids
+    of a Hugging Face model's config in the module (its first)."""
+    ids = [0]
+    config: Any = next((getattr(m, "config", None) for m in module.modules() if hasattr(m, "config")), None)
+    vocab = getattr(config, "vocab_size", None)
+    for name in ("pad_token_id", "eos_token_id"):
+        value = getattr(config, name, None)
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(v, int) and isinstance(vocab, int) and 0 <= v < vocab and v not in ids:
+                ids.append(v)
+    return tuple(ids)
+
+
+def planted_probe(probe: Any, ids: tuple[int, ...], ignore: bool) -> tuple[Any, str | None]:
+    """``probe`` with ``ids`` planted (:data:`PLANTED` positions each) in its first row at its last positions that
+    have a real target, in the tokens and in the targets the strategy weighs by, and, where the data marks targets
+    -100 (``ignore``), -100 in the targets at the positions before those; with how (for a message), or ``None``
+    where the probe has too few such positions. A step that keeps targets by their ids (a pad id as ``tg.bool()``,
+    a lookup) or averages each row's mean differs from one process only where ids or rows' counts of real targets
+    differ, which the batch the check runs may not show (silent until 2026-12-02, probe 17): planted, they differ on
+    the first batch. 0 is a real id of every vocabulary, and -100 is a value the data itself uses, so a step that
+    differs here differs on some batch of its own."""
+    tokens = find_tokens(probe)
+    _, targets = find_targets(probe)
+    weighed = targets if targets is not None and targets is not tokens else None
+    real = (
+        (weighed != IGNORE_INDEX).reshape(weighed.shape[0], weighed.shape[1], -1).any(-1)[0]
+        if weighed is not None
+        else None
+    )
+    where = torch.nonzero(real).flatten() if real is not None else torch.arange(tokens.shape[1])  # [k] on the host
+    values = [*ids, IGNORE_INDEX] if ignore and weighed is not None else list(ids)
+    if where.numel() < PLANTED * len(values) + 1:  # one real target left
+        return probe, None
+    new_tokens, new_targets = tokens.clone(), None if weighed is None else weighed.clone()
+    for k, value in enumerate(values):
+        at = where[where.numel() - PLANTED * (k + 1) : where.numel() - PLANTED * k].to(tokens.device)  # [PLANTED]
+        if value != IGNORE_INDEX:
+            new_tokens[0, at] = value
+        if new_targets is not None:
+            new_targets[0, at] = value
+
+    def swap(t: Any) -> Any:
+        return new_tokens if t is tokens else new_targets if t is weighed and new_targets is not None else t
+
+    if isinstance(probe, dict):
+        planted: Any = {k: swap(v) for k, v in probe.items()}
+    elif isinstance(probe, (list, tuple)):
+        planted = type(probe)(swap(v) for v in probe)
+    else:
+        planted = swap(probe)
+    shown = ", ".join(str(v) for v in ids) + (" and -100 targets" if IGNORE_INDEX in values else "")
+    return planted, f"with the ids {shown} planted in its first row's last real targets"
 
 
 def one_number(value: Any) -> float | None:
@@ -1216,20 +1347,48 @@ def rows_runs(
     return RowsRuns(combined, first_logs or {}, (half, b - half))
 
 
-def check_rows_losses(combined: float, whole: float, tol: float, hook: str, split: tuple[int, int]) -> None:
+def check_rows_losses(
+    combined: float, whole: float, tol: float, hook: str, split: tuple[int, int], planted: str | None = None
+) -> None:
     """Raise when the step's loss on two parts of the probe's rows, combined as the strategy combines groups' losses,
-    differs from its loss on all of them (the same on every rank)."""
+    differs from its loss on all of them (the same on every rank). ``planted``: the probe's ids were planted
+    (:func:`planted_probe`), how."""
     if abs(combined - whole) > tol * max(abs(whole), 1e-12):
         raise ValueError(
-            f"the {hook} computes something across the rows of its batch: on a batch of {sum(split)} rows its loss "
+            f"the {hook} computes something across the rows of its batch: on a batch of {sum(split)} rows"
+            f"{' (' + planted + ')' if planted else ''} its loss "
             f"is {whole:.10g}, but {combined:.10g} when {split[0]} and {split[1]} of the rows run apart, as steps on "
             f"groups run them (plan='auto' trains batches of several sequences on groups of ranks, each group on "
-            f"its own rows). Common causes: a loss divided by the batch's number of rows (targets.shape[0], "
+            f"its own rows). Common causes: {PLANTED_CAUSES if planted else ''}a loss divided by the batch's number "
+            f"of rows (targets.shape[0], "
             f"len(batch)): each group divides by its own rows; divide by the whole batch's count, a tensor the data "
             f"loader puts in the batch, or train with ParaDySeStrategy(groups=False), where every rank holds a slice "
             f"of every row; or a term computed over the batch's rows (a contrastive loss between rows, a batch "
             f"statistic), which groups=False keeps too. ParaDySeStrategy(check_step=False) turns this check off"
         )
+
+
+def check_rows_runs(
+    apart: RowsRuns | None,
+    whole: torch.Tensor | None,
+    consumed: bool,
+    whole_logs: LoggedValues,
+    found: list[LogDifference],
+    tol: float,
+    hook: str,
+    planted: str | None,
+) -> list[LogDifference]:
+    """Where the check ran the probe's rows apart (:func:`rows_runs`): raise where their losses combined differ from
+    the whole call's (:func:`check_rows_losses`), and return what the first part logs that differs from the whole
+    call's logs and is not in ``found`` already. A Hugging Face loss given ``labels=`` divides by the whole batch's
+    count on groups (the strategy hands it over), by its part's in a whole run (``consumed``): its parts' losses are
+    not compared."""
+    if apart is None or whole is None:
+        return []
+    if not consumed:
+        check_rows_losses(apart.loss, float(whole), tol, hook, apart.split, planted)
+    seen = {(d.fx, d.name) for d in found}
+    return [d for d in differing_logs(apart.logs, whole_logs, tol) if (d.fx, d.name) not in seen]
 
 
 AGAIN_EVERY = 10
@@ -1247,6 +1406,8 @@ class StepCheck:
         self.left = ATTEMPTS if enabled else 0
         self.training = training
         self.until_untargeted = False
+        self.ran = False
+        """The last run of the check compared the two calls (it may stop short: no real target among its tokens)."""
         """The check ran on a batch whose every position has a target: it runs once more, on the first batch with
         a position that has none (where a loss averaged over every position stops being one process's)."""
         self.again: int | None = AGAIN_EVERY if enabled and training else None
@@ -1266,14 +1427,13 @@ class StepCheck:
         self, cycle: StepCycle, module: pl.LightningModule, world: int, axes: int, batch: int | None = None
     ) -> bool:
         """Whether the batch begun (the ``batch``-th) is checked: a plain batch (no documents, one group, not
-        skipped), of a module with automatic optimization for a training step, on several ranks, while attempts are
-        left (or the first such batch with a position without a target, after a check on a batch without one; or
-        the first from :attr:`again`)."""
+        skipped), on several ranks (a manual optimization step too: what it backs, :func:`backed_loss`), while
+        attempts are left (or the first such batch with a position without a target, after a check on a batch
+        without one; or the first from :attr:`again`)."""
         pending, step = cycle.pending, cycle.runner.step
         if world == 1 or pending is None or step is None or not step.whole or not self.wants(pending, batch):
             return False
-        automatic = module.automatic_optimization or not self.training
-        return pending.doc_ids is None and axes == 1 and not pending.skip and automatic
+        return pending.doc_ids is None and axes == 1 and not pending.skip
 
     def run(
         self,
@@ -1292,6 +1452,29 @@ class StepCheck:
         longer = self._run(cycle, trainer, group, device, step_fn, args, kwargs, batch_index)
         if longer is not None:
             self._run(cycle, trainer, group, device, step_fn, args, kwargs, batch_index, longer)
+        if self.ran:  # and once more with ids planted in the tokens (:func:`planted_probe`)
+            self._run(cycle, trainer, group, device, step_fn, args, kwargs, batch_index, plant=True)
+
+    def _again_after(self, batch_index: int | None) -> None:
+        """The next batch to check again after the ``batch_index``-th: the next power of :data:`AGAIN_EVERY`."""
+        while self.again is not None and batch_index is not None and self.again <= batch_index:
+            self.again *= AGAIN_EVERY
+
+    def _probe(
+        self, module: nn.Module, batch: Any, info: BatchInfo, m: int, plant: bool
+    ) -> tuple[Any, torch.Tensor, str | None]:
+        """The ``m`` tokens of ``batch`` the check runs (:func:`probe_columns`), their columns, and, with ``plant``,
+        the ids planted in them and how (:func:`planted_probe`; no tokens, ``None``, where too few positions have a
+        target)."""
+        rows = rows_with_target(batch, info.batch, info.seq_len)  # [s] (host reads: once a fit)
+        columns = probe_columns(rows, info.batch, info.seq_len, m)
+        self.until_untargeted = rows is not None and bool((rows == info.batch).all())
+        probe = probe_batch(batch, info.batch, info.seq_len, columns)
+        if not plant:
+            return probe, columns, None
+        uses_ignore = rows is not None and bool((rows < info.batch).any())  # the data marks targets -100
+        probe, planted = planted_probe(probe, pad_ids(module), uses_ignore)
+        return (None if planted is None else probe), columns, planted
 
     def _run(
         self,
@@ -1304,11 +1487,16 @@ class StepCheck:
         kwargs: dict[str, Any],
         batch_index: int | None,
         probe_len: int | None = None,
+        plant: bool = False,
     ) -> int | None:
         """One run of the check on ``probe_len`` of the batch's tokens (default ``8p + 1``); returns how many to run
-        again on (:func:`longer_probe`), or ``None``."""
+        again on (:func:`longer_probe`), or ``None``. ``plant``: with ids planted in the tokens
+        (:func:`planted_probe`), only the losses compared (what the step logs was compared on the run before)."""
+        self.ran = False
         module = cycle.module
         assert isinstance(module, pl.LightningModule), "the strategy checks its LightningModule's step"
+        if self.training and not module.automatic_optimization:  # what its manual_backward backs, compared
+            step_fn = backed_loss(step_fn, module)
         info, step = cycle.pending, cycle.runner.step
         assert info is not None and step is not None
         plan, rank = step.plan, step.rank
@@ -1320,10 +1508,9 @@ class StepCheck:
         # 8p + 1 tokens: the ranks hold unequal numbers of them, so a value the ranks average (the mean of their
         # losses gathered with self.all_gather) differs from one process's as it does on most real batches
         m = min(info.seq_len, 8 * p + 1) if probe_len is None else probe_len
-        rows = rows_with_target(batch, info.batch, info.seq_len)  # [s] (host reads: once a fit)
-        columns = probe_columns(rows, info.batch, info.seq_len, m)
-        self.until_untargeted = rows is not None and bool((rows == info.batch).all())
-        probe = probe_batch(batch, info.batch, info.seq_len, columns)
+        probe, columns, planted = self._probe(module, batch, info, m, plant)
+        if probe is None:  # too few positions with a target to plant ids in
+            return None
         rest = (args[1:], {k: v for k, v in kwargs.items() if k != "batch"})
         try:
             sharded_info = cycle.inspect(probe)
@@ -1386,8 +1573,7 @@ class StepCheck:
         cycle.runner.enter(step)  # the batch's own step again
         cycle.pending = info
         self.left = 0
-        while self.again is not None and batch_index is not None and self.again <= batch_index:
-            self.again *= AGAIN_EVERY  # the next power of ten
+        self._again_after(batch_index)
         dtype = whole.dtype if whole is not None else torch.get_default_dtype()
         tol = step_check_tolerance(dtype, trainer.precision, losses.dtypes)
         hook = module._current_fx_name or ("training_step" if self.training else "evaluation step")
@@ -1399,14 +1585,14 @@ class StepCheck:
         if sharded is not None and whole is not None:
             where = f"the tokens {described_columns(columns)} of a batch of {info.seq_len}"
             weights_sum = next(iter(cuts.sums), None)  # a floating tensor of the batch summed: weights normalised
-            check_step_losses(sharded, float(whole), tol, hook, where, consumed, redrawn, chunk or None, weights_sum)
+            check_step_losses(
+                sharded, float(whole), tol, hook, where, consumed, redrawn, chunk or None, weights_sum, planted
+            )
         found = differing_logs(sharded_logs, whole_logs, tol)
-        if apart is not None and whole is not None:
-            if not consumed:  # a Hugging Face loss given labels= divides by the whole batch's count on groups (the
-                # strategy hands it over), by its part's in a whole run: its parts' losses are not compared
-                check_rows_losses(apart.loss, float(whole), tol, hook, apart.split)
-            seen = {(d.fx, d.name) for d in found}
-            found += [d for d in differing_logs(apart.logs, whole_logs, tol) if (d.fx, d.name) not in seen]
+        found += check_rows_runs(apart, whole, consumed, whole_logs, found, tol, hook, planted)
+        self.ran = True
+        if planted is not None:  # what the step logs is compared on the batch's own tokens, not on planted ones
+            return None
         warn_differing_logs(found)
         warn_differing_returns(differing_logs(sharded_returns, whole_returns, tol), hook)
         warn_differing_metrics(differing_metrics(metrics, sharded_metrics, whole_metrics, trainer.precision), hook)
@@ -1457,7 +1643,9 @@ __all__ = [
     "RowsRuns",
     "StepCheck",
     "agree_cuts",
+    "backed_loss",
     "check_rows_losses",
+    "check_rows_runs",
     "check_step_losses",
     "cuts_refusal",
     "described_columns",
@@ -1465,8 +1653,11 @@ __all__ = [
     "differing_metrics",
     "every_ranks",
     "longer_probe",
+    "manual_steps_held",
     "metric_values",
     "outer_metrics",
+    "pad_ids",
+    "planted_probe",
     "probe_batch",
     "probe_columns",
     "recorded_logs",

@@ -686,9 +686,8 @@ class ParaDySeStrategy(ParallelStrategy):
     def begin_batch(self, batch: Any, stage: str) -> StepRecord:
         """The one call per batch (:meth:`~lightning_paradyse.lightning.cycle.StepCycle.begin`): validate, plan, agree,
         enter; returns (and keeps in :attr:`step_record`) what the callback logs."""
-        check = functools.partial(self._step_check.wants, batch=self._batch_index())
-        wanted = check if self._module.automatic_optimization else None  # a checked batch runs on one group
-        return self.cycle.begin(batch, stage, check_wanted=wanted, logged=stage == "train" and self._logged())
+        check = functools.partial(self._step_check.wants, batch=self._batch_index())  # a checked batch: one group
+        return self.cycle.begin(batch, stage, check_wanted=check, logged=stage == "train" and self._logged())
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -231,6 +231,12 @@ def pad_zero_after_first(window: Tensor) -> dict[str, Tensor]:
     return {"input_ids": ids, "targets": targets}
 
 
+def even_then_ragged(window: Tensor) -> dict[str, Tensor]:
+    """Every row's last target -100 in the first batch (of ``LENGTHS[0]`` tokens: rows of equal counts of targets),
+    ragged rows in the others."""
+    return last_untargeted(window) if window.shape[1] - 1 == LENGTHS[0] else ragged("targets")(window)
+
+
 def targets_mid_tuple(window: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`all_targets` as a tuple ``(input_ids, targets, attention_mask)``: the targets not last."""
     return window[:, :-1], window[:, 1:], torch.ones_like(window[:, :-1])
@@ -986,6 +992,22 @@ class EveryPositionLM(TinyLM):
         return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(), reduction="none").mean()
 
 
+class ManualEveryPositionLM(ManualLM):
+    """:class:`ManualLM` backing a loss averaged over every position (:class:`EveryPositionLM`'s)."""
+
+    @override
+    def loss(self, batch: dict[str, Tensor]) -> Tensor:
+        return EveryPositionLM.loss(self, batch)  # type: ignore[arg-type]
+
+
+class ManualRowMeansLM(ManualLM):
+    """:class:`ManualLM` backing the mean of each row's mean (:class:`RowMeansLM`'s)."""
+
+    @override
+    def loss(self, batch: dict[str, Tensor]) -> Tensor:
+        return RowMeansLM.loss(self, batch)  # type: ignore[arg-type]
+
+
 class ZLossLM(TinyLM):
     """The mean cross-entropy over the real targets plus a z-loss of the logits over every position (PaLM's
     ``1e-4 * logsumexp**2``), ignored positions included."""
@@ -1102,6 +1124,29 @@ class PackedOwnLM(TinyLM):
             parts = zip(ids.split(sizes, dim=1), positions.split(sizes))
             logits = torch.cat([self.model(t, pos) for t, pos in parts], dim=1)  # [1, s_i, vocab] -> [1, s, vocab]
         return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten())
+
+
+class PadBoolMaskedLM(TinyLM):
+    """A mean over the targets that are not the pad id 0, the mask written without a comparison (``targets.bool()``)."""
+
+    @override
+    def loss(self, batch: dict[str, Tensor]) -> Tensor:
+        logits, targets = self.model(batch["input_ids"]), batch["targets"]  # [b, s, vocab], [b, s]
+        each = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")  # [b s]
+        mask = targets.bool().flatten().to(each.dtype)  # [b s]
+        return (each * mask).sum() / mask.sum()
+
+
+class RowMeansLM(TinyLM):
+    """The mean of each row's mean over its real targets (a common fine-tuning form)."""
+
+    @override
+    def loss(self, batch: dict[str, Tensor]) -> Tensor:
+        targets = batch["targets"]  # [b, s]
+        logits = self.model(batch["input_ids"])  # [b, s, vocab]
+        each = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)  # [b, s]
+        real = (targets != -100).to(each.dtype)  # [b, s]
+        return ((each * real).sum(1) / real.sum(1).clamp(min=1)).mean()
 
 
 class ClassWeightedLM(TinyLM):
@@ -2304,6 +2349,14 @@ def cases_p2() -> dict[str, Case]:
                 strategy=dict(plan=MIXED),
             ),
             "manual-accumulate": Case(ManualAccumulateLM, lambda: loader(shifted_targets), strategy=dict(plan=MIXED)),
+            # losses the step check refuses, backed by a manual step: the check skipped those until 2026-12-02
+            # (probe 17: 8e-2 and 7e-2 off one process, silently); it compares what manual_backward backs
+            "manual-every-position-mean": Case(
+                ManualEveryPositionLM, lambda: loader(shifted_targets), strategy=dict(plan=MIXED), refused=ACROSS
+            ),
+            "manual-row-means": Case(
+                ManualRowMeansLM, lambda: loader(even_then_ragged, rows=3), refused="and -100 targets planted"
+            ),
             "manual-twice": Case(ManualTwiceLM, lambda: loader(shifted_targets), strategy=dict(plan=MIXED)),
             "manual-twice-hook": Case(ManualTwiceHookLM, lambda: loader(shifted_targets), strategy=dict(plan=MIXED)),
             "sgd": Case(tiny(optimizer="sgd"), lambda: loader(shifted_targets), strategy=dict(plan="tp_sp")),
@@ -2407,6 +2460,14 @@ def cases_p2() -> dict[str, Case]:
             ),
             "targets-pad-id-to-ignore-in-step": Case(
                 PadToIgnoreLM, lambda: loader(pad_zero_after_first), refused="depends on the batch's 'targets' == 0"
+            ),
+            # the same written without a comparison, and a mean of each row's mean over a first batch of rows with
+            # equal counts of targets (silent until 2026-12-02, probe 17): seen on ids planted in the check's tokens
+            "targets-masked-by-bool": Case(
+                PadBoolMaskedLM, lambda: loader(pad_zero_after_first), refused="with the ids 0 planted"
+            ),
+            "row-means-even-first-batch": Case(
+                RowMeansLM, lambda: loader(even_then_ragged, rows=3), refused="and -100 targets planted"
             ),
             "targets-selected-by-ignore-index": Case(
                 functools.partial(PadSelectedLM, -100), lambda: loader(shifted_targets)

@@ -28,6 +28,8 @@ from lightning_paradyse.lightning.step_check import (
     described_columns,
     differing_logs,
     kept_attributes,
+    pad_ids,
+    planted_probe,
     probe_batch,
     probe_columns,
     rows_with_target,
@@ -57,6 +59,36 @@ def test_the_probe_is_every_tensors_chosen_positions() -> None:
     assert cut["scale"] is batch["scale"]  # not per token: untouched
     assert probe_batch((batch["input_ids"],), 2, 6, torch.arange(2))[0].shape == (2, 2)
     assert described_columns(torch.tensor([0, 1, 2, 7, 9, 10])) == "0..2, 7, 9..10"
+
+
+def test_ids_are_planted_in_the_first_rows_last_real_targets() -> None:
+    """The pad ids take the first row's last positions that have a real target, in the tokens and the targets; where
+    the data marks targets -100, -100 takes the targets' positions before them; the batch itself is left as it was;
+    too few real targets plant nothing."""
+    ids, targets = torch.arange(1, 25).view(2, 12), torch.arange(1, 25).view(2, 12)
+    targets[0, -1] = -100
+    batch = {"input_ids": ids, "targets": targets}
+    planted, how = planted_probe(batch, (0, 5), ignore=True)
+    assert planted["targets"][0].tolist() == [1, 2, -100, -100, -100, 5, 5, 5, 0, 0, 0, -100]
+    assert planted["input_ids"][0].tolist() == [1, 2, 3, 4, 5, 5, 5, 5, 0, 0, 0, 12]  # no -100 among the tokens
+    assert planted["targets"][1].tolist() == targets[1].tolist() and ids[0, -1] == 12 and targets[0, 2] == 3
+    assert how == "with the ids 0, 5 and -100 targets planted in its first row's last real targets"
+    assert planted_probe(batch, (0,), ignore=False)[0]["targets"][0, 8:].tolist() == [0, 0, 0, -100]
+    tuple_batch = (ids, targets)
+    assert planted_probe(tuple_batch, (0,), ignore=False)[0][1][0, -4:].tolist() == [0, 0, 0, -100]
+    assert planted_probe({"input_ids": ids[:, :3], "targets": targets[:, :3]}, (0,), ignore=False)[1] is None
+
+
+def test_the_pad_ids_are_zero_and_a_hugging_face_configs() -> None:
+    class Config:
+        vocab_size, pad_token_id, eos_token_id = 10, 5, [2, 7, 12]  # 12: beyond the vocabulary
+
+    hf = nn.Module()
+    hf.config = Config()  # type: ignore[assignment]
+    outer = nn.Module()
+    outer.model = hf
+    assert pad_ids(outer) == (0, 5, 2, 7)
+    assert pad_ids(nn.Linear(2, 2)) == (0,)
 
 
 def test_the_probe_holds_the_batchs_ends_and_positions_with_and_without_a_target() -> None:
