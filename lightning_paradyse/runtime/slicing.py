@@ -116,6 +116,20 @@ def find_tokens(batch: Any) -> Tensor:
                 "rank can be handed its slice of them; train a vision model under another strategy (e.g. "
                 "strategy='ddp')"
             )
+        nested = [
+            f"{outer!r} holds {key!r}"
+            for outer, inner in batch.items()
+            if isinstance(inner, Mapping)
+            for key in TOKEN_KEYS
+            if isinstance(inner.get(key), Tensor)
+        ]
+        if nested and not any(isinstance(batch.get(k), Tensor) for k in TOKEN_KEYS):
+            raise TypeError(
+                f"ParaDySeStrategy reads the tokens of a dict batch at its top level, and this batch's {nested[0]} "
+                f"in a nested dict: its tensors would not be split along the sequence with the others; put the nested "
+                f"dict's tensors at the batch's top level (batch = {{**inputs, 'targets': targets}}), and call the "
+                f"model with them from there"
+            )
         for value in (*(batch.get(k) for k in TOKEN_KEYS if k in batch), *batch.values()):
             if isinstance(value, Tensor):
                 found = value

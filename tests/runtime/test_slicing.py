@@ -12,6 +12,7 @@ from lightning_paradyse.runtime.slicing import (
     checksum,
     describe_batch,
     find_padding,
+    find_tokens,
     shard_batch,
     shifted_labels,
 )
@@ -97,3 +98,12 @@ def test_namedtuple_batches_stay_namedtuples_with_every_slice_as_a_source() -> N
 def test_shifted_labels_end_with_an_ignored_position() -> None:
     labels = torch.tensor([[1, 2, 3], [4, 5, 6]])
     assert shifted_labels(labels).tolist() == [[2, 3, IGNORE_INDEX], [5, 6, IGNORE_INDEX]]
+
+
+def test_tokens_in_a_nested_dict_name_the_fix() -> None:
+    """A dict batch whose tokens sit in a nested dict (``{"inputs": {"input_ids": ...}, "targets": ...}``) is refused
+    naming the fix (probe 17: it was refused as a call on another length, naming CombinedLoader)."""
+    ids = torch.zeros(2, 5, dtype=torch.long)
+    with pytest.raises(TypeError, match=r"'inputs' holds 'input_ids' in a nested dict.*batch's top level"):
+        find_tokens({"inputs": {"input_ids": ids}, "targets": ids})
+    assert find_tokens({"input_ids": ids, "extra": {"input_ids": ids[:, :2]}}) is ids  # the top level's first
