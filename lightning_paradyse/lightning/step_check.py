@@ -85,6 +85,10 @@ from lightning_paradyse.runtime import parallel
 from lightning_paradyse.runtime.exactness import kept_rng
 from lightning_paradyse.runtime.slicing import (
     IGNORE_INDEX,
+    PAD_MASK_KEYS,
+    TARGET_KEYS,
+    TOKEN_1D_KEYS,
+    TOKEN_KEYS,
     BatchInfo,
     describe_batch,
     find_targets,
@@ -971,6 +975,8 @@ PLANTED_CAUSES = (
     "a mean over the targets the step keeps by their ids (an id treated as padding: targets.bool(), targets != 0, "
     "torch.sign, a lookup table[targets], nonzero(), as a mask or an index; mark padding -100 in the data, the "
     "collate function's targets[targets == pad_id] = -100, and average over every target that is not -100), a mean "
+    "over a mask of the batch's own ((ce * m).sum() / m.sum() with m = batch['loss_mask']: set the targets it leaves "
+    "out to -100 in the data and average over the real targets), a mean "
     "of each row's mean (((ce * m).sum(1) / m.sum(1)).mean(): each rank holds a slice of every row; average over "
     "the batch's real targets at once, or put the weights each row's targets need in the batch, divided by the "
     "whole batch's count, with loss_reduction='sum'), "
@@ -994,15 +1000,21 @@ def pad_ids(module: nn.Module) -> tuple[int, ...]:
     return tuple(ids)
 
 
+UNPLANTED_KEYS = (*TOKEN_KEYS, *TARGET_KEYS, *PAD_MASK_KEYS, *TOKEN_1D_KEYS, "shift_labels", "token_type_ids")
+"""Keys of a dict batch's per-token tensors :func:`planted_probe` plants no 0 in (the padding mask must keep its
+rules; positions and segments are no weights)."""
+
+
 def planted_probe(probe: Any, ids: tuple[int, ...], ignore: bool) -> tuple[Any, str | None]:
     """``probe`` with ``ids`` planted (:data:`PLANTED` positions each) in its first row at its last positions that
-    have a real target, in the tokens and in the targets the strategy weighs by, and, where the data marks targets
-    -100 (``ignore``), -100 in the targets at the positions before those; with how (for a message), or ``None``
-    where the probe has too few such positions. A step that keeps targets by their ids (a pad id as ``tg.bool()``,
-    a lookup) or averages each row's mean differs from one process only where ids or rows' counts of real targets
-    differ, which the batch the check runs may not show (silent until 2026-12-02, probe 17): planted, they differ on
-    the first batch. 0 is a real id of every vocabulary, and -100 is a value the data itself uses, so a step that
-    differs here differs on some batch of its own."""
+    have a real target, in the tokens and in the targets the strategy weighs by; where the data marks targets -100
+    (``ignore``), -100 in the targets at the positions before those; and 0 before those in a dict batch's other
+    per-token tensors (a ``loss_mask``, weights: not :data:`UNPLANTED_KEYS`); with how (for a message), or ``None``
+    where the probe has too few such positions. A step that keeps targets by their ids (a pad id as ``tg.bool()``, a
+    lookup), by a mask of the batch's own, or averages each row's mean differs from one process only where ids, the
+    mask or rows' counts of real targets differ, which the batch the check runs may not show (silent until
+    2026-12-02, probe 17): planted, they differ on the first batch. 0 is a real id of every vocabulary, and -100 and a
+    mask's 0 are values the data itself uses, so a step that differs here differs on some batch of its own."""
     tokens = find_tokens(probe)
     _, targets = find_targets(probe)
     weighed = targets if targets is not None and targets is not tokens else None
@@ -1012,19 +1024,38 @@ def planted_probe(probe: Any, ids: tuple[int, ...], ignore: bool) -> tuple[Any, 
         else None
     )
     where = torch.nonzero(real).flatten() if real is not None else torch.arange(tokens.shape[1])  # [k] on the host
-    values = [*ids, IGNORE_INDEX] if ignore and weighed is not None else list(ids)
-    if where.numel() < PLANTED * len(values) + 1:  # one real target left
+    values: list[int] = [*ids, IGNORE_INDEX] if ignore and weighed is not None else list(ids)
+    masks = [
+        key
+        for key, t in (probe.items() if isinstance(probe, dict) else ())
+        if isinstance(t, torch.Tensor)
+        and key not in UNPLANTED_KEYS
+        and t is not tokens
+        and t is not targets
+        and t.dim() >= 2
+        and tuple(t.shape[:2]) == tuple(tokens.shape[:2])
+    ]
+    blocks = len(values) + bool(masks)
+    if where.numel() < PLANTED * blocks + 1:  # one real target left
         return probe, None
-    new_tokens, new_targets = tokens.clone(), None if weighed is None else weighed.clone()
+
+    def block(k: int) -> torch.Tensor:  # [PLANTED]: the k-th block of positions from the end
+        return where[where.numel() - PLANTED * (k + 1) : where.numel() - PLANTED * k].to(tokens.device)
+
+    made: dict[int, torch.Tensor] = {id(tokens): tokens.clone()}
+    if weighed is not None:
+        made[id(weighed)] = weighed.clone()
     for k, value in enumerate(values):
-        at = where[where.numel() - PLANTED * (k + 1) : where.numel() - PLANTED * k].to(tokens.device)  # [PLANTED]
         if value != IGNORE_INDEX:
-            new_tokens[0, at] = value
-        if new_targets is not None:
-            new_targets[0, at] = value
+            made[id(tokens)][0, block(k)] = value
+        if weighed is not None:
+            made[id(weighed)][0, block(k)] = value
+    for key in masks:  # a mask's or a weight's 0 at positions with a real target
+        made[id(probe[key])] = probe[key].clone()
+        made[id(probe[key])][0, block(len(values))] = 0
 
     def swap(t: Any) -> Any:
-        return new_tokens if t is tokens else new_targets if t is weighed and new_targets is not None else t
+        return made.get(id(t), t) if isinstance(t, torch.Tensor) else t
 
     if isinstance(probe, dict):
         planted: Any = {k: swap(v) for k, v in probe.items()}
@@ -1033,7 +1064,8 @@ def planted_probe(probe: Any, ids: tuple[int, ...], ignore: bool) -> tuple[Any, 
     else:
         planted = swap(probe)
     shown = ", ".join(str(v) for v in ids) + (" and -100 targets" if IGNORE_INDEX in values else "")
-    return planted, f"with the ids {shown} planted in its first row's last real targets"
+    also = f" (and 0 in its {', '.join(repr(k) for k in masks)})" if masks else ""
+    return planted, f"with the ids {shown} planted in its first row's last real targets{also}"
 
 
 def one_number(value: Any) -> float | None:
@@ -1637,6 +1669,7 @@ __all__ = [
     "STEP_CHECK_TOLERANCE",
     "SUMMED_SLOTS",
     "TF32_TOLERANCE",
+    "UNPLANTED_KEYS",
     "LogDifference",
     "LoggedValues",
     "LossCalls",

@@ -237,6 +237,17 @@ def even_then_ragged(window: Tensor) -> dict[str, Tensor]:
     return last_untargeted(window) if window.shape[1] - 1 == LENGTHS[0] else ragged("targets")(window)
 
 
+def loss_mask_after_first(window: Tensor) -> dict[str, Tensor]:
+    """Targets shifted in the data, every one real, and a ``loss_mask`` of ones in the first batch (of ``LENGTHS[0]``
+    tokens) and zeros over the second row's first third in the others (a prompt the loss leaves out, marked only
+    there)."""
+    batch = all_targets(window)
+    mask = torch.ones(batch["targets"].shape, dtype=torch.float64)
+    if window.shape[1] - 1 != LENGTHS[0]:
+        mask[1, : mask.shape[1] // 3] = 0.0
+    return batch | {"loss_mask": mask}
+
+
 def targets_mid_tuple(window: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`all_targets` as a tuple ``(input_ids, targets, attention_mask)``: the targets not last."""
     return window[:, :-1], window[:, 1:], torch.ones_like(window[:, :-1])
@@ -1147,6 +1158,17 @@ class RowMeansLM(TinyLM):
         each = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)  # [b, s]
         real = (targets != -100).to(each.dtype)  # [b, s]
         return ((each * real).sum(1) / real.sum(1).clamp(min=1)).mean()
+
+
+class LossMaskedMeanLM(TinyLM):
+    """A mean over the batch's ``loss_mask`` (``(ce * m).sum() / m.sum()``)."""
+
+    @override
+    def loss(self, batch: dict[str, Tensor]) -> Tensor:
+        logits, targets = self.model(batch["input_ids"]), batch["targets"]  # [b, s, vocab], [b, s]
+        each = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")  # [b s]
+        mask = batch["loss_mask"].flatten()  # [b s]
+        return (each * mask).sum() / mask.sum()
 
 
 class ClassWeightedLM(TinyLM):
@@ -2465,6 +2487,9 @@ def cases_p2() -> dict[str, Case]:
             # equal counts of targets (silent until 2026-12-02, probe 17): seen on ids planted in the check's tokens
             "targets-masked-by-bool": Case(
                 PadBoolMaskedLM, lambda: loader(pad_zero_after_first), refused="with the ids 0 planted"
+            ),
+            "loss-mask-mean-ones-first": Case(
+                LossMaskedMeanLM, lambda: loader(loss_mask_after_first), refused="(and 0 in its 'loss_mask')"
             ),
             "row-means-even-first-batch": Case(
                 RowMeansLM, lambda: loader(even_then_ragged, rows=3), refused="and -100 targets planted"

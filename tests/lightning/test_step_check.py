@@ -77,6 +77,10 @@ def test_ids_are_planted_in_the_first_rows_last_real_targets() -> None:
     tuple_batch = (ids, targets)
     assert planted_probe(tuple_batch, (0,), ignore=False)[0][1][0, -4:].tolist() == [0, 0, 0, -100]
     assert planted_probe({"input_ids": ids[:, :3], "targets": targets[:, :3]}, (0,), ignore=False)[1] is None
+    masked = {**batch, "loss_mask": torch.ones(2, 12), "attention_mask": torch.ones(2, 12, dtype=torch.long)}
+    planted, how = planted_probe(masked, (0,), ignore=False)  # a mask of the batch's own: 0 before the ids
+    assert planted["loss_mask"][0].tolist() == [1.0] * 5 + [0.0] * 3 + [1.0] * 4 and how is not None
+    assert "(and 0 in its 'loss_mask')" in how and planted["attention_mask"] is masked["attention_mask"]
 
 
 def test_the_pad_ids_are_zero_and_a_hugging_face_configs() -> None:
