@@ -123,7 +123,8 @@ def find_tokens(batch: Any) -> Tensor:
             for key in TOKEN_KEYS
             if isinstance(inner.get(key), Tensor)
         ]
-        if nested and not any(isinstance(batch.get(k), Tensor) for k in TOKEN_KEYS):
+        own = [v for v in batch.values() if isinstance(v, Tensor)]  # none: several loaders' batches (named below)
+        if nested and own and not any(isinstance(batch.get(k), Tensor) for k in TOKEN_KEYS):
             raise TypeError(
                 f"ParaDySeStrategy reads the tokens of a dict batch at its top level, and this batch's {nested[0]} "
                 f"in a nested dict: its tensors would not be split along the sequence with the others; put the nested "
