@@ -1045,10 +1045,10 @@ def planted_probe(probe: Any, ids: tuple[int, ...], ignore: bool) -> tuple[Any, 
     made: dict[int, torch.Tensor] = {id(tokens): tokens.clone()}
     if weighed is not None:
         made[id(weighed)] = weighed.clone()
-    for k, value in enumerate(values):
-        if value != IGNORE_INDEX:
+    for k, value in enumerate(values):  # ids in integer tensors only (features or float targets hold no ids)
+        if value != IGNORE_INDEX and not tokens.is_floating_point():
             made[id(tokens)][0, block(k)] = value
-        if weighed is not None:
+        if weighed is not None and not weighed.is_floating_point():
             made[id(weighed)][0, block(k)] = value
     for key in masks:  # a mask's or a weight's 0 at positions with a real target
         made[id(probe[key])] = probe[key].clone()
