@@ -218,8 +218,13 @@ class LossCalls(TorchFunctionMode):
 
     WATCHED = (F.cross_entropy, F.nll_loss)
 
-    def __init__(self, batch: Any = None, inside_model: Callable[[], bool] = lambda: False) -> None:
+    def __init__(
+        self, batch: Any = None, inside_model: Callable[[], bool] = lambda: False, vocab: int | None = None
+    ) -> None:
         super().__init__()
+        self.vocab = vocab
+        """The ids there are (:func:`vocabulary`): a rule that sets apart none below it sets no id apart
+        (``targets < vocab_size`` in a remap of ids out of range)."""
         self.found: list[str] = []
         self.dtypes: set[torch.dtype] = set()
         """The dtypes the losses were computed in (Hugging Face's upcasts its logits to float32 whatever the
@@ -240,6 +245,9 @@ class LossCalls(TorchFunctionMode):
         self._ruled: dict[int, tuple[torch.Tensor, str]] = {}
         """``id -> (tensor, rule)``: what a rule setting real ids apart (``'targets' != 0``) made, and everything
         made from that (the tensors are held: an id is not reused while the check runs)."""
+        self._selected: dict[int, tuple[torch.Tensor, str]] = {}
+        """``id -> (tensor, rule)``: entries a rule's mask selected (``ce[targets != 0]``): a mean of them divides by
+        the rule's count."""
         if batch is not None:
             for name, t in batch_tensors(batch):
                 self._named[id(t)] = (t, name, t)
@@ -291,13 +299,14 @@ class LossCalls(TorchFunctionMode):
             values = [float(v) for v in other]
         else:
             return None
+        vocab = self.vocab if self.vocab is not None else RULE_IDS
         if sign == "isin":
-            apart = any(v >= 0 and v == int(v) for v in values)
+            apart = any(0 <= v < vocab and v == int(v) for v in values)
             shown = f"torch.isin({valued[1]}, {[int(v) if v == int(v) else v for v in values]})"
         elif not math.isfinite(values[0]) or values[0] > RULE_IDS:
             return None  # beyond any vocabulary: it sets no id apart
         else:
-            ids = torch.arange(0, max(math.ceil(values[0]), 0) + 2)  # [k]: 0 .. just past the number
+            ids = torch.arange(0, min(max(math.ceil(values[0]), 0) + 2, vocab))  # [k]: 0 .. past the number
             apart = bool(
                 torch.unique(func(ids, other if not isinstance(other, torch.Tensor) else other.cpu())).numel() > 1
             )
@@ -316,13 +325,6 @@ class LossCalls(TorchFunctionMode):
         """The rule ``t`` depends on (:attr:`_ruled`), else ``None``."""
         return self._inherited((t,), {})
 
-    def check_loss(self, loss: torch.Tensor | None) -> None:
-        """Name the step's mean ``loss`` where it depends on a rule setting real ids apart and no loss function the
-        step called was named for it already (``(ce * mask).sum() / mask.sum()`` over ``reduction="none"``)."""
-        rule = self.ruled(loss)
-        if rule is not None and not any(rule in found for found in self.found):
-            self.found.append(self._rule_found(f"the loss it returns depends on {rule}"))
-
     def _rule_found(self, what: str) -> str:
         return (
             f"{what}, which sets some real ids apart: a mean over what it keeps divides by a count of its own, but "
@@ -338,17 +340,32 @@ class LossCalls(TorchFunctionMode):
         rule = None if self.inside_model() else self._rule(func, args)
         inherited = self._inherited(args, kwargs) if rule is None else None
         if func in self.WATCHED:
-            self._loss_call(func, args, kwargs, inherited)
+            self._loss_call(func, args, kwargs)
+        elif inherited is not None and not self.inside_model():
+            self._counted(func, args)
         out = func(*args, **kwargs)
         self._follow(func, args, out, rule or inherited)
         return out
 
-    def _loss_call(self, func: Any, args: Any, kwargs: dict[str, Any], inherited: str | None) -> None:
+    def _counted(self, func: Any, args: Any) -> None:
+        """Name a division by what a rule made (``x / mask.sum()``) and a mean of what a rule's mask selected
+        (``ce[targets != 0].mean()``): a mean over the rule's count, not over the real targets the strategy weighs
+        by. Weights a rule makes (``1 + (targets == eos)``) in a mean over every position are not named."""
+        divisor = args[0] if func in REFLECTED_DIVISIONS else args[1] if func in DIVISIONS and len(args) > 1 else None
+        rule = self.ruled(divisor) if isinstance(divisor, torch.Tensor) else None
+        if rule is not None:
+            self.found.append(self._rule_found(f"it divides by a count that depends on {rule}"))
+        selected = self._selected.get(id(args[0])) if func in MEANS and args else None
+        if selected is not None and selected[0] is args[0]:
+            self.found.append(self._rule_found(f"it averages the entries that {selected[1]} selects"))
+
+    def _loss_call(self, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
         """What a call of a watched loss function (:attr:`WATCHED`) does that a mean over the ranks cannot honour."""
         given = inspect.signature(func).bind(*args, **kwargs).arguments
         name, reduction = func.__name__, given.get("reduction", "mean")
-        if inherited is not None and reduction == "mean" and not self.inside_model():
-            self.found.append(self._rule_found(f"{name}(...) averages over what depends on {inherited}"))
+        targets_rule = self.ruled(given.get("target"))  # targets selected or set to -100 by a rule
+        if targets_rule is not None and reduction == "mean" and not self.inside_model():
+            self.found.append(self._rule_found(f"{name}(...) averages over targets that depend on {targets_rule}"))
         source = None if reduction != "mean" or self.inside_model() else self._source(given.get("target"))
         if source is not None and self._weighed_otherwise(source[1]):
             self.found.append(
@@ -392,6 +409,9 @@ class LossCalls(TorchFunctionMode):
                 self._ruled[id(t)] = (t, made)
             if args and isinstance(args[0], torch.Tensor) and _in_place(func):  # t[t == 0] = -100: t follows it
                 self._ruled[id(args[0])] = (args[0], made)
+        selector = self._inherited(args[1:], {}) if func in SELECTIONS and isinstance(out, torch.Tensor) else None
+        if selector is not None:  # ce[targets != 0]: the rule's entries
+            self._selected[id(out)] = (out, selector)
 
     def refuse(self, hook: str) -> None:
         """Raise (alike on every rank: the same code on the same probe) where the step called such a loss."""
@@ -449,6 +469,14 @@ COMPARISONS: dict[Any, str] = {
 }
 """Comparisons a step may set ids apart with (``targets != pad_id``), and how a message writes them
 (:meth:`LossCalls._rule`; ``0 != targets`` reaches it as ``targets.__ne__(0)``)."""
+DIVISIONS = frozenset({torch.div, torch.true_divide, torch.Tensor.div, torch.Tensor.__truediv__})
+"""Divisions ``a / b`` whose divisor, made by a rule, is a count of the rule's (:meth:`LossCalls._counted`)."""
+REFLECTED_DIVISIONS = frozenset({torch.Tensor.__rtruediv__})
+"""``b.__rtruediv__(a)`` is ``a / b``: its divisor comes first."""
+MEANS = frozenset({torch.mean, torch.Tensor.mean, torch.nanmean, torch.Tensor.nanmean})
+"""Means of a tensor's entries."""
+SELECTIONS = frozenset({torch.Tensor.__getitem__, torch.masked_select, torch.Tensor.masked_select})
+"""Calls that keep the entries a mask selects (``ce[keep]``)."""
 RULE_IDS = 1 << 24
 """A number compared with above this sets no id apart (no vocabulary is so large): ``targets < 1e12`` is no rule."""
 RULE_VALUES = 64
@@ -826,13 +854,37 @@ RESEED = 0x5EED
 _MISSING = object()
 
 
+def _held_objects(module: pl.LightningModule) -> tuple[list[Any], list[Any]]:
+    """The optimizers and learning-rate schedulers a manual step may step: Lightning's (``module.optimizers()``, the
+    optimizers they wrap, ``module.lr_schedulers()``) and those the module keeps as its own attributes (a scheduler
+    made in ``on_train_start``), in lists, tuples and dicts of them too."""
+    found = module.optimizers()
+    optimizers: list[Any] = list(found) if isinstance(found, list) else [found]
+    optimizers += [getattr(o, "optimizer", None) for o in optimizers]
+    scheduled = module.lr_schedulers()
+    schedulers: list[Any] = [] if scheduled is None else list(scheduled) if isinstance(scheduled, list) else [scheduled]
+    for value in vars(module).values():
+        for item in (
+            value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
+        ):
+            if isinstance(item, torch.optim.Optimizer):
+                optimizers.append(item)
+            elif isinstance(item, torch.optim.lr_scheduler.LRScheduler):
+                schedulers.append(item)
+    unique = lambda xs: list({id(x): x for x in xs if x is not None}.values())  # noqa: E731
+    return unique(optimizers), unique(schedulers)
+
+
 @contextlib.contextmanager
 def manual_steps_held(module: pl.LightningModule) -> Iterator[list[torch.Tensor]]:
     """Inside, a manual optimization step (``automatic_optimization = False``) runs without trace: its
     ``manual_backward(loss)`` records ``loss`` in the list yielded and backs nothing, its optimizers' ``step`` calls
-    the closure it is given and nothing more, and their ``zero_grad``, its schedulers' ``step`` and
-    ``clip_gradients`` do nothing, so that the check compares what it backs (until 2026-12-02 the check skipped such
-    steps, and a loss it refuses trained silently otherwise there: probe 17, 7e-2 to 1.5e-1)."""
+    the closure it is given and nothing more, their ``zero_grad``, its schedulers' ``step`` (Lightning's and those
+    the module keeps) and ``clip_gradients`` do nothing, and every parameter's gradient (a ``clip_grad_norm_`` or
+    ``self.zero_grad()`` of the step's own, while gradients accumulate) and every optimizer's hyperparameters are put
+    back afterwards; ``loss.backward()`` raises, naming ``manual_backward``. So the check compares what the step
+    backs (until 2026-12-02 it skipped such steps, and a loss it refuses trained silently otherwise there: probe 17,
+    7e-2 to 1.5e-1)."""
     backed: list[torch.Tensor] = []
 
     def held_step(closure: Callable[[], Any] | None = None, *args: Any, **kwargs: Any) -> Any:
@@ -841,20 +893,24 @@ def manual_steps_held(module: pl.LightningModule) -> Iterator[list[torch.Tensor]
     def nothing(*args: Any, **kwargs: Any) -> None:
         return None
 
-    found = module.optimizers()
-    optimizers = found if isinstance(found, list) else [found]
-    schedulers = module.lr_schedulers()
-    schedulers = [] if schedulers is None else schedulers if isinstance(schedulers, list) else [schedulers]
+    def direct_backward(*args: Any, **kwargs: Any) -> None:
+        raise ValueError(
+            "the training_step calls loss.backward() under manual optimization: ParaDySeStrategy weighs each rank's "
+            "loss and sums the gradients over the ranks in its backward, which Lightning calls from "
+            "self.manual_backward(loss); call that instead (Lightning's documented manual optimization)"
+        )
+
+    optimizers, schedulers = _held_objects(module)
     patched: list[tuple[Any, str, Any]] = [
         (module, "manual_backward", lambda loss, *args, **kwargs: backed.append(loss)),
         (module, "clip_gradients", nothing),
+        (torch.Tensor, "backward", direct_backward),
         *[(s, "step", nothing) for s in schedulers],
+        *[(o, name, held_step if name == "step" else nothing) for o in optimizers for name in ("step", "zero_grad")],
     ]
-    for optimizer in optimizers:  # Lightning's wrapper and the optimizer it wraps
-        for target in (optimizer, getattr(optimizer, "optimizer", None)):
-            if target is not None:
-                patched += [(target, "step", held_step), (target, "zero_grad", nothing)]
     saved = [(obj, name, vars(obj).get(name, _MISSING)) for obj, name, _ in patched]
+    grads = [(q, q.grad, None if q.grad is None else q.grad.clone()) for q in module.parameters()]
+    settings = [(g, {k: v for k, v in g.items() if k != "params"}) for o in optimizers for g in o.param_groups]
     for obj, name, replacement in patched:  # an attribute of the object's shadows its class's method
         setattr(obj, name, replacement)
     try:
@@ -865,6 +921,12 @@ def manual_steps_held(module: pl.LightningModule) -> Iterator[list[torch.Tensor]
                 delattr(obj, name)
             else:
                 setattr(obj, name, before)
+        for q, grad, values in grads:
+            q.grad = grad
+            if grad is not None and values is not None:
+                grad.copy_(values)
+        for group, kept in settings:
+            group.update(kept)
 
 
 def backed_loss(step_fn: Callable[..., Any], module: pl.LightningModule) -> Callable[..., Any]:
@@ -986,6 +1048,17 @@ PLANTED = 3
 """Positions of the probe's first row that each planted value takes (:func:`planted_probe`)."""
 
 
+def vocabulary(module: nn.Module) -> int | None:
+    """How many ids there are: a Hugging Face config's ``vocab_size`` in the module, else its largest embedding's
+    rows; ``None`` without either."""
+    config = next((getattr(m, "config", None) for m in module.modules() if hasattr(m, "config")), None)
+    size = getattr(config, "vocab_size", None)
+    if isinstance(size, int):
+        return size
+    rows = [m.num_embeddings for m in module.modules() if isinstance(m, nn.Embedding)]
+    return max(rows) if rows else None
+
+
 def pad_ids(module: nn.Module) -> tuple[int, ...]:
     """The ids a step may treat as padding, planted by :func:`planted_probe`: 0, and the pad and end-of-sequence ids
     of a Hugging Face model's config in the module (its first)."""
@@ -1005,11 +1078,21 @@ UNPLANTED_KEYS = (*TOKEN_KEYS, *TARGET_KEYS, *PAD_MASK_KEYS, *TOKEN_1D_KEYS, "sh
 rules; positions and segments are no weights)."""
 
 
+def _mirrors(mask: torch.Tensor, targets: torch.Tensor) -> bool:
+    """Whether ``mask`` (``[b, m, ...]``) is 0 exactly where ``targets`` are -100 (a ``loss_mask`` the data keeps
+    beside them): a mean over it is then a mean over the real targets, as the strategy weighs (read on the host: the
+    check's, once per run)."""
+    real = (targets != IGNORE_INDEX).reshape(targets.shape[0], targets.shape[1], -1).any(-1)  # [b, m]
+    kept = (mask != 0).reshape(mask.shape[0], mask.shape[1], -1).any(-1)  # [b, m]
+    return bool((real == kept).all())
+
+
 def planted_probe(probe: Any, ids: tuple[int, ...], ignore: bool) -> tuple[Any, str | None]:
     """``probe`` with ``ids`` planted (:data:`PLANTED` positions each) in its first row at its last positions that
     have a real target, in the tokens and in the targets the strategy weighs by; where the data marks targets -100
     (``ignore``), -100 in the targets at the positions before those; and 0 before those in a dict batch's other
-    per-token tensors (a ``loss_mask``, weights: not :data:`UNPLANTED_KEYS`); with how (for a message), or ``None``
+    per-token tensors (a ``loss_mask``, weights: not :data:`UNPLANTED_KEYS`), or, for one that is 0 exactly where the
+    targets are -100 (:func:`_mirrors`), 0 where -100 is planted; with how (for a message), or ``None``
     where the probe has too few such positions. A step that keeps targets by their ids (a pad id as ``tg.bool()``, a
     lookup), by a mask of the batch's own, or averages each row's mean differs from one process only where ids, the
     mask or rows' counts of real targets differ, which the batch the check runs may not show (silent until
@@ -1035,6 +1118,8 @@ def planted_probe(probe: Any, ids: tuple[int, ...], ignore: bool) -> tuple[Any, 
         and t.dim() >= 2
         and tuple(t.shape[:2]) == tuple(tokens.shape[:2])
     ]
+    mirrors = [key for key in masks if weighed is not None and IGNORE_INDEX in values and _mirrors(probe[key], weighed)]
+    masks = [key for key in masks if key not in mirrors]
     blocks = len(values) + bool(masks)
     if where.numel() < PLANTED * blocks + 1:  # one real target left
         return probe, None
@@ -1053,6 +1138,9 @@ def planted_probe(probe: Any, ids: tuple[int, ...], ignore: bool) -> tuple[Any, 
     for key in masks:  # a mask's or a weight's 0 at positions with a real target
         made[id(probe[key])] = probe[key].clone()
         made[id(probe[key])][0, block(len(values))] = 0
+    for key in mirrors:  # a mask that is 0 where the targets are -100: 0 where -100 is planted, as the data has it
+        made[id(probe[key])] = probe[key].clone()
+        made[id(probe[key])][0, block(values.index(IGNORE_INDEX))] = 0
 
     def swap(t: Any) -> Any:
         return made.get(id(t), t) if isinstance(t, torch.Tensor) else t
@@ -1585,11 +1673,10 @@ class StepCheck:
                 run = whole_plan(plan)
                 piece = parallel.configure_whole(module, probe, whole_info, run)  # as one process
                 rewind()
-                whole_losses = LossCalls(piece, lambda: bool(calls.saved))  # the step's own means, over which targets
+                whole_losses = LossCalls(piece, lambda: bool(calls.saved), vocabulary(module))  # the step's own means
                 with recorded_logs(module) as whole_logs, whole_losses as losses:  # logged as one process logs them
                     output = step_fn(piece, *rest[0], **rest[1])
                     whole = step_loss(output)
-                losses.check_loss(whole)
                 whole_returns = returned_values(output, whole)
                 whole_metrics = metric_values(metrics, None)  # one process's
                 redrawn = None
@@ -1703,6 +1790,7 @@ __all__ = [
     "side_effects_undone",
     "step_check_tolerance",
     "summed_over_ranks",
+    "vocabulary",
     "warn_differing_logs",
     "warn_differing_metrics",
     "whole_plan",

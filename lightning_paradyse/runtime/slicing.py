@@ -239,6 +239,24 @@ def _fill_one_target(local: Any, sources: list[BatchSource]) -> tuple[Any, list[
     return local, [replace(src, local=filled) if src.local is targets else src for src in sources]
 
 
+def check_ignored_targets(targets: Tensor | None, key: str | None) -> None:
+    """Integer targets leave a position out with -100 alone: every other value counts as a real target (each rank's
+    mean loss is weighed by its share of them), and no class id is negative, so another negative value (-1, nanoGPT's
+    ``ignore_index``) marks positions the step leaves out by a rule of its own, which the strategy would count
+    (silent until 2026-12-02 where the step kept ``targets >= 0``: probe 18). Raised alike on every rank."""
+    if targets is None or targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
+        return
+    negative = (targets < 0) & (targets != IGNORE_INDEX)  # [b, s, ...]
+    if bool(negative.any()):  # host read: the batch is described on the host
+        value = int(targets[negative][0])
+        raise ValueError(
+            f"the batch's {key or 'targets'!r} hold {value}: ParaDySeStrategy counts every target that is not -100 as "
+            f"real (it weighs each rank's mean loss by its share of them), and a class id is never negative; mark the "
+            f"targets to leave out with -100 in the data (targets[targets == {value}] = -100) and leave them to the "
+            f"loss's default ignore_index"
+        )
+
+
 def find_doc_ids(batch: Any, b: int, s: int) -> Tensor | None:
     """The ``doc_ids`` ``[s]`` of a packed dict batch (batch size 1), or ``None``."""
     doc_ids = batch.get("doc_ids") if isinstance(batch, Mapping) else None
@@ -330,6 +348,7 @@ def describe_batch(
         )
     layout = SeqLayout.for_sequence(s, p, causal)
     key, targets = find_targets(batch)
+    check_ignored_targets(targets, key)
     counts = target_counts(targets, layout, b, s)
     if require_targets and sum(counts) == 0:
         raise ValueError(f"a batch of length {s} has no real target token (all targets are -100)")
@@ -429,6 +448,7 @@ __all__ = [
     "TOKEN_KEYS",
     "BatchInfo",
     "BatchSource",
+    "check_ignored_targets",
     "check_padding_targets",
     "checksum",
     "describe_batch",

@@ -2475,13 +2475,13 @@ def cases_p2() -> dict[str, Case]:
             # a mean over targets the step sets apart by the pad id, the first batch without one (silent until
             # 2026-12-02, twenty-ninth session: the check's first batch set nothing apart)
             "targets-selected-by-pad-id": Case(
-                PadSelectedLM, lambda: loader(pad_zero_after_first), refused="depends on the batch's 'targets' != 0"
+                PadSelectedLM, lambda: loader(pad_zero_after_first), refused="depend on the batch's 'targets' != 0"
             ),
             "targets-masked-mean-by-pad-id": Case(
-                PadMaskedMeanLM, lambda: loader(pad_zero_after_first), refused="the loss it returns depends on"
+                PadMaskedMeanLM, lambda: loader(pad_zero_after_first), refused="it divides by a count that depends on"
             ),
             "targets-pad-id-to-ignore-in-step": Case(
-                PadToIgnoreLM, lambda: loader(pad_zero_after_first), refused="depends on the batch's 'targets' == 0"
+                PadToIgnoreLM, lambda: loader(pad_zero_after_first), refused="depend on the batch's 'targets' == 0"
             ),
             # the same written without a comparison, and a mean of each row's mean over a first batch of rows with
             # equal counts of targets (silent until 2026-12-02, probe 17): seen on ids planted in the check's tokens

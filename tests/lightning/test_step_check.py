@@ -81,6 +81,10 @@ def test_ids_are_planted_in_the_first_rows_last_real_targets() -> None:
     planted, how = planted_probe(masked, (0,), ignore=False)  # a mask of the batch's own: 0 before the ids
     assert planted["loss_mask"][0].tolist() == [1.0] * 5 + [0.0] * 3 + [1.0] * 4 and how is not None
     assert "(and 0 in its 'loss_mask')" in how and planted["attention_mask"] is masked["attention_mask"]
+    mirror = {**batch, "loss_mask": (targets != -100).double()}  # 0 exactly where the targets are -100
+    planted, how = planted_probe(mirror, (0,), ignore=True)  # its 0 where -100 is planted, as the data has it
+    assert planted["loss_mask"][0].tolist() == [1.0] * 5 + [0.0] * 3 + [1.0] * 3 + [0.0] and "loss_mask" not in how
+    assert planted["targets"][0, 5:8].tolist() == [-100] * 3
 
 
 def test_the_pad_ids_are_zero_and_a_hugging_face_configs() -> None:
@@ -479,21 +483,22 @@ def test_a_mean_over_targets_the_strategy_does_not_weigh_by_is_named() -> None:
     assert "batch's tensor 0" in _averaged([ids, padded], ids)[0]
 
 
-def _ruled(step: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> list[str]:
-    """What :class:`LossCalls` finds in ``step(scores, ids, targets)`` (a batch of ids and targets, every id real)
-    once its result is checked as the step's loss."""
+def _ruled(
+    step: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor], vocab: int | None = None
+) -> list[str]:
+    """What :class:`LossCalls` finds in ``step(scores, ids, targets)`` (a batch of ids and targets, every id real)."""
     ids, targets = torch.randint(1, 8, (2, 5)), torch.randint(1, 8, (2, 5))
     scores = torch.randn(10, 8, dtype=torch.float64)
-    with LossCalls({"input_ids": ids, "targets": targets}) as losses:
-        loss = step(scores, ids, targets)
-    losses.check_loss(loss)
+    with LossCalls({"input_ids": ids, "targets": targets}, vocab=vocab) as losses:
+        step(scores, ids, targets)
     return losses.found
 
 
 def test_a_mean_over_ids_a_rule_sets_apart_is_named_whatever_the_batch_holds() -> None:
     """A mean that depends on a rule setting real ids apart (a pad id compared with, in the step) is named on a batch
     holding no such id; a rule that sets only -100 apart, a comparison with other values and a rule that the loss does
-    not depend on are not (a loss summed, ``loss_reduction="sum"``, is not refused: :meth:`LossCalls.refuse` runs for a
+    not depend on are not, nor weights a rule makes in a mean over every target, nor a rule that sets apart only ids
+    past the vocabulary (a loss summed, ``loss_reduction="sum"``, is not refused: :meth:`LossCalls.refuse` runs for a
     mean loss only)."""
     ce = torch.nn.functional.cross_entropy
 
@@ -515,7 +520,7 @@ def test_a_mean_over_ids_a_rule_sets_apart_is_named_whatever_the_batch_holds() -
         return ce(scores, targets.flatten())
 
     (found,) = _ruled(lambda sc, i, t: selected(sc, i, t, t != 0))
-    assert "cross_entropy(...) averages over what depends on the batch's 'targets' != 0" in found
+    assert "cross_entropy(...) averages over targets that depend on the batch's 'targets' != 0" in found
     assert "loss_reduction='sum'" in found and "targets[targets == pad_id] = -100" in found
     assert "the batch's 'targets' > 0" in _ruled(lambda sc, i, t: selected(sc, i, t, t > 0))[0]
     assert "'input_ids' != 3" in _ruled(lambda sc, i, t: selected(sc, i, t, i != 3))[0]  # the tokens' pad id
@@ -523,15 +528,22 @@ def test_a_mean_over_ids_a_rule_sets_apart_is_named_whatever_the_batch_holds() -
         "torch.isin('targets', [0, 2])"
         in _ruled(lambda sc, i, t: selected(sc, i, t, ~torch.isin(t, torch.tensor([0, 2]))))[0]
     )
-    assert "the loss it returns depends on the batch's 'targets' != 0" in _ruled(masked_mean)[0]
+    assert "it divides by a count that depends on the batch's 'targets' != 0" in _ruled(masked_mean)[0]
     assert "the batch's 'targets' == 0" in _ruled(set_to_ignore)[0]
     assert _ruled(lambda sc, i, t: selected(sc, i, t, t != -100)) == []
     assert _ruled(lambda sc, i, t: selected(sc, i, t, t >= 0)) == []
     assert _ruled(lambda sc, i, t: selected(sc, i, t, (t > -math.inf) & (t < 1e12) & (t != 0.5))) == []  # no id apart
     assert _ruled(accuracy_logged) == []
+    each = lambda sc, t: ce(sc, t.flatten(), reduction="none")  # noqa: E731
+    assert (
+        "averages the entries that the batch's 'targets' != 0 selects"
+        in _ruled(lambda sc, i, t: each(sc, t)[(t != 0).flatten()].mean())[0]
+    )
+    assert _ruled(lambda sc, i, t: (each(sc, t) * (1 + (t == 5).flatten())).mean()) == []  # weights over every target
+    assert _ruled(lambda sc, i, t: selected(sc, i, t, t < 8), vocab=8) == []  # no id at or past the vocabulary
+    assert _ruled(lambda sc, i, t: selected(sc, i, t, t < 8)) != []  # a vocabulary not known: ids 8 on may exist
     ids, targets, mask = torch.randint(1, 8, (2, 5)), torch.randint(1, 8, (2, 5)), torch.ones(2, 5, dtype=torch.long)
     with LossCalls({"input_ids": ids, "targets": targets, "attention_mask": mask}) as losses:  # a mask, not ids
         keep = (mask == 1).flatten()
-        loss = ce(torch.randn(10, 8, dtype=torch.float64)[keep], targets.flatten()[keep])
-    losses.check_loss(loss)
+        ce(torch.randn(10, 8, dtype=torch.float64)[keep], targets.flatten()[keep])
     assert losses.found == []

@@ -107,3 +107,15 @@ def test_tokens_in_a_nested_dict_name_the_fix() -> None:
     with pytest.raises(TypeError, match=r"'inputs' holds 'input_ids' in a nested dict.*batch's top level"):
         find_tokens({"inputs": {"input_ids": ids}, "targets": ids})
     assert find_tokens({"input_ids": ids, "extra": {"input_ids": ids[:, :2]}}) is ids  # the top level's first
+
+
+def test_negative_targets_other_than_minus_100_are_refused() -> None:
+    """-1 (nanoGPT's ignore_index) marks positions a step leaves out by its own rule, which the strategy would count
+    as real targets: refused naming -100; -100 and float targets are left alone."""
+    batch = _batch()
+    batch["targets"][0, -2:] = -1
+    with pytest.raises(ValueError, match=r"'targets' hold -1: .*targets\[targets == -1\] = -100"):
+        describe_batch(batch, 2, 0, causal=True)
+    batch["targets"][0, -2:] = -100
+    assert describe_batch(batch, 2, 0, causal=True).n_global == 22
+    assert describe_batch({**batch, "targets": torch.full((2, 12), -0.5)}, 2, 0, causal=True).n_global == 24
