@@ -1038,7 +1038,7 @@ PLANTED_CAUSES = (
     "torch.sign, a lookup table[targets], nonzero(), as a mask or an index; mark padding -100 in the data, the "
     "collate function's targets[targets == pad_id] = -100, and average over every target that is not -100), a mean "
     "over a mask of the batch's own ((ce * m).sum() / m.sum() with m = batch['loss_mask']: set the targets it leaves "
-    "out to -100 in the data and average over the real targets), a mean "
+    "out to -100 in the data and average over the real targets; a mask that leaves none out can go), a mean "
     "of each row's mean (((ce * m).sum(1) / m.sum(1)).mean(): each rank holds a slice of every row; average over "
     "the batch's real targets at once, or put the weights each row's targets need in the batch, divided by the "
     "whole batch's count, with loss_reduction='sum'), "
