@@ -86,11 +86,9 @@ class LanguageModel(pl.LightningModule):
         whose documents attend only within themselves: under ``ParaDySeStrategy`` the rewritten attention keeps them
         apart; elsewhere (one device, DDP) each document runs on its own here, which is the same."""
         doc_ids = batch.get("doc_ids")
-        if doc_ids is None or parallel.is_parallelized(self.model):
+        if doc_ids is None or self._hf:  # a Hugging Face model refuses packed batches (forward)
             return self(batch["input_ids"], batch.get("positions"))  # type: ignore[no-any-return]
-        sizes = torch.unique_consecutive(doc_ids, return_counts=True)[1].tolist()  # the documents' lengths
-        tokens, positions = batch["input_ids"].split(sizes, dim=1), batch["positions"].split(sizes)
-        return torch.cat([self(t, pos) for t, pos in zip(tokens, positions)], dim=1)  # [1, s_i, vocab] -> [1, s, vocab]
+        return parallel.run_documents(self.model, batch["input_ids"], batch["positions"], doc_ids)
 
     @override
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:

@@ -170,8 +170,9 @@ def refuse_joined_documents(module: nn.Module, packed: bool) -> None:
             f"the batch holds 'doc_ids': ParaDySeStrategy keeps its packed documents apart in attention, but "
             f"{type(module).__name__} does not say that one process does too; run alone, the model attends across the "
             f"documents of the row unless the step runs each document on its own when the model is not parallelized "
-            f"(as LanguageModel.logits does, checking lightning_paradyse.runtime.parallel.is_parallelized). If "
-            f"it does, say so: set `{KEEPS_DOCUMENTS_APART} = True` on the LightningModule; if the documents should "
+            f"(lightning_paradyse.runtime.parallel.run_documents(model, ids, positions, doc_ids) does, as "
+            f"LanguageModel.logits does). If it does, say so: set `{KEEPS_DOCUMENTS_APART} = True` on the "
+            f"LightningModule; if the documents should "
             f"attend to each other, leave 'doc_ids' out of the batch (or name the key otherwise). See "
             f"docs/training-step.md"
         )

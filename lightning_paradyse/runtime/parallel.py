@@ -168,6 +168,19 @@ def is_parallelized(module: nn.Module) -> bool:
     return _find_state(module) is not None
 
 
+def run_documents(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
+    """``model(ids, positions)`` over a packed row (``[1, s]``; ``positions`` and ``doc_ids`` ``[s]``) whose documents
+    attend only within themselves: one call over the row where the strategy rewrote the model (its attention keeps
+    the documents apart), else one call per document, so that one process trains what the strategy trains. A
+    LightningModule of one's own over packed batches calls its model so and says it does
+    (``keeps_documents_apart = True``), as ``LanguageModel`` does."""
+    if is_parallelized(model):
+        return model(ids, positions)  # type: ignore[no-any-return]
+    sizes = torch.unique_consecutive(doc_ids, return_counts=True)[1].tolist()  # the documents' lengths
+    parts = zip(ids.split(sizes, dim=1), positions.split(sizes))  # [1, s] -> [1, s_i] each
+    return torch.cat([model(t, pos) for t, pos in parts], dim=1)  # [1, s_i, ...] -> [1, s, ...]
+
+
 # --------------------------------------------------------------------------------------------------
 # Finding and rewriting the blocks
 # --------------------------------------------------------------------------------------------------

@@ -1128,12 +1128,10 @@ class PackedOwnLM(TinyLM):
     @override
     def loss(self, batch: dict[str, Tensor]) -> Tensor:
         ids, positions = batch["input_ids"], batch["positions"]
-        if not self.keeps_documents_apart or parallel.is_parallelized(self.model):
-            logits = self.model(ids, positions)  # [1, s, vocab]
+        if self.keeps_documents_apart:
+            logits = parallel.run_documents(self.model, ids, positions, batch["doc_ids"])  # [1, s, vocab]
         else:
-            sizes = torch.unique_consecutive(batch["doc_ids"], return_counts=True)[1].tolist()  # the documents' lengths
-            parts = zip(ids.split(sizes, dim=1), positions.split(sizes))
-            logits = torch.cat([self.model(t, pos) for t, pos in parts], dim=1)  # [1, s_i, vocab] -> [1, s, vocab]
+            logits = self.model(ids, positions)  # [1, s, vocab]: one call over the row
         return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten())
 
 

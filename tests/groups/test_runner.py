@@ -55,14 +55,8 @@ class PackedLM(pl.LightningModule):
 
     @override
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        ids, positions = batch["input_ids"], batch["positions"]
-        if parallel.is_parallelized(self.model):
-            logits = self.model(ids, positions)  # [1, s_r, vocab] on this rank's tokens
-        else:
-            sizes = torch.unique_consecutive(batch["doc_ids"], return_counts=True)[1].tolist()  # the documents' lengths
-            parts = zip(ids.split(sizes, dim=1), positions.split(sizes))
-            logits = torch.cat([self.model(t, pos) for t, pos in parts], dim=1)  # [1, s_i, vocab] -> [1, s, vocab]
-        return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten())
+        logits = parallel.run_documents(self.model, batch["input_ids"], batch["positions"], batch["doc_ids"])
+        return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten())  # logits [1, s_r, vocab]
 
     @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
