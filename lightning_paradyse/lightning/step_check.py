@@ -63,6 +63,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_paradyse.distributed.comm import Group, all_reduce_sum, collective_device, group_rank, group_size
 from lightning_paradyse.distributed.devices import gpu_free_bytes
@@ -484,16 +485,9 @@ RULE_VALUES = 64
 values of another kind."""
 
 
-def _tensor_leaves(values: Any) -> Iterator[torch.Tensor]:
-    """The tensors in ``values`` (nested tuples, lists and dicts: a call's arguments, its result)."""
-    if isinstance(values, torch.Tensor):
-        yield values
-    elif isinstance(values, (tuple, list)):
-        for v in values:
-            yield from _tensor_leaves(v)
-    elif isinstance(values, dict):
-        for v in values.values():
-            yield from _tensor_leaves(v)
+def _tensor_leaves(values: Any) -> list[torch.Tensor]:
+    """The tensors in ``values`` (a call's arguments, its result: nested tuples, lists and dicts)."""
+    return [t for t in tree_flatten(values)[0] if isinstance(t, torch.Tensor)]
 
 
 def _in_place(func: Any) -> bool:
@@ -1048,11 +1042,15 @@ PLANTED = 3
 """Positions of the probe's first row that each planted value takes (:func:`planted_probe`)."""
 
 
+def model_config(module: nn.Module) -> Any:
+    """The first config a module in ``module`` carries (a Hugging Face model's), else ``None``."""
+    return next((getattr(m, "config", None) for m in module.modules() if hasattr(m, "config")), None)
+
+
 def vocabulary(module: nn.Module) -> int | None:
     """How many ids there are: a Hugging Face config's ``vocab_size`` in the module, else its largest embedding's
     rows; ``None`` without either."""
-    config = next((getattr(m, "config", None) for m in module.modules() if hasattr(m, "config")), None)
-    size = getattr(config, "vocab_size", None)
+    size = getattr(model_config(module), "vocab_size", None)
     if isinstance(size, int):
         return size
     rows = [m.num_embeddings for m in module.modules() if isinstance(m, nn.Embedding)]
@@ -1063,7 +1061,7 @@ def pad_ids(module: nn.Module) -> tuple[int, ...]:
     """The ids a step may treat as padding, planted by :func:`planted_probe`: 0, and the pad and end-of-sequence ids
     of a Hugging Face model's config in the module (its first)."""
     ids = [0]
-    config: Any = next((getattr(m, "config", None) for m in module.modules() if hasattr(m, "config")), None)
+    config = model_config(module)
     vocab = getattr(config, "vocab_size", None)
     for name in ("pad_token_id", "eos_token_id"):
         value = getattr(config, name, None)
@@ -1142,15 +1140,7 @@ def planted_probe(probe: Any, ids: tuple[int, ...], ignore: bool) -> tuple[Any, 
         made[id(probe[key])] = probe[key].clone()
         made[id(probe[key])][0, block(values.index(IGNORE_INDEX))] = 0
 
-    def swap(t: Any) -> Any:
-        return made.get(id(t), t) if isinstance(t, torch.Tensor) else t
-
-    if isinstance(probe, dict):
-        planted: Any = {k: swap(v) for k, v in probe.items()}
-    elif isinstance(probe, (list, tuple)):
-        planted = type(probe)(swap(v) for v in probe)
-    else:
-        planted = swap(probe)
+    planted = tree_map(lambda t: made.get(id(t), t) if isinstance(t, torch.Tensor) else t, probe)
     shown = ", ".join(str(v) for v in ids) + (" and -100 targets" if IGNORE_INDEX in values else "")
     also = f" (and 0 in its {', '.join(repr(k) for k in masks)})" if masks else ""
     return planted, f"with the ids {shown} planted in its first row's last real targets{also}"
@@ -1775,6 +1765,7 @@ __all__ = [
     "longer_probe",
     "manual_steps_held",
     "metric_values",
+    "model_config",
     "outer_metrics",
     "pad_ids",
     "planted_probe",
