@@ -8,11 +8,12 @@ Every function runs on every rank of the group in the same order (they issue col
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -41,7 +42,14 @@ from lightning_paradyse.models import lm_loss_sum
 from lightning_paradyse.modes.attention import block_backward, block_forward, in_window
 from lightning_paradyse.modes.plan import OpPlan, Plan
 from lightning_paradyse.modes.specs import SeqContext
-from lightning_paradyse.runtime.parallel import configure, dispatchers, is_causal, reduce_replicated_grads
+from lightning_paradyse.runtime.parallel import (
+    configure,
+    dispatchers,
+    gather_param_like,
+    is_causal,
+    reduce_replicated_grads,
+    shard_sources,
+)
 
 COLLECTIVE_SIZES = (256, 16_384, 262_144, 1_048_576)
 """float32 elements per rank of the benchmarked collectives (1 KiB to 4 MiB)."""
@@ -337,6 +345,46 @@ def segment_fn(
     return lambda x: mlp(block.mlp_norm(x))
 
 
+def segment_seconds(
+    model: nn.Module, op: str, mode: str, rc: bool, ctx: SeqContext, batch: int, reps: int = MIN_REPS
+) -> float:
+    """The median seconds of layer 0's norm and op in ``mode`` (forward and backward), as :func:`measure_segment`
+    times them, without its memory measurements."""
+    fn = segment_fn(model, op, mode, rc, ctx)
+    x0 = _segment_input(model, ctx, batch)
+
+    def run() -> None:
+        model.zero_grad(set_to_none=True)
+        x = x0.detach().clone().requires_grad_()
+        y = fn(x)
+        y.backward(torch.ones_like(y))
+
+    seconds = timed(run, reps)
+    model.zero_grad(set_to_none=True)
+    return seconds
+
+
+@contextlib.contextmanager
+def whole_on_each_rank(model: nn.Module, group: Any) -> Iterator[None]:
+    """Inside, the dispatch modules read the whole weights, gathered from the shards over ``group`` (collective), as a
+    step on groups of one reads them: what a group of one rank measures. Put back on the way out."""
+    refs = shard_sources(model)
+    ops = dispatchers(model)
+    for path, op in ops:  # [rows/P, ...] -> [rows, ...] per piece: what a group of one holds
+        op.set_group_shards(
+            {
+                name: gather_param_like(w.detach(), refs[f"{path}.{name}"], group).requires_grad_(w.requires_grad)
+                for name, w in ((name, op.get_parameter(name)) for name in op.sources)
+            }
+        )
+    try:
+        yield
+    finally:
+        for _, op in ops:
+            op.set_group_shards(None)
+        model.zero_grad(set_to_none=True)
+
+
 def memory_of(model: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], x0: torch.Tensor) -> tuple[int, int, int]:
     """``(saved, forward peak, backward peak)`` bytes of ``fn`` on a copy of ``x0`` (see ``cost.memory``)."""
     model.zero_grad(set_to_none=True)
@@ -382,11 +430,15 @@ def measure_segment(
 ) -> dict[str, Any]:
     """Time and memory of one segment (layer 0's norm and op) in ``mode``."""
     fn = segment_fn(model, op, mode, rc, ctx)
+    return _time_and_memory(model, fn, _segment_input(model, ctx, batch), reps, min_seconds)
+
+
+def _segment_input(model: nn.Module, ctx: SeqContext, batch: int) -> torch.Tensor:
+    """A segment's input: this rank's ``[batch, s_r, hidden]`` of random values."""
     norm: Any = model.get_submodule("layers.0.attn_norm")
-    hidden = int(norm.weight.shape[0])
     param = next(model.parameters())
-    x0 = torch.randn(batch, ctx.layout.local_len(ctx.rank), hidden, dtype=param.dtype, device=param.device)
-    return _time_and_memory(model, fn, x0, reps, min_seconds)
+    t = ctx.layout.local_len(ctx.rank)
+    return torch.randn(batch, t, int(norm.weight.shape[0]), dtype=param.dtype, device=param.device)
 
 
 def measure_head(model: nn.Module, ctx: SeqContext, settings: Any) -> dict[str, Any]:

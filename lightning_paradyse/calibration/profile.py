@@ -51,6 +51,7 @@ from lightning_paradyse.calibration.measure import (
     measure_head,
     measure_segment,
     measure_step,
+    whole_on_each_rank,
 )
 from lightning_paradyse.cost.dims import ModelDims, dims_from_config, dtype_size
 from lightning_paradyse.cost.model import CostModel, OpCalibration, calibration_key
@@ -62,13 +63,7 @@ from lightning_paradyse.modes import MODES
 from lightning_paradyse.modes.attention import fused_tiles
 from lightning_paradyse.modes.plan import OPS, uniform_plan
 from lightning_paradyse.modes.specs import SeqContext
-from lightning_paradyse.runtime.parallel import (
-    dispatchers,
-    gather_param_like,
-    is_causal,
-    parallelize,
-    shard_sources,
-)
+from lightning_paradyse.runtime.parallel import is_causal, parallelize
 
 PROFILE_VERSION = 1
 
@@ -365,24 +360,10 @@ def _segments_one(
     of one reads them. None on one rank: the world is such a group."""
     if world == 1:
         return [], []
-    group = dist.group.WORLD
-    refs = shard_sources(model)
-    ops = dispatchers(model)
-    for path, op in ops:  # [rows/P, ...] -> [rows, ...] per piece: what a group of one holds
-        op.set_group_shards(
-            {
-                name: gather_param_like(w.detach(), refs[f"{path}.{name}"], group).requires_grad_(w.requires_grad)
-                for name, w in ((name, op.get_parameter(name)) for name in op.sources)
-            }
-        )
-    try:
+    with whole_on_each_rank(model, dist.group.WORLD):
         modes = _one_rank_modes(settings)
         segments = _segments(model, settings, 1, bar, modes, "one rank ")
         steps = _steps(model, settings, settings.step_lengths or settings.lengths, 1, bar, modes, "one rank ")
-    finally:
-        for _, op in ops:
-            op.set_group_shards(None)
-        model.zero_grad(set_to_none=True)
     return segments, steps
 
 

@@ -147,8 +147,8 @@ class ParaDySeStrategy(ParallelStrategy):
             :func:`~lightning_paradyse.distributed.devices.gpu_budget`; none on CPU).
         profile: Path of a cost profile (``python cli.py profile``) or a cluster file. With ``plan="auto"`` the
             exact planner picks, per batch, the fastest plan within ``memory_budget`` on its cost model: the
-            profile's calibrated one, or without a profile one whose kernel rates and collectives are measured
-            during setup (a second or two; uncalibrated per-op overheads, see
+            profile's calibrated one, or without a profile one whose kernel rates, collectives and per-op
+            overheads are measured during setup, once per machine and model shape (a few seconds; see
             :mod:`lightning_paradyse.calibration.quick`).
         compile: Wrap each rewritten block with ``torch.compile(dynamic=True)`` (eager by default).
         blocks: Dotted path of the block list inside the LightningModule (e.g. ``"model.layers"``);

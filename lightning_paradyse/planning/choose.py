@@ -5,8 +5,9 @@
   mode per block, whichever moves fewer bytes);
 * ``thresholds=`` without a profile: :class:`~lightning_paradyse.planning.fixed.ThresholdPolicy`;
 * otherwise the cost model's exact planner (:func:`~lightning_paradyse.planning.planner.make_planner`) on a profile, a
-  cluster file, or this machine measured now (:func:`~lightning_paradyse.calibration.quick.cached_quick_machine`, with
-  the largest weight exchange of the groups measured beside it), within the memory budget (:func:`budget_bytes`).
+  cluster file, or this machine measured now (:func:`~lightning_paradyse.calibration.quick.cached_quick_machine`: its
+  rates, collectives and every mode's per-op overhead, with the largest weight exchange of the groups measured beside
+  it), within the memory budget (:func:`budget_bytes`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch.nn as nn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_paradyse.calibration.profile import is_profile_file
-from lightning_paradyse.calibration.quick import cached_quick_machine
+from lightning_paradyse.calibration.quick import Overheads, cached_quick_machine
 from lightning_paradyse.cost.cluster import GiB, load_cluster
 from lightning_paradyse.cost.dims import dims_from_module, dtype_size
 from lightning_paradyse.distributed.comm import Group, all_gather_rows, collective_device, group_size
@@ -113,6 +114,7 @@ def choose_planner(
         ) from None
     source: Any = options.profile
     exchange_s = None
+    overheads: dict[str, Any] = {}
     p = group_size(group)
     if source is None:  # measure this machine now (every rank, then agreed: the same model everywhere)
         dtype = compute_dtype or next(module.parameters()).dtype  # the matmuls' dtype: autocast's where it is on
@@ -122,8 +124,12 @@ def choose_planner(
             return {} if seconds is None else {"exchange_s": seconds}
 
         extra = exchange if options.groups and p > 1 and measure_exchange is not None else None
-        source, extras, _ = cached_quick_machine(dims, p, group, device, dtype, extra)
-        exchange_s = extras.get("exchange_s")
+        measured = cached_quick_machine(dims, p, group, device, dtype, extra)
+        source, exchange_s = measured.machine, measured.extras.get("exchange_s")
+        overheads = {  # the cost model's per-op constants: every mode's measured overhead
+            "calibration": Overheads.calibration(measured.overheads.world),
+            "one_rank": Overheads.calibration(measured.overheads.one_rank),
+        }
         rank_zero_info(f"[paradyse] cost model: {source.name}; run `python cli.py profile` for a calibrated one")
     planner = make_planner(
         module,
@@ -134,8 +140,9 @@ def choose_planner(
         on_infeasible="skip" if options.on_infeasible == "skip" else "raise",
         bucket_tokens=options.plan_bucket,
         recompute=(True,) if len(checkpointed) == n else (False, True),  # every layer checkpointed by HF
-        prefer_tp_sp=0.25 if options.profile is None else 0.0,  # the quick model leaves per-op overheads out
+        prefer_tp_sp=0.25 if options.profile is None else 0.0,  # the quick model: overheads of a short sequence only
         compute_bytes=None if compute_dtype is None else dtype_size(compute_dtype),
+        **overheads,
     )
     return ChosenPlanner(planner, exchange_s)
 
