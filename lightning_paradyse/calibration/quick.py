@@ -227,7 +227,7 @@ def _slowest(seconds: dict[str, float], group: Any) -> dict[str, float]:
     keys = sorted(seconds)
     t = torch.tensor([seconds[k] for k in keys], dtype=torch.float64, device=collective_device(group))
     if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # [k] -> [k]: the slowest rank's
     return {k: max(0.0, float(v)) for k, v in zip(keys, t.tolist())}
 
 
