@@ -30,7 +30,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.settings import ALL_RUNS, TRACE_KINDS, BenchSettings, TraceSettings
+from benchmarks.settings import ALL_RUNS, MEASURED, TRACE_KINDS, BenchSettings, TraceSettings
 
 WORKER_MODULES = (
     "torch",
@@ -72,7 +72,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-len", type=int, default=None, help="longest sequence of every trace")
     p.add_argument("--batch-tokens", type=int, default=None, help="token budget of a global batch (padding counted)")
     p.add_argument("--search-cap", type=int, default=None, help="largest length the length search probes")
-    p.add_argument("--profile", type=str, default=None, help="cost profile for the adaptive run")
+    p.add_argument(
+        "--profile",
+        type=str,
+        default=None,
+        help="cost profile for the adaptive run; 'measured': none, the machine measured at setup (the default path)",
+    )
     p.add_argument("--timeout", type=float, default=None, help="seconds before the processes are given up")
     return p.parse_args(argv)
 
@@ -90,7 +95,8 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
     search = replace(base.search, cap=args.search_cap) if args.search_cap is not None else None
     devices = args.devices or _default_devices()
     budget = parse_memory_budget(args.budget) if args.budget else None
-    if args.profile and not Path(args.profile).is_file():  # before any process starts, not once per run and probe
+    # before any process starts, not once per run and probe
+    if args.profile and args.profile != MEASURED and not Path(args.profile).is_file():
         raise SystemExit(
             f"run.py: --profile {args.profile}: no such file; give a saved cost profile (a full run writes one to "
             "benchmarks/results/profile.json) or leave --profile out to calibrate one now"
@@ -158,6 +164,8 @@ def _cpu_name() -> str:
 
 def adaptive_profile(settings: BenchSettings, out_dir: Path) -> tuple[str | None, dict[str, Any]]:
     """The cost profile of the adaptive run: ``--profile``, else one made now (``out_dir/profile.json``)."""
+    if settings.profile == MEASURED:  # plan="auto" without a profile: the strategy measures the machine at setup
+        return MEASURED, {"measured": True}
     if settings.profile:
         return str(Path(settings.profile).resolve()), {"path": Path(settings.profile).name, "given": True}
     from benchmarks.profiling import make_profile

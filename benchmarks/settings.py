@@ -165,7 +165,8 @@ class BenchSettings:
     """``ParaDySeStrategy(thresholds=...)`` of the adaptive run (used by its stand-in threshold policy)."""
     profile: str | None = None
     """A saved cost profile for the adaptive run (``ParaDySeStrategy(profile=...)``); ``None``: calibrate one first
-    (:mod:`benchmarks.profiling`)."""
+    (:mod:`benchmarks.profiling`); :data:`MEASURED`: none, the strategy measures the machine at setup, as
+    ``plan="auto"`` does without a profile (a user's default)."""
     seed: int = 0
     """Seed of the model weights."""
     timeout: float = 3600.0
@@ -208,4 +209,16 @@ class BenchSettings:
         return replace(self, **{k: v for k, v in changes.items() if v is not None})  # type: ignore[arg-type]
 
 
-__all__ = ["ALL_RUNS", "QUICK_RUNS", "TRACE_KINDS", "BenchSettings", "ModelSettings", "SearchSettings", "TraceSettings"]
+MEASURED = "measured"
+"""``--profile measured``: the adaptive run plans on the machine the strategy measures at setup (no profile)."""
+
+__all__ = [
+    "ALL_RUNS",
+    "MEASURED",
+    "QUICK_RUNS",
+    "TRACE_KINDS",
+    "BenchSettings",
+    "ModelSettings",
+    "SearchSettings",
+    "TraceSettings",
+]

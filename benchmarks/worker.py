@@ -39,7 +39,7 @@ from torch.utils.data import DataLoader
 
 from benchmarks.instrument import StepRecorder, matmul_rate
 from benchmarks.runs import BenchLM, RunSpec, make_strategy, parallelism, run_spec
-from benchmarks.settings import BenchSettings
+from benchmarks.settings import MEASURED, BenchSettings
 from benchmarks.workload import Trace, probe_batch, rank_items
 from lightning_paradyse.distributed.devices import resolve_backend
 
@@ -239,7 +239,8 @@ def bench_worker(
     """The body of every spawned process; rank 0 returns all results, the others their matmul rates (measured
     before and after the runs; the larger one is this process's rate, the other was slowed by other load).
 
-    ``profile`` is the adaptive run's cost profile (``None``: the strategy's threshold policy stands in).
+    ``profile`` is the adaptive run's cost profile (``None``: the strategy's threshold policy stands in;
+    :data:`~benchmarks.settings.MEASURED`: none, the machine the strategy measures at setup).
     """
     dist.destroy_process_group()  # the harness's group; every fit gets its own
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
@@ -247,7 +248,9 @@ def bench_worker(
     quiet()
     device = select_device(rank)
     extra: dict[str, Any] = {"thresholds": settings.thresholds}  # the stand-in planner without a profile
-    if profile is not None:  # the cost model plans; a batch no plan fits is skipped and counted
+    if profile == MEASURED:  # the cost model on the machine the strategy measures at setup (no profile)
+        extra = {"on_infeasible": "skip"}
+    elif profile is not None:  # the cost model plans; a batch no plan fits is skipped and counted
         extra = {"profile": profile, "on_infeasible": "skip"}
     ctx = Context(rank, world, settings, store_dir, device, extra=extra)
     rate = matmul_rate(device)

@@ -22,7 +22,7 @@ import pytest
 from benchmarks.instrument import collective_bytes
 from benchmarks.plots import matplotlib_available
 from benchmarks.report import best, model_flops
-from benchmarks.run import QUICK_RESULTS, RESULTS, output_path, parse_args, settings_from
+from benchmarks.run import QUICK_RESULTS, RESULTS, adaptive_profile, output_path, parse_args, settings_from
 from benchmarks.runs import BenchLM, run_spec
 from benchmarks.settings import QUICK_RUNS, BenchSettings, ModelSettings
 from benchmarks.step_overhead import FUNCTIONS, PHASES
@@ -170,7 +170,8 @@ def test_runs_settings_and_helpers() -> None:
 
 def test_a_quick_run_leaves_the_committed_results_alone(tmp_path: Path) -> None:
     """Without ``--out`` the smoke run writes into a folder git ignores; the full run into the committed results. A
-    missing ``--profile`` stops the harness before it starts."""
+    missing ``--profile`` stops the harness before it starts; ``--profile measured`` plans on the machine the strategy
+    measures at setup (no profile, the default path)."""
     assert output_path(parse_args(["--quick"])) == QUICK_RESULTS / "results.json"
     assert output_path(parse_args([])) == RESULTS / "results.json"
     assert output_path(parse_args(["--quick", "--out", str(tmp_path / "q.json")])) == tmp_path / "q.json"
@@ -179,6 +180,8 @@ def test_a_quick_run_leaves_the_committed_results_alone(tmp_path: Path) -> None:
     )
     with pytest.raises(SystemExit, match="no such file"):  # before any process starts
         settings_from(parse_args(["--quick", "--profile", str(tmp_path / "missing.json")]))
+    measured = settings_from(parse_args(["--quick", "--profile", "measured"]))
+    assert adaptive_profile(measured, tmp_path) == ("measured", {"measured": True})
     if ignored.returncode == 128:  # not a git checkout (an unpacked archive): nothing to ask
         pytest.skip("not a git checkout")
     assert ignored.returncode == 0, "benchmarks/results/quick/ must be ignored by git (.gitignore)"
