@@ -1,8 +1,8 @@
 """What the strategy refuses outside a step, each on every rank and naming the fix: Lightning callbacks it cannot run
-(weight averaging, the learning-rate finder), an ``AveragedModel`` the module builds before the fit, a Hugging Face
-head that pools one position of each row, NEFTune's noise, packed documents (``doc_ids``) that a module does not say
-it keeps apart, an ``all_gather`` of tensors whose shapes differ between the ranks, and a hook that changes a gradient
-in a way PyTorch refuses on the strategy's gradients (PyTorch's own error, explained)."""
+(weight averaging, the learning-rate finder, pruning), an ``AveragedModel`` the module builds before the fit, a Hugging
+Face head that pools one position of each row, NEFTune's noise, packed documents (``doc_ids``) that a module does not
+say it keeps apart, an ``all_gather`` of tensors whose shapes differ between the ranks, and a hook that changes a
+gradient in a way PyTorch refuses on the strategy's gradients (PyTorch's own error, explained)."""
 
 from __future__ import annotations
 
@@ -28,13 +28,23 @@ def refuse_callbacks(callbacks: Sequence[Any]) -> None:
     and then average the copy's whole parameters with this rank's shards, pairing them by position (a crash on a
     shape mismatch, or a wrong average where shapes happen to agree): refused, naming the fix. So is the learning-rate
     finder (``Tuner.lr_find``): it ends the fit from inside with an exception of Lightning's own, which the spawned
-    workers report as a failure without a message (under ``ddp_spawn`` too)."""
+    workers report as a failure without a message (under ``ddp_spawn`` too). So is ``ModelPruning``: it prunes the
+    ``nn.Linear`` layers it finds, and the blocks' projections are rewritten into shards it does not find (silent
+    until 2026-12-02, probe 19: one process pruned 51% of those weights, the strategy none)."""
     finders = [type(c).__name__ for c in callbacks if isinstance(c, pl_callbacks.LearningRateFinder)]
     if finders:
         raise ValueError(
             f"{finders[0]} (Tuner.lr_find) is not supported with ParaDySeStrategy: it ends the fit from inside, which "
             "the strategy's worker processes cannot report; find the learning rate with a plain Trainer(devices=1) "
             "on the same module (the strategy changes no result of a step), then set it for the fit"
+        )
+    pruning = [type(c).__name__ for c in callbacks if isinstance(c, pl_callbacks.ModelPruning)]
+    if pruning:
+        raise ValueError(
+            f"{pruning[0]} prunes the module's nn.Linear and nn.Conv layers with torch.nn.utils.prune, which "
+            "ParaDySeStrategy has rewritten inside the blocks: the blocks' projections would not be pruned (their "
+            "shards are no such layers) while one process prunes them. Remove the callback, or prune with a plain "
+            "Trainer (the strategy's checkpoints hold the single-process model's state dict)"
         )
     found = [type(c).__name__ for c in callbacks if isinstance(c, AVERAGING_CALLBACKS)]
     if found:

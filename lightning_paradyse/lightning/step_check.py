@@ -711,12 +711,17 @@ def step_check_tolerance(dtype: torch.dtype, precision: str | None, computed: Co
 
 
 @contextlib.contextmanager
-def side_effects_undone(trainer: Any, module: nn.Module, device: torch.device | None = None) -> Iterator[None]:
-    """Run extra calls of the user's step without trace: in eval mode (no dropout: both calls must compute the
-    same function), logging off (Lightning's barebones switch), the random streams (the host's and ``device``'s,
+def side_effects_undone(
+    trainer: Any, module: nn.Module, device: torch.device | None = None, training: bool = False
+) -> Iterator[KeptState]:
+    """Run extra calls of the user's step without trace: its sub-modules in eval mode (no dropout: both calls must
+    compute the same function), the module itself in training mode where ``training`` (the training step's check:
+    a term the step adds ``if self.training:`` is checked too; it was not until 2026-12-02, probe 19), logging off
+    (Lightning's barebones switch), the random streams (the host's and ``device``'s,
     :func:`~lightning_paradyse.runtime.exactness.kept_rng`), every torchmetrics state (a metric collection's compute
-    groups too: :func:`put_compute_groups`) and the module's own attributes restored afterwards
-    (:func:`kept_attributes`: a list the step appends its loss to, a counter it increments)."""
+    groups too: :func:`put_compute_groups`) and the module's own attributes and buffers restored afterwards
+    (:func:`kept_attributes`: a list the step appends its loss to, a counter it increments). Yields that snapshot:
+    calling it puts the attributes back between the calls too."""
     restore = kept_attributes(module)
     saved = [metric_state(m) for m in module.modules() if is_metric(m)]
     groups = [(c, compute_groups(c)) for c in module.modules() if is_collection(c)]
@@ -724,10 +729,11 @@ def side_effects_undone(trainer: Any, module: nn.Module, device: torch.device | 
     trainer.barebones = True  # self.log() warns and returns
     modes = {m: m.training for m in module.modules()}
     module.eval()
+    module.training = training  # the module alone: its sub-modules' dropout stays off
     try:
         with warnings.catch_warnings(), kept_rng(device):
             warnings.simplefilter("ignore")
-            yield
+            yield restore
     finally:
         trainer.barebones = barebones
         for m, training in modes.items():
@@ -749,46 +755,58 @@ _CONTAINERS = (list, dict, set, deque, OrderedDict, defaultdict)
 a Hugging Face model output does)."""
 
 
-def kept_attributes(module: nn.Module) -> Callable[[], None]:
-    """Snapshot what a step commonly changes on ``module`` (its own ``__dict__``, not ``nn.Module``'s) and return the
-    function that puts it back after the check's extra calls: the content of every list, dict, set and deque reachable
-    from its attributes through such containers and tuples (``self.outs.append(loss)``; in place, so references held
-    elsewhere see it too), numbers rebound (``self.n += 1``) and small tensors rebound or changed in place
-    (:data:`KEPT_TENSOR_BYTES`). Other attributes stay as the step left them (a hook registered once and kept in an
-    attribute must not be registered again), and so does other objects' own state. What cannot be put back is named
-    in a warning.
+def kept_attributes(module: nn.Module) -> KeptState:
+    """Snapshot what a step commonly changes on ``module`` (its own ``__dict__``, not ``nn.Module``'s, and the
+    registered buffers of it and its sub-modules) and return what puts it back after each of the check's extra calls
+    (a :class:`KeptState`, callable): the content of every list, dict, set and deque reachable from its attributes
+    through such containers and tuples (``self.outs.append(loss)``; in place, so references held elsewhere see it
+    too), numbers rebound (``self.n += 1``), small tensors and buffers rebound or changed in place
+    (:data:`KEPT_TENSOR_BYTES`: ``self.register_buffer("steps", ...)``, ``self.steps += 1``; buffers were left until
+    2026-12-02, probe 19: a counter the step increments was checkpointed with the check's calls counted). Other
+    attributes stay as the step left them (a hook registered once and kept in an attribute must not be registered
+    again), and so does other objects' own state. What cannot be put back is named in a warning.
 
     Inference tensors (an evaluation epoch's accumulator made under ``torch.inference_mode``, as Lightning runs
     evaluation on NCCL) keep no version counter: inside inference mode (the evaluation steps' check there) they are
     snapshotted too and always copied back; outside it they cannot change in place and are left (until 2026-11-30
     they were left inside it too, and an evaluation epoch's accumulator kept the check's two extra calls)."""
-    attrs = {k: v for k, v in vars(module).items() if k not in _MODULE_INTERNALS}
-    containers = _containers(attrs.values())
-    inside = torch.is_inference_mode_enabled()
-    small = {
-        k: (v, v.detach().clone(), None if v.is_inference() else v._version)
-        for k, v in attrs.items()
-        if isinstance(v, torch.Tensor)
-        and (inside or not v.is_inference())
-        and v.numel() * v.element_size() <= KEPT_TENSOR_BYTES
-    }
-    numbers = {k: v for k, v in attrs.items() if isinstance(v, (bool, int, float))}
+    return KeptState(module)
 
-    def restore() -> None:
-        failed = []
-        for k, v in numbers.items():
+
+_Kept = tuple[torch.Tensor, torch.Tensor, "int | None"]
+"""A tensor kept, its copy and its version counter (``None``: an inference tensor, which keeps none)."""
+
+
+class KeptState:
+    """:func:`kept_attributes`' snapshot of ``module``: calling it puts it back (as often as wanted); :meth:`values`
+    reads what it holds now."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        attrs = {k: v for k, v in vars(module).items() if k not in _MODULE_INTERNALS}
+        self.containers = _containers(attrs.values())
+        self.small = {k: _snapshot(v) for k, v in attrs.items() if _kept(v)}
+        self.buffers = {  # registered buffers (in the state dict: a counter the step increments is checkpointed)
+            (path, owner, name): _snapshot(b)
+            for path, owner in module.named_modules()
+            for name, b in owner._buffers.items()
+            if b is not None and _kept(b)
+        }
+        self.numbers = {k: v for k, v in attrs.items() if isinstance(v, (bool, int, float))}
+
+    def __call__(self) -> None:
+        module, failed = self.module, []
+        for k, v in self.numbers.items():
             module.__dict__[k] = v
-        for k, (tensor, saved, version) in small.items():
-            module.__dict__[k] = tensor
-            if version is None:  # an inference tensor, inside inference mode: no counter to tell a change
-                tensor.copy_(saved)
-            elif tensor._version != version:  # changed in place
-                try:
-                    with torch.no_grad():
-                        tensor.copy_(saved)
-                except RuntimeError:
-                    failed.append(k)
-        for container, content in containers:
+        for k, kept in self.small.items():
+            module.__dict__[k] = kept[0]
+            if not _put_back(*kept):
+                failed.append(k)
+        for (_, owner, name), kept in self.buffers.items():
+            owner._buffers[name] = kept[0]
+            if not _put_back(*kept):
+                failed.append(name)
+        for container, content in self.containers:
             if not _changed(container, content):
                 continue
             try:
@@ -805,7 +823,57 @@ def kept_attributes(module: nn.Module) -> Callable[[], None]:
                 "extra calls of the step may show there; ParaDySeStrategy(check_step=False) skips the check"
             )
 
-    return restore
+    def values(self, loss: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, Any]:
+        """What the step keeps across steps, as it is now: the integers, small tensors and buffers of the snapshot
+        still there with their type and shape (an accumulator, a counter), by name (floats left out: a time the step
+        took, say). ``loss``: ``(returned, global)``: a tensor sharing the returned loss's memory reads the global
+        loss (the strategy writes it there once the step is over)."""
+        now = self.module.__dict__
+        out: dict[str, Any] = {
+            k: now[k] for k, v in self.numbers.items() if isinstance(v, int) and type(now.get(k)) is type(v)
+        }
+
+        def read(value: torch.Tensor) -> torch.Tensor:
+            if loss is not None and value.numel() == 1 and value.data_ptr() == loss[0].data_ptr():
+                return loss[1].detach().reshape(value.shape).clone()
+            return value.detach().clone()
+
+        for k, (tensor, _, _) in self.small.items():
+            value = now.get(k)
+            if isinstance(value, torch.Tensor) and value.shape == tensor.shape:
+                out[k] = read(value)
+        for (path, owner, name), (tensor, _, _) in self.buffers.items():
+            value = owner._buffers.get(name)
+            if isinstance(value, torch.Tensor) and value.shape == tensor.shape:
+                out[f"{path}.{name}" if path else name] = read(value)
+        return out
+
+
+def _kept(v: Any) -> bool:
+    """Whether ``v`` is a tensor the snapshot keeps: small, and not an inference tensor outside inference mode
+    (which cannot change there)."""
+    return (
+        isinstance(v, torch.Tensor)
+        and (torch.is_inference_mode_enabled() or not v.is_inference())
+        and v.numel() * v.element_size() <= KEPT_TENSOR_BYTES
+    )
+
+
+def _snapshot(v: torch.Tensor) -> _Kept:
+    return v, v.detach().clone(), None if v.is_inference() else v._version
+
+
+def _put_back(tensor: torch.Tensor, saved: torch.Tensor, version: int | None) -> bool:
+    """Copy ``saved`` back into ``tensor`` where it changed in place (always for an inference tensor, which keeps no
+    version counter); ``False`` where that failed."""
+    if version is not None and tensor._version == version:
+        return True
+    try:
+        with torch.no_grad():
+            tensor.copy_(saved)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _containers(values: Any) -> list[tuple[Any, Any]]:
@@ -1637,9 +1705,10 @@ class StepCheck:
             self.left, self.again = 0, None
             return None
         metrics = outer_metrics(module)  # their values compared too: computed from the check's calls alone
-        with torch.no_grad(), side_effects_undone(trainer, module, device):
+        with torch.no_grad(), side_effects_undone(trainer, module, device, self.training) as kept:
             streams = rng_state(device)  # every call below starts from them: a draw of the step's is the same in each
-            rewind = functools.partial(set_rng_state, streams, device)
+            rewind = functools.partial(_afresh, kept, streams, device)  # and from the module's state: a counter too
+
             reset_metrics(module)
             cycle.runner.enter(cycle.runner.whole(sharded_info, plan, rank))
             a, k = cycle.shard(sharded_info, (probe, *rest[0]), rest[1])
@@ -1654,6 +1723,9 @@ class StepCheck:
                 sharded_returns = returned_values(output, local)
                 total = None if local is None else cycle.global_loss(local, sharded_info)
                 cycle.logs.replay(local, total)
+            # what the step keeps across steps, after its call on the slice (a reference to the loss it returned holds
+            # the global loss once a step is over)
+            sharded_state = kept.values(_pair(local, total))
             consumed = parallel.step_state(module).labels_consumed  # the sharded call's; the whole call resets it
             sharded = None if total is None else float(total)
             sharded_metrics = metric_values(metrics, group)  # over the ranks, as Lightning logs them
@@ -1668,10 +1740,12 @@ class StepCheck:
                     output = step_fn(piece, *rest[0], **rest[1])
                     whole = step_loss(output)
                 whole_returns = returned_values(output, whole)
+                whole_state = kept.values()
                 whole_metrics = metric_values(metrics, None)  # one process's
                 redrawn = None
                 if sharded is not None and whole is not None and sharded != float(whole):  # does the step draw?
                     piece = parallel.configure_whole(module, probe, whole_info, run)
+                    kept()
                     redrawn = loss_redrawn(step_fn, (piece, *rest[0]), rest[1], device)
                 apart = None
                 if self.training and cycle.runner.ready and whole is not None:  # steps may run on groups of rows
@@ -1691,12 +1765,14 @@ class StepCheck:
         refuse_sequence_cuts(cut, hook)  # first: a step working across the slice is what to fix before its loss
         if cycle.options.mean_loss:
             losses.refuse(hook)
+        kept_apart = differing_state(sharded_state, whole_state, tol, group)  # agreed: every rank raises alike
         if sharded is not None and whole is not None:
             where = f"the tokens {described_columns(columns)} of a batch of {info.seq_len}"
             weights_sum = next(iter(cuts.sums), None)  # a floating tensor of the batch summed: weights normalised
             check_step_losses(
                 sharded, float(whole), tol, hook, where, consumed, redrawn, chunk or None, weights_sum, planted
             )
+        refuse_differing_state(kept_apart, hook)
         found = differing_logs(sharded_logs, whole_logs, tol)
         found += check_rows_runs(apart, whole, consumed, whole_logs, found, tol, hook, planted)
         self.ran = True
@@ -1706,6 +1782,53 @@ class StepCheck:
         warn_differing_returns(differing_logs(sharded_returns, whole_returns, tol), hook)
         warn_differing_metrics(differing_metrics(metrics, sharded_metrics, whole_metrics, trainer.precision), hook)
         return longer_probe(chunk, m, info.seq_len) if probe_len is None else None
+
+
+def _afresh(kept: KeptState, streams: Any, device: torch.device) -> None:
+    """Before another of the check's calls: the module's state put back (:func:`kept_attributes`; a counter the step
+    advances reads the same in every call) and the random streams."""
+    kept()
+    set_rng_state(streams, device)
+
+
+def _pair(local: torch.Tensor | None, total: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    return None if local is None or total is None else (local, total)
+
+
+def differing_state(sharded: dict[str, Any], whole: dict[str, Any], tol: float, group: Group) -> list[str] | None:
+    """The names whose value after the sharded call (:meth:`KeptState.values`) differs from the value after the whole
+    call (a counter of the slice's tokens, a running mean of the rank's own loss), on this rank; ``[]`` where only
+    another rank found one; ``None`` where none did (one all-reduce over ``group``: every rank answers alike)."""
+    found = []
+    for name, mine in sharded.items():
+        theirs = whole.get(name, _MISSING)
+        if theirs is _MISSING:
+            continue
+        if isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor):
+            a, b = mine.double().cpu(), theirs.double().cpu()
+            if a.shape != b.shape or not torch.allclose(a, b, rtol=tol, atol=0.0, equal_nan=True):
+                found.append(name)
+        elif mine != theirs:
+            found.append(name)
+    flag = torch.tensor([1.0 if found else 0.0], dtype=torch.float64, device=collective_device(group))
+    if group_size(group) > 1 and float(all_reduce_sum(flag, group)) == 0.0:  # [1] summed over the ranks
+        return None
+    return found if found or group_size(group) > 1 else None
+
+
+def refuse_differing_state(found: list[str] | None, hook: str) -> None:
+    """Raise (on every rank: ``found`` is agreed, :func:`differing_state`) naming what the step keeps across steps from
+    the tokens of its slice."""
+    if found is None:
+        return
+    what = ", ".join(f"self.{name}" for name in found) or "state it keeps (on another rank)"
+    raise ValueError(
+        f"the {hook} keeps {what} from the tokens of its slice: after its call on this rank's slice of the check's "
+        "tokens it holds another value than after one process's call on them all (a count of the slice's tokens, a "
+        "running mean of this rank's own loss; a buffer is checkpointed too). Compute it in on_train_batch_end, which "
+        "sees the whole batch and the global loss (outputs['loss']), or in the data; "
+        "ParaDySeStrategy(check_step=False) skips the check (docs/training-step.md)."
+    )
 
 
 def longer_probe(size: int, m: int, s: int) -> int | None:
@@ -1747,6 +1870,7 @@ __all__ = [
     "SUMMED_SLOTS",
     "TF32_TOLERANCE",
     "UNPLANTED_KEYS",
+    "KeptState",
     "LogDifference",
     "LoggedValues",
     "LossCalls",
@@ -1761,6 +1885,7 @@ __all__ = [
     "described_columns",
     "differing_logs",
     "differing_metrics",
+    "differing_state",
     "every_ranks",
     "longer_probe",
     "manual_steps_held",
@@ -1772,6 +1897,7 @@ __all__ = [
     "probe_batch",
     "probe_columns",
     "recorded_logs",
+    "refuse_differing_state",
     "reset_metrics",
     "rows_runs",
     "rows_with_target",

@@ -26,6 +26,7 @@ from lightning.pytorch.callbacks import (
     EarlyStopping,
     EMAWeightAveraging,
     LearningRateFinder,
+    ModelPruning,
     StochasticWeightAveraging,
 )
 from lightning.pytorch.utilities import CombinedLoader, grad_norm
@@ -1028,6 +1029,63 @@ class ZLossLM(TinyLM):
         logits = self.model(batch["input_ids"])  # [b, s, vocab]
         z = logits.logsumexp(-1).pow(2).mean()  # [b, s] -> []
         return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten()) + 1e-4 * z
+
+
+class TrainingZLossLM(ZLossLM):
+    """:class:`ZLossLM`'s z-loss added in training only (``if self.training:``, a step helper shared with validation):
+    the step check ran the step in eval mode, where the term was not there (silent until 2026-12-02, probe 19)."""
+
+    @override
+    def loss(self, batch: dict[str, Tensor]) -> Tensor:
+        return super().loss(batch) if self.training else TinyLM.loss(self, batch)
+
+
+class StepCounterLM(TinyLM):
+    """A buffer counting the training steps (checkpointed), read by the loss's weight: the same on every rank, so one
+    process's. Refused until 2026-12-02 (probe 19: the check's second call saw the counter its first had advanced),
+    and the checkpoint counted the check's calls (10 after 4 steps)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("steps_done", torch.zeros((), dtype=torch.long))
+
+    @override
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        self.steps_done += 1
+        loss = self.loss(batch) * (1.0 + 0.5 * self.steps_done)
+        self.log("train_loss", loss)
+        return loss
+
+
+class TokensSeenLM(TinyLM):
+    """A buffer counting the real targets trained on, from the tokens the step is handed: this rank's slice's
+    (silent until 2026-12-02, probe 19)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("tokens_seen", torch.zeros((), dtype=torch.long))
+
+    @override
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        self.tokens_seen += (batch["targets"] != -100).sum()
+        return super().training_step(batch, batch_idx)
+
+
+class LossEmaLM(TinyLM):
+    """The loss divided by a running mean of the steps' losses kept in a buffer, updated in the step with the step's
+    own loss (this rank's, not the global one): the loss is one process's, the buffer is not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("loss_ema", torch.ones((), dtype=torch.float64))
+
+    @override
+    def loss(self, batch: dict[str, Tensor]) -> Tensor:
+        loss = super().loss(batch)
+        scaled = loss / self.loss_ema.clone()  # by the mean of the steps before
+        with torch.no_grad():
+            self.loss_ema.mul_(0.5).add_(0.5 * loss.detach())
+        return scaled
 
 
 class WeightedLM(TinyLM):
@@ -2399,6 +2457,12 @@ def cases_p2() -> dict[str, Case]:
                 trainer=dict(callbacks=[StochasticWeightAveraging(swa_lrs=1e-3)]),
                 refused="StochasticWeightAveraging averages a copy of the whole module",
             ),
+            "model-pruning": Case(  # it would prune the embeddings and the head, not the blocks' rewritten projections
+                TinyLM,
+                lambda: loader(shifted_targets),
+                trainer=dict(callbacks=[ModelPruning("l1_unstructured", amount=0.3)]),
+                refused="ModelPruning prunes the module's nn.Linear",
+            ),
             "lr-finder": Case(  # Tuner.lr_find's callback ends the fit from inside
                 tiny(),
                 lambda: loader(shifted_targets),
@@ -2450,6 +2514,18 @@ def cases_p2() -> dict[str, Case]:
             "every-position-mean-later": Case(EveryPositionLM, lambda: loader(targets_after_first), refused=ACROSS),
             "every-position-mean-all-targeted": Case(EveryPositionLM, lambda: loader(all_targets)),
             "every-position-z-loss": Case(ZLossLM, lambda: loader(shifted_targets), refused=ACROSS),
+            "every-position-z-loss-in-training": Case(TrainingZLossLM, lambda: loader(shifted_targets), refused=ACROSS),
+            # state the step keeps across steps (probe 19): a step counter is one process's, a count of the slice's
+            # tokens and a running mean of the rank's own loss are refused
+            "step-counter-buffer": Case(
+                StepCounterLM, lambda: loader(ragged("targets"), rows=3), strategy=dict(plan="ring")
+            ),
+            "tokens-seen-buffer": Case(
+                TokensSeenLM, lambda: loader(ragged("targets"), rows=3), refused="keeps self.tokens_seen from"
+            ),
+            "loss-ema-buffer": Case(
+                LossEmaLM, lambda: loader(ragged("targets"), rows=3), refused="keeps self.loss_ema from"
+            ),
             "weights-later": Case(
                 WeightedLM,
                 lambda: loader(weighted_later, rows=3),

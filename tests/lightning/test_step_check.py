@@ -27,11 +27,13 @@ from lightning_paradyse.lightning.step_check import (
     check_step_losses,
     described_columns,
     differing_logs,
+    differing_state,
     kept_attributes,
     pad_ids,
     planted_probe,
     probe_batch,
     probe_columns,
+    refuse_differing_state,
     rows_with_target,
     sequence_index,
     sequence_split,
@@ -206,6 +208,52 @@ def test_the_modules_own_attributes_are_put_back_after_the_check() -> None:
         {"a": 1, "b": 2},
         8.0,
     )
+
+
+def test_buffers_are_put_back_and_read_for_the_comparison_of_the_calls() -> None:
+    """A buffer the step changes in place or rebinds, of the module or of a sub-module, is put back after each of the
+    check's calls (it is checkpointed: a step counter counted the check's calls until 2026-12-02, probe 19), and
+    :meth:`KeptState.values` reads the counters and small tensors the step keeps, a reference to the returned loss as
+    the global loss."""
+    module = nn.Sequential(nn.Linear(2, 2))
+    module.register_buffer("steps", torch.zeros((), dtype=torch.long))
+    module[0].register_buffer("seen", torch.zeros(2))
+    module.count, module.took = 3, 0.5
+    steps, seen = module.steps, module[0].seen
+    kept = kept_attributes(module)
+    for _ in range(2):  # put back as often as wanted
+        module.steps += 1
+        module[0].seen = module[0].seen + 2.0  # rebound
+        module.count += 1
+        module.took = 0.25
+        values = kept.values()
+        assert values.keys() == {"count", "steps", "0.seen"} and values["count"] == 4 and int(values["steps"]) == 1
+        assert torch.equal(values["0.seen"], torch.full((2,), 2.0))
+        kept()
+        assert module.steps is steps and int(steps) == 0 and module[0].seen is seen and float(seen.sum()) == 0.0
+        assert (module.count, module.took) == (3, 0.5)
+    local, total = torch.tensor(2.0), torch.tensor(5.0)
+    module.last = local  # the step kept the loss it returns
+    assert "last" not in kept.values((local, total))  # not there when the snapshot was taken
+    module.last = torch.zeros(())
+    kept = kept_attributes(module)
+    module.last = local.view(())
+    assert kept.values((local, total))["last"] == 5.0
+
+
+def test_state_the_step_keeps_from_its_slice_is_refused_by_name() -> None:
+    """After the check's call on the slice and its call on every token, a counter or small tensor that differs (on any
+    rank: one rank here) is refused naming it; equal ones, and differences within the tolerance, are not."""
+    tol = step_check_tolerance(torch.float64, "64-true")
+    same = {"steps": torch.tensor(1), "count": 2, "ema": torch.tensor(1.0)}
+    assert differing_state(same, same | {"ema": torch.tensor(1.0 + tol / 4)}, tol, None) is None
+    found = differing_state(same | {"tokens": torch.tensor(7)}, same | {"tokens": torch.tensor(12)}, tol, None)
+    assert found == ["tokens"]
+    with pytest.raises(
+        ValueError, match=r"training_step keeps self.tokens from the tokens of its slice.*on_train_batch_end"
+    ):
+        refuse_differing_state(found, "training_step")
+    refuse_differing_state(None, "training_step")
 
 
 def test_inference_tensors_are_put_back_inside_inference_mode() -> None:
