@@ -1,14 +1,17 @@
 """What the strategy refuses outside a step, each on every rank and naming the fix: Lightning callbacks it cannot run
 (weight averaging, the learning-rate finder, pruning), an ``AveragedModel`` the module builds before the fit, a Hugging
 Face head that pools one position of each row, NEFTune's noise, packed documents (``doc_ids``) that a module does not
-say it keeps apart, an ``all_gather`` of tensors whose shapes differ between the ranks, and a hook that changes a
-gradient in a way PyTorch refuses on the strategy's gradients (PyTorch's own error, explained)."""
+say it keeps apart, a ``backward`` override that backs another tensor than the loss, an ``all_gather`` of tensors
+whose shapes differ between the ranks, and a hook that changes a gradient in a way PyTorch refuses on the strategy's
+gradients (PyTorch's own error, explained)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
+import lightning.pytorch as pl
 import lightning.pytorch.callbacks as pl_callbacks
 import torch
 from torch import Tensor, nn
@@ -226,10 +229,60 @@ def check_gathered_shapes(tensor: Tensor, group: Any, p: int) -> None:
         )
 
 
+def overrides_backward(module: Any) -> bool:
+    """Whether the LightningModule has its own ``backward`` (Lightning's hook, called with the loss to back)."""
+    return isinstance(module, pl.LightningModule) and type(module).backward is not pl.LightningModule.backward
+
+
+@contextlib.contextmanager
+def backing_the_loss(loss: Tensor) -> Iterator[None]:
+    """Inside a LightningModule's own ``backward`` hook: ``Tensor.backward`` of a tensor other than ``loss`` (the loss
+    the strategy weighed, handed to the hook) or one made from it alone (``(loss * 2).backward()``) raises, naming the
+    fix. The strategy weighs the loss the step returns into this rank's part of the global loss; a term the hook adds
+    (``(loss + 1e-2 * self.aux).backward()``) is this rank's own mean, counted once per rank (silent until 2026-12-02,
+    probe 19: 4.8e-2 in the weights)."""
+    original = torch.Tensor.backward
+
+    def checked(tensor: Tensor, *args: Any, **kwargs: Any) -> Any:
+        if not _made_from(tensor, loss):
+            raise ValueError(
+                "the LightningModule's backward hook backs another tensor than the loss it is handed (a term added "
+                "there is this rank's own, which ParaDySeStrategy cannot weigh into the global loss): add the term to "
+                "the loss the training_step returns, as a mean over the real targets, and back the loss as given"
+            )
+        return original(tensor, *args, **kwargs)
+
+    torch.Tensor.backward = checked  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        torch.Tensor.backward = original  # type: ignore[method-assign]
+
+
+def _made_from(tensor: Tensor, loss: Tensor, depth: int = 16) -> bool:
+    """Whether ``tensor`` is ``loss`` or made from it alone by ops on it (each node of its graph down to ``loss``'s
+    has one input that needs a gradient: a scaling, a cast, a view)."""
+    if tensor is loss:
+        return True
+    node, target = tensor.grad_fn, loss.grad_fn
+    for _ in range(depth):
+        if node is None or target is None:
+            return False
+        if node is target:
+            return True
+        inputs = [fn for fn, _ in node.next_functions if fn is not None]
+        if len(inputs) != 1:
+            return False
+        node = inputs[0]
+    return False
+
+
 __all__ = [
     "AVERAGING_CALLBACKS",
     "GATHERED_DIMS",
+    "backing_the_loss",
     "check_gathered_shapes",
     "explain_grad_view_error",
+    "overrides_backward",
     "refuse_callbacks",
 ]

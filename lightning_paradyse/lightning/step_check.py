@@ -824,14 +824,14 @@ class KeptState:
             )
 
     def values(self, loss: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, Any]:
-        """What the step keeps across steps, as it is now: the integers, small tensors and buffers of the snapshot
-        still there with their type and shape (an accumulator, a counter), by name (floats left out: a time the step
-        took, say). ``loss``: ``(returned, global)``: a tensor sharing the returned loss's memory reads the global
-        loss (the strategy writes it there once the step is over)."""
+        """What the step keeps across steps, as it is now, by name: the registered buffers of the snapshot still of
+        their shape (checkpointed: a counter, a running mean), and the small tensor attributes the step changed in
+        place (``self.total += x``: an accumulator). An attribute the step rebinds (``self.aux = term``: what it
+        keeps for a hook of the same step) and a number are left out: nothing tells them from state it keeps.
+        ``loss``: ``(returned, global)``: a tensor sharing the returned loss's memory reads the global loss (the
+        strategy writes it there once the step is over)."""
         now = self.module.__dict__
-        out: dict[str, Any] = {
-            k: now[k] for k, v in self.numbers.items() if isinstance(v, int) and type(now.get(k)) is type(v)
-        }
+        out: dict[str, Any] = {}
 
         def read(value: torch.Tensor) -> torch.Tensor:
             if loss is not None and value.numel() == 1 and value.data_ptr() == loss[0].data_ptr():
@@ -839,9 +839,8 @@ class KeptState:
             return value.detach().clone()
 
         for k, (tensor, _, _) in self.small.items():
-            value = now.get(k)
-            if isinstance(value, torch.Tensor) and value.shape == tensor.shape:
-                out[k] = read(value)
+            if now.get(k) is tensor:
+                out[k] = read(tensor)
         for (path, owner, name), (tensor, _, _) in self.buffers.items():
             value = owner._buffers.get(name)
             if isinstance(value, torch.Tensor) and value.shape == tensor.shape:

@@ -98,8 +98,10 @@ from lightning_paradyse.lightning.options import StrategyOptions
 from lightning_paradyse.lightning.predict import Predictions
 from lightning_paradyse.lightning.records import StepRecord
 from lightning_paradyse.lightning.refusals import (
+    backing_the_loss,
     check_gathered_shapes,
     explain_grad_view_error,
+    overrides_backward,
     refuse_averaged_models,
     refuse_callbacks,
     refuse_encoder_decoders,
@@ -807,7 +809,8 @@ class ParaDySeStrategy(ParallelStrategy):
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         self.cycle.set_aside()
-        self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+        with backing_the_loss(closure_loss) if overrides_backward(module) else contextlib.nullcontext():
+            self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
         self.cycle.after_backward(accumulating)
         if not accumulating:
             self.cycle.put_back()

@@ -1040,6 +1040,25 @@ class TrainingZLossLM(ZLossLM):
         return super().loss(batch) if self.training else TinyLM.loss(self, batch)
 
 
+class BackwardHookLM(TinyLM):
+    """Lightning's ``backward`` hook overridden: backing the loss scaled (exact) or with a term the step kept added
+    (``aux``: this rank's own mean, refused; silent until 2026-12-02, probe 19)."""
+
+    def __init__(self, aux: bool = False) -> None:
+        super().__init__()
+        self.aux_term = aux
+
+    @override
+    def loss(self, batch: dict[str, Tensor]) -> Tensor:
+        logits = self.model(batch["input_ids"])  # [b, s, vocab]
+        self.aux = logits.logsumexp(-1).pow(2).mean()  # [b, s] -> []
+        return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten())
+
+    @override
+    def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        (loss + 1e-4 * self.aux if self.aux_term else loss * 4.0).backward()
+
+
 class StepCounterLM(TinyLM):
     """A buffer counting the training steps (checkpointed), read by the loss's weight: the same on every rank, so one
     process's. Refused until 2026-12-02 (probe 19: the check's second call saw the counter its first had advanced),
@@ -2456,6 +2475,12 @@ def cases_p2() -> dict[str, Case]:
                 lambda: loader(shifted_targets),
                 trainer=dict(callbacks=[StochasticWeightAveraging(swa_lrs=1e-3)]),
                 refused="StochasticWeightAveraging averages a copy of the whole module",
+            ),
+            "backward-hook-scaled": Case(BackwardHookLM, lambda: loader(ragged("targets"), rows=3)),
+            "backward-hook-adds-a-term": Case(
+                lambda: BackwardHookLM(aux=True),
+                lambda: loader(all_targets),
+                refused="backward hook backs another tensor than the loss",
             ),
             "model-pruning": Case(  # it would prune the embeddings and the head, not the blocks' rewritten projections
                 TinyLM,
