@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from lightning_utilities.core.apply_func import apply_to_collection
+from torch.nn.utils import parametrize
 
 from lightning_paradyse.distributed.comm import (
     Group,
@@ -386,6 +387,8 @@ def parallelize(module: nn.Module, group: Group, blocks: str | None = None, axes
     state = StepState(blocks=[n for n, _ in found], grid=GridState() if axes == 2 else None)
     rope = _rotary_embedding(module)
     shadows = Shadows()  # the replaced sub-modules' structure, for code that sorts parameters by it
+    for name, block in found:  # every block before any is rewritten: alike on every rank, nothing changed yet
+        _refuse_parametrized(name, block)
     for layer, (name, block) in enumerate(found):
         shadows.before(block)
         hooked = [(f"{name}.{n}", p) for n, p in block.named_parameters() if gradient_hooks(p)]  # held: ids stay
@@ -409,6 +412,21 @@ def parallelize(module: nn.Module, group: Group, blocks: str | None = None, axes
     if state.grid is not None:
         _install_grid_hooks([b for _, b in found], state)
     return state.blocks
+
+
+def _refuse_parametrized(name: str, block: nn.Module) -> None:
+    """Refuse a block holding a parametrized module (``torch.nn.utils.parametrizations.weight_norm``,
+    ``spectral_norm``, ``orthogonal``: its weight computed from others on every call): the rewrite shards the block's
+    projections as plain weights and cannot keep the parametrization (it crashed inside the rewrite until 2026-12-02,
+    probe 19)."""
+    found = [f"{name}.{path}" if path else name for path, m in block.named_modules() if parametrize.is_parametrized(m)]
+    if found:
+        raise ValueError(
+            f"{found[0]} is parametrized (torch.nn.utils.parametrize: weight_norm, spectral_norm, orthogonal, ...): "
+            "ParaDySeStrategy shards a block's projections as plain weights and cannot keep the parametrization. "
+            "Remove it from the blocks (outside them, on an embedding or the head, it trains as in one process), or "
+            "train without ParaDySeStrategy"
+        )
 
 
 def gradient_hooks(param: nn.Parameter) -> bool:

@@ -61,3 +61,20 @@ def test_only_a_model_that_shifts_its_labels_asks_for_them_shifted_over_the_batc
     plain = build_model("llama-tiny")
     parallelize(plain, None)
     assert shifts_labels(causal) and not shifts_labels(plain)
+
+
+def test_a_parametrized_projection_in_a_block_is_refused_by_name() -> None:
+    """``weight_norm`` on a block's projection: refused before any block is rewritten, naming it (a crash inside the
+    rewrite until 2026-12-02, probe 19); on the head, outside the blocks, the model is parallelized."""
+    from lightning_paradyse.models import CONFIGS
+
+    model = build_model(CONFIGS["llama-tiny"])
+    torch.nn.utils.parametrizations.weight_norm(model.layers[1].mlp.gate)
+    with pytest.raises(
+        ValueError, match=r"layers\.1\.mlp\.gate is parametrized .*weight_norm.*Remove it from the blocks"
+    ):
+        parallelize(model, None)
+    assert not any("dispatch" in type(m).__name__.lower() for m in model.modules())  # nothing rewritten
+    head = build_model(CONFIGS["llama-tiny"])
+    torch.nn.utils.parametrizations.weight_norm(head.lm_head)
+    parallelize(head, None)
