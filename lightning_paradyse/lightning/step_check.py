@@ -62,6 +62,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.nn.modules.batchnorm import _NormBase
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -715,8 +716,9 @@ def side_effects_undone(
     trainer: Any, module: nn.Module, device: torch.device | None = None, training: bool = False
 ) -> Iterator[KeptState]:
     """Run extra calls of the user's step without trace: its sub-modules in eval mode (no dropout: both calls must
-    compute the same function), the module itself in training mode where ``training`` (the training step's check:
-    a term the step adds ``if self.training:`` is checked too; it was not until 2026-12-02, probe 19), logging off
+    compute the same function), the module itself and its batch norms in training mode where ``training`` (the
+    training step's check: a term the step adds ``if self.training:``, and a ``BatchNorm1d`` over the tokens, whose
+    statistics in training are its slice's, are checked too; they were not until 2026-12-02, probe 19), logging off
     (Lightning's barebones switch), the random streams (the host's and ``device``'s,
     :func:`~lightning_paradyse.runtime.exactness.kept_rng`), every torchmetrics state (a metric collection's compute
     groups too: :func:`put_compute_groups`) and the module's own attributes and buffers restored afterwards
@@ -729,7 +731,9 @@ def side_effects_undone(
     trainer.barebones = True  # self.log() warns and returns
     modes = {m: m.training for m in module.modules()}
     module.eval()
-    module.training = training  # the module alone: its sub-modules' dropout stays off
+    if training:  # the module, and the norms whose batch statistics training uses: dropout stays off
+        for norm in [module, *(m for m in module.modules() if isinstance(m, _NormBase))]:
+            norm.training = True
     try:
         with warnings.catch_warnings(), kept_rng(device):
             warnings.simplefilter("ignore")

@@ -1059,6 +1059,21 @@ class BackwardHookLM(TinyLM):
         (loss + 1e-4 * self.aux if self.aux_term else loss * 4.0).backward()
 
 
+class BatchNormHeadLM(TinyLM):
+    """A ``BatchNorm1d`` over the logits' vocabulary channels: in training its statistics are over the tokens it is
+    handed, this rank's slice (silent until 2026-12-02: the step check ran sub-modules in eval mode, probe 19)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.BatchNorm1d(self.model.lm_head.out_features)
+
+    @override
+    def loss(self, batch: dict[str, Tensor]) -> Tensor:
+        logits = self.model(batch["input_ids"])  # [b, s, vocab]
+        logits = self.norm(logits.flatten(0, 1))  # [b s, vocab]: statistics over the tokens
+        return F.cross_entropy(logits, batch["targets"].flatten())
+
+
 class StepCounterLM(TinyLM):
     """A buffer counting the training steps (checkpointed), read by the loss's weight: the same on every rank, so one
     process's. Refused until 2026-12-02 (probe 19: the check's second call saw the counter its first had advanced),
@@ -2539,6 +2554,7 @@ def cases_p2() -> dict[str, Case]:
             "every-position-mean-later": Case(EveryPositionLM, lambda: loader(targets_after_first), refused=ACROSS),
             "every-position-mean-all-targeted": Case(EveryPositionLM, lambda: loader(all_targets)),
             "every-position-z-loss": Case(ZLossLM, lambda: loader(shifted_targets), refused=ACROSS),
+            "batch-norm-over-tokens": Case(BatchNormHeadLM, lambda: loader(shifted_targets), refused=ACROSS),
             "every-position-z-loss-in-training": Case(TrainingZLossLM, lambda: loader(shifted_targets), refused=ACROSS),
             # state the step keeps across steps (probe 19): a step counter is one process's, a count of the slice's
             # tokens and a running mean of the rank's own loss are refused
