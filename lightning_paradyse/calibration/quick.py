@@ -51,13 +51,13 @@ from lightning_paradyse.calibration.profile import ONE_RANK_MODES, combine_curve
 from lightning_paradyse.cost.dims import ModelDims, dims_from_config, dtype_size
 from lightning_paradyse.cost.model import CostModel, OpCalibration, calibration_key
 from lightning_paradyse.cost.time import Machine
-from lightning_paradyse.distributed.comm import collective_device
 from lightning_paradyse.distributed.layout import SeqLayout
 from lightning_paradyse.models import GPTConfig, LlamaConfig, build_model
 from lightning_paradyse.modes import MODES
 from lightning_paradyse.modes.attention import fused_tiles
 from lightning_paradyse.modes.plan import OPS
 from lightning_paradyse.modes.specs import SeqContext
+from lightning_paradyse.runtime.exactness import kept_rng
 from lightning_paradyse.runtime.parallel import feasible_modes, is_causal, parallelize
 
 QUICK_LENGTHS = (256, 1024)
@@ -188,7 +188,7 @@ def quick_overheads(
         return Overheads({}, {})
     config = overhead_config(dims, p)
     s = config.max_seq_len
-    with torch.random.fork_rng(devices=[_cuda_index(device)] if device.type == "cuda" else []):
+    with kept_rng(device):
         torch.manual_seed(0)
         model = build_model(config).to(dtype)
         parallelize(model, group)
@@ -210,7 +210,7 @@ def quick_overheads(
                 for mode in ONE_RANK_MODES:
                     measured = segment_seconds(model, op, mode, False, ctx, batch=1)
                     one_rank[calibration_key(mode, op, False)] = measured - alone.op_cost(mode, op, False, s, 1).time_s
-    return Overheads(_recomputed(_slowest(world, group)), _recomputed(_slowest(one_rank, group)))
+    return Overheads(_recomputed(_slowest(world, group, device)), _recomputed(_slowest(one_rank, group, device)))
 
 
 def _recomputed(seconds: dict[str, float]) -> dict[str, float]:
@@ -218,17 +218,10 @@ def _recomputed(seconds: dict[str, float]) -> dict[str, float]:
     return {**seconds, **{f"{key}/rc": RECOMPUTE_OVERHEAD * t for key, t in seconds.items()}}
 
 
-def _cuda_index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
-def _slowest(seconds: dict[str, float], group: Any) -> dict[str, float]:
-    """``seconds`` with every value the largest any rank of ``group`` measured (one all-reduce), at least 0."""
-    keys = sorted(seconds)
-    t = torch.tensor([seconds[k] for k in keys], dtype=torch.float64, device=collective_device(group))
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # [k] -> [k]: the slowest rank's
-    return {k: max(0.0, float(v)) for k, v in zip(keys, t.tolist())}
+def _slowest(seconds: dict[str, float], group: Any, device: torch.device) -> dict[str, float]:
+    """``seconds`` with every value the largest any rank of ``group`` measured (:func:`_agree`), at least 0."""
+    agreed = _agree({k: [(0.0, t)] for k, t in seconds.items()}, dist.ReduceOp.MAX, group, device)
+    return {k: max(0.0, points[0][1]) for k, points in agreed.items()}
 
 
 @dataclass(frozen=True)
