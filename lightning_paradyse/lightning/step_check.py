@@ -7,6 +7,14 @@ step runs, and whole on every rank (a group of one holding every weight). The tw
 precision's tolerance; otherwise the step computes across its slice (e.g. shifts the targets itself) and the run
 stops on every rank with the fix (:func:`check_step_losses`).
 
+A loss can agree in value and not in its gradient: a term divided by its own value taken without a gradient
+(``ce / ce.detach()``) is one on every rank and in one process, while each rank's gradient is scaled by its own
+slice's loss. So the training step's two calls also take the gradient of the loss (of this rank's part of the global
+loss, in the sharded call) with respect to what the model returned, without a backward through the model: the
+model's calls run without a gradient and hand the step leaves (:mod:`~lightning_paradyse.runtime.output_leaves`). At
+this rank's tokens the two must agree to the tolerance, in float64 and float32 (:func:`refuse_gradient_gap`; silent
+until 2026-12-02, probe 19). A Hugging Face model's loss given ``labels=``, computed inside its call, is not compared.
+
 Position rules further into the sequence than those tokens are seen in the step's code instead: its sharded call
 watches what the step does to positions of the sequence outside the model's calls (:class:`SequenceCuts`: an index,
 an assignment at positions or a ``narrow`` of a ``[b, s]`` tensor, a scan such as ``cumsum`` along it, positions
@@ -68,6 +76,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_paradyse.distributed.comm import Group, all_reduce_sum, collective_device, group_rank, group_size
 from lightning_paradyse.distributed.devices import gpu_free_bytes
+from lightning_paradyse.distributed.layout import SeqLayout
 from lightning_paradyse.groups.exchange import drop_group, enter_group
 from lightning_paradyse.groups.units import Units
 from lightning_paradyse.lightning.cycle import StepCycle, step_loss
@@ -85,6 +94,7 @@ from lightning_paradyse.lightning.summary import whole_sizes
 from lightning_paradyse.modes.plan import LayerPlan, OpPlan, Plan
 from lightning_paradyse.runtime import parallel
 from lightning_paradyse.runtime.exactness import kept_rng
+from lightning_paradyse.runtime.output_leaves import OutputLeaves, collecting, leaf_gradients
 from lightning_paradyse.runtime.slicing import (
     IGNORE_INDEX,
     PAD_MASK_KEYS,
@@ -1719,10 +1729,20 @@ class StepCheck:
             calls = parallel.call_streams(module)  # its stack is not empty inside a call of the model
             cuts = SequenceCuts(sliced, lambda: bool(calls.saved))  # inside a call of the model: not the step's
             summed: list[tuple[str | None, str]] = []
+            state = parallel.step_state(module)
+            graded = self.training and probe_len is None and not plant  # its gradient by the model's outputs too
+            sharded_leaves, whole_leaves = OutputLeaves(), OutputLeaves()
             with recorded_logs(module, summed) as sharded_logs, cycle.logs.trial():  # as the strategy logs them
-                with cycle.logs.capture(module), cuts, cut_failed(cuts, module._current_fx_name):
+                with (
+                    cycle.logs.capture(module),
+                    cuts,
+                    cut_failed(cuts, module._current_fx_name),
+                    collecting(state, sharded_leaves, graded),
+                ):
                     output = step_fn(*a, **k)
                     local = step_loss(output)
+                    share = None if local is None else cycle.share(local, sharded_info)  # its part of the loss
+                sharded_grads = leaf_gradients(share, sharded_leaves)  # [b, s_r, ...] per output
                 sharded_returns = returned_values(output, local)
                 total = None if local is None else cycle.global_loss(local, sharded_info)
                 cycle.logs.replay(local, total)
@@ -1739,9 +1759,14 @@ class StepCheck:
                 piece = parallel.configure_whole(module, probe, whole_info, run)  # as one process
                 rewind()
                 whole_losses = LossCalls(piece, lambda: bool(calls.saved), vocabulary(module))  # the step's own means
-                with recorded_logs(module) as whole_logs, whole_losses as losses:  # logged as one process logs them
+                with (
+                    recorded_logs(module) as whole_logs,  # logged as one process logs them
+                    whole_losses as losses,
+                    collecting(state, whole_leaves, graded),
+                ):
                     output = step_fn(piece, *rest[0], **rest[1])
                     whole = step_loss(output)
+                whole_grads = leaf_gradients(whole, whole_leaves)  # [b, m, ...] per output
                 whole_returns = returned_values(output, whole)
                 whole_state = kept.values()
                 whole_metrics = metric_values(metrics, None)  # one process's
@@ -1775,6 +1800,9 @@ class StepCheck:
             check_step_losses(
                 sharded, float(whole), tol, hook, where, consumed, redrawn, chunk or None, weights_sum, planted
             )
+        where = f"the tokens {described_columns(columns)} of a batch of {info.seq_len}"
+        grads = (sharded_grads, whole_grads)
+        refuse_gradient_gap(graded, grads, sharded_info.layout, group, tol, hook, where, consumed)
         refuse_differing_state(kept_apart, hook)
         found = differing_logs(sharded_logs, whole_logs, tol)
         found += check_rows_runs(apart, whole, consumed, whole_logs, found, tol, hook, planted)
@@ -1785,6 +1813,78 @@ class StepCheck:
         warn_differing_returns(differing_logs(sharded_returns, whole_returns, tol), hook)
         warn_differing_metrics(differing_metrics(metrics, sharded_metrics, whole_metrics, trainer.precision), hook)
         return longer_probe(chunk, m, info.seq_len) if probe_len is None else None
+
+
+GRADIENT_TOLERANCE_LIMIT = 1e-4
+"""The losses' gradients by the model's outputs are compared where the step check's tolerance is at most this
+(float64 and float32); in TF32 and half precision the outputs' rounding between modes is of the order of the
+tolerance."""
+
+
+def gradient_gap(
+    sharded: list[torch.Tensor | None] | None,
+    whole: list[torch.Tensor | None] | None,
+    layout: SeqLayout,
+    group: Group,
+) -> float | None:
+    """How far the gradient of this rank's part of the global loss by the model's outputs (``sharded``: ``[b, s_r,
+    ...]`` per output, :func:`~lightning_paradyse.runtime.output_leaves.leaf_gradients`) is from one process's at
+    this rank's tokens (``whole``: ``[b, m, ...]``, cut by ``layout``), relative to the largest entry of one process's;
+    the largest over the ranks, agreed in one all-reduce (every rank calls it). ``None`` where there is nothing to
+    compare on some rank (no loss with a gradient, outputs of other shapes)."""
+    rank = group_rank(group)
+    err, scale, compared = 0.0, 0.0, 0
+    if sharded is not None and whole is not None and len(sharded) == len(whole):
+        for gs, gw in zip(sharded, whole):
+            if gw is None or (gs is not None and gs.dim() != gw.dim()) or gw.dim() < 2:
+                continue
+            if gw.shape[1] != layout.seq_len or layout.local_len(rank) == layout.seq_len:
+                continue  # not one entry per token of the probe
+            part = layout.shard(gw.detach().double(), rank, dim=1)  # [b, m, ...] -> [b, s_r, ...]
+            if gs is None:
+                gs = torch.zeros_like(part)  # the step did not use this rank's output
+            if gs.shape != part.shape:
+                continue
+            if part.numel():
+                err = max(err, float((gs.detach().double() - part).abs().max()))
+                scale = max(scale, float(gw.detach().abs().max()))
+            compared += 1
+    agreed = every_ranks([1.0 if compared else 0.0, err, scale], group)  # [p, 3]
+    if bool((agreed[:, 0] == 0).any()):
+        return None
+    return float(agreed[:, 1].max()) / max(float(agreed[:, 2].max()), 1e-300)
+
+
+def refuse_gradient_gap(
+    graded: bool,
+    grads: tuple[list[torch.Tensor | None] | None, list[torch.Tensor | None] | None],
+    layout: SeqLayout,
+    group: Group,
+    tol: float,
+    hook: str,
+    where: str,
+    consumed: bool = False,
+) -> None:
+    """Where the check took them (``graded``: alike on every rank), raise alike on every rank when the gradients of
+    the losses by the model's outputs (``grads``: the sharded call's and the whole call's) are further apart than
+    ``tol`` (:func:`gradient_gap`, agreed) though the values agreed. Not compared: a Hugging Face model's loss given
+    ``labels=`` (``consumed``; computed inside the call, it has no gradient there) and tolerances above
+    :data:`GRADIENT_TOLERANCE_LIMIT`."""
+    if not graded:
+        return
+    sharded = None if consumed or tol > GRADIENT_TOLERANCE_LIMIT else grads[0]
+    gap = gradient_gap(sharded, grads[1], layout, group)
+    if gap is None or gap <= tol:
+        return
+    raise ValueError(
+        f"the {hook}'s loss equals one process's on {where}, but its gradient does not (by the model's outputs, "
+        f"{gap:.3g} of its largest entry apart): the step scales a term by a value it takes from its slice without a "
+        f"gradient, such as the term's own value (ce / ce.detach(), a loss normalised by its magnitude), or a "
+        f"weight from a mean over the tokens (.detach(), .item(), torch.no_grad()). Each rank then scales its "
+        f"gradient by its own slice's value, where one process scales by the whole batch's. Take such values from "
+        f"the whole batch (computed in the data, a value of the batch), or leave the term unscaled. "
+        f"ParaDySeStrategy(check_step=False) turns this check off"
+    )
 
 
 def _afresh(kept: KeptState, streams: Any, device: torch.device) -> None:

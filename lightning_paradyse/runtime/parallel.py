@@ -63,6 +63,7 @@ from lightning_paradyse.runtime.hf_positions import (
     watch_packing,
 )
 from lightning_paradyse.runtime.hf_token_dropout import dropped_embeddings, dropping_modules
+from lightning_paradyse.runtime.output_leaves import OutputLeaves
 from lightning_paradyse.runtime.plain_view import Parts, Shadows
 from lightning_paradyse.runtime.slicing import (
     IGNORE_INDEX,
@@ -117,6 +118,9 @@ class StepState:
     whole_runs: list[int] = field(default_factory=list)
     """The module (its ``id``) whose call runs on whole sequences now: a model holding blocks ``blocks=`` leaves whole
     (:func:`_whole_in`; emptied by :func:`configure`)."""
+    leaves: OutputLeaves | None = None
+    """Set while the step check differentiates the step's loss by the model's outputs
+    (:mod:`~lightning_paradyse.runtime.output_leaves`); ``None`` otherwise (the model's calls are left alone)."""
 
 
 class _StepHook:
@@ -616,7 +620,26 @@ def _install_hooks(module: nn.Module, block_names: list[str], state: StepState) 
         if "attention_mask" in _parameters(owner.forward):
             owner.register_forward_pre_hook(_StepHook(state, _mask_hook), with_kwargs=True)
             break
-    _install_call_streams(owners, state)  # last: its pre-hook is then the first to run
+    _install_call_streams(owners, state)
+    _install_output_leaves(owners, state)  # last: its pre-hook is then the first to run
+
+
+def _install_output_leaves(owners: list[nn.Module], state: StepState) -> None:
+    """The hooks that hand the step check the model's outputs as leaves (:mod:`~.runtime.output_leaves`): nothing
+    happens in them unless the check set :attr:`StepState.leaves`. The pre-hook first of all, the hook last and also
+    after a raise."""
+    for owner in owners:
+        owner.register_forward_pre_hook(_StepHook(state, _leaves_in), prepend=True)
+        owner.register_forward_hook(_StepHook(state, _leaves_out), always_call=True)
+
+
+def _leaves_in(state: StepState, mod: nn.Module, args: tuple[Any, ...]) -> None:
+    if state.leaves is not None:
+        state.leaves.enter()
+
+
+def _leaves_out(state: StepState, mod: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+    return None if state.leaves is None else state.leaves.exit(output)
 
 
 def _install_call_streams(owners: list[nn.Module], state: StepState) -> None:

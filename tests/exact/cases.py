@@ -1059,6 +1059,33 @@ class BackwardHookLM(TinyLM):
         (loss + 1e-4 * self.aux if self.aux_term else loss * 4.0).backward()
 
 
+class SelfNormalisedLM(TinyLM):
+    """The loss divided by its own value taken without a gradient (multi-task magnitude normalisation,
+    ``ce / ce.detach()``): one on every rank and in one process, but each rank's gradient is scaled by its own slice's
+    loss (silent until 2026-12-02: the step check compared values only; it now compares their gradients by the
+    model's outputs too)."""
+
+    @override
+    def loss(self, batch: dict[str, Tensor]) -> Tensor:
+        logits = self.model(batch["input_ids"])  # [b, s, vocab]
+        ce = F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten())
+        return ce / ce.detach()
+
+
+class FocalLM(TinyLM):
+    """A focal loss: each real target's cross-entropy weighed by ``(1 - p)^2`` of its probability taken without a
+    gradient, averaged over the real targets. Per-token weights taken without a gradient are exact (the gradient
+    comparison must not refuse them)."""
+
+    @override
+    def loss(self, batch: dict[str, Tensor]) -> Tensor:
+        logits = self.model(batch["input_ids"])  # [b, s, vocab]
+        targets = batch["targets"].flatten()  # [b s]
+        ce = F.cross_entropy(logits.flatten(0, 1), targets, reduction="none")  # [b s], 0 at -100
+        weight = (1 - torch.exp(-ce)).detach() ** 2  # [b s]
+        return (weight * ce)[targets != -100].mean()
+
+
 class BatchNormHeadLM(TinyLM):
     """A ``BatchNorm1d`` over the logits' vocabulary channels: in training its statistics are over the tokens it is
     handed, this rank's slice (silent until 2026-12-02: the step check ran sub-modules in eval mode, probe 19)."""
@@ -2492,6 +2519,10 @@ def cases_p2() -> dict[str, Case]:
                 refused="StochasticWeightAveraging averages a copy of the whole module",
             ),
             "backward-hook-scaled": Case(BackwardHookLM, lambda: loader(ragged("targets"), rows=3)),
+            "self-normalised-loss": Case(
+                SelfNormalisedLM, lambda: loader(shifted_targets), refused="but its gradient does not"
+            ),
+            "focal-loss": Case(FocalLM, lambda: loader(ragged("targets"), rows=3)),
             "backward-hook-adds-a-term": Case(
                 lambda: BackwardHookLM(aux=True),
                 lambda: loader(all_targets),

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_paradyse import ParaDySeStrategy
+from lightning_paradyse.distributed.layout import SeqLayout
 from lightning_paradyse.distributed.spawn import run_distributed
 from lightning_paradyse.lightning.language_model import LanguageModel
 from lightning_paradyse.lightning.step_check import (
@@ -28,12 +29,14 @@ from lightning_paradyse.lightning.step_check import (
     described_columns,
     differing_logs,
     differing_state,
+    gradient_gap,
     kept_attributes,
     pad_ids,
     planted_probe,
     probe_batch,
     probe_columns,
     refuse_differing_state,
+    refuse_gradient_gap,
     rows_with_target,
     sequence_index,
     sequence_split,
@@ -257,6 +260,30 @@ def test_state_the_step_keeps_from_its_slice_is_refused_by_name() -> None:
     ):
         refuse_differing_state(found, "training_step")
     refuse_differing_state(None, "training_step")
+
+
+def test_a_gradient_by_the_outputs_that_differs_from_one_process_is_refused() -> None:
+    """Rank 0 of two (a group of one here: the agreement adds nothing) compares the gradient of its part of the loss
+    with one process's at its tokens, relative to one process's largest entry; a loss given ``labels=`` inside the
+    model and loose tolerances are not compared, and outputs not per token are left out."""
+    layout = SeqLayout.for_sequence(8, 2, causal=False)  # rank 0 holds positions 0..3
+    whole = torch.randn(2, 8, 5, dtype=torch.float64)  # [b, m, V]
+    part = layout.shard(whole, 0)  # [b, 4, V]
+    assert gradient_gap([part.clone()], [whole], layout, None) == 0.0
+    gap = gradient_gap([part * 1.01], [whole], layout, None)
+    assert gap is not None and 0.0 < gap <= 0.01
+    assert gradient_gap([None], [whole], layout, None) == pytest.approx(float(part.abs().max() / whole.abs().max()))
+    pooled = torch.randn(2, 5, dtype=torch.float64)  # [b, h]: not one entry per token
+    assert gradient_gap([pooled], [pooled], layout, None) is None
+    assert gradient_gap(None, [whole], layout, None) is None
+    tol = step_check_tolerance(torch.float64, "64-true")
+    grads = ([part * 1.01], [whole])
+    with pytest.raises(ValueError, match=r"equals one process's on the probe, but its gradient does not.*ce.detach"):
+        refuse_gradient_gap(True, grads, layout, None, tol, "training_step", "the probe")
+    refuse_gradient_gap(False, grads, layout, None, tol, "training_step", "the probe")  # not taken
+    refuse_gradient_gap(True, grads, layout, None, tol, "training_step", "the probe", consumed=True)
+    refuse_gradient_gap(True, grads, layout, None, 3e-2, "training_step", "the probe")  # half precision
+    refuse_gradient_gap(True, ([part.clone()], [whole]), layout, None, tol, "training_step", "the probe")
 
 
 def test_inference_tensors_are_put_back_inside_inference_mode() -> None:
