@@ -1344,7 +1344,17 @@ def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
         return torch.optim.Muon([p for p in params if p.dim() == 2], lr=1e-2)
     if name == "lamb":
         return Lamb(params)
+    if name == "recipe-adamw":
+        return RecipeAdamW(params)
     raise ValueError(name)
+
+
+class RecipeAdamW(torch.optim.AdamW):
+    """A recipe's AdamW of other defaults, a subclass that changes nothing else: exact (refused as an unknown optimizer
+    until 2026-12-02, probe 19)."""
+
+    def __init__(self, params: Any, lr: float = 3e-3) -> None:
+        super().__init__(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
 
 
 def causal_lm_loss(
@@ -2512,6 +2522,7 @@ def cases_p2() -> dict[str, Case]:
                 refused=f"measured on '{FOREIGN}' but this run",
             ),
             "lamb": Case(tiny(optimizer="lamb"), lambda: loader(shifted_targets), refused="Lamb"),
+            "adamw-subclass": Case(tiny(optimizer="recipe-adamw"), lambda: loader(shifted_targets)),
             "swa": Case(  # Lightning's weight averaging copies the module before it is sharded
                 tiny(),
                 lambda: loader(shifted_targets),

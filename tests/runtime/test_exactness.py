@@ -40,12 +40,42 @@ def test_elementwise_optimizers_pass_and_whole_tensor_ones_are_refused_by_name()
         with pytest.raises(ValueError, match=f"cannot train with {name}: .*whole"):
             check_optimizers([optimizer])
 
-    class Lion(torch.optim.SGD):
-        pass
+    class Lion(torch.optim.SGD):  # an update of its own: unknown until allowed by name
+        @torch.no_grad()
+        def step(self, closure: Any = None) -> None:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.add_(p.grad.sign(), alpha=-group["lr"])
 
     with pytest.raises(ValueError, match=r"elementwise_optimizers=\['Lion'\]"):
         check_optimizers([Lion(params, lr=0.1)])
     check_optimizers([Lion(params, lr=0.1)], allowed=["Lion"])
+
+
+def test_a_subclass_that_changes_only_the_defaults_is_its_base() -> None:
+    """A recipe's ``class MyAdamW(AdamW)`` with other defaults updates as AdamW does: accepted (it was refused as an
+    unknown optimizer until 2026-12-02, probe 19); one that overrides any method is unknown."""
+    params = _params()
+
+    class RecipeAdamW(torch.optim.AdamW):
+        def __init__(self, params: Any, lr: float = 3e-4) -> None:
+            super().__init__(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+
+    class Deeper(RecipeAdamW):
+        pass
+
+    class Fresh(torch.optim.Adamax):  # torch wraps the step it finds in the first instance's class for its profiler
+        pass
+
+    assert "step" not in vars(Fresh)
+    check_optimizers([RecipeAdamW(params), Deeper(params), Fresh(params)])
+
+    class Grouped(torch.optim.AdamW):
+        def _init_group(self, *args: Any, **kwargs: Any) -> Any:
+            return super()._init_group(*args, **kwargs)
+
+    with pytest.raises(ValueError, match="does not know whether the optimizer Grouped"):
+        check_optimizers([Grouped(params)])
 
 
 def test_clip_interception_is_torchs_own_without_shards_and_restores_it() -> None:
