@@ -524,6 +524,12 @@ class StepCycle:
         else:  # no backward of ``result`` to come
             write_global(local, total)
 
+    @property
+    def deferred_share(self) -> Tensor | None:
+        """This rank's share of the step's loss while the gradient return has yet to make it global (a training step
+        on groups), else ``None``."""
+        return self._share
+
     def report(self, kept: Tensor) -> None:
         """The loss Lightning keeps of the step (:func:`reporting_result`): the global loss is written into it."""
         if self._share is not None:

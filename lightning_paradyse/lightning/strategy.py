@@ -802,12 +802,16 @@ class ParaDySeStrategy(ParallelStrategy):
         DDP's ``no_sync`` does; with manual optimization it follows every backward. Gradients summed already (an
         earlier step's no ``zero_grad`` cleared, an earlier ``manual_backward``'s) are kept apart from the sum and
         added back before the hooks (:meth:`~lightning_paradyse.lightning.cycle.StepCycle.set_aside`), which read the
-        gradients one process holds then."""
+        gradients one process holds then. On a step on groups Lightning hands ``on_before_backward`` this rank's share
+        of the loss: what the hook logs of it is held and logged as the global loss once the return settles it
+        (:meth:`~lightning_paradyse.lightning.step_logs.StepLogs.capture`)."""
         module = self.lightning_module
         assert module is not None
         accumulating = self._accumulating()
         self.pre_backward(closure_loss)
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        deferred = module.automatic_optimization and self.cycle.deferred_share is not None
+        with self.cycle.logs.capture(module, share=closure_loss) if deferred else contextlib.nullcontext():
+            closure_loss = self.precision_plugin.pre_backward(closure_loss, module)  # on_before_backward's logs held
         self.cycle.set_aside()
         with backing_the_loss(closure_loss) if overrides_backward(module) else contextlib.nullcontext():
             self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)

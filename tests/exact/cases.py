@@ -1072,6 +1072,17 @@ class SelfNormalisedLM(TinyLM):
         return ce / ce.detach()
 
 
+class BeforeBackwardLoggedLM(TinyLM):
+    """The loss logged in ``on_before_backward`` (a recipe's way to see the loss backed): on a step on groups Lightning
+    hands the hook this rank's share of the loss, which the gradient return makes global after the backward (logged
+    as the share, silently, until 2026-12-02, probe 19)."""
+
+    @override
+    def on_before_backward(self, loss: Tensor) -> None:
+        self.log("backed_loss", loss)
+        self.log("backed_loss_item", loss.item())
+
+
 class FocalLM(TinyLM):
     """A focal loss: each real target's cross-entropy weighed by ``(1 - p)^2`` of its probability taken without a
     gradient, averaged over the real targets. Per-token weights taken without a gradient are exact (the gradient
@@ -2534,6 +2545,7 @@ def cases_p2() -> dict[str, Case]:
                 SelfNormalisedLM, lambda: loader(shifted_targets), refused="but its gradient does not"
             ),
             "focal-loss": Case(FocalLM, lambda: loader(ragged("targets"), rows=3)),
+            "loss-logged-before-backward": Case(BeforeBackwardLoggedLM, lambda: loader(ragged("targets"), rows=3)),
             "backward-hook-adds-a-term": Case(
                 lambda: BackwardHookLM(aux=True),
                 lambda: loader(all_targets),
