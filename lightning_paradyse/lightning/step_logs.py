@@ -166,14 +166,16 @@ class StepLogs:
         as the global loss too (until 2026-12-02 the hook's logs were this rank's share, probe 19)."""
         if share is None:
             self.drop()
-        else:
+            self._dtype = torch.get_default_dtype()
+        else:  # the step's own calls kept, and the default dtype they ran under (the metrics' replay's)
             self._shares.append(share.detach())
         log = module.log
-        self._log, self._module, self._dtype = log, module, torch.get_default_dtype()
+        self._log, self._module = log, module
 
         def held(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
             fx, default = module._current_fx_name, torch.get_default_dtype()
-            self._dtype = default
+            if share is None:
+                self._dtype = default
             if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point():
                 alias = value.detach()  # [] or [1]: the loss itself, or a view of it, when the step logs its loss
                 self._calls.append(_Call(fx, name, alias.clone(), alias, args, kwargs, default=default))
