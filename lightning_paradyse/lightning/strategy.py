@@ -43,7 +43,7 @@ import functools
 import gc
 import os
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Literal
@@ -790,9 +790,16 @@ class ParaDySeStrategy(ParallelStrategy):
         module = self.lightning_module
         if module is None or module.automatic_optimization:
             return self._backward(closure_loss, optimizer, *args, **kwargs)
-        return self._backward(self.cycle.manual_share(closure_loss), optimizer, *args, **kwargs)
+        return self._backward(closure_loss, optimizer, *args, weighed=self.cycle.manual_share, **kwargs)
 
-    def _backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+    def _backward(
+        self,
+        closure_loss: Tensor,
+        optimizer: Optimizer | None,
+        *args: Any,
+        weighed: Callable[[Tensor], Tensor] | None = None,
+        **kwargs: Any,
+    ) -> Tensor:
         """Lightning's ``Strategy.backward`` with the gradients summed over the group between the backward and the
         ``on_after_backward`` hooks (:meth:`~lightning_paradyse.lightning.cycle.StepCycle.after_backward`), which then
         read and change the gradients one process holds, as under DDP, whose backward sums them (the hooks ran before
@@ -804,7 +811,10 @@ class ParaDySeStrategy(ParallelStrategy):
         added back before the hooks (:meth:`~lightning_paradyse.lightning.cycle.StepCycle.set_aside`), which read the
         gradients one process holds then. On a step on groups Lightning hands ``on_before_backward`` this rank's share
         of the loss: what the hook logs of it is held and logged as the global loss once the return settles it
-        (:meth:`~lightning_paradyse.lightning.step_logs.StepLogs.capture`)."""
+        (:meth:`~lightning_paradyse.lightning.step_logs.StepLogs.capture`). With manual optimization the hook is
+        handed the loss the step backs, as the step holds it, and ``weighed`` (its share of the global loss,
+        :meth:`~lightning_paradyse.lightning.cycle.StepCycle.manual_share`) is backed: what the hook logs of it is
+        then replayed as the step's own logs of its loss are (until 2026-12-02 the hook saw the share, probe 20)."""
         module = self.lightning_module
         assert module is not None
         accumulating = self._accumulating()
@@ -812,6 +822,8 @@ class ParaDySeStrategy(ParallelStrategy):
         deferred = module.automatic_optimization and self.cycle.deferred_share is not None
         with self.cycle.logs.capture(module, share=closure_loss) if deferred else contextlib.nullcontext():
             closure_loss = self.precision_plugin.pre_backward(closure_loss, module)  # on_before_backward's logs held
+        if weighed is not None:  # after the hooks: a loss scaling (16-mixed) and the weighing are both linear
+            closure_loss = weighed(closure_loss)
         self.cycle.set_aside()
         with backing_the_loss(closure_loss) if overrides_backward(module) else contextlib.nullcontext():
             self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)

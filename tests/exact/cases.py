@@ -1083,6 +1083,16 @@ class BeforeBackwardLoggedLM(TinyLM):
         self.log("backed_loss_item", loss.item())
 
 
+class ManualBeforeBackwardLoggedLM(ManualLM):
+    """:class:`ManualLM` logging the loss Lightning hands ``on_before_backward`` (what ``manual_backward`` backs): the
+    hook was handed this rank's weighed share of the loss (silently, until 2026-12-02, probe 20); now the loss the
+    step backs, which the strategy logs as the global loss as the step's own log of it."""
+
+    @override
+    def on_before_backward(self, loss: Tensor) -> None:
+        self.log("backed_loss", loss)
+
+
 class FocalLM(TinyLM):
     """A focal loss: each real target's cross-entropy weighed by ``(1 - p)^2`` of its probability taken without a
     gradient, averaged over the real targets. Per-token weights taken without a gradient are exact (the gradient
@@ -2491,6 +2501,9 @@ def cases_p2() -> dict[str, Case]:
                 tiny(clip_in_hook=0.05, clip_by_total=True), lambda: loader(shifted_targets), strategy=dict(plan=MIXED)
             ),
             "manual-optimization": Case(ManualLM, lambda: loader(shifted_targets), strategy=dict(plan=MIXED)),
+            "manual-loss-logged-before-backward": Case(
+                ManualBeforeBackwardLoggedLM, lambda: loader(ragged("targets"), rows=3)
+            ),
             "configure-model": Case(ConfiguredLM, lambda: loader(shifted_targets, rows=3), strategy=dict(plan=MIXED)),
             "configure-model-after-draws": Case(
                 DrawsFirstLM, lambda: loader(shifted_targets, rows=3), strategy=dict(plan=MIXED)
