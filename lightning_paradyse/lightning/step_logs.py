@@ -36,7 +36,6 @@ ranks leave it as it is.
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -138,8 +137,6 @@ class StepLogs:
 
     def __init__(self) -> None:
         self._calls: list[_Call] = []
-        self._shares: list[torch.Tensor] = []
-        """Tensors that also stand for the step's loss (:meth:`capture`'s ``share``), until the replay."""
         self._log: Any = None
         self._module: pl.LightningModule | None = None
         self._loss: torch.Tensor | None = None
@@ -158,24 +155,17 @@ class StepLogs:
         self.metrics.bind(module)
 
     @contextlib.contextmanager
-    def capture(self, module: pl.LightningModule, share: torch.Tensor | None = None) -> Iterator[None]:
+    def capture(self, module: pl.LightningModule) -> Iterator[None]:
         """Hold what ``module`` logs inside the block (its ``log`` replaced on the instance, restored after): one-number
         tensors, Python numbers and metrics; record its metrics' calls. Calls left from a step that never settled are
-        dropped; with ``share`` (the step on groups' share of the loss, which Lightning hands ``on_before_backward``
-        before the gradient return settles it) they are kept, and a value that is ``share`` or equals it is replayed
-        as the global loss too (until 2026-12-02 the hook's logs were this rank's share, probe 19)."""
-        if share is None:
-            self.drop()
-            self._dtype = torch.get_default_dtype()
-        else:  # the step's own calls kept, and the default dtype they ran under (the metrics' replay's)
-            self._shares.append(share.detach())
+        dropped."""
+        self.drop()
         log = module.log
-        self._log, self._module = log, module
+        self._log, self._module, self._dtype = log, module, torch.get_default_dtype()
 
         def held(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
             fx, default = module._current_fx_name, torch.get_default_dtype()
-            if share is None:
-                self._dtype = default
+            self._dtype = default
             if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point():
                 alias = value.detach()  # [] or [1]: the loss itself, or a view of it, when the step logs its loss
                 self._calls.append(_Call(fx, name, alias.clone(), alias, args, kwargs, default=default))
@@ -201,11 +191,10 @@ class StepLogs:
             self._replay(local, total)
 
     def _replay(self, local: torch.Tensor | None, total: torch.Tensor | None) -> None:
-        calls, log, module, shares = self._calls, self._log, self._module, self._shares
+        calls, log, module = self._calls, self._log, self._module
         local = self._loss if local is None else local
-        self._calls, self._loss, self._shares = [], None, []
+        self._calls, self._loss = [], None
         ours = None if local is None or local.numel() != 1 or not local.is_floating_point() else local
-        losses = [] if ours is None else [ours, *shares]  # the step's loss, and the share it was backed as
         if self.filled and self.metrics.counted_tokens:
             self._warn_filled()
         self.filled = False
@@ -217,14 +206,14 @@ class StepLogs:
         for call in calls:
             value, args, kwargs = call.value, call.args, call.kwargs
             if isinstance(value, torch.Tensor):
-                if total is not None and any(call.is_view_of(loss) for loss in losses):
+                if total is not None and ours is not None and call.is_view_of(ours):
                     value = total
                     args, kwargs = call.as_global()
                 elif call.alias is not None and call.alias.data_ptr() in outputs:  # a metric's forward's value
                     value = outputs[call.alias.data_ptr()]
                 value = value.detach().reshape(call.value.shape)
             elif isinstance(value, float):
-                value, args, kwargs = self._number(call, losses, total, module.device)
+                value, args, kwargs = self._number(call, ours, total, module.device)
             elif is_metric(value):
                 if not self.metrics.bound(value):
                     self._warn_unbound(call)
@@ -240,16 +229,14 @@ class StepLogs:
 
     @staticmethod
     def _number(
-        call: _Call, losses: list[torch.Tensor], total: torch.Tensor | None, device: torch.device
+        call: _Call, ours: torch.Tensor | None, total: torch.Tensor | None, device: torch.device
     ) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
-        """A logged number: the global loss where it equals this rank's loss (``loss.item()``) or the share it was
-        backed as (``losses``), chosen on the loss's device (nothing read on the host, unless its sum over the ranks
-        must be dropped then), else as logged; in the dtype Lightning made it into when it was logged
-        (:attr:`_Call.dtype`)."""
-        if not losses or total is None:
+        """A logged number: the global loss where it equals this rank's loss (``loss.item()``), chosen on the loss's
+        device (nothing read on the host, unless its sum over the ranks must be dropped then), else as logged; in the
+        dtype Lightning made it into when it was logged (:attr:`_Call.dtype`)."""
+        if ours is None or total is None:
             return torch.tensor(call.value, dtype=call.dtype, device=device), call.args, call.kwargs
-        ours = losses[0]
-        same = functools.reduce(torch.logical_or, [loss.detach().reshape(()) == call.value for loss in losses])
+        same = ours.detach().reshape(()) == call.value
         number = torch.tensor(call.value, dtype=call.dtype, device=ours.device)  # what Lightning made of it
         global_loss = total.detach().reshape(()).to(device=ours.device, dtype=call.dtype)
         args, kwargs = call.as_global()
@@ -353,7 +340,7 @@ class StepLogs:
 
     def drop(self) -> None:
         """Forget the held calls (a step given up)."""
-        self._calls, self._loss, self._shares = [], None, []
+        self._calls, self._loss = [], None
         self.metrics.drop()
 
     def reset(self) -> None:

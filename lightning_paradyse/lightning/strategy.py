@@ -43,7 +43,7 @@ import functools
 import gc
 import os
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Literal
@@ -77,7 +77,7 @@ from typing_extensions import override
 
 from lightning_paradyse.calibration.profile import is_profile_file, load_profile
 from lightning_paradyse.distributed import comm
-from lightning_paradyse.distributed.comm import Group, all_gather_rows, group_size
+from lightning_paradyse.distributed.comm import Group, all_gather_rows, all_reduce_sum, group_size
 from lightning_paradyse.distributed.devices import (
     broadcast_module,
     check_local_gpus,
@@ -290,6 +290,8 @@ class ParaDySeStrategy(ParallelStrategy):
         self._exchange_s: float | None = None
         """Measured seconds of the largest weight exchange, kept with the machine measured at setup (or ``None``)."""
         self._optimizer_steps = 0
+        self._hooks_read_backed_loss = False
+        """Whether the module or a callback overrides ``on_before_backward`` (set at each setup: :meth:`_shown`)."""
         self._sharded_ids: set[int] = set()
         self._clip: ClipInterception | None = None
         self._grad_norms: GradNormInterception | None = None
@@ -538,6 +540,10 @@ class ParaDySeStrategy(ParallelStrategy):
             optimizer_settings.check_settings(self.optimizers, ids, plain)
             if group_size(self._group) > 1:  # rank 0's SIGTERM flag rides each training batch's agreement
                 self.cycle.sigterm.install(trainer)
+        self._hooks_read_backed_loss = any(
+            is_overridden("on_before_backward", owner)
+            for owner in [self.lightning_module, *getattr(trainer, "callbacks", [])]
+        )
         self._sharded_ids = parallel.sharded_parameter_ids(self._module)
         self._clip = self._clip or ClipInterception(self._sharded, self._process_group, self._sharded_grads)
         self._clip.start()  # clip_grad_norm_ on shards: the whole model's norm (Lightning's clipping and the user's)
@@ -790,15 +796,11 @@ class ParaDySeStrategy(ParallelStrategy):
         module = self.lightning_module
         if module is None or module.automatic_optimization:
             return self._backward(closure_loss, optimizer, *args, **kwargs)
-        return self._backward(closure_loss, optimizer, *args, weighed=self.cycle.manual_share, **kwargs)
+        share = self.cycle.manual_share(closure_loss)  # the loss itself outside a step
+        return self._backward(share, optimizer, *args, share=share is not closure_loss, **kwargs)
 
     def _backward(
-        self,
-        closure_loss: Tensor,
-        optimizer: Optimizer | None,
-        *args: Any,
-        weighed: Callable[[Tensor], Tensor] | None = None,
-        **kwargs: Any,
+        self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, share: bool = False, **kwargs: Any
     ) -> Tensor:
         """Lightning's ``Strategy.backward`` with the gradients summed over the group between the backward and the
         ``on_after_backward`` hooks (:meth:`~lightning_paradyse.lightning.cycle.StepCycle.after_backward`), which then
@@ -809,21 +811,15 @@ class ParaDySeStrategy(ParallelStrategy):
         DDP's ``no_sync`` does; with manual optimization it follows every backward. Gradients summed already (an
         earlier step's no ``zero_grad`` cleared, an earlier ``manual_backward``'s) are kept apart from the sum and
         added back before the hooks (:meth:`~lightning_paradyse.lightning.cycle.StepCycle.set_aside`), which read the
-        gradients one process holds then. On a step on groups Lightning hands ``on_before_backward`` this rank's share
-        of the loss: what the hook logs of it is held and logged as the global loss once the return settles it
-        (:meth:`~lightning_paradyse.lightning.step_logs.StepLogs.capture`). With manual optimization the hook is
-        handed the loss the step backs, as the step holds it, and ``weighed`` (its share of the global loss,
-        :meth:`~lightning_paradyse.lightning.cycle.StepCycle.manual_share`) is backed: what the hook logs of it is
-        then replayed as the step's own logs of its loss are (until 2026-12-02 the hook saw the share, probe 20)."""
+        gradients one process holds then. ``on_before_backward`` is handed a tensor of the global loss's value where
+        ``closure_loss`` is this rank's share of it (``share``: a manual optimization step's, or a step on groups',
+        :meth:`_shown`)."""
         module = self.lightning_module
         assert module is not None
         accumulating = self._accumulating()
-        self.pre_backward(closure_loss)
-        deferred = module.automatic_optimization and self.cycle.deferred_share is not None
-        with self.cycle.logs.capture(module, share=closure_loss) if deferred else contextlib.nullcontext():
-            closure_loss = self.precision_plugin.pre_backward(closure_loss, module)  # on_before_backward's logs held
-        if weighed is not None:  # after the hooks: a loss scaling (16-mixed) and the weighing are both linear
-            closure_loss = weighed(closure_loss)
+        shown = self._shown(closure_loss, share or self.cycle.deferred_share is not None)
+        self.pre_backward(shown)
+        closure_loss = self.precision_plugin.pre_backward(shown, module)  # the on_before_backward hooks
         self.cycle.set_aside()
         with backing_the_loss(closure_loss) if overrides_backward(module) else contextlib.nullcontext():
             self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
@@ -833,6 +829,19 @@ class ParaDySeStrategy(ParallelStrategy):
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)  # the on_after_backward hooks
         self.post_backward(closure_loss)
         return closure_loss
+
+    def _shown(self, loss: Tensor, share: bool) -> Tensor:
+        """What ``on_before_backward`` (the module's and its callbacks') is handed for ``loss``: where ``loss`` is this
+        rank's share of the global loss (``share``: a manual optimization step backs each rank's share of what it
+        backs; a step on groups backs its share, whose global value the gradient return sums after the backward), a
+        tensor of the global loss's value whose gradient is the share's, ``total + (loss - loss.detach())``: what
+        the hooks read, log or keep (``loss.item()`` in a list, a spike counter) is one process's, and the backward
+        is the share's. Until 2026-12-02 the hooks were handed the share (probe 20). The global loss is one
+        all-reduce of the shares (in rank order), made only where a hook is overridden; otherwise ``loss``."""
+        if not share or not self._hooks_read_backed_loss:
+            return loss
+        total = all_reduce_sum(loss.detach(), self._group)  # [] -> []: every rank's share, summed
+        return total + (loss - loss.detach())  # the value total's, exactly; the gradient loss's
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:

@@ -1073,24 +1073,49 @@ class SelfNormalisedLM(TinyLM):
 
 
 class BeforeBackwardLoggedLM(TinyLM):
-    """The loss logged in ``on_before_backward`` (a recipe's way to see the loss backed): on a step on groups Lightning
-    hands the hook this rank's share of the loss, which the gradient return makes global after the backward (logged
-    as the share, silently, until 2026-12-02, probe 19)."""
+    """The loss Lightning hands ``on_before_backward`` (a recipe's way to see the loss backed) logged, a value derived
+    from it logged, and its ``.item()`` kept and logged in ``on_train_batch_end``: on a step on groups the hook was
+    handed this rank's share of the loss (silently, until 2026-12-02, probes 19 and 20); now a tensor of the global
+    loss's value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backed: list[float] = []
+
+    @override
+    def on_before_backward(self, loss: Tensor) -> None:
+        self.log("backed_loss", loss)
+        self.log("backed_loss_exp", torch.exp(loss.detach()))
+        self.backed.append(loss.item())
+
+    @override
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.log("last_backed", self.backed[-1])
+
+
+class SpikeWatcher(pl.Callback):
+    """A callback that counts loss spikes in ``on_before_backward`` (the backed loss above a threshold) and logs the
+    count and a running maximum (on a step on groups it read this rank's share until 2026-12-02, probe 20)."""
+
+    def __init__(self) -> None:
+        self.seen: list[float] = []
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        self.seen.append(float(loss))
+        pl_module.log("spikes", float(sum(value > 4.8 for value in self.seen)))
+        pl_module.log("running_max", max(self.seen))
+
+
+class ManualBeforeBackwardLoggedLM(ManualLM):
+    """:class:`ManualLM` logging the loss Lightning hands ``on_before_backward`` (what ``manual_backward`` backs) and
+    its ``.item()``: the hook was handed this rank's weighed share of the loss (silently, until 2026-12-02, probe 20);
+    now a tensor of the global loss's value."""
 
     @override
     def on_before_backward(self, loss: Tensor) -> None:
         self.log("backed_loss", loss)
         self.log("backed_loss_item", loss.item())
-
-
-class ManualBeforeBackwardLoggedLM(ManualLM):
-    """:class:`ManualLM` logging the loss Lightning hands ``on_before_backward`` (what ``manual_backward`` backs): the
-    hook was handed this rank's weighed share of the loss (silently, until 2026-12-02, probe 20); now the loss the
-    step backs, which the strategy logs as the global loss as the step's own log of it."""
-
-    @override
-    def on_before_backward(self, loss: Tensor) -> None:
-        self.log("backed_loss", loss)
 
 
 class FocalLM(TinyLM):
@@ -2559,6 +2584,9 @@ def cases_p2() -> dict[str, Case]:
             ),
             "focal-loss": Case(FocalLM, lambda: loader(ragged("targets"), rows=3)),
             "loss-logged-before-backward": Case(BeforeBackwardLoggedLM, lambda: loader(ragged("targets"), rows=3)),
+            "loss-spikes-in-a-callback": Case(
+                TinyLM, lambda: loader(ragged("targets"), rows=3), trainer=dict(callbacks=[SpikeWatcher()])
+            ),
             "backward-hook-adds-a-term": Case(
                 lambda: BackwardHookLM(aux=True),
                 lambda: loader(all_targets),

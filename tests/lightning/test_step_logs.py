@@ -135,31 +135,6 @@ def test_a_deferred_loss_is_replayed_when_settled_and_log_is_restored() -> None:
     assert len(module.seen) == 1
 
 
-def test_the_share_on_before_backward_logs_is_replayed_as_the_global_loss() -> None:
-    """A step on groups: Lightning hands ``on_before_backward`` this rank's share of the loss before the gradient
-    return settles it; what the hook logs of it (the tensor, ``.item()``) is held with the step's own calls and
-    replayed as the global loss; another value as logged."""
-    module, logs = Module(), StepLogs()
-    loss = torch.tensor(1.25)
-    module._current_fx_name = "training_step"
-    with logs.capture(module):
-        module.log("train_loss", loss)
-    logs.hold(loss)
-    share = loss * 0.4  # what Lightning backs
-    module._current_fx_name = "on_before_backward"
-    with logs.capture(module, share=share):
-        module.log("backed", share)
-        module.log("backed_item", share.item())
-        module.log("other", torch.tensor(7.0))
-    logs.replay(None, torch.tensor(3.0))
-    assert [(name, float(value), fx) for name, value, fx, _ in module.seen] == [
-        ("train_loss", 3.0, "training_step"),
-        ("backed", 3.0, "on_before_backward"),
-        ("backed_item", 3.0, "on_before_backward"),
-        ("other", 7.0, "on_before_backward"),
-    ]
-
-
 def test_log_is_restored_when_the_step_raises_and_stale_calls_are_dropped() -> None:
     module, logs = Module(), StepLogs()
     with pytest.raises(RuntimeError, match="step failed"), logs.capture(module):
