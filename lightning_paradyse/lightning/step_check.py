@@ -14,6 +14,9 @@ loss, in the sharded call) with respect to what the model returned, without a ba
 model's calls run without a gradient and hand the step leaves (:mod:`~lightning_paradyse.runtime.output_leaves`). At
 this rank's tokens the two must agree to the tolerance, in float64 and float32 (:func:`refuse_gradient_gap`; silent
 until 2026-12-02, probe 19). A Hugging Face model's loss given ``labels=``, computed inside its call, is not compared.
+Every call of the training step's check runs the step's own code with gradients on, as training does (a hook on the
+logits' gradient, ``retain_grad``, ``torch.autograd.grad`` in the step raised under ``no_grad`` until 2026-12-02,
+probe 20); the model's calls run without.
 
 Position rules further into the sequence than those tokens are seen in the step's code instead: its sharded call
 watches what the step does to positions of the sequence outside the model's calls (:class:`SequenceCuts`: an index,
@@ -1732,17 +1735,20 @@ class StepCheck:
             state = parallel.step_state(module)
             graded = self.training and probe_len is None and not plant  # its gradient by the model's outputs too
             sharded_leaves, whole_leaves = OutputLeaves(), OutputLeaves()
+            # a training step's own code runs with gradients on, as in training (a hook on its logits, retain_grad,
+            # torch.autograd.grad in the step; they raised under no_grad until 2026-12-02, probe 20)
+            leafed = functools.partial(_with_leaves, step_fn, state) if self.training else step_fn
             with recorded_logs(module, summed) as sharded_logs, cycle.logs.trial():  # as the strategy logs them
                 with (
                     cycle.logs.capture(module),
                     cuts,
                     cut_failed(cuts, module._current_fx_name),
-                    collecting(state, sharded_leaves, graded),
+                    collecting(state, sharded_leaves, self.training),
                 ):
                     output = step_fn(*a, **k)
                     local = step_loss(output)
                     share = None if local is None else cycle.share(local, sharded_info)  # its part of the loss
-                sharded_grads = leaf_gradients(share, sharded_leaves)  # [b, s_r, ...] per output
+                sharded_grads = leaf_gradients(share, sharded_leaves) if graded else None  # [b, s_r, ...] per output
                 sharded_returns = returned_values(output, local)
                 total = None if local is None else cycle.global_loss(local, sharded_info)
                 cycle.logs.replay(local, total)
@@ -1762,11 +1768,11 @@ class StepCheck:
                 with (
                     recorded_logs(module) as whole_logs,  # logged as one process logs them
                     whole_losses as losses,
-                    collecting(state, whole_leaves, graded),
+                    collecting(state, whole_leaves, self.training),
                 ):
                     output = step_fn(piece, *rest[0], **rest[1])
                     whole = step_loss(output)
-                whole_grads = leaf_gradients(whole, whole_leaves)  # [b, m, ...] per output
+                whole_grads = leaf_gradients(whole, whole_leaves) if graded else None  # [b, m, ...] per output
                 whole_returns = returned_values(output, whole)
                 whole_state = kept.values()
                 whole_metrics = metric_values(metrics, None)  # one process's
@@ -1774,11 +1780,11 @@ class StepCheck:
                 if sharded is not None and whole is not None and sharded != float(whole):  # does the step draw?
                     piece = parallel.configure_whole(module, probe, whole_info, run)
                     kept()
-                    redrawn = loss_redrawn(step_fn, (piece, *rest[0]), rest[1], device)
+                    redrawn = loss_redrawn(leafed, (piece, *rest[0]), rest[1], device)
                 apart = None
                 if self.training and cycle.runner.ready and whole is not None:  # steps may run on groups of rows
                     mean = cycle.options.mean_loss
-                    apart = rows_runs(module, probe, whole_info, run, step_fn, rest, causal, mean, rewind)
+                    apart = rows_runs(module, probe, whole_info, run, leafed, rest, causal, mean, rewind)
             finally:
                 drop_group(module)
         cycle.runner.enter(step)  # the batch's own step again
@@ -1885,6 +1891,13 @@ def refuse_gradient_gap(
         f"the whole batch (computed in the data, a value of the batch), or leave the term unscaled. "
         f"ParaDySeStrategy(check_step=False) turns this check off"
     )
+
+
+def _with_leaves(step_fn: Callable[..., Any], state: Any, *args: Any, **kwargs: Any) -> Any:
+    """``step_fn`` called as a training step runs: its own code with gradients on, the model's calls without, their
+    outputs leaves (:mod:`~lightning_paradyse.runtime.output_leaves`; none kept)."""
+    with collecting(state, OutputLeaves()):
+        return step_fn(*args, **kwargs)
 
 
 def _afresh(kept: KeptState, streams: Any, device: torch.device) -> None:

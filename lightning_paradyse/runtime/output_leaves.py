@@ -67,7 +67,10 @@ class OutputLeaves:
         if isinstance(output, Mapping) and hasattr(output, "__setitem__"):  # a dict, a Hugging Face ModelOutput
             for key in list(output.keys()):
                 value = output[key]
-                wrapped = self._leaf(value)
+                if isinstance(value, (tuple, list)):  # a model's hidden states: a tuple of [b, s, h] per layer
+                    wrapped = type(value)(self._leaf(v) for v in value)
+                else:
+                    wrapped = self._leaf(value)
                 if wrapped is not value:
                     output[key] = wrapped  # type: ignore[index]
             return output

@@ -1118,6 +1118,27 @@ class ManualBeforeBackwardLoggedLM(ManualLM):
         self.log("backed_loss_item", loss.item())
 
 
+class LogitsGradientHookLM(TinyLM):
+    """A hook on the logits' gradient (``logits.register_hook``): clamping each entry is exact; scaling by a statistic
+    of the slice's logits (``scaled``) is refused by the step check's gradient comparison. Until 2026-12-02 the check
+    ran the step without gradients and both raised "cannot register a hook on a tensor that doesn't require gradient"
+    (probe 20)."""
+
+    def __init__(self, scaled: bool = False) -> None:
+        super().__init__()
+        self.scaled = scaled
+
+    @override
+    def loss(self, batch: dict[str, Tensor]) -> Tensor:
+        logits = self.model(batch["input_ids"])  # [b, s, vocab]
+        if self.scaled:
+            scale = float(logits.detach().abs().mean())  # this rank's slice's
+            logits.register_hook(lambda g: g * scale)
+        else:
+            logits.register_hook(lambda g: g.clamp(-1e-3, 1e-3))
+        return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten())
+
+
 class FocalLM(TinyLM):
     """A focal loss: each real target's cross-entropy weighed by ``(1 - p)^2`` of its probability taken without a
     gradient, averaged over the real targets. Per-token weights taken without a gradient are exact (the gradient
@@ -2583,6 +2604,13 @@ def cases_p2() -> dict[str, Case]:
                 SelfNormalisedLM, lambda: loader(shifted_targets), refused="but its gradient does not"
             ),
             "focal-loss": Case(FocalLM, lambda: loader(ragged("targets"), rows=3)),
+            "logits-gradient-hook": Case(LogitsGradientHookLM, lambda: loader(ragged("targets"), rows=3)),
+            "logits-gradient-hook-scaled-by-slice": Case(
+                lambda: LogitsGradientHookLM(scaled=True),
+                lambda: loader(shifted_targets),
+                strategy=dict(plan="ring"),
+                refused="but its gradient does not",
+            ),
             "loss-logged-before-backward": Case(BeforeBackwardLoggedLM, lambda: loader(ragged("targets"), rows=3)),
             "loss-spikes-in-a-callback": Case(
                 TinyLM, lambda: loader(ragged("targets"), rows=3), trainer=dict(callbacks=[SpikeWatcher()])

@@ -68,12 +68,14 @@ def test_outputs_of_every_container_become_leaves_and_other_entries_stay() -> No
         leaves.enter()
         got = leaves.exit(Out(logits, ids, scalar))
     assert isinstance(got, Out) and got.logits.requires_grad and got.ids is ids and got.loss is scalar
-    mapping = OrderedDict(logits=logits, ids=ids)  # a Hugging Face ModelOutput is an OrderedDict, changed in place
+    hidden = (torch.randn(2, 3, 4), torch.randn(2, 3, 4))  # per layer
+    mapping = OrderedDict(logits=logits, ids=ids, hidden_states=hidden)  # a ModelOutput is an OrderedDict: in place
     with torch.enable_grad():
         leaves.enter()
         same = leaves.exit(mapping)
     assert same is mapping and mapping["logits"].requires_grad and mapping["ids"] is ids
-    assert len(leaves.leaves) == 2
+    assert isinstance(mapping["hidden_states"], tuple) and all(h.requires_grad for h in mapping["hidden_states"])
+    assert len(leaves.leaves) == 4
 
 
 def test_a_call_that_raised_puts_the_mode_back() -> None:
