@@ -300,6 +300,9 @@ class LossCalls(TorchFunctionMode):
         sign = COMPARISONS.get(func)
         if sign is None or len(args) < 2 or not isinstance(args[0], torch.Tensor):
             return None
+        predicted = self._predicted(sign, args[0], args[1])
+        if predicted is not None:
+            return predicted
         valued = self._valued.get(id(args[0]))
         if valued is None or valued[0] is not args[0]:
             return None
@@ -327,6 +330,25 @@ class LossCalls(TorchFunctionMode):
             )
             shown = f"{valued[1]} {sign} {int(values[0]) if values[0] == int(values[0]) else values[0]}"
         return f"the batch's {shown}" if apart else None
+
+    def _ids_named(self, t: Any) -> str | None:
+        """The name of the batch's ids ``t`` holds (:attr:`_valued`), else ``None``."""
+        valued = self._valued.get(id(t)) if isinstance(t, torch.Tensor) else None
+        return None if valued is None or valued[0] is not t else valued[1]
+
+    def _predicted(self, sign: str, a: Any, b: Any) -> str | None:
+        """The rule of an entry-by-entry comparison of the batch's ids with a tensor of the same shape that is not the
+        batch's (``logits.argmax(-1) != targets``: the targets the model gets wrong), else ``None``. Such a mask
+        sets real targets apart by the model's predictions: a mean over what it selects divides by its own count
+        (silent until 2026-12-02, probe 20: hard-example mining, ``ce[pred != tg].mean()``); an accuracy logged
+        from it is not a loss and is left alone."""
+        if sign == "isin" or not isinstance(b, torch.Tensor):
+            return None
+        for mine, other in ((a, b), (b, a)):
+            name = self._ids_named(mine)
+            if name is not None and self._ids_named(other) is None and other.shape == mine.shape and other.numel() > 1:
+                return f"the batch's {name} compared with a tensor of their shape (a prediction, {sign})"
+        return None
 
     def _inherited(self, args: Any, kwargs: dict[str, Any]) -> str | None:
         """The rule a tensor among ``args`` and ``kwargs`` was made by (:attr:`_ruled`), else ``None``."""

@@ -1139,6 +1139,20 @@ class LogitsGradientHookLM(TinyLM):
         return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten())
 
 
+class HardTargetsLM(TinyLM):
+    """Hard-example mining: the mean cross-entropy over the real targets the model gets wrong (``argmax(logits) !=
+    targets``). Each rank divides by its own count of them, where the strategy weighs its mean by its real targets:
+    silent until 2026-12-02 (probe 20: the first batches' model gets every target wrong); refused by the rule it
+    averages over, whatever the batch. An accuracy logged from the same comparison is not refused."""
+
+    @override
+    def loss(self, batch: dict[str, Tensor]) -> Tensor:
+        logits, targets = self.model(batch["input_ids"]), batch["targets"]  # [b, s, vocab], [b, s]
+        ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)  # [b, s]
+        wrong = (logits.detach().argmax(-1) != targets) & (targets != -100)  # [b, s]
+        return ce[wrong].mean()
+
+
 class FocalLM(TinyLM):
     """A focal loss: each real target's cross-entropy weighed by ``(1 - p)^2`` of its probability taken without a
     gradient, averaged over the real targets. Per-token weights taken without a gradient are exact (the gradient
@@ -2604,6 +2618,9 @@ def cases_p2() -> dict[str, Case]:
                 SelfNormalisedLM, lambda: loader(shifted_targets), refused="but its gradient does not"
             ),
             "focal-loss": Case(FocalLM, lambda: loader(ragged("targets"), rows=3)),
+            "mean-over-mispredicted-targets": Case(
+                HardTargetsLM, lambda: loader(shifted_targets), refused="compared with a tensor of their shape"
+            ),
             "logits-gradient-hook": Case(LogitsGradientHookLM, lambda: loader(ragged("targets"), rows=3)),
             "logits-gradient-hook-scaled-by-slice": Case(
                 lambda: LogitsGradientHookLM(scaled=True),
