@@ -1108,7 +1108,8 @@ def check_step_losses(
     mixed = (
         "a Hugging Face model's loss given labels= (this rank's share of the whole batch's mean, which the "
         "strategy sums over the ranks) combined with a term of the step's own, such as a distillation or "
-        "auxiliary term averaged over this rank's tokens (divide that term by the whole batch's count of real "
+        "auxiliary term averaged over this rank's tokens, or a loss of the step's own returned in its place while "
+        "the model is still given labels= (divide that term by the whole batch's count of real "
         "targets, a tensor the data loader puts in the batch, so that it too is a share of one process's value; "
         "or call the model without labels= and average the cross-entropy over the real targets yourself, "
         "targets shifted in the data, so that every term is a mean over this rank's tokens), "
