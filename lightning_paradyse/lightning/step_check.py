@@ -261,6 +261,8 @@ class LossCalls(TorchFunctionMode):
         """``id -> (tensor, rule)``: what a rule setting real ids apart (``'targets' != 0``) made, and everything
         made from that (the tensors are held: an id is not reused while the check runs)."""
         self._selected: dict[int, tuple[torch.Tensor, str]] = {}
+        self._predictions: set[str] = set()
+        """The rules :meth:`_predicted` made (comparisons with the model's predictions)."""
         """``id -> (tensor, rule)``: entries a rule's mask selected (``ce[targets != 0]``): a mean of them divides by
         the rule's count."""
         if batch is not None:
@@ -347,7 +349,9 @@ class LossCalls(TorchFunctionMode):
         for mine, other in ((a, b), (b, a)):
             name = self._ids_named(mine)
             if name is not None and self._ids_named(other) is None and other.shape == mine.shape and other.numel() > 1:
-                return f"the batch's {name} compared with a tensor of their shape (a prediction, {sign})"
+                rule = f"the batch's {name} compared with a tensor of their shape (a prediction, {sign})"
+                self._predictions.add(rule)
+                return rule
         return None
 
     def _inherited(self, args: Any, kwargs: dict[str, Any]) -> str | None:
@@ -387,13 +391,21 @@ class LossCalls(TorchFunctionMode):
     def _counted(self, func: Any, args: Any) -> None:
         """Name a division by what a rule made (``x / mask.sum()``) and a mean of what a rule's mask selected
         (``ce[targets != 0].mean()``): a mean over the rule's count, not over the real targets the strategy weighs
-        by. Weights a rule makes (``1 + (targets == eos)``) in a mean over every position are not named."""
-        divisor = args[0] if func in REFLECTED_DIVISIONS else args[1] if func in DIVISIONS and len(args) > 1 else None
+        by. Weights a rule makes (``1 + (targets == eos)``) in a mean over every position are not named. A rule of
+        the model's predictions (:meth:`_predicted`) is named only where what is divided or averaged carries a
+        gradient (a loss): an accuracy a metric computes from the same comparison (``correct / total``) is not."""
+        reflected = func in REFLECTED_DIVISIONS
+        divisor = args[0] if reflected else args[1] if func in DIVISIONS and len(args) > 1 else None
         rule = self.ruled(divisor) if isinstance(divisor, torch.Tensor) else None
-        if rule is not None:
+        numerator = args[1] if reflected and len(args) > 1 else args[0] if args else None
+        if rule is not None and (rule not in self._predictions or _carries_gradient(numerator)):
             self.found.append(self._rule_found(f"it divides by a count that depends on {rule}"))
         selected = self._selected.get(id(args[0])) if func in MEANS and args else None
-        if selected is not None and selected[0] is args[0]:
+        if (
+            selected is not None
+            and selected[0] is args[0]
+            and (selected[1] not in self._predictions or _carries_gradient(args[0]))
+        ):
             self.found.append(self._rule_found(f"it averages the entries that {selected[1]} selects"))
 
     def _loss_call(self, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
@@ -519,6 +531,12 @@ RULE_IDS = 1 << 24
 RULE_VALUES = 64
 """At most this many numbers compared with make a rule (``torch.isin(targets, special_ids)``); a longer tensor is
 values of another kind."""
+
+
+def _carries_gradient(t: Any) -> bool:
+    """Whether ``t`` is a tensor that carries a gradient (part of a loss the step backs; the step check's calls run
+    the step's own code with gradients on)."""
+    return isinstance(t, torch.Tensor) and t.requires_grad
 
 
 def _tensor_leaves(values: Any) -> list[torch.Tensor]:

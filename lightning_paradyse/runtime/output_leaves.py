@@ -59,22 +59,25 @@ class OutputLeaves:
     def _wrapped(self, output: Any) -> Any:
         if isinstance(output, torch.Tensor):
             return self._leaf(output)
-        if isinstance(output, tuple):  # a named tuple keeps its type
-            items = [self._leaf(v) for v in output]
-            return output._make(items) if hasattr(output, "_make") else type(output)(items)
-        if isinstance(output, list):
-            return [self._leaf(v) for v in output]
+        if isinstance(output, (tuple, list)):
+            return self._each(output)
         if isinstance(output, Mapping) and hasattr(output, "__setitem__"):  # a dict, a Hugging Face ModelOutput
             for key in list(output.keys()):
                 value = output[key]
-                if isinstance(value, (tuple, list)):  # a model's hidden states: a tuple of [b, s, h] per layer
-                    wrapped = type(value)(self._leaf(v) for v in value)
-                else:
-                    wrapped = self._leaf(value)
+                # a model's hidden states: a tuple of [b, s, h] per layer
+                wrapped = self._each(value) if isinstance(value, (tuple, list)) else self._leaf(value)
                 if wrapped is not value:
                     output[key] = wrapped  # type: ignore[index]
             return output
         return None  # another object: left as it is
+
+    def _each(self, values: tuple[Any, ...] | list[Any]) -> Any:
+        """Every entry of a tuple or list made a leaf where it is an output (:meth:`_leaf`), its type kept (a named
+        tuple's too)."""
+        items = [self._leaf(v) for v in values]
+        if isinstance(values, list):
+            return items
+        return values._make(items) if hasattr(values, "_make") else type(values)(items)  # type: ignore[union-attr]
 
 
 @contextmanager

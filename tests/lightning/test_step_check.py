@@ -613,16 +613,18 @@ def test_a_mean_over_ids_a_rule_sets_apart_is_named_whatever_the_batch_holds() -
     assert _ruled(lambda sc, i, t: selected(sc, i, t, (t > -math.inf) & (t < 1e12) & (t != 0.5))) == []  # no id apart
     assert _ruled(accuracy_logged) == []
     each = lambda sc, t: ce(sc, t.flatten(), reduction="none")  # noqa: E731
-    wrong = lambda sc, t: sc.detach().argmax(-1) != t.flatten()  # noqa: E731  # the targets the model gets wrong
-    assert (
-        "compared with a tensor of their shape (a prediction, !=) selects"
-        in (_ruled(lambda sc, i, t: each(sc, t)[wrong(sc, t)].mean())[0])
-    )
-    assert (
-        "divides by a count that depends on"
-        in _ruled(lambda sc, i, t: (each(sc, t) * wrong(sc, t)).sum() / wrong(sc, t).sum())[0]
-    )
-    assert _ruled(lambda sc, i, t: (each(sc, t) * (1.0 + wrong(sc, t))).mean()) == []  # weights over every target
+    # the targets the model gets wrong: a mean of the loss over them is named (scores that carry a gradient, as the
+    # check's calls run the step), an accuracy computed from the same comparison (a metric's correct / total) is not
+    wrong = lambda sc, t: sc.detach().argmax(-1) != t.flatten()  # noqa: E731
+    graded = lambda sc, t: each(sc.requires_grad_(), t)  # noqa: E731
+    with torch.enable_grad():
+        mined = _ruled(lambda sc, i, t: graded(sc, t)[wrong(sc, t)].mean())
+        counted = _ruled(lambda sc, i, t: (graded(sc, t) * wrong(sc, t)).sum() / wrong(sc, t).sum())
+        accuracy = _ruled(lambda sc, i, t: (~wrong(sc, t)).sum() / t.numel())
+        weights = _ruled(lambda sc, i, t: (graded(sc, t) * (1.0 + wrong(sc, t))).mean())  # over every target
+    assert "compared with a tensor of their shape (a prediction, !=) selects" in mined[0]
+    assert "divides by a count that depends on" in counted[0]
+    assert accuracy == [] and weights == []
     assert (
         "averages the entries that the batch's 'targets' != 0 selects"
         in _ruled(lambda sc, i, t: each(sc, t)[(t != 0).flatten()].mean())[0]
