@@ -78,10 +78,10 @@ RUNS = ("paradyse", "ddp")
 
 
 PHASES = ("to the loss", "backward", "to the optimizer", "optimizer", "between steps")
-"""A step's parts, between Lightning's hooks: batch start -> ``on_before_backward`` (the batch's agreement, decision
-and slicing, the forward) -> ``on_after_backward`` (DDP's all-reduce inside, and our gradient return, which comes
-before that hook since 2026-11-30 as DDP's does) -> ``on_before_optimizer_step`` -> batch end -> the next batch's
-start (Lightning's loop)."""
+"""A step's parts: batch start -> the module's training step returns its loss (the batch's agreement, decision and
+slicing, the forward) -> ``on_after_backward`` (DDP's all-reduce inside, and our gradient return, which comes before
+that hook since 2026-11-30 as DDP's does) -> ``on_before_optimizer_step`` -> batch end -> the next batch's start
+(Lightning's loop)."""
 
 
 FUNCTIONS = (
@@ -156,6 +156,7 @@ class StepClock(pl.Callback):
     ) -> None:
         self.warmup, self.profiler, self.count_calls, self.functions = warmup, profiler, count_calls, functions
         self.calls = [0] * len(PHASES)
+        self._loss_at = (0.0, 0.0)
         """With ``count_calls``: the Python and C calls of the main thread in each part of the steps after the
         warm-up (:meth:`calls_per_step`)."""
         self._phase = 0
@@ -196,10 +197,18 @@ class StepClock(pl.Callback):
         if self.functions is not None and len(self.wall) == self.warmup + 1:
             self.functions.on = True
 
-    def on_before_backward(self, *args: Any) -> None:
-        self._mark()
+    def loss_computed(self) -> None:
+        """The module's training step returned its loss (:class:`_Clocked`): the end of the step's first part, kept
+        until the backward ends (a step the strategy checks calls the step more than once: the last call counts).
+        Not a callback's ``on_before_backward``: a callback overriding it makes our strategy hand it the global loss,
+        one more all-reduce per step on groups, which the timed step would then pay and the quick preset does not."""
+        self._loss_at = (time.perf_counter(), time.thread_time())
+        self._phase = 1
 
     def on_after_backward(self, *args: Any) -> None:
+        wall, thread = self._loss_at
+        self.marks[-1].append(wall)
+        self.thread_marks[-1].append(thread)
         self._mark()
 
     def on_before_optimizer_step(self, *args: Any) -> None:
@@ -273,7 +282,18 @@ def _fit(
     pl.seed_everything(0, verbose=False)
     quick = BenchSettings.quick()
     config = replace(quick.model, layers=args.layers or quick.model.layers).config()
-    module = LanguageModel(model=config, lr=1e-3)
+    profiler = cProfile.Profile() if profile is not None and rank == 0 else None
+    clock = StepClock(args.warmup, profiler, count_calls=calls and rank == 0, functions=functions)
+
+    class _Clocked(LanguageModel):
+        """The model whose training step tells the clock when its loss is computed."""
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            loss = super().training_step(batch, batch_idx)
+            clock.loss_computed()
+            return loss
+
+    module = _Clocked(model=config, lr=1e-3)
     if run == "paradyse":
         budget = quick.budget * max(1, config.n_layers // quick.model.layers)  # the quick preset's per block
         strategy: Any = ParaDySeStrategy(plan="auto", memory_budget=budget, timeout=120)
@@ -281,8 +301,6 @@ def _fit(
     else:
         strategy = DDPStrategy(gradient_as_bucket_view=True, timeout=timedelta(seconds=120))
         rows = args.rows // world  # each rank its share
-    profiler = cProfile.Profile() if profile is not None and rank == 0 else None
-    clock = StepClock(args.warmup, profiler, count_calls=calls and rank == 0, functions=functions)
     callbacks: list[pl.Callback] = [clock]
     if args.logged and run == "paradyse":  # as the quick preset's trainer: the switcher records every step
         from lightning_paradyse import ParaDySeSwitcher
