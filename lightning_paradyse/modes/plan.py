@@ -79,7 +79,12 @@ class Plan:
         return counts
 
     def __str__(self) -> str:
-        return " | ".join(str(layer) for layer in self.layers)
+        """``"tp_sp,tp_sp | ulysses+rc,metp"``, computed once per plan (a step's digest reads every group's)."""
+        known = self.__dict__.get("_str")
+        if known is None:
+            known = " | ".join(str(layer) for layer in self.layers)
+            object.__setattr__(self, "_str", known)
+        return known  # type: ignore[no-any-return]
 
     def __hash__(self) -> int:
         """The hash of :attr:`layers`, computed once per plan (a plan is looked up several times a step)."""
