@@ -31,6 +31,13 @@ Two more kinds of calls are held and replayed in order with them:
 A value logged as the global loss with ``sync_dist=True`` and ``reduce_fx="sum"`` is logged without the sum over the
 ranks (every rank holds the same global loss: the sum would count it once per rank); a mean, a max or a min over the
 ranks leave it as it is.
+
+While calls are held, the trainer's ``callback_metrics``, ``logged_metrics`` and ``progress_bar_metrics`` do not hold
+them yet, where one process's already hold a value logged per step (``on_step``): a step or hook that reads one back
+(``self.trainer.callback_metrics["train_loss"]`` to step a ``ReduceLROnPlateau`` in a manual step, or in
+``on_before_backward`` on a step on groups) would read the previous step's value. Such a read raises, on every rank
+alike, naming the fix (:class:`_HeldMetrics`; silent until 2026-12-02, probe 21: a plateau scheduler stepped a step
+late, 5.9e-2 off one process after six steps).
 """
 
 from __future__ import annotations
@@ -132,6 +139,64 @@ def number_dtype() -> torch.dtype:
     return dtype if dtype in (torch.float32, torch.float64) else torch.float32
 
 
+_ALL = object()
+"""A read of every entry (iteration, ``items()``), not of one name."""
+
+_METRICS = (
+    ("_callback_metrics", "callback_metrics"),
+    ("_logged_metrics", "logged_metrics"),
+    ("_progress_bar_metrics", "progress_bar_metrics"),
+)
+"""Lightning's logger connector's metric dicts (the attribute, the trainer property that returns it)."""
+
+
+class _HeldMetrics(dict):  # type: ignore[type-arg]
+    """One of the trainer's metric dicts while a step's ``log`` calls are held (module docstring): a read of a name
+    held per step raises (:meth:`StepLogs.check_read`); Lightning's own updates (``dict.update``) go through."""
+
+    def __init__(self, items: dict[str, Any], logs: StepLogs, kind: str) -> None:
+        super().__init__(items)
+        self._logs, self._kind = logs, kind
+
+    def _check(self, key: Any = _ALL) -> None:
+        self._logs.check_read(self._kind, key)
+
+    def __getitem__(self, key: Any) -> Any:
+        self._check(key)
+        return super().__getitem__(key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self._check(key)
+        return super().get(key, default)
+
+    def __contains__(self, key: Any) -> bool:
+        self._check(key)
+        return super().__contains__(key)
+
+    def __iter__(self) -> Iterator[Any]:
+        self._check()
+        return super().__iter__()
+
+    def keys(self) -> Any:
+        self._check()
+        return super().keys()
+
+    def values(self) -> Any:
+        self._check()
+        return super().values()
+
+    def items(self) -> Any:
+        self._check()
+        return super().items()
+
+    def copy(self) -> dict[str, Any]:
+        self._check()
+        return dict.copy(self)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return dict, (dict.copy(self),)
+
+
 class StepLogs:
     """The ``log`` calls of the module's step in flight (see the module docstring)."""
 
@@ -149,6 +214,8 @@ class StepLogs:
         self.filled = False
         """This rank's slice of the step's batch had one target made real (no real target of its own)."""
         self._told_filled = False
+        self._guarded: Any = None
+        """The trainer's logger connector whose metric dicts are :class:`_HeldMetrics` while calls are held."""
 
     def bind(self, module: torch.nn.Module) -> None:
         """Record the calls of ``module``'s metrics in its steps (the fit's start)."""
@@ -173,6 +240,7 @@ class StepLogs:
                 self._calls.append(_Call(fx, name, value, None, args, kwargs, number_dtype(), default))
             else:
                 return log(name, value, *args, **kwargs)  # type: ignore[no-any-return]
+            self._guard(module)
             return None
 
         with log_replaced(module, held), self.metrics.capture():
@@ -194,6 +262,7 @@ class StepLogs:
         calls, log, module = self._calls, self._log, self._module
         local = self._loss if local is None else local
         self._calls, self._loss = [], None
+        self._unguard()
         ours = None if local is None or local.numel() != 1 or not local.is_floating_point() else local
         if self.filled and self.metrics.counted_tokens:
             self._warn_filled()
@@ -341,13 +410,67 @@ class StepLogs:
     def drop(self) -> None:
         """Forget the held calls (a step given up)."""
         self._calls, self._loss = [], None
+        self._unguard()
         self.metrics.drop()
+
+    def _guard(self, module: pl.LightningModule) -> None:
+        """The trainer's metric dicts made :class:`_HeldMetrics` (once a step, at its first held call)."""
+        connector = getattr(getattr(module, "_trainer", None), "_logger_connector", None)
+        if connector is None or connector is self._guarded:
+            return
+        self._unguard()
+        for attr, kind in _METRICS:
+            found = getattr(connector, attr, None)
+            if type(found) is dict:
+                setattr(connector, attr, _HeldMetrics(found, self, kind))
+        self._guarded = connector
+
+    def _unguard(self) -> None:
+        """The trainer's metric dicts plain again, with what Lightning put in them meanwhile."""
+        connector, self._guarded = self._guarded, None
+        for attr, _ in _METRICS if connector is not None else ():
+            found = getattr(connector, attr, None)
+            if isinstance(found, _HeldMetrics):
+                setattr(connector, attr, dict.copy(found))
+
+    def check_read(self, kind: str, key: Any = _ALL) -> None:
+        """Raise where a read of the trainer's ``kind`` metrics (of ``key``, or of every entry) would find a value
+        one process holds already and this run does not yet: one the step logged per step (``on_step``), held."""
+        held = [call.name for call in self._calls if _per_step(call)]
+        if not held:
+            return
+        if key is not _ALL:
+            base = str(key).removesuffix("_step").removesuffix("_epoch")
+            if key not in held and base not in held:
+                return
+            name = str(key)
+        else:
+            name = held[0]
+        module = self._module
+        where = getattr(module, "_current_fx_name", None) or "the step"
+        raise RuntimeError(
+            f"{where} read trainer.{kind}[{name!r}] after the step logged it: ParaDySeStrategy holds a step's "
+            "self.log calls until its global loss is known (when the step returns; on a step on groups of ranks, "
+            "after the gradient return) and logs them then, so this read would find the previous step's value where "
+            "one process finds this step's. Use the value itself where the step computes it (e.g. pass the loss to "
+            "scheduler.step(), or keep it in an attribute), or read the trainer's metrics in on_train_batch_end"
+        )
 
     def reset(self) -> None:
         """Forget the held calls and the module (the end of a fit); the metrics' own calls back."""
         self.drop()
         self.metrics.unbind()
         self._log, self._module = None, None
+
+
+def _per_step(call: _Call) -> bool:
+    """Whether Lightning logs ``call`` per step (``on_step``, its hook's default where not given): one process's
+    metric dicts then hold its value at once."""
+    on_step = call.arguments().get("on_step")
+    if call.fx not in _FxValidator.functions:
+        return on_step is not False
+    resolved, _ = _FxValidator.get_default_logging_levels(call.fx, on_step, call.arguments().get("on_epoch"))
+    return bool(resolved)
 
 
 __all__ = ["StepLogs", "number_dtype"]

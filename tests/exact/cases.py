@@ -1118,6 +1118,62 @@ class ManualBeforeBackwardLoggedLM(ManualLM):
         self.log("backed_loss_item", loss.item())
 
 
+class MetricsReadBackLM(_Manual):
+    """A manual step that logs its loss and steps a ``ReduceLROnPlateau`` on the value read back from
+    ``trainer.callback_metrics`` (a recipe's way to feed the scheduler what it logged): the strategy logs a step's
+    values once its global loss is known, so the read found the previous step's value (silently, 5.9e-2 off one
+    process after six steps, until 2026-12-02, probe 21); now refused by name."""
+
+    @override
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        optimizer = self.optimizers()
+        optimizer.zero_grad()  # type: ignore[union-attr]
+        loss = self.loss(batch)
+        self.manual_backward(loss)
+        optimizer.step()  # type: ignore[union-attr]
+        self.log("train_loss", loss)
+        self.lr_schedulers().step(self.trainer.callback_metrics.get("train_loss", torch.tensor(10.0)))  # type: ignore
+        return loss
+
+    @override
+    def configure_optimizers(self) -> Any:
+        optimizer = make_optimizer(self.optimizer, self.parameters())
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0, threshold=0.0)
+        return {"optimizer": optimizer, "lr_scheduler": plateau}
+
+
+class MetricsReadInHooksLM(TinyLM):
+    """``trainer.callback_metrics`` read where one process holds what it reads: the validation loss inside the
+    validation step that logged it (logged per epoch: the previous epoch's, both ways) and the training loss at the
+    batch's end; with ``before_backward`` also in ``on_before_backward``, which on a step on groups comes before the
+    strategy logs the step's values (silently the previous step's until 2026-12-02, probe 21; now refused)."""
+
+    def __init__(self, before_backward: bool = False) -> None:
+        super().__init__()
+        self.before_backward = before_backward
+        self.seen: list[float] = []
+
+    def _read(self, name: str) -> None:
+        value = self.trainer.callback_metrics.get(name)
+        self.seen.append(-1.0 if value is None else float(value))
+        self.log(f"seen_{name}", self.seen[-1])
+
+    @override
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss = super().validation_step(batch, batch_idx)
+        self._read("val_loss")
+        return loss
+
+    @override
+    def on_before_backward(self, loss: Tensor) -> None:
+        if self.before_backward:
+            self._read("train_loss_step")
+
+    @override
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._read("train_loss_step")
+
+
 class LogitsGradientHookLM(TinyLM):
     """A hook on the logits' gradient (``logits.register_hook``): clamping each entry is exact; scaling by a statistic
     of the slice's logits (``scaled``) is refused by the step check's gradient comparison. Until 2026-12-02 the check
@@ -2629,6 +2685,17 @@ def cases_p2() -> dict[str, Case]:
                 refused="but its gradient does not",
             ),
             "loss-logged-before-backward": Case(BeforeBackwardLoggedLM, lambda: loader(ragged("targets"), rows=3)),
+            "metrics-read-back-in-the-step": Case(
+                MetricsReadBackLM, lambda: loader(ragged("targets"), rows=3), refused="after the step logged it"
+            ),
+            "metrics-read-in-hooks": Case(
+                MetricsReadInHooksLM, lambda: (loader(ragged("targets"), rows=3), loader(shifted_targets)), trainer=val
+            ),
+            "metrics-read-before-backward-on-groups": Case(
+                lambda: MetricsReadInHooksLM(before_backward=True),
+                lambda: loader(ragged("targets"), rows=3),
+                refused="after the step logged it",
+            ),
             "loss-spikes-in-a-callback": Case(
                 TinyLM, lambda: loader(ragged("targets"), rows=3), trainer=dict(callbacks=[SpikeWatcher()])
             ),
