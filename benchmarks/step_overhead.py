@@ -156,9 +156,10 @@ class StepClock(pl.Callback):
     ) -> None:
         self.warmup, self.profiler, self.count_calls, self.functions = warmup, profiler, count_calls, functions
         self.calls = [0] * len(PHASES)
-        self._loss_at = (0.0, 0.0)
         """With ``count_calls``: the Python and C calls of the main thread in each part of the steps after the
         warm-up (:meth:`calls_per_step`)."""
+        self._loss_at = (0.0, 0.0)
+        """The wall and thread clocks where the module's step last returned its loss (:meth:`loss_computed`)."""
         self._phase = 0
         self.wall: list[float] = []
         self.cpu: list[float] = []
