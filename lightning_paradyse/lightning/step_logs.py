@@ -466,10 +466,10 @@ class StepLogs:
 def _per_step(call: _Call) -> bool:
     """Whether Lightning logs ``call`` per step (``on_step``, its hook's default where not given): one process's
     metric dicts then hold its value at once."""
-    on_step = call.arguments().get("on_step")
+    named = call.arguments()
     if call.fx not in _FxValidator.functions:
-        return on_step is not False
-    resolved, _ = _FxValidator.get_default_logging_levels(call.fx, on_step, call.arguments().get("on_epoch"))
+        return named.get("on_step") is not False
+    resolved, _ = _FxValidator.get_default_logging_levels(call.fx, named.get("on_step"), named.get("on_epoch"))
     return bool(resolved)
 
 
